@@ -1,0 +1,1 @@
+"""Model definitions (logical axes only; no mesh axis names here)."""

@@ -1,0 +1,259 @@
+"""A Flax LLaMA: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, untied output head.
+
+Every parameter is declared once, with its logical axes (`embed`, `mlp`, `heads`, ...), through
+`nn.with_logical_partitioning`; the sharding layer maps those names onto the mesh. The layers are
+stacked on a leading `layers` axis and run with `lax.scan`, so compile time does not grow with
+depth. `Llama.apply` takes a `materialize` hook that turns each stored parameter subtree into
+full weights just before use: the identity for a dense model, a per-layer all-gather for a
+sharded one (see paro_jax/engine.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+LAYERS = "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab: int = 256
+  dim: int = 128
+  layers: int = 4
+  heads: int = 4
+  kv_heads: int = 2
+  head_dim: int = 32
+  mlp: int = 512
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    for field in ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp"):
+      if getattr(self, field) <= 0:
+        raise ValueError(f"LlamaConfig.{field} must be positive, got {getattr(self, field)}")
+    if self.heads % self.kv_heads:
+      raise ValueError(f"LlamaConfig: heads ({self.heads}) must be a multiple of kv_heads "
+                       f"({self.kv_heads}) for grouped-query attention")
+    if self.head_dim % 2:
+      raise ValueError(f"LlamaConfig: head_dim ({self.head_dim}) must be even for RoPE")
+
+  def param_count(self) -> int:
+    attn = self.dim * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+    layer = attn + 3 * self.dim * self.mlp + 2 * self.dim
+    return self.layers * layer + 2 * self.vocab * self.dim + self.dim
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul params + attention scores (forward + backward)."""
+    matmul = self.param_count() - self.vocab * self.dim - (2 * self.layers + 1) * self.dim
+    return 6 * matmul + 12 * self.layers * self.heads * self.head_dim * seq_len
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # ~1.05M parameters: tests and quick starts.
+    "tiny": LlamaConfig(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, head_dim=32, mlp=512),
+    # ~25M parameters: CPU benchmarks.
+    "small": LlamaConfig(vocab=256, dim=512, layers=8, heads=8, kv_heads=4, head_dim=64, mlp=1536),
+    # The LLaMA-1 shapes (Touvron et al., 2023), for the inspector and planning.
+    "7b": LlamaConfig(vocab=32000, dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128,
+                      mlp=11008, norm_eps=1e-6),
+    "13b": LlamaConfig(vocab=32000, dim=5120, layers=40, heads=40, kv_heads=40, head_dim=128,
+                       mlp=13824, norm_eps=1e-6),
+    "65b": LlamaConfig(vocab=32000, dim=8192, layers=80, heads=64, kv_heads=64, head_dim=128,
+                       mlp=22016, norm_eps=1e-5),
+}
+
+
+def get_config(name: str) -> LlamaConfig:
+  if name not in PRESETS:
+    raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+  return PRESETS[name]
+
+
+def _init(std: float, axes: tuple[str, ...]):
+  return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                         (x_BxLxD.shape[-1],), jnp.float32)
+    x = x_BxLxD.astype(jnp.float32)
+    x = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float):
+  """sin and cos tables, each L x K/2, in fp32."""
+  inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles_LxK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  return jnp.sin(angles_LxK2), jnp.cos(angles_LxK2)
+
+
+def apply_rope(x_BxLxHxK, sin_LxK2, cos_LxK2):
+  """Rotate pairs (first half, second half) of each head, as HF LLaMA does (rotate_half)."""
+  x = x_BxLxHxK.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  sin, cos = sin_LxK2[None, :, None, :], cos_LxK2[None, :, None, :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxHxK.dtype)
+
+
+class Attention(nn.Module):
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
+    c = self.cfg
+    D, H, G, K = c.dim, c.heads, c.kv_heads, c.head_dim
+    dt = x_BxLxD.dtype
+    wq_DxHxK = self.param("wq", _init(c.init_std, ("embed", "heads", "head_dim")), (D, H, K))
+    wk_DxGxK = self.param("wk", _init(c.init_std, ("embed", "kv_heads", "head_dim")), (D, G, K))
+    wv_DxGxK = self.param("wv", _init(c.init_std, ("embed", "kv_heads", "head_dim")), (D, G, K))
+    wo_HxKxD = self.param("wo", _init(c.init_std, ("heads", "head_dim", "embed")), (H, K, D))
+    q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK.astype(dt))
+    k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wk_DxGxK.astype(dt))
+    v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wv_DxGxK.astype(dt))
+    q_BxLxHxK = apply_rope(q_BxLxHxK, sin_LxK2, cos_LxK2)
+    k_BxLxGxK = apply_rope(k_BxLxGxK, sin_LxK2, cos_LxK2)
+    B, L = x_BxLxD.shape[:2]
+    # Grouped-query attention: R = H/G query heads share each key/value head.
+    q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
+    scores_BxGxRxLxL = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK,
+                                  preferred_element_type=jnp.float32) / jnp.sqrt(K).astype(jnp.float32)
+    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
+    scores_BxGxRxLxL = jnp.where(causal_LxL, scores_BxGxRxLxL, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(dt)
+    out_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxLxGxK)
+    return jnp.einsum("blhk,hkd->bld", out_BxLxGxRxK.reshape(B, L, H, K), wo_HxKxD.astype(dt))
+
+
+class MLP(nn.Module):
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    c, dt = self.cfg, x_BxLxD.dtype
+    w_gate_DxF = self.param("w_gate", _init(c.init_std, ("embed", "mlp")), (c.dim, c.mlp))
+    w_up_DxF = self.param("w_up", _init(c.init_std, ("embed", "mlp")), (c.dim, c.mlp))
+    w_down_FxD = self.param("w_down", _init(c.init_std, ("mlp", "embed")), (c.mlp, c.dim))
+    gate_BxLxF = x_BxLxD @ w_gate_DxF.astype(dt)
+    up_BxLxF = x_BxLxD @ w_up_DxF.astype(dt)
+    return (jax.nn.silu(gate_BxLxF) * up_BxLxF) @ w_down_FxD.astype(dt)
+
+
+class Block(nn.Module):
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
+    with jax.named_scope("attention"):
+      h = RMSNorm(self.cfg.norm_eps, name="attn_norm")(x_BxLxD)
+      x_BxLxD = x_BxLxD + Attention(self.cfg, name="attn")(h, sin_LxK2, cos_LxK2)
+    with jax.named_scope("mlp"):
+      h = RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x_BxLxD)
+      return x_BxLxD + MLP(self.cfg, name="mlp")(h)
+
+
+class Embed(nn.Module):
+  cfg: LlamaConfig
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, tokens_BxL):
+    table_VxD = self.param("embedding", _init(self.cfg.init_std, ("vocab", "embed")),
+                           (self.cfg.vocab, self.cfg.dim))
+    return jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype)
+
+
+class Head(nn.Module):
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    x_BxLxD = RMSNorm(self.cfg.norm_eps, name="norm")(x_BxLxD)
+    w_DxV = self.param("kernel", _init(self.cfg.init_std, ("embed", "vocab")),
+                       (self.cfg.dim, self.cfg.vocab))
+    return jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(x_BxLxD.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def _identity(tree):
+  return tree
+
+
+class Llama:
+  """The whole model as three Flax modules (embed, a scanned block, head) and pure functions."""
+
+  def __init__(self, cfg: LlamaConfig, dtype=jnp.float32, remat: bool = True):
+    self.cfg, self.dtype, self.remat = cfg, dtype, remat
+    self.embed, self.block, self.head = Embed(cfg, dtype), Block(cfg), Head(cfg)
+
+  def _boxed_init(self, rng):
+    k_embed, k_layers, k_head = jax.random.split(rng, 3)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    x = jnp.zeros((1, 2, self.cfg.dim), jnp.float32)
+    sin, cos = rope_tables(2, self.cfg.head_dim, self.cfg.rope_theta)
+    layer_keys = jax.random.split(k_layers, self.cfg.layers)
+    layers = jax.vmap(lambda k: self.block.init(k, x, sin, cos)["params"])(layer_keys)
+    return {
+        "embed": self.embed.init(k_embed, tokens)["params"],
+        "layers": layers,
+        "head": self.head.init(k_head, x)["params"],
+    }
+
+  def init(self, rng) -> dict:
+    """fp32 parameters; the per-layer leaves are stacked on a leading `layers` axis."""
+    if not hasattr(self, "_init_fn"):
+      self._init_fn = jax.jit(lambda rng: nn.meta.unbox(self._boxed_init(rng)))
+    return self._init_fn(rng)
+
+  def logical_axes(self) -> dict:
+    """A tree like init()'s whose leaves are tuples of logical axis names."""
+    boxed = jax.eval_shape(self._boxed_init, jax.random.key(0))
+    is_box = lambda x: isinstance(x, nn.Partitioned)
+    axes = jax.tree.map(lambda b: tuple(b.names), boxed, is_leaf=is_box)
+    # vmap stacked the layer leaves without recording the new leading axis: add it here.
+    axes["layers"] = jax.tree.map(lambda a: (LAYERS, *a), axes["layers"],
+                                  is_leaf=lambda x: isinstance(x, tuple))
+    return axes
+
+  def apply(self, params, tokens_BxL, materialize: Callable = _identity):
+    """Logits (fp32) for the tokens. `materialize(subtree)` returns full weights for a subtree."""
+    sin, cos = rope_tables(tokens_BxL.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
+
+    def embed(embed_params, tokens_BxL):
+      return self.embed.apply({"params": materialize(embed_params)}, tokens_BxL)
+
+    def layer(x_BxLxD, layer_params):
+      with jax.named_scope("layer"):
+        return self.block.apply({"params": materialize(layer_params)}, x_BxLxD, sin, cos), None
+
+    def head(head_params, x_BxLxD):
+      return self.head.apply({"params": materialize(head_params)}, x_BxLxD)
+
+    if self.remat:
+      # Recompute each piece (its parameter gather included) in backward: only one layer's full
+      # weights are alive at a time, and the layers' activations are not kept.
+      remat = functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+      embed, layer, head = remat(embed), remat(layer), remat(head)
+    x_BxLxD = embed(params["embed"], tokens_BxL)
+    x_BxLxD, _ = lax.scan(layer, x_BxLxD, params["layers"])
+    return head(params["head"], x_BxLxD)
+
+
+def next_token_loss(logits_BxLxV, targets_BxL):
+  """Mean cross-entropy in fp32."""
+  import optax  # local: models/ does not otherwise need optax
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits_BxLxV.astype(jnp.float32), targets_BxL).mean()

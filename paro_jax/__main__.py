@@ -1,0 +1,3 @@
+from paro_jax.cli import main
+
+main()

@@ -1,0 +1,434 @@
+"""Collectives over named mesh axes, for use inside ``jax.shard_map`` bodies.
+
+Every function takes ``axes``: a tuple of mesh axis names, *major first*.  The
+combined index over ``axes=(a0, a1)`` is ``i0 * n1 + i1``; with the PaRO layout
+``P(('intra', 'inter'))`` a globally sharded dimension therefore uses
+``axes=('intra', 'inter')``.  An empty tuple is the identity.
+
+Implementations (``impl``), all exactly equal to the ``lax`` reference:
+
+* ``"xla"``    -- the ``lax`` collective itself.
+* ``"ring"``   -- one flat ring over every device of ``axes`` built from
+  ``lax.ppermute`` (``k - 1`` steps).  With two axes the ring walks the
+  combined (axes-order) index, so its hops between minor-axis wrap-arounds
+  cross groups.
+* ``"hring"``  -- hierarchical ring, one level after the other: all-gather
+  runs the minor axis first then the major one (``('intra', 'inter')``:
+  inter, then intra); reduce-scatter runs major first then minor (intra, then
+  inter).
+* ``"horing"`` -- hierarchical *overlapping* ring (PaRO).  The payload is split
+  in two halves; half A runs the hierarchical ring in one level order, half B
+  in the opposite order, and the two are interleaved step by step.  Within a
+  step the two ppermutes belong to different halves, so neither depends on the
+  other, and while A is on its first level B is on the other axis: intra and
+  inter links are busy at the same time (with equal axis sizes, every step
+  has exactly one intra and one inter ppermute).
+
+For a single axis ``hring`` and ``horing`` are the ring.
+
+Hand-written ppermute collectives return values typed *varying* over ``axes``
+(there is no varying -> invariant cast), so shard_maps using them for
+replicated outputs need ``check_vma=False``.  They also work under
+``check_vma=True`` when the inputs are varying (invariant inputs are
+``pcast`` to varying first).
+
+All functions are reverse-mode differentiable: the transpose of
+``all_gather`` is ``reduce_scatter`` with the same impl (and vice versa), and
+the transpose of ``all_reduce`` is ``all_reduce``; this matches
+``lax`` under ``check_vma=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["IMPLS", "all_gather", "reduce_scatter", "all_reduce"]
+
+IMPLS = ("xla", "ring", "hring", "horing")
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def _norm_axes(axes) -> tuple:
+  if axes is None:
+    return ()
+  if isinstance(axes, str):
+    return (axes,)
+  return tuple(axes)
+
+
+def _check_impl(impl: str) -> None:
+  if impl not in IMPLS:
+    raise ValueError(f"unknown collective impl {impl!r}; valid impls are {IMPLS}")
+
+
+def _lax_axes(axes: tuple):
+  return axes[0] if len(axes) == 1 else axes
+
+
+def _sizes(axes: Sequence[str]) -> tuple:
+  return tuple(int(lax.axis_size(a)) for a in axes)
+
+
+def _varying(x) -> frozenset:
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _to_varying(x, axes: tuple):
+  """pcast ``x`` to varying over those of ``axes`` it is not varying over yet.
+
+  Under ``check_vma=False`` the type carries no axes and the cast is a no-op.
+  """
+  missing = tuple(a for a in axes if a not in _varying(x))
+  if missing:
+    x = lax.pcast(x, missing, to="varying")
+  return x
+
+
+def _mesh_axis_order(axes: tuple) -> tuple:
+  """``axes`` in the order the current mesh lists them.
+
+  ``lax.ppermute`` over several axes numbers devices by their position in
+  the (sorted) device group, i.e. in *mesh* axis order, whatever order the
+  tuple is written in (unlike ``axis_index`` / ``all_gather``).
+  """
+  try:
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except Exception:  # pragma: no cover - no mesh context
+    names = ()
+  if all(a in names for a in axes):
+    return tuple(sorted(axes, key=names.index))
+  return axes
+
+
+def _ring_perm(axes: tuple, shift: int) -> tuple:
+  """(axis_name, perm) for a ring over the combined ``axes`` index.
+
+  Device with combined (axes-order, major-first) index ``f`` sends to
+  ``f + shift``.  The pairs are written in ppermute's own numbering.
+  """
+  sizes = _sizes(axes)
+  k = math.prod(sizes)
+  if len(axes) == 1:
+    return axes[0], tuple((f, (f + shift) % k) for f in range(k))
+  order = _mesh_axis_order(axes)
+  pos = [axes.index(a) for a in order]
+  osizes = [sizes[p] for p in pos]
+
+  def to_perm_index(f):
+    digits = []
+    for n in reversed(sizes):
+      digits.append(f % n)
+      f //= n
+    digits = digits[::-1]  # per axis, in axes order
+    q = 0
+    for p, n in zip(pos, osizes):
+      q = q * n + digits[p]
+    return q
+
+  perm = tuple((to_perm_index(f), to_perm_index((f + shift) % k)) for f in range(k))
+  return order, perm
+
+
+def _take(x, i):
+  return lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
+
+
+# --------------------------------------------------------------------------
+# ring building blocks (generators: each ``yield`` follows one ppermute, so
+# two schedules can be interleaved step by step)
+# --------------------------------------------------------------------------
+
+
+def _ring_ag_gen(x, axes: tuple) -> Iterator[None]:
+  """Ring all-gather of chunk ``x`` over combined ``axes``; returns [k, *x.shape].
+
+  Step s (1..k-1): send what arrived last step to the left neighbour and
+  receive chunk (r + s) mod k from the right one.
+  """
+  k = math.prod(_sizes(axes))
+  if k == 1:
+    return x[None]
+  r = lax.axis_index(_lax_axes(axes))
+  name, perm = _ring_perm(axes, -1)
+  parts, cur = [x], x
+  for _ in range(1, k):
+    cur = lax.ppermute(cur, name, perm)
+    yield
+    parts.append(cur)
+  stacked = jnp.stack(parts)  # parts[s] holds chunk (r + s) mod k
+  return jnp.roll(stacked, r, axis=0)
+
+
+def _ring_rs_gen(x, axes: tuple) -> Iterator[None]:
+  """Ring reduce-scatter of stacked ``x`` ([k, ...]); returns sum_devices x[r].
+
+  Partial sums travel right (r -> r + 1); after step t device r holds the
+  partial sum of chunk (r - 1 - t) mod k and adds its own copy of it.
+  After k-1 steps device r holds the full sum of chunk r.
+  """
+  k = math.prod(_sizes(axes))
+  if k == 1:
+    return x[0]
+  r = lax.axis_index(_lax_axes(axes))
+  name, perm = _ring_perm(axes, +1)
+  acc = _take(x, (r - 1) % k)
+  for t in range(1, k):
+    acc = lax.ppermute(acc, name, perm)
+    yield
+    acc = acc + _take(x, (r - 1 - t) % k)
+  return acc
+
+
+def _hier_ag_gen(x, axes: tuple, order: tuple) -> Iterator[None]:
+  """Hierarchical ring all-gather: one ring per axis, in ``order``.
+
+  Returns [n_a for a in axes] + x.shape (axes-order, major first).
+  """
+  cur = x
+  for a in order:  # each level prepends one axis to the stacked dims
+    cur = yield from _ring_ag_gen(cur, (a,))
+  done = tuple(reversed(order))  # current leading-dim order
+  perm = [done.index(a) for a in axes] + list(range(len(axes), cur.ndim))
+  return jnp.transpose(cur, perm)
+
+
+def _hier_rs_gen(x, axes: tuple, order: tuple) -> Iterator[None]:
+  """Hierarchical ring reduce-scatter of ``x`` shaped [n_a for a in axes] + S.
+
+  Reduces one axis after the other in ``order``; returns S.
+  """
+  m = len(axes)
+  cur = jnp.transpose(x, [axes.index(a) for a in order] + list(range(m, x.ndim)))
+  for a in order:
+    cur = yield from _ring_rs_gen(cur, (a,))
+  return cur
+
+
+def _run(gen):
+  try:
+    while True:
+      next(gen)
+  except StopIteration as stop:
+    return stop.value
+
+
+def _run_zipped(*gens):
+  """Advance all generators one ppermute at a time, round-robin."""
+  results = [None] * len(gens)
+  live = list(range(len(gens)))
+  while live:
+    for i in list(live):
+      try:
+        next(gens[i])
+      except StopIteration as stop:
+        results[i] = stop.value
+        live.remove(i)
+  return results
+
+
+def _split_halves(x, lead: int):
+  """Flatten dims after ``lead`` into one, pad to even: returns (A, B, L)."""
+  shape = x.shape
+  L = math.prod(shape[lead:])
+  flat = x.reshape(shape[:lead] + (L,))
+  if L % 2:
+    flat = jnp.concatenate([flat, jnp.zeros(shape[:lead] + (1,), flat.dtype)], axis=-1)
+  h = flat.shape[-1] // 2
+  return flat[..., :h], flat[..., h:], L
+
+
+# --------------------------------------------------------------------------
+# stacked forms: AG: chunk S -> [k, *S];  RS: [k, *S] -> S
+# --------------------------------------------------------------------------
+
+
+def _ag_stacked(x, axes: tuple, impl: str):
+  k = math.prod(_sizes(axes))
+  if impl == "ring" or len(axes) == 1:
+    return _run(_ring_ag_gen(x, axes))
+  if impl == "hring":
+    out = _run(_hier_ag_gen(x, axes, tuple(reversed(axes))))
+    return out.reshape((k,) + x.shape)
+  # horing
+  a, b, L = _split_halves(x, 0)
+  fwd, bwd = tuple(reversed(axes)), tuple(axes)
+  ra, rb = _run_zipped(_hier_ag_gen(a, axes, fwd), _hier_ag_gen(b, axes, bwd))
+  out = jnp.concatenate([ra, rb], axis=-1).reshape(k, -1)[:, :L]
+  return out.reshape((k,) + x.shape)
+
+
+def _rs_stacked(x, axes: tuple, impl: str):
+  sizes = _sizes(axes)
+  S = x.shape[1:]
+  if impl == "ring" or len(axes) == 1:
+    return _run(_ring_rs_gen(x, axes))
+  if impl == "hring":
+    return _run(_hier_rs_gen(x.reshape(sizes + S), axes, tuple(axes)))
+  # horing
+  a, b, L = _split_halves(x, 1)
+  a = a.reshape(sizes + a.shape[1:])
+  b = b.reshape(sizes + b.shape[1:])
+  fwd, bwd = tuple(axes), tuple(reversed(axes))
+  ra, rb = _run_zipped(_hier_rs_gen(a, axes, fwd), _hier_rs_gen(b, axes, bwd))
+  return jnp.concatenate([ra, rb], axis=-1)[:L].reshape(S)
+
+
+def _ag_impl(x, axes, dim, impl):
+  k = math.prod(_sizes(axes))
+  xm = jnp.moveaxis(x, dim, 0)
+  out = _ag_stacked(xm, axes, impl)
+  out = out.reshape((k * xm.shape[0],) + xm.shape[1:])
+  return jnp.moveaxis(out, 0, dim)
+
+
+def _rs_impl(x, axes, dim, impl):
+  k = math.prod(_sizes(axes))
+  xm = jnp.moveaxis(x, dim, 0)
+  if xm.shape[0] % k:
+    raise ValueError(
+      f"reduce_scatter: dimension {dim} of size {xm.shape[0]} is not "
+      f"divisible by the {k} devices of axes {axes}"
+    )
+  xs = xm.reshape((k, xm.shape[0] // k) + xm.shape[1:])
+  return jnp.moveaxis(_rs_stacked(xs, axes, impl), 0, dim)
+
+
+def _ar_impl(x, axes, impl):
+  k = math.prod(_sizes(axes))
+  n = x.size
+  flat = x.reshape(-1)
+  pad = (-n) % k
+  if pad:
+    flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
+  part = _rs_stacked(flat.reshape(k, -1), axes, impl)
+  full = _ag_stacked(part, axes, impl).reshape(-1)
+  return full[:n].reshape(x.shape)
+
+
+# --------------------------------------------------------------------------
+# custom VJPs: AG^T = RS, RS^T = AG, AR^T = AR (same impl)
+# --------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _ag(x, axes, dim, impl):
+  return _ag_impl(x, axes, dim, impl)
+
+
+def _ag_fwd(x, axes, dim, impl):
+  return _ag_impl(x, axes, dim, impl), None
+
+
+def _ag_bwd(axes, dim, impl, _, g):
+  return (_rs_impl(_to_varying(g, axes), axes, dim, impl),)
+
+
+_ag.defvjp(_ag_fwd, _ag_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _rs(x, axes, dim, impl):
+  return _rs_impl(x, axes, dim, impl)
+
+
+def _rs_fwd(x, axes, dim, impl):
+  return _rs_impl(x, axes, dim, impl), None
+
+
+def _rs_bwd(axes, dim, impl, _, g):
+  return (_ag_impl(_to_varying(g, axes), axes, dim, impl),)
+
+
+_rs.defvjp(_rs_fwd, _rs_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _ar(x, axes, impl):
+  return _ar_impl(x, axes, impl)
+
+
+def _ar_fwd(x, axes, impl):
+  return _ar_impl(x, axes, impl), None
+
+
+def _ar_bwd(axes, impl, _, g):
+  return (_ar_impl(_to_varying(g, axes), axes, impl),)
+
+
+_ar.defvjp(_ar_fwd, _ar_bwd)
+
+
+# --------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------
+
+
+def all_gather(x, axes, *, dim: int, impl: str = "xla"):
+  """Tiled all-gather of ``x`` along ``dim`` over mesh ``axes`` (major first).
+
+  Equals ``lax.all_gather(x, axes, axis=dim, tiled=True)``: the output
+  concatenates the per-device chunks along ``dim`` in combined-index order.
+  Schedules: ``ring`` -- k-1 ppermute steps on a flat ring, each step
+  forwarding the chunk received in the previous one; ``hring`` -- a ring
+  over the minor axis, then one over the major axis carrying the gathered
+  block; ``horing`` -- two halves running the two level orders, interleaved
+  so each step pairs ppermutes of independent halves on different links.
+  Transpose: ``reduce_scatter`` with the same ``impl``.
+  """
+  axes = _norm_axes(axes)
+  _check_impl(impl)
+  if not axes:
+    return x
+  dim = dim % x.ndim
+  if impl == "xla":
+    return lax.all_gather(x, _lax_axes(axes), axis=dim, tiled=True)
+  return _ag(_to_varying(x, axes), axes, dim, impl)
+
+
+def reduce_scatter(x, axes, *, dim: int, impl: str = "xla"):
+  """Tiled reduce-scatter (sum) of ``x`` along ``dim`` over mesh ``axes``.
+
+  Equals ``lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)``:
+  ``dim`` is split into k chunks and the device with combined index i gets
+  the sum over devices of chunk i.
+  Schedules: ``ring`` -- k-1 ppermute steps, a partial sum travelling round
+  a flat ring and each device adding its own copy; ``hring`` -- a ring over
+  the major axis (on blocks of n_minor chunks), then one over the minor
+  axis; ``horing`` -- two halves running the two level orders, interleaved
+  step by step. Transpose: ``all_gather`` with the same ``impl``.
+  """
+  axes = _norm_axes(axes)
+  _check_impl(impl)
+  if not axes:
+    return x
+  dim = dim % x.ndim
+  if impl == "xla":
+    return lax.psum_scatter(x, _lax_axes(axes), scatter_dimension=dim, tiled=True)
+  return _rs(_to_varying(x, axes), axes, dim, impl)
+
+
+def all_reduce(x, axes, *, impl: str = "xla"):
+  """Sum of ``x`` over mesh ``axes``; equals ``lax.psum(x, axes)``.
+
+  Non-xla impls run ``reduce_scatter`` then ``all_gather`` (same impl
+  schedule) on a flattened view padded to a multiple of the device count.
+  Transpose: ``all_reduce`` with the same ``impl``.
+  """
+  axes = _norm_axes(axes)
+  _check_impl(impl)
+  if not axes:
+    return x
+  if impl == "xla":
+    return lax.psum(x, _lax_axes(axes))
+  return _ar(_to_varying(x, axes), axes, impl)

@@ -1,0 +1,287 @@
+"""One training step for all 14 strategies, derived from the three placement letters.
+
+The step is a `shard_map` over the (inter, intra) mesh. Per optimizer step (PARO.md):
+  0. parameter sync: cast the fp32 master shard (OS placement) to the compute dtype and all-gather
+     it over S(OS) minus S(P) to the P placement;
+  1. for each of the A micro-batches (a `lax.scan`), forward and backward through the layer scan;
+     each layer's weights are all-gathered over S(P) just before use and rematerialised in
+     backward; each layer's gradient leaves backward reduce-scattered over S(Gr) (a `custom_vjp`
+     on the gather routes it into a zero "gradient sink" of the Gr shape) and is accumulated;
+  2. boundary sync: reduce-scatter over S(OS) minus S(Gr), all-reduce over the axes OS replicates;
+  3. clip by the true global norm and apply optax AdamW to the OS shard.
+Step 0 is the parameter sync of the previous step moved to the start of this one: the same traffic
+once per step, and the P-placed copy never has to outlive the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models.llama import Llama, next_token_loss
+from paro_jax import collectives as comm
+from paro_jax.mesh import mesh_shape
+from paro_jax.sharding import ShardingRules, local_shape, named, shard_dims, state_specs
+from paro_jax.strategy import INTER, INTRA, Strategy
+
+ALL_AXES = (INTRA, INTER)
+BATCH_AXES = (INTER, INTRA)  # process p (an inter row) reads a contiguous slice of the batch
+DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
+          "float32": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 3e-3
+  warmup_steps: int = 10
+  total_steps: int = 1000
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+
+  def __post_init__(self):
+    if self.learning_rate <= 0 or self.total_steps <= 0 or self.warmup_steps < 0:
+      raise ValueError(f"OptimConfig: learning_rate and total_steps must be positive and "
+                       f"warmup_steps >= 0, got {self}")
+
+  def schedule(self):
+    warmup = min(self.warmup_steps, self.total_steps)
+    return optax.warmup_cosine_decay_schedule(
+        0.0, self.learning_rate, warmup, max(self.total_steps, warmup + 1),
+        end_value=self.learning_rate * self.min_lr_ratio)
+
+  def adamw(self, decay_mask):
+    """AdamW without clipping: the engine clips by the global norm across shards itself."""
+    return optax.adamw(self.schedule(), b1=self.b1, b2=self.b2, eps=self.eps,
+                       weight_decay=self.weight_decay, mask=decay_mask)
+
+  def reference_tx(self, decay_mask):
+    """The same optimizer as one plain optax chain, for a single-device reference."""
+    return optax.chain(optax.clip_by_global_norm(self.clip_norm), self.adamw(decay_mask))
+
+
+def decay_mask(logical_tree):
+  """Weight decay on matrices only (not on norm scales)."""
+  return jax.tree.map(lambda axes: len([a for a in axes if a != "layers"]) >= 2, logical_tree,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+class TrainState(NamedTuple):
+  step: jax.Array       # scalar int32, replicated
+  master: Any           # fp32 parameters at the OS placement
+  opt_state: Any        # optax state; moments at the OS placement
+
+
+@flax.struct.dataclass
+class Shard:
+  """One parameter at its P placement, with the Gr-shaped sink its gradient is routed into."""
+
+  param: jax.Array
+  sink: jax.Array
+  dim: int = flax.struct.field(pytree_node=False)  # sharded dimension, counted from the end
+
+
+def _is_shard(x) -> bool:
+  return isinstance(x, Shard)
+
+
+def as_varying(x, axes=ALL_AXES):
+  """Type x as varying over `axes` (a no-op for axes it already varies over).
+
+  Values that are replicated (invariant) over an axis get an automatic psum of their cotangent
+  over it in backward. Typing the gathered weights as varying keeps that psum out of every
+  micro-batch: gradients are reduced exactly where the strategy says, and nowhere else.
+  """
+  have = jax.typeof(x).manual_axis_type.varying
+  missing = tuple(a for a in axes if a not in have)
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+class Engine:
+  """Builds, for one model, strategy and mesh, the sharded state and the jitted training step."""
+
+  def __init__(self, model: Llama, strategy: Strategy, mesh: Mesh, optim: OptimConfig,
+               micro_batches: int = 1, collectives: str = "xla",
+               rules: ShardingRules = ShardingRules()):
+    if micro_batches < 1:
+      raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if collectives not in comm.IMPLS:
+      raise ValueError(f"unknown collectives {collectives!r}; choose one of {comm.IMPLS}")
+    self.model, self.strategy, self.mesh, self.optim = model, strategy, mesh, optim
+    self.micro_batches, self.collectives = micro_batches, collectives
+    self.compute_dtype = model.dtype
+    self.inter, self.intra = mesh_shape(mesh)
+    self.logical = model.logical_axes()
+    self.shapes = jax.eval_shape(model.init, jax.random.key(0))
+    self.dims = shard_dims(self.logical, rules)
+    self.specs = state_specs(self.shapes, self.dims, strategy, mesh)
+    self.tx = optim.adamw(decay_mask(self.logical))
+    opt_shapes = jax.eval_shape(self.tx.init, self.shapes)
+    # Moments follow the master weights (OS placement); scalars (the step count) are replicated.
+    self.opt_specs = optax.tree_map_params(
+        self.tx, lambda _, spec: spec, opt_shapes, self.specs.opt,
+        transform_non_params=lambda _: PartitionSpec(),
+        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    self.state_specs = TrainState(PartitionSpec(), self.specs.opt, self.opt_specs)
+    self.state_shardings = named(mesh, self.state_specs)
+    self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
+    self.batch_sharding = NamedSharding(mesh, self.batch_spec)
+    self.train_step = jax.jit(self._train_step, donate_argnums=0)
+
+  # --- state -------------------------------------------------------------------------------
+  def init_state(self, rng) -> TrainState:
+    """Initialise the master weights and optimizer state directly into their OS shards."""
+
+    def init(rng):
+      master = self.model.init(rng)
+      return TrainState(jnp.zeros((), jnp.int32), master, self.tx.init(master))
+
+    return jax.jit(init, out_shardings=self.state_shardings)(rng)
+
+  def state_from_params(self, params) -> TrainState:
+    """A fresh state (step 0, zero moments) from given fp32 parameters."""
+
+    def init(master):
+      return TrainState(jnp.zeros((), jnp.int32), master, self.tx.init(master))
+
+    return jax.jit(init, out_shardings=self.state_shardings)(params)
+
+  def params(self, state: TrainState):
+    """The compute-dtype parameters at their P placement (what the step holds while it runs)."""
+
+    def sync(master):
+      return jax.tree.map(
+          lambda w, d: _gather_invariant(w.astype(self.compute_dtype),
+                                         self.strategy.param_sync_axes, d),
+          master, self.dims)
+
+    fn = jax.shard_map(sync, mesh=self.mesh, in_specs=(self.specs.opt,),
+                       out_specs=self.specs.params)
+    return jax.jit(fn)(state.master)
+
+  def zero_grads(self):
+    """A gradient accumulator at the Gr placement, as the step holds it between micro-batches."""
+    shardings = named(self.mesh, self.specs.grads)
+    return jax.jit(
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.compute_dtype), self.shapes),
+        out_shardings=shardings)()
+
+  def check_batch_size(self, batch_size: int) -> None:
+    n = self.inter * self.intra
+    if batch_size % n:
+      raise ValueError(f"micro-batch size {batch_size} is not divisible by the {n} devices of the "
+                       f"mesh {self.inter}x{self.intra}: use a batch size that is a multiple of {n}")
+
+  def shard_batch(self, tokens_AxBxL1) -> jax.Array:
+    """Place a global (A, B, L+1) token array (identical on every process) on the mesh."""
+    A, B, _ = tokens_AxBxL1.shape
+    if A != self.micro_batches:
+      raise ValueError(f"batch has {A} micro-batches, the engine was built for "
+                       f"{self.micro_batches}")
+    self.check_batch_size(B)
+    return jax.make_array_from_callback(tokens_AxBxL1.shape, self.batch_sharding,
+                                        lambda idx: tokens_AxBxL1[idx])
+
+  # --- the step ----------------------------------------------------------------------------
+  def _train_step(self, state: TrainState, tokens_AxBxL1):
+    # Hand-written ppermute rings give replicated results typed "varying"; JAX has no
+    # varying->invariant cast, so the replication of their outputs cannot be checked. The lax
+    # collectives keep check_vma on, and the tests check the rings against them.
+    check_vma = self.collectives == "xla"
+    step_fn = jax.shard_map(
+        functools.partial(self._local_step, tokens_per_step=tokens_AxBxL1[..., 1:].size),
+        mesh=self.mesh,
+        in_specs=(self.specs.opt, self.opt_specs, self.batch_spec),
+        out_specs=(self.specs.opt, self.opt_specs, PartitionSpec(), PartitionSpec()),
+        check_vma=check_vma)
+    master, opt_state, loss, grad_norm = step_fn(state.master, state.opt_state, tokens_AxBxL1)
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    return TrainState(state.step + 1, master, opt_state), metrics
+
+  def _local_step(self, master, opt_state, tokens_AxBxL1, *, tokens_per_step):
+    s, impl, cdt = self.strategy, self.collectives, self.compute_dtype
+    gather = _make_gather(s.param_gather_axes, s.grad_scatter_axes, impl)
+
+    with jax.named_scope("param_sync"):
+      params = jax.tree.map(
+          lambda w, d: comm.all_gather(w.astype(cdt), s.param_sync_axes, dim=d % w.ndim,
+                                       impl=impl), master, self.dims)
+
+    def sink_like(shape_struct, dim):
+      ways = s.grads.shard_count(self.inter, self.intra)
+      return as_varying(jnp.zeros(local_shape(shape_struct.shape, dim, ways), cdt))
+
+    sinks = jax.tree.map(sink_like, self.shapes, self.dims)
+
+    def materialize(tree):
+      return jax.tree.map(lambda sh: gather(sh.param, sh.sink, sh.dim), tree, is_leaf=_is_shard)
+
+    def micro_step(acc, tokens_BxL1):
+      def loss_fn(sinks):
+        shards = jax.tree.map(lambda p, k, d: Shard(p, k, d), params, sinks, self.dims)
+        logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize)
+        # Each device's share of the step's mean loss: summed over devices and micro-batches
+        # it is the mean over all tokens of the step.
+        return next_token_loss(logits, tokens_BxL1[:, 1:]) * (tokens_BxL1[:, 1:].size /
+                                                               tokens_per_step)
+
+      loss, grads = jax.value_and_grad(loss_fn)(sinks)
+      return jax.tree.map(jnp.add, acc, grads), loss
+
+    with jax.named_scope("micro_batches"):
+      acc, losses = lax.scan(micro_step, sinks, tokens_AxBxL1)
+
+    with jax.named_scope("grad_sync"):
+      grads = jax.tree.map(
+          lambda g, d: comm.reduce_scatter(g, s.sync_scatter_axes, dim=d % g.ndim, impl=impl),
+          acc, self.dims)
+      grads = jax.tree.map(
+          lambda g: comm.all_reduce(g, s.sync_reduce_axes, impl=impl).astype(jnp.float32), grads)
+
+    with jax.named_scope("optimizer"):
+      # Each OS shard is held by every device outside S(OS): sum squares over S(OS) only.
+      local_sq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+      grad_norm = jnp.sqrt(lax.psum(local_sq, s.opt.axes) if s.opt.axes else local_sq)
+      scale = jnp.where(grad_norm < self.optim.clip_norm, 1.0, self.optim.clip_norm / grad_norm)
+      grads = jax.tree.map(lambda g: g * scale, grads)
+      updates, opt_state = self.tx.update(grads, opt_state, master)
+      master = optax.apply_updates(master, updates)
+
+    # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
+    loss = lax.psum(jnp.sum(losses), ALL_AXES)
+    return master, opt_state, loss, grad_norm
+
+
+def _gather_invariant(x, axes, dim):
+  """All-gather typed as replicated over `axes` (for results that leave the shard_map)."""
+  return lax.all_gather(x, axes, axis=dim % x.ndim, tiled=True, to="invarying") if axes else x
+
+
+def _make_gather(gather_axes, scatter_axes, impl):
+  """Per-layer weight gather over S(P) whose backward reduce-scatters over S(Gr) into the sink."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+  def gather(param, sink, dim):
+    del sink  # only receives the gradient
+    full = comm.all_gather(param, gather_axes, dim=dim % param.ndim, impl=impl)
+    return as_varying(full)
+
+  def fwd(param, sink, dim):
+    return gather(param, sink, dim), None
+
+  def bwd(dim, _, ct):
+    return None, comm.reduce_scatter(ct, scatter_axes, dim=dim % ct.ndim, impl=impl)
+
+  gather.defvjp(fwd, bwd)
+  return gather

@@ -1,0 +1,403 @@
+"""Tests for paro_jax.collectives: hand-written ring collectives == lax, exactly.
+
+Inputs are small random integers (stored as float32 / bfloat16 / int32), so
+every partial sum is exactly representable whatever the summation order, and
+any chunk misordering shows up as a mismatch.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from paro_jax import collectives as C
+
+MESHES = [(2, 4), (4, 2), (2, 2), (1, 8), (8, 1)]
+AXES = [("intra",), ("inter",), ("intra", "inter")]
+HAND = [i for i in C.IMPLS if i != "xla"]
+COLLS = ["ag", "rs", "ar"]
+DEV = P(("inter", "intra"))  # stacks per-device blocks in mesh order
+
+# name -> (dtype, {coll: (local shape, dim)})
+CONFIGS = {
+  "f32": (np.float32, {"ag": ((4, 3), 1), "rs": ((3, 16), 1), "ar": ((5, 3), None)}),
+  "f32_odd": (np.float32, {"ag": ((1,), 0), "rs": ((8, 1), 0), "ar": ((7,), None)}),
+  "bf16": (jnp.bfloat16, {"ag": ((2, 3, 5), -1), "rs": ((3, 8), -1), "ar": ((3, 5), None)}),
+  "i32": (np.int32, {"ag": ((3, 2), 0), "rs": ((2, 8), 1), "ar": ((3, 3), None)}),
+}
+# compile time matters on 2 cores: the full matrix on the main mesh, subsets elsewhere
+MESH_CONFIGS = {
+  (2, 4): ("f32", "f32_odd", "bf16", "i32"),
+  (4, 2): ("f32", "f32_odd", "bf16"),
+  (2, 2): ("f32", "bf16"),
+  (1, 8): ("f32_odd", "bf16"),
+  (8, 1): ("f32_odd", "bf16"),
+}
+
+
+def _mesh(shape):
+  g, m = shape
+  return jax.make_mesh((g, m), ("inter", "intra"), devices=jax.devices()[: g * m])
+
+
+def _apply(coll, x, axes, dim, impl):
+  if coll == "ag":
+    return C.all_gather(x, axes, dim=dim, impl=impl)
+  if coll == "rs":
+    return C.reduce_scatter(x, axes, dim=dim, impl=impl)
+  return C.all_reduce(x, axes, impl=impl)
+
+
+def _inputs(mesh, cnames, seed=0):
+  """Global arrays [ndev, *local] (device blocks in mesh order)."""
+  rng = np.random.RandomState(seed)
+  ndev = mesh.devices.size
+  out = {}
+  for cname in cnames:
+    dtype, colls = CONFIGS[cname]
+    for coll, (shape, _) in colls.items():
+      a = rng.randint(-4, 5, size=(ndev,) + shape).astype(np.float32)
+      out[(cname, coll)] = jax.device_put(jnp.asarray(a).astype(dtype), NamedSharding(mesh, DEV))
+  return out
+
+
+# --------------------------------------------------------------------------
+# forward: one compiled program per mesh holds every collective x impl x axes
+# --------------------------------------------------------------------------
+
+_FWD_CACHE = {}
+
+
+def _forward(shape):
+  if shape in _FWD_CACHE:
+    return _FWD_CACHE[shape]
+  mesh = _mesh(shape)
+  xs = _inputs(mesh, MESH_CONFIGS[shape])
+
+  def body(xs):
+    outs = {}
+    for (cname, coll), x in xs.items():
+      x = x[0]
+      dim = CONFIGS[cname][1][coll][1]
+      for axes in AXES:
+        for impl in C.IMPLS:
+          outs[(cname, coll, axes, impl)] = _apply(coll, x, axes, dim, impl)[None]
+    return outs
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(DEV,), out_specs=DEV))  # check_vma=True
+  res = {k: np.asarray(v.astype(jnp.float32)) for k, v in f(xs).items()}
+  ins = {k: np.asarray(v.astype(jnp.float32)) for k, v in xs.items()}
+  _FWD_CACHE[shape] = (ins, res)
+  return ins, res
+
+
+@pytest.mark.parametrize("impl", HAND)
+@pytest.mark.parametrize("coll", COLLS)
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_forward_matches_lax(shape, coll, impl):
+  _, res = _forward(shape)
+  bad = []
+  for cname in MESH_CONFIGS[shape]:
+    for axes in AXES:
+      got = res[(cname, coll, axes, impl)]
+      ref = res[(cname, coll, axes, "xla")]
+      if got.shape != ref.shape or not np.array_equal(got, ref):
+        bad.append((cname, axes))
+  assert not bad, f"{coll}/{impl} differs from lax on mesh {shape}: {bad}"
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_lax_reference_layout(shape):
+  """The lax reference itself follows the documented layout (numpy check)."""
+  g, m = shape
+  ins, res = _forward(shape)
+  for cname in MESH_CONFIGS[shape]:
+    for coll, (_, dim) in CONFIGS[cname][1].items():
+      x = ins[(cname, coll)]  # [ndev, *local], device d = inter * m + intra
+      for axes in AXES:
+        got = res[(cname, coll, axes, "xla")]
+        for d in range(g * m):
+          co = {"inter": d // m, "intra": d % m}
+          size = {"inter": g, "intra": m}
+          members = []  # devices of my group, in combined axes order
+          for f in range(int(np.prod([size[a] for a in axes]))):
+            c, rem = dict(co), f
+            for a in reversed(axes):
+              c[a], rem = rem % size[a], rem // size[a]
+            members.append(c["inter"] * m + c["intra"])
+          my = members.index(d)
+          if coll == "ag":
+            want = np.concatenate([x[e] for e in members], axis=dim)
+          elif coll == "ar":
+            want = sum(x[e] for e in members)
+          else:
+            tot = sum(x[e] for e in members)
+            want = np.split(tot, len(members), axis=dim)[my]
+          np.testing.assert_array_equal(got[d], want, err_msg=str((cname, coll, axes, d)))
+
+
+def test_unknown_impl_raises():
+  for fn, kw in [(C.all_gather, {"dim": 0}), (C.reduce_scatter, {"dim": 0}), (C.all_reduce, {})]:
+    with pytest.raises(ValueError, match="horing"):
+      fn(jnp.ones(4), ("intra",), impl="nccl", **kw)
+
+
+def test_empty_axes_identity():
+  x = jnp.arange(6.0).reshape(2, 3)
+  for impl in C.IMPLS:
+    assert C.all_gather(x, (), dim=1, impl=impl) is x
+    assert C.reduce_scatter(x, (), dim=0, impl=impl) is x
+    assert C.all_reduce(x, (), impl=impl) is x
+
+
+# --------------------------------------------------------------------------
+# gradients (check_vma=False, like the engine), one program per mesh
+# --------------------------------------------------------------------------
+
+GRAD_CFG = {"ag": ((4, 3), 1), "rs": ((3, 16), 1), "ar": ((5, 3), None)}
+
+
+@pytest.fixture(scope="module", params=[(2, 4), (4, 2)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def grads(request):
+  mesh = _mesh(request.param)
+  ndev = mesh.devices.size
+  rng = np.random.RandomState(1)
+  sh = NamedSharding(mesh, DEV)
+  keys = [(coll, axes, impl) for coll in COLLS for axes in AXES for impl in C.IMPLS]
+  xs, ws = {}, {}
+  for coll, (shape, dim) in GRAD_CFG.items():
+    x = rng.randint(-4, 5, size=(ndev,) + shape).astype(np.float32)
+    for axes in AXES:
+      # cotangent weights: integer-valued, different per device/position
+      k = int(np.prod([mesh.shape[a] for a in axes]))
+      oshape = list(shape)
+      if coll == "ag":
+        oshape[dim] *= k
+      elif coll == "rs":
+        oshape[dim] //= k
+      w = rng.randint(-3, 4, size=(ndev, *oshape)).astype(np.float32)
+      for impl in C.IMPLS:
+        xs[(coll, axes, impl)] = jax.device_put(x, sh)
+        ws[(coll, axes, impl)] = jax.device_put(w, sh)
+
+  def body(xs):
+    return {
+      (coll, axes, impl): _apply(coll, x[0], axes, GRAD_CFG[coll][1], impl)[None]
+      for (coll, axes, impl), x in xs.items()
+    }
+
+  smap = jax.shard_map(body, mesh=mesh, in_specs=(DEV,), out_specs=DEV, check_vma=False)
+
+  def loss(xs, ws):
+    outs = smap(xs)
+    return sum(jnp.sum(outs[k] * ws[k]) for k in keys)
+
+  gs = jax.jit(jax.grad(loss))(xs, ws)
+  return {k: np.asarray(v) for k, v in gs.items()}
+
+
+@pytest.mark.parametrize("impl", HAND)
+@pytest.mark.parametrize("coll", COLLS)
+def test_grad_matches_lax(grads, coll, impl):
+  for axes in AXES:
+    ref = grads[(coll, axes, "xla")]
+    assert np.any(ref != 0)
+    np.testing.assert_array_equal(grads[(coll, axes, impl)], ref, err_msg=str(axes))
+
+
+# --------------------------------------------------------------------------
+# HO-Ring: intra and inter collective-permutes overlap (HLO dependency check)
+# --------------------------------------------------------------------------
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"(?:^|[\s)}\]])([a-z][\w\-]*)\(")
+
+
+def hlo_graph(hlo_text):
+  """Parse HLO text: name -> (opcode, operand names, attribute text).
+
+  Operands are the data operands plus any control-predecessors.
+  """
+  nodes = {}
+  for line in hlo_text.splitlines():
+    m = _INSTR.match(line)
+    if not m or line.rstrip().endswith("{"):
+      continue
+    name, rest = m.groups()
+    om = _OPCODE.search(rest)
+    if not om:
+      continue
+    opcode = om.group(1)
+    i = om.end()  # just after '('
+    depth, j = 1, i
+    while j < len(rest) and depth:
+      depth += {"(": 1, ")": -1}.get(rest[j], 0)
+      j += 1
+    operands = re.findall(r"%([\w.\-]+)", rest[i : j - 1])
+    attrs = rest[j:]
+    cm = re.search(r"control-predecessors=\{([^}]*)\}", attrs)
+    if cm:
+      operands += re.findall(r"%?([\w.\-]+)", cm.group(1))
+    nodes[name] = (opcode, operands, attrs)
+  return nodes
+
+
+def hlo_permute_dependencies(hlo_text):
+  """Collective-permutes of an HLO module with their permute ancestors.
+
+  Returns {name: (source_target_pairs, frozenset of collective-permute
+  names it transitively depends on)}.
+  """
+  nodes = hlo_graph(hlo_text)
+  memo = {}
+
+  def ancestors(n):
+    if n not in memo:
+      memo[n] = frozenset()  # guard (HLO is a DAG)
+      acc = set()
+      for o in nodes.get(n, (None, (), ""))[1]:
+        if o in nodes:
+          acc.add(o)
+          acc |= ancestors(o)
+      memo[n] = frozenset(acc)
+    return memo[n]
+
+  def is_cp(n):
+    return nodes[n][0] in ("collective-permute", "collective-permute-start")
+
+  out = {}
+  for n, (op, _, attrs) in nodes.items():
+    if is_cp(n):
+      pm = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+      pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)", pm.group(1) + "}")]
+      out[n] = (pairs, frozenset(a for a in ancestors(n) if is_cp(a)))
+  return out
+
+
+def permute_steps(hlo_text, mesh_shape):
+  """Group collective-permutes into steps = longest chain of permutes before them.
+
+  Returns (list of steps: list of (name, kind)), deps) with kind in
+  {'intra', 'inter', 'mixed'} from the partition-id pairs on a
+  (inter, intra) mesh (partition = inter * m + intra).
+  """
+  _, m = mesh_shape
+  deps = hlo_permute_dependencies(hlo_text)
+
+  def kind(pairs):
+    kinds = {
+      "intra" if s // m == t // m else "inter" if s % m == t % m else "mixed" for s, t in pairs
+    }
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+  level = {}
+
+  def lvl(n):
+    if n not in level:
+      level[n] = 1 + max((lvl(a) for a in deps[n][1]), default=0)
+    return level[n]
+
+  steps = {}
+  for n, (pairs, _) in deps.items():
+    steps.setdefault(lvl(n), []).append((n, kind(pairs)))
+  return [steps[i] for i in sorted(steps)], deps
+
+
+def overlap_violations(hlo_text, mesh_shape, strict=False):
+  """Reasons the HO-Ring property fails (empty list: it holds).
+
+  Every inter collective-permute must share its step with an intra one
+  (and vice versa when ``strict``), and within a step neither may
+  transitively depend on the other.
+  """
+  steps, deps = permute_steps(hlo_text, mesh_shape)
+  kinds = [k for s in steps for _, k in s]
+  errs = []
+  if "intra" not in kinds or "inter" not in kinds:
+    errs.append(f"need both intra and inter permutes, got {kinds}")
+  if "mixed" in kinds:
+    errs.append("a permute mixes intra and inter pairs")
+  for i, step in enumerate(steps):
+    intra = [n for n, k in step if k == "intra"]
+    inter = [n for n, k in step if k == "inter"]
+    if inter and not intra:
+      errs.append(f"step {i}: inter permute(s) {inter} with no concurrent intra permute")
+    if strict and intra and not inter:
+      errs.append(f"step {i}: intra permute(s) {intra} with no concurrent inter permute")
+    for a in intra:
+      for b in inter:
+        if b in deps[a][1] or a in deps[b][1]:
+          errs.append(f"step {i}: {a} and {b} depend on each other")
+  return errs
+
+
+def _compiled_hlo(mesh_shape, impl, coll="ag"):
+  mesh = _mesh(mesh_shape)
+  axes = ("intra", "inter")
+  k = mesh.devices.size
+  x = jax.device_put(jnp.zeros((k * 8, 6), jnp.float32), NamedSharding(mesh, P(axes)))
+
+  def body(x):
+    if coll == "ag":
+      return C.all_gather(x, axes, dim=0, impl=impl)
+    return C.reduce_scatter(jnp.tile(x, (k, 1)), axes, dim=0, impl=impl)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes), check_vma=False))
+  return f.lower(x).compile().as_text()
+
+
+@pytest.fixture(scope="module")
+def hlo_texts():
+  return {
+    ("horing", "ag", (2, 4)): _compiled_hlo((2, 4), "horing"),
+    ("hring", "ag", (2, 4)): _compiled_hlo((2, 4), "hring"),
+    ("horing", "rs", (2, 4)): _compiled_hlo((2, 4), "horing", "rs"),
+    ("horing", "ag", (2, 2)): _compiled_hlo((2, 2), "horing"),
+  }
+
+
+def test_horing_intra_inter_permutes_overlap(hlo_texts):
+  for (impl, coll, shape), text in hlo_texts.items():
+    if impl != "horing":
+      continue
+    steps, _ = permute_steps(text, shape)
+    g, m = shape
+    n_perm = sum(len(s) for s in steps)
+    # two halves, each (m - 1) intra + (g - 1) inter ring steps
+    assert n_perm == 2 * ((m - 1) + (g - 1)), (coll, shape, steps)
+    assert len(steps) == (m - 1) + (g - 1), (coll, shape, steps)
+    assert overlap_violations(text, shape) == [], (coll, shape, steps)
+  # equal axis sizes: every step has exactly one intra and one inter permute
+  text = hlo_texts[("horing", "ag", (2, 2))]
+  assert overlap_violations(text, (2, 2), strict=True) == []
+  steps, _ = permute_steps(text, (2, 2))
+  assert [sorted(k for _, k in s) for s in steps] == [["inter", "intra"]] * 2
+
+
+def test_overlap_check_rejects_hring(hlo_texts):
+  """Negative control: the sequential hierarchical ring must fail the check."""
+  text = hlo_texts[("hring", "ag", (2, 4))]
+  steps, _ = permute_steps(text, (2, 4))
+  assert [[k for _, k in s] for s in steps] == [["inter"], ["intra"], ["intra"], ["intra"]]
+  assert overlap_violations(text, (2, 4)) != []
+
+
+def test_invariant_inputs_under_check_vma():
+  """Replicated (invariant-typed) inputs are pcast to varying and still match lax."""
+  mesh = _mesh((2, 4))
+
+  def body(x):
+    out = {}
+    for impl in C.IMPLS:
+      out[("ar", impl)] = C.all_reduce(x, ("intra", "inter"), impl=impl)[None]
+      out[("ag", impl)] = C.all_gather(x, ("intra",), dim=0, impl=impl)[None]
+    return out
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=DEV))
+  res = {k: np.asarray(v) for k, v in f(jnp.arange(3.0)).items()}
+  for (coll, impl), v in res.items():
+    np.testing.assert_array_equal(v, res[(coll, "xla")], err_msg=str((coll, impl)))

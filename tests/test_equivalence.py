@@ -1,0 +1,90 @@
+"""Every strategy's training step equals a plain single-device optax loop on the same batches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.llama import Llama, LlamaConfig, next_token_loss
+from paro_jax.engine import Engine, OptimConfig
+from paro_jax.mesh import make_mesh
+from paro_jax.reference import reference_train
+from paro_jax.strategy import VALID_NAMES, parse_strategy
+
+CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
+# Adam's first steps are nearly sign(g): for a gradient element near 0, float rounding in the
+# order of a reduction could flip a whole lr-sized update. An eps well above that rounding
+# keeps the comparison well-conditioned without hiding real errors (which are lr-sized).
+OPTIM = OptimConfig(learning_rate=1e-2, warmup_steps=0, total_steps=3, clip_norm=0.5, eps=1e-6)
+A, B, L, STEPS = 2, 8, 8, 3
+MESHES = [(2, 4), (4, 2), (1, 8)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+  # Rows of arithmetic sequences (random start and stride): learnable, so the loss moves.
+  rng = np.random.default_rng(0)
+  start, stride = (rng.integers(0, CFG.vocab, size=(STEPS, A, B, 1)) for _ in range(2))
+  batches = list(((start + stride * np.arange(L + 1)) % CFG.vocab).astype(np.int32))
+  params0 = Llama(CFG).init(jax.random.key(1))
+  losses, params = reference_train(Llama(CFG), params0, batches, OPTIM)
+  return batches, params0, losses, params
+
+
+def run_engine(strategy, mesh_shape, batches, params0, dtype=jnp.float32, collectives="xla"):
+  engine = Engine(Llama(CFG, dtype), parse_strategy(strategy), make_mesh(*mesh_shape), OPTIM,
+                  micro_batches=A, collectives=collectives)
+  state = engine.state_from_params(params0)
+  losses = []
+  for batch in batches:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+  return losses, jax.device_get(state.master), engine, state
+
+
+def assert_trees_close(a, b, atol, rtol=0.0):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_reference_moves_every_parameter(setup):
+  # Otherwise "equal to the reference" could hold for a step that does nothing.
+  _, params0, _, params = setup
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params0)):
+    assert np.abs(np.asarray(a) - np.asarray(b)).mean() > 1e-3, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("strategy", VALID_NAMES)
+def test_fp32_equals_single_device(setup, strategy, mesh_shape):
+  batches, params0, ref_losses, ref_params = setup
+  losses, params, _, _ = run_engine(strategy, mesh_shape, batches, params0)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(params, ref_params, atol=2e-5)
+
+
+@pytest.mark.parametrize("strategy", ["NNN", "IIG", "ING", "GGG"])
+def test_bf16_close_to_single_device(setup, strategy):
+  batches, params0, ref_losses, ref_params = setup
+  losses, params, _, _ = run_engine(strategy, (2, 4), batches, params0, dtype=jnp.bfloat16)
+  np.testing.assert_allclose(losses, ref_losses, atol=2e-2)
+  # Adam normalises updates, so bf16 noise moves a parameter by at most ~lr per step.
+  assert_trees_close(params, ref_params, atol=STEPS * OPTIM.learning_rate)
+  moved = jax.tree.map(lambda a, b: np.abs(a - b).mean(), params, ref_params)
+  assert max(jax.tree.leaves(moved)) < 2e-3
+
+
+def test_micro_batched_gradients_equal_full_batch(setup):
+  batches, params0, _, _ = setup
+  model = Llama(CFG)
+  tokens = jnp.asarray(batches[0])
+
+  def loss(params, tokens_BxL1):
+    return next_token_loss(model.apply(params, tokens_BxL1[:, :-1]), tokens_BxL1[:, 1:])
+
+  grad = jax.jit(jax.grad(loss))
+  micro = [grad(params0, t) for t in tokens]
+  accumulated = jax.tree.map(lambda *g: sum(g) / len(g), *micro)
+  full = grad(params0, tokens.reshape(A * B, L + 1))
+  assert_trees_close(accumulated, full, atol=1e-7, rtol=1e-5)
