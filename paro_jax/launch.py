@@ -1,0 +1,456 @@
+"""`paro-jax launch`: emulate a cluster of G nodes x M devices on one machine.
+
+G `paro-jax train` processes, each with M virtual CPU devices, are joined by `jax.distributed`
+(process 0 is the coordinator). As root with `ip` and `tc`, every process runs in its own network
+namespace; the namespaces are linked by a veth pair (2 nodes) or through a bridge in one more
+namespace (more than 2), and each node's link is shaped with `tc` (tbf for the rate, netem for
+the delay where the kernel has it); `--intra-bandwidth` shapes each node's loopback, which its
+own devices' collectives cross. Without root or without `ip`/`tc`, the processes run on
+127.0.0.1 without shaping, and the launcher says so.
+
+All names carry the launcher's PID, so launches running side by side do not collide, and
+everything is removed on exit, on SIGINT/SIGTERM and when a process fails: the launcher then
+stops the other processes and returns non-zero, naming the failed node. Namespaces left by a
+launcher that was itself SIGKILLed are removed by the next launch (their PID is dead).
+
+The per-node command is `train ...` (run as `python -m paro_jax train ...`) or a Python script,
+`python SCRIPT [args]` or `SCRIPT.py [args]` (run with this interpreter, e.g.
+experiments/bench_collectives.py); either gets --mesh GxM and the multi-process flags appended, and
+the env var PARO_JAX_LINK describes the link (shaped or not).
+
+From Python: `launch(["train", "--steps", "2", ...], nodes=2, devices_per_node=2)` returns the
+exit code.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+NS_PREFIX = "paro"          # namespaces: paro<pid>n<k>, paro<pid>br (bridge)
+IF_PREFIX = "pj"            # interfaces: pj<pid>v<k> (node side), pj<pid>p<k> (bridge side)
+SUBNET = "10.77.0"          # node k has 10.77.0.(k+1), only inside our own namespaces
+COORD_PORT = 29500          # free: each namespace is fresh
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+RESERVED = ("--coordinator", "--num-processes", "--process-id")
+_NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)(?:n\d+|br)$")
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+
+
+def parse_rate(text: str) -> float:
+  """A tc rate ('1gbit', '500mbit', '100mbps') in bits per second; a clear error otherwise."""
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
+  if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
+    raise ValueError(f"bad rate {text!r}: write a number and one of {sorted(_RATE_UNITS)}, "
+                     f"e.g. 1gbit or 500mbit")
+  return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+
+
+def parse_delay(text: str | None) -> float:
+  """'0.5ms' / '200us' / '0' -> seconds."""
+  if text is None or text.strip() in ("", "0", "none"):
+    return 0.0
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)\s*", text.lower())
+  if not m:
+    raise ValueError(f"bad latency {text!r}: write e.g. 0.5ms, 200us or 0")
+  return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
+
+
+def _tbf(dev: str, rate: str, latency: str) -> list[str]:
+  burst = max(32 * 1024, int(parse_rate(rate) / 8 / 500))  # >= 2 ms of traffic at the rate
+  return ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate,
+          "burst", str(burst), "latency", latency]
+
+
+def _run(cmd: list[str]) -> None:
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  if proc.returncode:
+    raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.returncode}")
+
+
+def _quiet(cmd: list[str]) -> None:
+  subprocess.run(cmd, capture_output=True)
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _our_namespaces() -> list[str]:
+  out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def remove_stale_namespaces() -> list[str]:
+  """Delete namespaces (and /etc/netns dirs) of launchers whose PID no longer exists."""
+  removed = []
+  for name in _our_namespaces():
+    m = _NS_RE.match(name)
+    if m and not _pid_alive(int(m.group(1))):
+      _quiet(["ip", "netns", "del", name])
+      shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+      removed.append(name)
+  return removed
+
+
+class Network:
+  """Namespaces, veths, bridge and tc shaping for one launch; `close()` removes all of it."""
+
+  def __init__(self, nodes: int, inter_bandwidth: str, inter_latency: str | None,
+               intra_bandwidth: str | None, tag: int | None = None):
+    tag = os.getpid() if tag is None else tag
+    self.nodes = nodes
+    self.namespaces = [f"{NS_PREFIX}{tag}n{k}" for k in range(nodes)]
+    self.bridge_ns = f"{NS_PREFIX}{tag}br" if nodes > 2 else None
+    self.ifaces = [f"{IF_PREFIX}{tag}v{k}" for k in range(nodes)]
+    self.peers = [f"{IF_PREFIX}{tag}p{k}" for k in range(nodes)]
+    self.bridge = f"{IF_PREFIX}{tag}br"
+    self.addresses = [f"{SUBNET}.{k + 1}" for k in range(nodes)]
+    self.inter_bandwidth, self.intra_bandwidth = inter_bandwidth, intra_bandwidth
+    self.delay = parse_delay(inter_latency)
+    self.inter_latency = inter_latency
+    self.notes: list[str] = []
+    self._created: list[str] = []
+
+  def all_namespaces(self) -> list[str]:
+    return self.namespaces + ([self.bridge_ns] if self.bridge_ns else [])
+
+  def open(self) -> None:
+    try:
+      self._open()
+    except BaseException:
+      self.close()
+      raise
+
+  def _open(self) -> None:
+    hostname = socket.gethostname()
+    for ns in self.all_namespaces():
+      _run(["ip", "netns", "add", ns])
+      self._created.append(ns)
+    for k, ns in enumerate(self.namespaces):
+      # `ip netns exec` bind-mounts /etc/netns/NS/hosts over /etc/hosts: gloo binds to the
+      # address the host name resolves to, which must be this node's, not 127.0.0.1.
+      os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+      with open(f"/etc/netns/{ns}/hosts", "w") as f:
+        f.write(f"127.0.0.1 localhost\n{self.addresses[k]} {hostname}\n")
+      _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    if self.nodes == 2:
+      _run(["ip", "link", "add", self.ifaces[0], "netns", self.namespaces[0], "type", "veth",
+            "peer", "name", self.ifaces[1], "netns", self.namespaces[1]])
+    elif self.nodes > 2:
+      br = self.bridge_ns
+      _run(["ip", "-n", br, "link", "add", self.bridge, "type", "bridge"])
+      _run(["ip", "-n", br, "link", "set", self.bridge, "up"])
+      for k, ns in enumerate(self.namespaces):
+        _run(["ip", "link", "add", self.ifaces[k], "netns", ns, "type", "veth", "peer", "name",
+              self.peers[k], "netns", br])
+        _run(["ip", "-n", br, "link", "set", self.peers[k], "master", self.bridge])
+        _run(["ip", "-n", br, "link", "set", self.peers[k], "up"])
+    if self.nodes >= 2:
+      for k, ns in enumerate(self.namespaces):
+        _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", self.ifaces[k]])
+        _run(["ip", "-n", ns, "link", "set", self.ifaces[k], "up"])
+      self._shape_inter()
+    if self.intra_bandwidth:
+      for ns in self.namespaces:
+        _run(["ip", "netns", "exec", ns, *_tbf("lo", self.intra_bandwidth, "100ms")])
+
+  def _shape_inter(self) -> None:
+    """Each node's egress: tbf at the rate, netem delay below it (when the kernel has netem)."""
+    netem_ok = True
+    for k, ns in enumerate(self.namespaces):
+      dev = self.ifaces[k]
+      _run(["ip", "netns", "exec", ns, *_tbf(dev, self.inter_bandwidth, "50ms")])
+      if self.delay and netem_ok:
+        proc = subprocess.run(
+            ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1",
+             "handle", "10:", "netem", "delay", f"{self.delay * 1e6:.0f}us", "limit", "100000"],
+            capture_output=True, text=True)
+        if proc.returncode:
+          netem_ok = False
+          self.notes.append(f"latency {self.inter_latency} NOT emulated: tc netem is not available "
+                            f"({proc.stderr.strip()}); only the rate is shaped")
+
+  def link_bytes(self) -> dict[int, int]:
+    """Bytes each node has sent over its shaped link (tc's count: real inter-node traffic)."""
+    sent = {}
+    for k, ns in enumerate(self.namespaces if self.nodes >= 2 else []):
+      out = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev",
+                            self.ifaces[k]], capture_output=True, text=True).stdout
+      m = re.search(r"Sent (\d+) bytes", out)
+      if m:
+        sent[k] = int(m.group(1))
+    return sent
+
+  def describe(self) -> str:
+    if self.nodes == 1:
+      return f"1 node in namespace {self.namespaces[0]}"
+    link = "veth pair" if self.nodes == 2 else f"bridge in namespace {self.bridge_ns}"
+    text = (f"{self.nodes} namespaces {self.namespaces[0]}..{self.namespaces[-1]} joined by a "
+            f"{link}, {SUBNET}.1-{self.nodes}; each node's link shaped to {self.inter_bandwidth}")
+    if self.delay and not self.notes:
+      text += f" + {self.inter_latency} delay"
+    if self.intra_bandwidth:
+      text += f"; intra (loopback) {self.intra_bandwidth}"
+    return text
+
+  def close(self) -> None:
+    """Remove everything this launch created; safe to call twice or after a partial open()."""
+    for ns in reversed(self._created):
+      _quiet(["ip", "netns", "del", ns])  # takes its veths, bridge and qdiscs with it
+    for dev in self.ifaces + self.peers + [self.bridge]:  # any left in the root namespace
+      if os.path.exists(f"/sys/class/net/{dev}"):
+        _quiet(["ip", "link", "del", dev])
+    for ns in self.all_namespaces():
+      shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+    self._created = []
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _is_python(token: str) -> bool:
+  return re.fullmatch(r"python[0-9.]*", os.path.basename(token)) is not None
+
+
+def child_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> list[str]:
+  """The children's argv, checked; --mesh GxM is added unless given (and equal).
+
+  `train ...` stays as it is (run by `python -m paro_jax`); `python ARGS` and `SCRIPT.py ARGS`
+  become `[SCRIPT.py, ...]` / `[ARGS...]`, run by this interpreter (see `_command`).
+  """
+  if train_argv and _is_python(train_argv[0]):
+    train_argv = train_argv[1:]
+    if not train_argv:
+      raise ValueError("`python` after -- needs a script, e.g. `-- python experiments/x.py`")
+  elif not train_argv or (train_argv[0] != "train" and not train_argv[0].endswith(".py")):
+    raise ValueError(f"put the train command or a Python script after --, e.g. `paro-jax launch "
+                     f"--nodes 2 --devices-per-node 2 -- train --model tiny` or `... -- python "
+                     f"experiments/bench_collectives.py`; got {train_argv!r}")
+  if train_argv[0].endswith(".py") and not os.path.isfile(train_argv[0]):
+    raise ValueError(f"no such script: {train_argv[0]}")
+  for flag in RESERVED:
+    if any(a == flag or a.startswith(flag + "=") for a in train_argv):
+      raise ValueError(f"{flag} is set by the launcher; leave it out of the train command")
+  argv = list(train_argv)
+  mesh = [a for i, a in enumerate(argv) if argv[i - 1] == "--mesh" or a.startswith("--mesh=")]
+  if mesh:
+    text = mesh[-1].split("=", 1)[-1]
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or \
+        int(parts[0]) * int(parts[1]) != nodes * devices_per_node:
+      raise ValueError(f"--mesh {text} in the train command does not have the "
+                       f"{nodes * devices_per_node} devices of {nodes} nodes x {devices_per_node}")
+  else:
+    argv += ["--mesh", f"{nodes}x{devices_per_node}"]
+  return argv
+
+
+def _command(argv: list[str]) -> list[str]:
+  """The interpreter and argv of a child: `python -m paro_jax train ...` or `python ARGS`."""
+  if argv[0] == "train":
+    return [sys.executable, "-m", "paro_jax", *argv]
+  return [sys.executable, *argv]
+
+
+def _child_env(devices_per_node: int, env: dict | None) -> dict:
+  env = dict(os.environ if env is None else env)
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+  env["XLA_FLAGS"] = " ".join(flags + [f"{DEVICE_COUNT_FLAG}={devices_per_node}"])
+  env["PYTHONUNBUFFERED"] = "1"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+  return env
+
+
+class _Node:
+  def __init__(self, index: int, proc: subprocess.Popen, out, err, lock):
+    self.index, self.proc = index, proc
+    self.tail = collections.deque(maxlen=15)
+    self.threads = [
+        threading.Thread(target=self._pump, args=(proc.stdout, out, lock, False), daemon=True),
+        threading.Thread(target=self._pump, args=(proc.stderr, err, lock, True), daemon=True)]
+    for t in self.threads:
+      t.start()
+
+  def _pump(self, pipe, sink, lock, keep) -> None:
+    prefix = f"[node {self.index}] "
+    for raw in iter(pipe.readline, b""):
+      line = raw.decode(errors="replace").rstrip("\r\n")
+      if keep:
+        self.tail.append(line)
+      with lock:
+        sink.write(prefix + line + "\n")
+        sink.flush()
+    pipe.close()
+
+  def join(self, timeout: float = 5.0) -> None:
+    for t in self.threads:
+      t.join(timeout)
+
+
+def _describe_exit(code: int) -> str:
+  if code < 0:
+    try:
+      return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+      return f"killed by signal {-code}"
+  return f"exit code {code}"
+
+
+def _stop(nodes: list[_Node], first: signal.Signals = signal.SIGKILL, grace: float = 10.0) -> None:
+  """Send `first` to each live child's process group; SIGKILL what is left after `grace` s.
+
+  Not SIGTERM: jax.distributed's preemption notifier catches it and the process runs on.
+  SIGINT lets `paro-jax train` checkpoint and stop (on Ctrl-C); after a failure the others
+  are likely blocked in a collective with the dead process, so they get SIGKILL at once.
+  """
+  live = [n for n in nodes if n.proc.poll() is None]
+  for sig in dict.fromkeys((first, signal.SIGKILL)):
+    for n in live:
+      try:
+        os.killpg(n.proc.pid, sig)  # its own session: the group id is its pid
+      except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + grace
+    while live and time.monotonic() < deadline:
+      live = [n for n in live if n.proc.poll() is None]
+      time.sleep(0.05)
+    if not live:
+      break
+  for n in nodes:
+    try:
+      n.proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+      pass
+
+
+class _Interrupted(Exception):
+  def __init__(self, signum):
+    super().__init__(signum)
+    self.signum = signum
+
+
+def launch(train_argv: list[str], nodes: int, devices_per_node: int,
+           inter_bandwidth: str = "1gbit", inter_latency: str | None = "0.5ms",
+           intra_bandwidth: str | None = None, shaped: bool = True, env: dict | None = None,
+           stdout=None, stderr=None, link_bytes: dict | None = None) -> int:
+  """Run `train_argv` ("train ..." or a Python script) as `nodes` processes; returns the exit code.
+
+  0 when every process exited 0; otherwise the failed node's exit code (128+signal when it was
+  killed), 128+signal when the launcher itself got SIGINT/SIGTERM. Raises ValueError for bad
+  arguments before anything is started. With namespaces, `link_bytes` (a dict) receives the bytes
+  each node sent over its link, as `tc` counted them.
+  """
+  out, err = stdout or sys.stdout, stderr or sys.stderr
+  if nodes < 1 or devices_per_node < 1:
+    raise ValueError(f"--nodes and --devices-per-node must be >= 1, got {nodes} and "
+                     f"{devices_per_node}")
+  argv = child_argv(train_argv, nodes, devices_per_node)
+  parse_rate(inter_bandwidth)
+  parse_delay(inter_latency)
+  if intra_bandwidth:
+    parse_rate(intra_bandwidth)
+
+  def say(msg: str) -> None:
+    print(f"paro-jax launch: {msg}", file=err, flush=True)
+
+  children: list[_Node] = []
+  lock = threading.Lock()
+  old_handlers, interrupted = {}, []
+
+  def on_signal(signum, _frame):
+    if not interrupted:  # a second Ctrl-C must not break off the cleanup
+      interrupted.append(signum)
+      raise _Interrupted(signum)
+
+  if threading.current_thread() is threading.main_thread():
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      old_handlers[sig] = signal.signal(sig, on_signal)
+  network = None
+  try:
+    if shaped:
+      missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+      if os.geteuid() != 0 or missing:
+        why = "not root" if os.geteuid() != 0 else f"{' and '.join(missing)} not found"
+        say(f"{why}: running {nodes} plain processes on 127.0.0.1; the link is NOT shaped")
+      else:
+        remove_stale_namespaces()
+        network = Network(nodes, inter_bandwidth, inter_latency, intra_bandwidth)
+        try:
+          network.open()
+        except (RuntimeError, OSError) as e:
+          say(f"could not create the network namespaces ({e}); running on 127.0.0.1 instead: "
+              f"the link is NOT shaped")
+          network = None
+    else:
+      say(f"loopback mode: {nodes} plain processes on 127.0.0.1; the link is NOT shaped")
+    if network:
+      say(network.describe())
+      for note in network.notes:
+        say(note)
+    coordinator = (f"{network.addresses[0]}:{COORD_PORT}" if network and nodes > 1
+                   else f"127.0.0.1:{_free_port()}")
+    child_env = _child_env(devices_per_node, env)
+    child_env["PARO_JAX_LINK"] = (network.describe() + "".join(f"; {n}" for n in network.notes)
+                                  if network else f"{nodes} processes on 127.0.0.1, NOT shaped")
+    for k in range(nodes):
+      cmd = [*_command(argv), "--coordinator", coordinator,
+             "--num-processes", str(nodes), "--process-id", str(k)]
+      if network:
+        cmd = ["ip", "netns", "exec", network.namespaces[k], *cmd]
+      proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=child_env, start_new_session=True)
+      children.append(_Node(k, proc, out, err, lock))
+    while True:
+      codes = [n.proc.poll() for n in children]
+      failed = [n for n, c in zip(children, codes) if c not in (None, 0)]
+      if failed:
+        bad = failed[0]
+        code = bad.proc.returncode
+        _stop(children)
+        bad.join()
+        tail = "\n".join(f"    {line}" for line in bad.tail) or "    (nothing)"
+        say(f"node {bad.index} (process {bad.index} of {nodes}) failed with "
+            f"{_describe_exit(code)}; stopped the other nodes. Last lines of its stderr:\n{tail}")
+        return code if code > 0 else 128 - code
+      if all(c == 0 for c in codes):
+        for n in children:
+          n.join()
+        if network and nodes > 1:
+          sent = network.link_bytes()
+          if link_bytes is not None:
+            link_bytes.update(sent)
+          say("bytes sent over each node's link (tc): " + ", ".join(
+              f"node {k} {b / 2**20:.1f} MiB" for k, b in sorted(sent.items())))
+        return 0
+      time.sleep(0.1)
+  except _Interrupted as e:
+    say(f"got {signal.Signals(e.signum).name}: stopping {nodes} processes (SIGINT, then SIGKILL "
+        f"after 10 s) and cleaning up")
+    _stop(children, first=signal.SIGINT)
+    return 128 + e.signum
+  finally:
+    _stop(children)
+    for sig, handler in old_handlers.items():
+      signal.signal(sig, handler)
+    if network:
+      network.close()
