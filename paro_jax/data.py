@@ -1,18 +1,165 @@
 """Token streams and deterministic batches.
 
+Sources (`--data`, any number of paths and globs, in sorted order): text files; JSONL files whose
+records carry the text in one field (`--text-field`); pre-tokenized `.bin` files of uint16 or
+uint32 ids (read with np.memmap, never loaded whole when there is one). Text is tokenized at byte
+level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, needs the `tokenizers`
+package: `pip install -e ".[hf]"`).
+
 The default corpus is real text that every Python installation carries: the source files of
-the Python standard library, read as bytes and tokenized at byte level (vocabulary 256), so a
-training run needs no download.
+the Python standard library, so a training run needs no download.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import json
 import os
 import sysconfig
 
 import numpy as np
 
 BYTE_VOCAB = 256
+BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  paths: tuple[str, ...] = ()  # files and globs; empty: the built-in corpus
+  text_field: str = "text"  # the field of a JSONL record that holds its text
+  tokenizer: str | None = None  # an HF tokenizer.json; None: bytes
+  bin_dtype: str | None = None  # of .bin files; None: inferred (see bin_dtype_for)
+  eval_fraction: float = 0.01  # the last fraction of the tokens is held out for eval
+
+  def __post_init__(self):
+    if self.bin_dtype is not None and self.bin_dtype not in BIN_DTYPES:
+      raise ValueError(f"unknown --bin-dtype {self.bin_dtype!r}; choose one of {list(BIN_DTYPES)}")
+    if not 0 <= self.eval_fraction < 1:
+      raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+
+
+# --- tokenizers ------------------------------------------------------------------------------
+class ByteTokenizer:
+  vocab_size = BYTE_VOCAB
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+class HFTokenizer:
+  """An HF `tokenizer.json` through the `tokenizers` package."""
+
+  def __init__(self, path: str):
+    try:
+      import tokenizers
+    except ImportError as e:
+      raise ValueError(f"--tokenizer {path} needs the `tokenizers` package: "
+                       f"pip install -e \".[hf]\"") from e
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"tokenizer file {path!r} does not exist: pass --tokenizer with an "
+                              f"HF tokenizer.json, or leave it out for byte-level tokens")
+    self.path = path
+    self._tok = tokenizers.Tokenizer.from_file(path)
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
+
+
+def make_tokenizer(cfg: DataConfig):
+  return HFTokenizer(cfg.tokenizer) if cfg.tokenizer else ByteTokenizer()
+
+
+def check_vocab(vocab_size: int, model_vocab: int, what: str) -> None:
+  if vocab_size > model_vocab:
+    raise ValueError(f"{what} has a vocabulary of {vocab_size}, more than the model's {model_vocab}:"
+                     f" use a model with vocab >= {vocab_size}, or a smaller tokenizer")
+
+
+def bin_dtype_for(cfg: DataConfig, vocab_size: int) -> np.dtype:
+  """--bin-dtype if given; else uint16 (the nanoGPT convention) unless the vocabulary (the
+  tokenizer's, else the model's) does not fit in 16 bits, then uint32."""
+  if cfg.bin_dtype:
+    return np.dtype(BIN_DTYPES[cfg.bin_dtype])
+  return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+# --- sources ---------------------------------------------------------------------------------
+def expand_paths(patterns) -> list[str]:
+  """Files named or matched by globs, each pattern's matches sorted; loud on a miss."""
+  files = []
+  for pattern in patterns:
+    matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    if not matches:
+      raise FileNotFoundError(f"--data {pattern!r} matches no file")
+    for path in matches:
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist: pass --data with existing "
+                                f"files, or leave --data out to train on the built-in corpus")
+      files.append(path)
+  return files
+
+
+def read_bin(path: str, dtype: np.dtype) -> np.ndarray:
+  size = os.path.getsize(path)
+  if size % dtype.itemsize:
+    raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; is "
+                     f"--bin-dtype right?")
+  return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
+def read_jsonl(path: str, field: str):
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{n}: not a JSON object ({e.msg})") from e
+      if not isinstance(record, dict) or field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{path}:{n}: the record has no {field!r} field (it has {keys}): pass "
+                         f"--text-field with the field that holds the text")
+      yield record[field]
+
+
+def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
+  """All tokens of the sources, in order; ids checked against the model's vocabulary."""
+  tokenizer = make_tokenizer(cfg)
+  check_vocab(tokenizer.vocab_size, model_vocab, f"tokenizer {cfg.tokenizer}" if cfg.tokenizer
+              else "the byte-level tokenizer")
+  if not cfg.paths:
+    return default_corpus()
+  dtype = bin_dtype_for(cfg, tokenizer.vocab_size if cfg.tokenizer else model_vocab)
+  parts = []
+  for path in expand_paths(cfg.paths):
+    if path.endswith(".bin"):
+      tokens = read_bin(path, dtype)
+      top = int(tokens.max()) if tokens.size else 0
+      if top >= model_vocab:
+        raise ValueError(f"{path} holds token id {top}, outside the model's vocabulary of "
+                         f"{model_vocab} (read as {dtype.name}; is --bin-dtype right?)")
+    elif path.endswith(".jsonl"):
+      docs = [tokenizer.encode(text) for text in read_jsonl(path, cfg.text_field)]
+      tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint8)
+    elif cfg.tokenizer:
+      with open(path, encoding="utf-8") as f:
+        tokens = tokenizer.encode(f.read())
+    else:
+      tokens = np.fromfile(path, dtype=np.uint8)  # bytes as they are, no decoding
+    if tokens.size == 0:
+      raise ValueError(f"data file {path!r} is empty: give a file with text in it")
+    parts.append(tokens)
+  # One file stays a memmap; several are joined (in memory) into one stream.
+  return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def split_eval(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+  """(train, eval): the last `fraction` of the tokens is the eval split."""
+  n_eval = int(tokens.size * fraction)
+  return tokens[:tokens.size - n_eval], tokens[tokens.size - n_eval:]
 
 
 def default_corpus(max_bytes: int = 4_000_000) -> np.ndarray:
@@ -36,29 +183,37 @@ def default_corpus(max_bytes: int = 4_000_000) -> np.ndarray:
 
 def load_text_bytes(path: str) -> np.ndarray:
   """A text file as byte tokens; a clear error if it is missing or empty."""
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"data file {path!r} does not exist: pass --data with an existing text "
-                            f"file, or leave --data out to train on the built-in corpus")
-  tokens = np.fromfile(path, dtype=np.uint8)
-  if tokens.size == 0:
-    raise ValueError(f"data file {path!r} is empty: give a file with text in it")
-  return tokens
+  return load_tokens(DataConfig(paths=(path,)), BYTE_VOCAB)
 
 
+# --- batches ---------------------------------------------------------------------------------
 class Batches:
-  """Random windows of seq_len+1 tokens; batch `step` depends only on (seed, step)."""
+  """Random windows of seq_len+1 tokens; batch `step` depends only on (seed, step).
+
+  `batches(step)` is the global (A, B, L+1) batch; `batches(step, rows=(lo, hi))` only its rows
+  lo..hi-1 of every micro-batch, reading only their tokens (what one process feeds its devices).
+  """
 
   def __init__(self, tokens: np.ndarray, micro_batches: int, batch_size: int, seq_len: int,
-               seed: int):
+               seed: int, what: str = "the corpus"):
     if tokens.size < seq_len + 2:
-      raise ValueError(f"the corpus has {tokens.size} tokens, fewer than one sequence of "
+      raise ValueError(f"{what} has {tokens.size} tokens, fewer than one sequence of "
                        f"{seq_len + 1}: use a shorter --seq-len or more data")
     self.tokens, self.seed = tokens, seed
     self.shape = (micro_batches, batch_size, seq_len + 1)
 
-  def __call__(self, step: int) -> np.ndarray:
+  def __call__(self, step: int, rows: tuple[int, int] | None = None) -> np.ndarray:
     A, B, L1 = self.shape
+    lo, hi = rows or (0, B)
     rng = np.random.default_rng([self.seed, step])
-    starts = rng.integers(0, self.tokens.size - L1, size=A * B)
-    windows = self.tokens[starts[:, None] + np.arange(L1)[None, :]]
-    return windows.reshape(A, B, L1).astype(np.int32)
+    starts_AxB = rng.integers(0, self.tokens.size - L1, size=(A, B))[:, lo:hi]
+    windows = self.tokens[starts_AxB[..., None] + np.arange(L1)]
+    return windows.astype(np.int32)
+
+  def process_rows(self, process: int, processes: int) -> tuple[int, int]:
+    """The rows process `process` of `processes` holds: the batch is split over the mesh's
+    (inter, intra) axes, inter-major, so each process's devices hold one contiguous slice."""
+    B = self.shape[1]
+    if B % processes:
+      raise ValueError(f"batch size {B} is not divisible by the {processes} processes")
+    return process * B // processes, (process + 1) * B // processes

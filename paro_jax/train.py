@@ -1,4 +1,4 @@
-"""The training loop behind `paro-jax train`: data, engine, progress, metrics.jsonl."""
+"""The training loop behind `paro-jax train`: data, engine, progress, metrics, checkpoints."""
 
 from __future__ import annotations
 
@@ -6,17 +6,23 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
 from models.llama import Llama, get_config
+from paro_jax.checkpoint import Checkpointer, RunMeta
 from paro_jax.costs import model_state_bytes
-from paro_jax.data import BYTE_VOCAB, Batches, default_corpus, load_text_bytes
-from paro_jax.engine import DTYPES, Engine, OptimConfig
+from paro_jax.data import Batches, DataConfig, load_tokens, split_eval
+from paro_jax.engine import DTYPES, Engine, OptimConfig, TrainState
 from paro_jax.mesh import make_mesh
+from paro_jax.peak import mfu
 from paro_jax.strategy import parse_strategy
+
+CHECKPOINTS = "checkpoints"  # under the run directory
+METRICS = "metrics.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,19 +35,45 @@ class RunConfig:
   seq_len: int = 64
   dtype: str = "bf16"
   collectives: str = "xla"
+  remat: str = "full"  # models/llama.py REMAT_POLICIES
   steps: int = 50
   seed: int = 0
   lr: float = 3e-3
   warmup: int = 10
-  data: str | None = None
+  data: tuple[str, ...] = ()  # files and globs (a str is one path); empty: built-in corpus
+  text_field: str = "text"
+  tokenizer: str | None = None
+  bin_dtype: str | None = None
+  eval_fraction: float = 0.01
+  eval_every: int = 0  # 0: no eval
   out: str = "runs/latest"
+  checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C)
+  keep: int = 3  # checkpoints kept
+  resume: bool = False  # continue from the newest checkpoint in out/checkpoints
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
       raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
-    for name in ("micro_batches", "batch_size", "seq_len", "steps"):
+    for name in ("micro_batches", "batch_size", "seq_len", "steps", "keep"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+    if isinstance(self.data, str):
+      object.__setattr__(self, "data", (self.data,))
+    for name in ("checkpoint_every", "eval_every"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name.replace('_', '-')} must be >= 0 (0: off), got "
+                         f"{getattr(self, name)}")
+    self.data_config()  # its checks
+
+  def data_config(self) -> DataConfig:
+    return DataConfig(paths=tuple(self.data), text_field=self.text_field,
+                      tokenizer=self.tokenizer, bin_dtype=self.bin_dtype,
+                      eval_fraction=self.eval_fraction)
+
+  def data_position(self) -> dict:
+    """Besides (seed, step), what the batch of a step depends on."""
+    return {**dataclasses.asdict(self.data_config()), "micro_batches": self.micro_batches,
+            "batch_size": self.batch_size, "seq_len": self.seq_len}
 
 
 def build(cfg: RunConfig):
@@ -49,65 +81,158 @@ def build(cfg: RunConfig):
   strategy = parse_strategy(cfg.strategy)
   model_cfg = get_config(cfg.model)
   mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
-  tokens = load_text_bytes(cfg.data) if cfg.data else default_corpus()
-  if model_cfg.vocab < BYTE_VOCAB:
-    raise ValueError(f"model {cfg.model} has a vocabulary of {model_cfg.vocab}, smaller than the "
-                     f"byte tokenizer's {BYTE_VOCAB}")
+  tokens, eval_tokens = split_eval(load_tokens(cfg.data_config(), model_cfg.vocab),
+                                  cfg.eval_fraction)
   optim = OptimConfig(learning_rate=cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps)
-  engine = Engine(Llama(model_cfg, DTYPES[cfg.dtype]), strategy, mesh, optim,
+  engine = Engine(Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat), strategy, mesh, optim,
                   micro_batches=cfg.micro_batches, collectives=cfg.collectives)
   engine.check_batch_size(cfg.batch_size)
   batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
-  return engine, batches
+  eval_batches = None
+  if cfg.eval_every:
+    eval_batches = Batches(eval_tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed,
+                           what=f"the eval split (the last {cfg.eval_fraction:g} of the tokens)")
+  return engine, batches, eval_batches
+
+
+def place_batch(engine: Engine, batches: Batches, step: int) -> jax.Array:
+  """Batch `step` on the mesh; with several processes each reads and places only its rows."""
+  if jax.process_count() == 1:
+    return engine.shard_batch(batches(step))
+  rows = batches.process_rows(jax.process_index(), jax.process_count())
+  return engine.shard_local_batch(batches(step, rows), batches.shape)
+
+
+def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
+  return RunMeta(step=step, seed=cfg.seed, model_name=cfg.model,
+                 model_config=dataclasses.asdict(engine.model.cfg), strategy=str(engine.strategy),
+                 mesh=(engine.inter, engine.intra), dtype=cfg.dtype, data=cfg.data_position())
+
+
+def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
+  """A fresh state, or with --resume the newest checkpoint placed for this engine."""
+  if not cfg.resume:
+    if ckpt.steps():
+      raise ValueError(f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}): pass "
+                       f"--resume to continue that run, or another --out to start a new one")
+    return engine.init_state(jax.random.key(cfg.seed))
+  state, meta = ckpt.restore(engine, cfg.model)
+  was = {"seed": meta.seed, **meta.data}
+  now = json.loads(json.dumps({"seed": cfg.seed, **cfg.data_position()}))  # tuples as lists
+  for key in was:
+    if was[key] != now[key]:
+      warnings.warn(f"resuming with {key}={now[key]!r}, but the checkpoint was trained with "
+                    f"{was[key]!r}: the batches after step {meta.step} differ from an "
+                    f"uninterrupted run's", stacklevel=2)
+  print(f"paro-jax: resumed from {ckpt.directory}/{meta.step} (saved by strategy {meta.strategy} "
+        f"on mesh {meta.mesh[0]}x{meta.mesh[1]})", flush=True)
+  return state
+
+
+def kept_rows(metrics_path: str, upto: int) -> list[str]:
+  """The metrics rows of steps <= upto: a resumed run redoes (and rewrites) the later ones."""
+  if not os.path.exists(metrics_path):
+    return []
+  with open(metrics_path) as f:
+    return [line for line in f if line.strip() and json.loads(line)["step"] <= upto]
 
 
 def train(cfg: RunConfig) -> str:
-  """Train and write RUN/metrics.jsonl; returns its path."""
-  engine, batches = build(cfg)
+  """Train and write RUN/metrics.jsonl and RUN/checkpoints; returns the metrics path."""
+  engine, batches, eval_batches = build(cfg)
   model_cfg, inter, intra = engine.model.cfg, engine.inter, engine.intra
   n_params = model_cfg.param_count()
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
   mem = model_state_bytes(engine.strategy, n_params, n_params, inter, intra, itemsize, itemsize)
-  print(f"paro-jax: {cfg.model} ({n_params / 1e6:.2f}M params), strategy {engine.strategy} on "
-        f"mesh {inter}x{intra} ({jax.device_count()} {jax.devices()[0].platform} devices), "
-        f"A={cfg.micro_batches}, batch {cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, "
-        f"collectives={cfg.collectives}; model states {mem['total'] / 2**20:.2f} MiB/device",
-        flush=True)
+  main = jax.process_index() == 0  # with several processes only process 0 logs and writes
+  if main:
+    print(f"paro-jax: {cfg.model} ({n_params / 1e6:.2f}M params), strategy {engine.strategy} on "
+          f"mesh {inter}x{intra} ({jax.device_count()} {jax.devices()[0].platform} devices), "
+          f"A={cfg.micro_batches}, batch {cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, "
+          f"collectives={cfg.collectives}; model states {mem['total'] / 2**20:.2f} MiB/device",
+          flush=True)
 
   os.makedirs(cfg.out, exist_ok=True)
+  ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.keep)
+  state = start_state(cfg, engine, ckpt)
+  start = int(state.step)
+  metrics_path = os.path.join(cfg.out, METRICS)
+  rows = kept_rows(metrics_path, start) if main else []
   tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
-  state = engine.init_state(jax.random.key(cfg.seed))
-  metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-  bar = tqdm(total=cfg.steps, desc=str(engine.strategy), unit="step", dynamic_ncols=True,
-             disable=None)
+  flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
+  device_kind = jax.devices()[0].device_kind
+  # One fixed eval batch, placed once: eval losses are comparable across steps and runs.
+  eval_batch = place_batch(engine, eval_batches, 0) if eval_batches else None
+  bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=str(engine.strategy),
+             unit="step", dynamic_ncols=True, disable=None if main else True)
   last_time = time.perf_counter()
-  with open(metrics_path, "w") as log:
+  saved = start if cfg.resume else None
+
+  def save(state):
+    nonlocal saved
+    step = int(state.step)
+    if step != saved:
+      ckpt.save(state, run_meta(cfg, engine, step))
+      saved = step
+
+  with open(metrics_path if main else os.devnull, "w") as log:
+    log.writelines(rows)
+    log.flush()
 
     def record(step, metrics):
       nonlocal last_time
       jax.block_until_ready(metrics)
       now = time.perf_counter()
       row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-      # Step 1's time includes compilation; later ones are pure step time.
+      # The first step of a process includes compilation; later ones are pure step time.
       row["step_time_s"] = now - last_time
       row["tokens_per_s"] = tokens_per_step / row["step_time_s"]
+      util = mfu(flops_per_step, row["step_time_s"], jax.device_count(), device_kind)
+      if util is not None:
+        row["mfu"] = util
       last_time = now
       log.write(json.dumps(row) + "\n")
       log.flush()
-      bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+      bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                      step=f"{row['step_time_s'] * 1e3:.0f}ms",
+                      mfu="n/a" if util is None else f"{util:.1%}",
+                      **({"eval": f"{row['eval_loss']:.3f}"} if "eval_loss" in row else {}))
       bar.update(1)
-      if bar.disable:  # no terminal: one line per step instead of a bar
+      if bar.disable and main:  # no terminal: one line per step instead of a bar
         print(json.dumps(row), flush=True)
 
     pending = None
-    for step in range(cfg.steps):
-      state, metrics = engine.train_step(state, engine.shard_batch(batches(step)))
-      # Read the previous step's metrics only after the next step is dispatched, so the host
-      # never stalls the device.
+    try:
+      for step in range(start, cfg.steps):
+        state, metrics = engine.train_step(state, place_batch(engine, batches, step))
+        # Read the previous step's metrics only after the next step is dispatched, so the host
+        # never stalls the device.
+        if pending is not None:
+          record(*pending)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+          # Dispatched before the next step takes (donates) the state; read with the metrics.
+          metrics = {**metrics, "eval_loss": engine.eval_loss(state, eval_batch)}
+        pending = (step + 1, metrics)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+          save(state)  # asynchronous: returns once the arrays are copied off the device
       if pending is not None:
         record(*pending)
-      pending = (step + 1, metrics)
-    record(*pending)
+      save(state)
+      ckpt.close()
+    except KeyboardInterrupt:
+      # Stop cleanly: log the finished step, checkpoint it, let the writes complete.
+      if pending is not None:
+        record(*pending)
+      if not any(x.is_deleted() for x in jax.tree.leaves(state)):
+        save(state)
+      ckpt.close()
+      bar.close()
+      if main and saved is not None:
+        print(f"\nparo-jax: stopped; checkpoint step {saved} is in {ckpt.directory}: continue "
+              f"with the same command and --resume", flush=True)
+      raise
   bar.close()
-  print(f"paro-jax: wrote {metrics_path}", flush=True)
+  if main:
+    print(f"paro-jax: wrote {metrics_path} and checkpoint step {saved} in {ckpt.directory}",
+          flush=True)
   return metrics_path
