@@ -11,7 +11,6 @@ sharded one (see paro_jax/engine.py).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -71,10 +70,29 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
+# Not listed in help or errors: a model that compiles and trains in moments, for tests.
+HIDDEN_PRESETS: dict[str, LlamaConfig] = {
+    "test": LlamaConfig(vocab=256, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64),
+}
+
+
 def get_config(name: str) -> LlamaConfig:
+  if name in HIDDEN_PRESETS:
+    return HIDDEN_PRESETS[name]
   if name not in PRESETS:
     raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
   return PRESETS[name]
+
+
+# What each layer keeps for backward. "full": nothing (all of the layer, its weight gather
+# included, is recomputed); "layer": its matmul outputs (less recompute, more activation memory;
+# the weights are still gathered again); "none": no recomputation, so every layer's gathered
+# weights and activations stay alive until backward.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "layer": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "none": None,
+}
 
 
 def _init(std: float, axes: tuple[str, ...]):
@@ -195,7 +213,9 @@ def _identity(tree):
 class Llama:
   """The whole model as three Flax modules (embed, a scanned block, head) and pure functions."""
 
-  def __init__(self, cfg: LlamaConfig, dtype=jnp.float32, remat: bool = True):
+  def __init__(self, cfg: LlamaConfig, dtype=jnp.float32, remat: str = "full"):
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"unknown remat policy {remat!r}; choose one of {tuple(REMAT_POLICIES)}")
     self.cfg, self.dtype, self.remat = cfg, dtype, remat
     self.embed, self.block, self.head = Embed(cfg, dtype), Block(cfg), Head(cfg)
 
@@ -228,6 +248,12 @@ class Llama:
                                   is_leaf=lambda x: isinstance(x, tuple))
     return axes
 
+  def layer_param_count(self) -> int:
+    """Parameters inside the scanned layer stack (the ones recomputed in backward)."""
+    c = self.cfg
+    return c.layers * (c.dim * c.head_dim * (2 * c.heads + 2 * c.kv_heads) + 3 * c.dim * c.mlp
+                       + 2 * c.dim)
+
   def apply(self, params, tokens_BxL, materialize: Callable = _identity):
     """Logits (fp32) for the tokens. `materialize(subtree)` returns full weights for a subtree."""
     sin, cos = rope_tables(tokens_BxL.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
@@ -242,11 +268,12 @@ class Llama:
     def head(head_params, x_BxLxD):
       return self.head.apply({"params": materialize(head_params)}, x_BxLxD)
 
-    if self.remat:
-      # Recompute each piece (its parameter gather included) in backward: only one layer's full
-      # weights are alive at a time, and the layers' activations are not kept.
-      remat = functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-      embed, layer, head = remat(embed), remat(layer), remat(head)
+    if REMAT_POLICIES[self.remat] is not None:
+      # Recompute each layer (its parameter gather included) in backward: only one layer's full
+      # weights are alive at a time. The embedding and head are not recomputed: the head is the
+      # last op of forward and the first of backward, and the embedding's gradient needs only
+      # the token ids.
+      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
     x_BxLxD = embed(params["embed"], tokens_BxL)
     x_BxLxD, _ = lax.scan(layer, x_BxLxD, params["layers"])
     return head(params["head"], x_BxLxD)

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from paro_jax.xla_flags import add_xla_flags
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -40,6 +42,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
   p.add_argument("--collectives", default="xla", choices=["xla", "ring", "hring", "horing"])
+  p.add_argument("--remat", default="full", choices=["full", "layer", "none"],
+                 help="what backward recomputes per layer: full (all, weight gather included), "
+                      "layer (all but matmul outputs), none (keeps every layer's weights)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,25 +56,113 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--seed", type=int, default=0)
   train.add_argument("--lr", type=float, default=3e-3)
   train.add_argument("--warmup", type=int, default=10)
-  train.add_argument("--data", default=None, help="a text file (default: built-in corpus)")
-  train.add_argument("--out", default="runs/latest", help="run directory (metrics.jsonl)")
+  data = train.add_argument_group("data", "text, JSONL and pre-tokenized .bin files (default: "
+                                  "the built-in corpus, Python's standard library sources)")
+  data.add_argument("--data", nargs="+", default=(), metavar="PATH",
+                    help="files and globs: *.jsonl (JSON lines), *.bin (token ids), else text")
+  data.add_argument("--text-field", default="text", help="the JSONL field holding the text")
+  data.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                    help="an HF tokenizer.json (needs the hf extra; default: bytes, vocab 256)")
+  data.add_argument("--bin-dtype", default=None, choices=["uint16", "uint32"],
+                    help=".bin token dtype (default: uint16, or uint32 when the tokenizer's "
+                    "vocab, else the model's, exceeds 65536)")
+  data.add_argument("--eval-fraction", type=float, default=0.01,
+                    help="the last fraction of the tokens held out for eval (default 0.01)")
+  data.add_argument("--eval-every", type=int, default=0, metavar="N",
+                    help="eval loss every N steps (default 0: never)")
+  train.add_argument("--out", default="runs/latest",
+                     help="run directory: metrics.jsonl and checkpoints/")
+  ckpt = train.add_argument_group("checkpoints", "saved asynchronously into OUT/checkpoints/, "
+                                  "also at the end and on Ctrl-C")
+  ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                    help="save every N steps (default 0: only at the end)")
+  ckpt.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K (default 3)")
+  ckpt.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint in OUT (any strategy or mesh)")
+  dist = train.add_argument_group(
+      "multi-process", "one process per node, joined by jax.distributed (auto-detected under "
+      "SLURM srun / Open MPI mpirun); --mesh GxM then counts all processes' devices")
+  dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+  dist.add_argument("--num-processes", type=int, default=None)
+  dist.add_argument("--process-id", type=int, default=None)
+  inspect = sub.add_parser(
+      "inspect", help="compile a training step (no allocation) and report its communication")
+  _add_common(inspect)
+  inspect.add_argument("--json", action="store_true", help="print one JSON object")
+  plot = sub.add_parser("plot", help="PNG of loss (train, eval) and throughput of runs")
+  plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (--out of train)")
+  plot.add_argument("--out", default="runs/plot.png", help="the PNG to write")
+  launch = sub.add_parser(
+      "launch", help="emulate a cluster here: one train process per node, shaped links",
+      usage="paro-jax launch --nodes G --devices-per-node M [options] -- train [train options]",
+      description="Start G `paro-jax train` processes with M virtual CPU devices each, joined by "
+      "jax.distributed; as root with ip/tc each runs in its own network namespace behind a "
+      "shaped link, otherwise on loopback without shaping. Everything after -- is the train "
+      "command; the launcher adds --mesh GxM and the multi-process flags.")
+  launch.add_argument("--nodes", type=int, required=True, help="G: processes (nodes)")
+  launch.add_argument("--devices-per-node", type=int, required=True, help="M: devices per node")
+  launch.add_argument("--inter-bandwidth", default="1gbit", help="tc rate of each node's link")
+  launch.add_argument("--inter-latency", default="0.5ms", help="one-way delay (netem); 0 for none")
+  launch.add_argument("--intra-bandwidth", default=None,
+                      help="tc rate of each node's loopback (intra-node traffic); default unshaped")
+  launch.add_argument("--loopback", action="store_true",
+                      help="plain processes on 127.0.0.1, no namespaces and no shaping")
   return parser
 
 
 def main(argv=None) -> None:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  child_argv = []
+  if argv[:1] == ["launch"] and "--" in argv:  # everything after -- is the child train command
+    cut = argv.index("--")
+    argv, child_argv = argv[:cut], argv[cut + 1:]
   args = build_parser().parse_args(argv)
   try:
+    if args.command == "launch":
+      from paro_jax.launch import launch  # no jax in the launcher process
+
+      sys.exit(launch(child_argv, nodes=args.nodes, devices_per_node=args.devices_per_node,
+                      inter_bandwidth=args.inter_bandwidth, inter_latency=args.inter_latency,
+                      intra_bandwidth=args.intra_bandwidth, shaped=not args.loopback))
+    if args.command == "plot":
+      from paro_jax.plot import plot_runs  # no jax needed
+
+      print(f"paro-jax: wrote {plot_runs(args.runs, args.out)}")
+      return
+    from paro_jax import distributed
+
     mesh = parse_mesh_shape(args.mesh) if args.mesh else None
+    multi = (getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+             getattr(args, "process_id", None))
+    processes = distributed.process_count(*multi)
     if mesh:
-      _provide_cpu_devices(mesh[0] * mesh[1])
+      if (mesh[0] * mesh[1]) % processes:
+        raise ValueError(f"--mesh {args.mesh} has {mesh[0] * mesh[1]} devices, not divisible by "
+                         f"the {processes} processes")
+      _provide_cpu_devices(mesh[0] * mesh[1] // processes)  # per process
+    add_xla_flags()  # GPU collective overlap (HO-Ring); harmless elsewhere
+    distributed.maybe_initialize(*multi)  # before anything touches devices
+    if args.command == "inspect":
+      from paro_jax.inspector import inspect  # imports jax: after the device flag is set
+
+      inspect(model=args.model, strategy=args.strategy, mesh=mesh,
+              micro_batches=args.micro_batches, batch_size=args.batch_size,
+              seq_len=args.seq_len, dtype=args.dtype, collectives=args.collectives,
+              remat=args.remat,
+              as_json=args.json)
     if args.command == "train":
       from paro_jax.train import RunConfig, train  # imports jax: after the device flag is set
 
       train(RunConfig(
           model=args.model, strategy=args.strategy, mesh=mesh, micro_batches=args.micro_batches,
           batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-          collectives=args.collectives, steps=args.steps, seed=args.seed, lr=args.lr,
-          warmup=args.warmup, data=args.data, out=args.out))
-  except (ValueError, FileNotFoundError) as e:
+          collectives=args.collectives, remat=args.remat, steps=args.steps, seed=args.seed, lr=args.lr,
+          warmup=args.warmup, data=tuple(args.data), text_field=args.text_field,
+          tokenizer=args.tokenizer, bin_dtype=args.bin_dtype, eval_fraction=args.eval_fraction,
+          eval_every=args.eval_every, out=args.out,
+          checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume))
+  except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
     print(f"paro-jax: error: {e}", file=sys.stderr)
     sys.exit(2)
+  except KeyboardInterrupt:
+    sys.exit(130)

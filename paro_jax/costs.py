@@ -54,14 +54,23 @@ def _ring(nbytes: float, k: int) -> float:
 
 
 def step_traffic(strategy: Strategy, params: int, trainable: int, inter: int, intra: int,
-                 micro_batches: int, param_bytes: int = 2, grad_bytes: int = 2) -> Traffic:
-  """Expected per-device traffic of one optimizer step of `strategy`, by the schedule's phases."""
+                 micro_batches: int, param_bytes: int = 2, grad_bytes: int = 2,
+                 regathered: int | None = None) -> Traffic:
+  """Expected per-device traffic of one optimizer step of `strategy`, by the schedule's phases.
+
+  `regathered` is how many parameters are gathered a second time in backward (rematerialised);
+  PARO.md's formula assumes all of them (the default); paro_jax's LLaMA recomputes only its
+  layer stack (Llama.layer_param_count), not the embedding and head.
+  """
   s, t = strategy, Traffic()
   k = lambda axes: _group_size(axes, inter, intra)
   full_p, full_g = param_bytes * params, grad_bytes * trainable
+  regathered = params if regathered is None else regathered
   # Per micro-batch: parameters gathered over S(P) in forward and again (remat) in backward.
-  t.add("forward+backward params", s.param_gather_axes,
-        micro_batches * 2 * _ring(full_p, k(s.param_gather_axes)))
+  t.add("forward params", s.param_gather_axes,
+        micro_batches * _ring(full_p, k(s.param_gather_axes)))
+  t.add("backward params (remat)", s.param_gather_axes,
+        micro_batches * _ring(param_bytes * regathered, k(s.param_gather_axes)))
   # Per micro-batch: gradients reduce-scattered over S(Gr) as they leave backward.
   t.add("backward grads", s.grad_scatter_axes,
         micro_batches * _ring(full_g, k(s.grad_scatter_axes)))

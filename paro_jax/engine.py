@@ -138,6 +138,7 @@ class Engine:
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
     self.batch_sharding = NamedSharding(mesh, self.batch_spec)
     self.train_step = jax.jit(self._train_step, donate_argnums=0)
+    self._eval_loss = jax.jit(self._eval_loss_fn)
 
   # --- state -------------------------------------------------------------------------------
   def init_state(self, rng) -> TrainState:
@@ -193,7 +194,49 @@ class Engine:
     return jax.make_array_from_callback(tokens_AxBxL1.shape, self.batch_sharding,
                                         lambda idx: tokens_AxBxL1[idx])
 
+  def shard_local_batch(self, local_tokens, global_shape) -> jax.Array:
+    """Place this process's rows of the global (A, B, L+1) batch (`Batches.process_rows`)."""
+    if global_shape[0] != self.micro_batches:
+      raise ValueError(f"batch has {global_shape[0]} micro-batches, the engine was built for "
+                       f"{self.micro_batches}")
+    self.check_batch_size(global_shape[1])
+    return jax.make_array_from_process_local_data(self.batch_sharding, local_tokens,
+                                                  tuple(global_shape))
+
+  # --- evaluation --------------------------------------------------------------------------
+  def eval_loss(self, state: TrainState, tokens_AxBxL1) -> jax.Array:
+    """Mean next-token loss over a placed batch, forward only, with the step's parameters."""
+    return self._eval_loss(state, tokens_AxBxL1)
+
+  def _eval_loss_fn(self, state, tokens_AxBxL1):
+    params = self.params(state)  # compute dtype, P placement
+    materialize = self._materializer()
+
+    def local_loss(params, tokens_AxBxL1):
+      # Forward only: no gradient reaches the sink, so the parameter itself can stand in.
+      shards = jax.tree.map(lambda p, d: Shard(p, p, d), params, self.dims)
+
+      def micro_loss(_, tokens_BxL1):
+        logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize)
+        return None, next_token_loss(logits, tokens_BxL1[:, 1:])
+
+      _, losses = lax.scan(micro_loss, None, tokens_AxBxL1)
+      # Every device holds the same number of rows: the mean of the local means is the mean.
+      return lax.psum(jnp.mean(losses), ALL_AXES) / (self.inter * self.intra)
+
+    return jax.shard_map(local_loss, mesh=self.mesh, in_specs=(self.specs.params, self.batch_spec),
+                         out_specs=PartitionSpec(),
+                         check_vma=self.collectives == "xla")(params, tokens_AxBxL1)
+
   # --- the step ----------------------------------------------------------------------------
+  def _materializer(self):
+    """The model's `materialize` hook: full weights of a subtree of Shards, each gathered over
+    S(P) just before use, its gradient reduce-scattered over S(Gr) into the Shard's sink."""
+    s = self.strategy
+    gather = _make_gather(s.param_gather_axes, s.grad_scatter_axes, self.collectives)
+    return lambda tree: jax.tree.map(lambda sh: gather(sh.param, sh.sink, sh.dim), tree,
+                                     is_leaf=_is_shard)
+
   def _train_step(self, state: TrainState, tokens_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no
     # varying->invariant cast, so the replication of their outputs cannot be checked. The lax
@@ -211,7 +254,7 @@ class Engine:
 
   def _local_step(self, master, opt_state, tokens_AxBxL1, *, tokens_per_step):
     s, impl, cdt = self.strategy, self.collectives, self.compute_dtype
-    gather = _make_gather(s.param_gather_axes, s.grad_scatter_axes, impl)
+    materialize = self._materializer()
 
     with jax.named_scope("param_sync"):
       params = jax.tree.map(
@@ -224,12 +267,14 @@ class Engine:
 
     sinks = jax.tree.map(sink_like, self.shapes, self.dims)
 
-    def materialize(tree):
-      return jax.tree.map(lambda sh: gather(sh.param, sh.sink, sh.dim), tree, is_leaf=_is_shard)
-
     def micro_step(acc, tokens_BxL1):
+      # Tie the parameters to this micro-batch: otherwise XLA hoists the loop-invariant gathers
+      # (embedding, head) out of the micro-batch loop and keeps their full copies alive for the
+      # whole step, which is not the schedule (nor the memory) the strategy promises.
+      params_mb, _ = lax.optimization_barrier((params, tokens_BxL1))
+
       def loss_fn(sinks):
-        shards = jax.tree.map(lambda p, k, d: Shard(p, k, d), params, sinks, self.dims)
+        shards = jax.tree.map(lambda p, k, d: Shard(p, k, d), params_mb, sinks, self.dims)
         logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize)
         # Each device's share of the step's mean loss: summed over devices and micro-batches
         # it is the mean over all tokens of the step.

@@ -88,3 +88,12 @@ def test_micro_batched_gradients_equal_full_batch(setup):
   accumulated = jax.tree.map(lambda *g: sum(g) / len(g), *micro)
   full = grad(params0, tokens.reshape(A * B, L + 1))
   assert_trees_close(accumulated, full, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("collectives", ["ring", "hring", "horing"])
+@pytest.mark.parametrize("strategy", ["NNN", "NIG", "IIG", "GGG"])
+def test_hand_written_collectives_equal_single_device(setup, strategy, collectives):
+  batches, params0, ref_losses, ref_params = setup
+  losses, params, _, _ = run_engine(strategy, (2, 4), batches, params0, collectives=collectives)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(params, ref_params, atol=2e-5)

@@ -1,0 +1,122 @@
+"""The inspector reads from compiled HLO the traffic that PARO.md's formulas predict."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from models.llama import Llama, LlamaConfig
+from paro_jax import hlo
+from paro_jax.engine import Engine, OptimConfig
+from paro_jax.inspector import compile_step, report
+from paro_jax.mesh import make_mesh
+from paro_jax.strategy import VALID_NAMES, parse_strategy
+
+CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
+
+
+def inspect_report(strategy, micro_batches, collectives="xla", mesh=(2, 4), remat="full",
+                   seq_len=8):
+  engine = Engine(Llama(CFG, jnp.float32, remat), parse_strategy(strategy), make_mesh(*mesh),
+                  OptimConfig(), micro_batches=micro_batches, collectives=collectives)
+  return report(engine, compile_step(engine, batch_size=8, seq_len=seq_len))
+
+
+@pytest.fixture(scope="module")
+def reports():
+  return {(s, a): inspect_report(s, a) for s in VALID_NAMES for a in (1, 4)}
+
+
+@pytest.mark.parametrize("strategy", VALID_NAMES)
+@pytest.mark.parametrize("a", [1, 4])
+def test_measured_bytes_equal_formula(reports, strategy, a):
+  r = reports[(strategy, a)]
+  for key in ("inter_bytes", "intra_bytes"):
+    measured, expected = r["measured"][key], r["expected"][key]
+    # Only scalar metrics (loss, gradient norm) are extra: a few bytes.
+    assert measured == pytest.approx(expected, rel=0.01, abs=64), (key, measured, expected)
+
+
+@pytest.mark.parametrize("strategy", VALID_NAMES)
+def test_inter_traffic_frequency(reports, strategy):
+  one, four = (reports[(strategy, a)]["measured"]["inter_bytes"] for a in (1, 4))
+  p, g, _ = strategy
+  if g in "NI" and p != "G":
+    assert four == pytest.approx(one, rel=0.01, abs=64)  # once per optimizer step
+  else:
+    assert four > 2 * one  # on every micro-batch
+
+
+def test_phases_and_levels_iig(reports):
+  rows = {(c["kind"], c["phase"], c["level"]) for c in reports[("IIG", 4)]["collectives"]}
+  assert ("all-gather", "forward", "intra") in rows
+  assert ("all-gather", "backward (remat)", "intra") in rows
+  assert ("reduce-scatter", "backward", "intra") in rows
+  assert ("reduce-scatter", "gradient sync", "inter") in rows
+  assert ("all-gather", "parameter sync", "inter") in rows
+  assert not any(level != "intra" and phase in ("forward", "backward", "backward (remat)")
+                 for _, phase, level in rows)
+
+
+def test_json_fields(reports):
+  r = json.loads(json.dumps(reports[("GGG", 4)]))
+  assert r["strategy"] == "GGG" and r["mesh"] == {"inter": 2, "intra": 4}
+  assert r["micro_batches"] == 4 and r["params"] == CFG.param_count()
+  assert set(r["measured"]) >= {"inter_bytes", "intra_bytes"}
+  assert set(r["expected"]) >= {"inter_bytes", "intra_bytes"}
+  assert r["collectives"] and r["memory"]["compiled"]["peak_bytes"] > 0
+
+
+def test_horing_sends_on_both_levels():
+  r = inspect_report("IIG", 1, collectives="horing")
+  permutes = [c for c in r["collectives"] if c["kind"] == "collective-permute"]
+  assert {c["level"] for c in permutes} >= {"intra", "inter"}
+  assert not any(c["kind"] in ("all-gather", "reduce-scatter") for c in r["collectives"])
+
+
+def test_remat_policy_trades_memory_for_traffic():
+  r = {p: inspect_report("GGG", 2, remat=p, seq_len=64) for p in ("full", "layer", "none")}
+  peak = {p: r[p]["memory"]["compiled"]["peak_bytes"] for p in r}
+  assert peak["full"] < peak["layer"] < peak["none"]
+  # Without remat the layer weights are not gathered again in backward.
+  inter = {p: r[p]["measured"]["inter_bytes"] for p in r}
+  assert inter["none"] < inter["layer"] == pytest.approx(inter["full"])
+  for p in r:
+    assert inter[p] == pytest.approx(r[p]["expected"]["inter_bytes"], rel=0.01)
+
+
+SYNTHETIC = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ag = f32[16]{0} all-gather(%x), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(f)/shard_map/micro_batches/while/body/all_gather"}
+  %cp = f32[8]{0} collective-permute(%x), channel_id=2, source_target_pairs={{0,1},{1,0},{4,5},{5,4}}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %ar = f32[8]{0} all-reduce(%a), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add, metadata={op_name="jit(f)/shard_map/grad_sync/psum"}
+  ROOT %r = f32[8]{0} copy(%a)
+}
+"""
+
+
+def test_hlo_parser_on_synthetic_module():
+  found = {c.name: c for c in hlo.parse_collectives(SYNTHETIC)}
+  ag, cp, ar = found["ag"], found["cp"], found["ar"]
+  assert ag.count == 5 and cp.count == 5 and ar.count == 1
+  # [4,2]<=[2,4]T(1,0): groups are the columns of the 2x4 mesh: {0,4}, {1,5}, ...
+  assert ag.groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert hlo.level_of(ag, intra=4) == "inter" and hlo.phase_of(ag.op_name) == "forward"
+  assert hlo.device_bytes(ag, 8)[0] == pytest.approx(0.5 * 64)
+  assert hlo.level_of(cp, intra=4) == "intra" and hlo.device_bytes(cp, 8) == {
+      0: 32, 1: 32, 4: 32, 5: 32}
+  assert hlo.level_of(ar, intra=4) == "global" and hlo.phase_of(ar.op_name) == "gradient sync"
+  assert hlo.device_bytes(ar, 8)[3] == pytest.approx(2 * 7 / 8 * 32)
