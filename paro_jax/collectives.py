@@ -321,52 +321,27 @@ def _ar_impl(x, axes, impl):
 # --------------------------------------------------------------------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _ag(x, axes, dim, impl):
-  return _ag_impl(x, axes, dim, impl)
+def _with_transpose(forward, transpose, n_static: int):
+  """`forward(x, axes, *static)` as a custom_vjp whose backward is `transpose` (same impl)."""
+
+  @partial(jax.custom_vjp, nondiff_argnums=tuple(range(1, 1 + n_static)))
+  def op(x, *static):
+    return forward(x, *static)
+
+  def fwd(x, *static):
+    return forward(x, *static), None
+
+  def bwd(*args):  # (*static, residual, cotangent)
+    static, g = args[:n_static], args[-1]
+    return (transpose(_to_varying(g, static[0]), *static),)
+
+  op.defvjp(fwd, bwd)
+  return op
 
 
-def _ag_fwd(x, axes, dim, impl):
-  return _ag_impl(x, axes, dim, impl), None
-
-
-def _ag_bwd(axes, dim, impl, _, g):
-  return (_rs_impl(_to_varying(g, axes), axes, dim, impl),)
-
-
-_ag.defvjp(_ag_fwd, _ag_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _rs(x, axes, dim, impl):
-  return _rs_impl(x, axes, dim, impl)
-
-
-def _rs_fwd(x, axes, dim, impl):
-  return _rs_impl(x, axes, dim, impl), None
-
-
-def _rs_bwd(axes, dim, impl, _, g):
-  return (_ag_impl(_to_varying(g, axes), axes, dim, impl),)
-
-
-_rs.defvjp(_rs_fwd, _rs_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _ar(x, axes, impl):
-  return _ar_impl(x, axes, impl)
-
-
-def _ar_fwd(x, axes, impl):
-  return _ar_impl(x, axes, impl), None
-
-
-def _ar_bwd(axes, impl, _, g):
-  return (_ar_impl(_to_varying(g, axes), axes, impl),)
-
-
-_ar.defvjp(_ar_fwd, _ar_bwd)
+_ag = _with_transpose(_ag_impl, _rs_impl, 3)  # (axes, dim, impl)
+_rs = _with_transpose(_rs_impl, _ag_impl, 3)
+_ar = _with_transpose(_ar_impl, _ar_impl, 2)  # (axes, impl)
 
 
 # --------------------------------------------------------------------------
