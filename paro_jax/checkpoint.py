@@ -183,7 +183,12 @@ def check_model(meta: RunMeta, engine: Engine, model_name: str | None, where: st
   raise ValueError(
       f"checkpoint {where} is for model {meta.model_name!r} {meta.model_config}, but this run "
       f"builds model {model_name!r} {mine} (checkpoint vs run: {differ}). Resume with "
-      f"--model {meta.model_name}, or start a new run with another --out")
+      f"{_model_flag(meta.model_name)}, or start a new run with another --out")
+
+
+def _model_flag(model_name: str) -> str:
+  """The train flag that rebuilds a recorded model: a preset, or HF weights (`hf:DIR`)."""
+  return f"--init-from {model_name[3:]}" if model_name.startswith("hf:") else f"--model {model_name}"
 
 
 def _describe(failures) -> str:

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
   ckpt.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K (default 3)")
   ckpt.add_argument("--resume", action="store_true",
                     help="continue from the newest checkpoint in OUT (any strategy or mesh)")
+  train.add_argument("--init-from", default=None, metavar="HF_DIR",
+                     help="start from the weights of an HF LlamaForCausalLM directory (config.json "
+                     "+ safetensors); its config.json defines the model and --model is ignored. "
+                     "Pass it again with --resume")
   dist = train.add_argument_group(
       "multi-process", "one process per node, joined by jax.distributed (auto-detected under "
       "SLURM srun / Open MPI mpirun); --mesh GxM then counts all processes' devices")
@@ -92,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
   plot = sub.add_parser("plot", help="PNG of loss (train, eval) and throughput of runs")
   plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (--out of train)")
   plot.add_argument("--out", default="runs/plot.png", help="the PNG to write")
+  export = sub.add_parser("export", help="the newest checkpoint of a run as an HF LLaMA directory")
+  export.add_argument("--run", required=True, metavar="RUN_DIR", help="a run directory (--out of "
+                      "train)")
+  export.add_argument("--out", required=True, metavar="HF_DIR",
+                      help="directory to write config.json and model.safetensors (fp32) into")
   launch = sub.add_parser(
       "launch", help="emulate a cluster here: one train process per node, shaped links",
       usage="paro-jax launch --nodes G --devices-per-node M [options] -- train [train options]",
@@ -129,6 +138,12 @@ def main(argv=None) -> None:
 
       print(f"paro-jax: wrote {plot_runs(args.runs, args.out)}")
       return
+    if args.command == "export":
+      from paro_jax.export import export_run  # one device: no device flags needed
+
+      step = export_run(args.run, args.out)
+      print(f"paro-jax: wrote checkpoint step {step} of {args.run} to {args.out}")
+      return
     from paro_jax import distributed
 
     mesh = parse_mesh_shape(args.mesh) if args.mesh else None
@@ -160,7 +175,8 @@ def main(argv=None) -> None:
           warmup=args.warmup, data=tuple(args.data), text_field=args.text_field,
           tokenizer=args.tokenizer, bin_dtype=args.bin_dtype, eval_fraction=args.eval_fraction,
           eval_every=args.eval_every, out=args.out,
-          checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume))
+          checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume,
+          init_from=args.init_from))
   except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
     print(f"paro-jax: error: {e}", file=sys.stderr)
     sys.exit(2)

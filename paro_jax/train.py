@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from models.hf import load_hf, read_config
 from models.llama import Llama, get_config
 from paro_jax.checkpoint import Checkpointer, RunMeta
 from paro_jax.costs import model_state_bytes
@@ -50,6 +51,8 @@ class RunConfig:
   checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C)
   keep: int = 3  # checkpoints kept
   resume: bool = False  # continue from the newest checkpoint in out/checkpoints
+  init_from: str | None = None  # an HF LLaMA directory: the model (`model` is ignored) and,
+  # in a fresh run, the starting weights
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -79,7 +82,7 @@ class RunConfig:
 def build(cfg: RunConfig):
   """Model, engine and batches for a run; every bad input fails here, before any compile."""
   strategy = parse_strategy(cfg.strategy)
-  model_cfg = get_config(cfg.model)
+  model_cfg = read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)
   mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
   tokens, eval_tokens = split_eval(load_tokens(cfg.data_config(), model_cfg.vocab),
                                   cfg.eval_fraction)
@@ -103,20 +106,29 @@ def place_batch(engine: Engine, batches: Batches, step: int) -> jax.Array:
   return engine.shard_local_batch(batches(step, rows), batches.shape)
 
 
+def model_name(cfg: RunConfig) -> str:
+  """The preset, or `hf:DIR` for a run started from HF weights."""
+  return f"hf:{cfg.init_from}" if cfg.init_from else cfg.model
+
+
 def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
-  return RunMeta(step=step, seed=cfg.seed, model_name=cfg.model,
+  return RunMeta(step=step, seed=cfg.seed, model_name=model_name(cfg),
                  model_config=dataclasses.asdict(engine.model.cfg), strategy=str(engine.strategy),
                  mesh=(engine.inter, engine.intra), dtype=cfg.dtype, data=cfg.data_position())
 
 
 def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
-  """A fresh state, or with --resume the newest checkpoint placed for this engine."""
+  """A fresh state (random, or --init-from's weights), or with --resume the newest checkpoint
+  placed for this engine."""
   if not cfg.resume:
     if ckpt.steps():
       raise ValueError(f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}): pass "
                        f"--resume to continue that run, or another --out to start a new one")
+    if cfg.init_from:
+      _, params = load_hf(cfg.init_from)  # its config is the engine's (build read it)
+      return engine.state_from_params(params)
     return engine.init_state(jax.random.key(cfg.seed))
-  state, meta = ckpt.restore(engine, cfg.model)
+  state, meta = ckpt.restore(engine, model_name(cfg))
   was = {"seed": meta.seed, **meta.data}
   now = json.loads(json.dumps({"seed": cfg.seed, **cfg.data_position()}))  # tuples as lists
   for key in was:
@@ -146,11 +158,11 @@ def train(cfg: RunConfig) -> str:
   mem = model_state_bytes(engine.strategy, n_params, n_params, inter, intra, itemsize, itemsize)
   main = jax.process_index() == 0  # with several processes only process 0 logs and writes
   if main:
-    print(f"paro-jax: {cfg.model} ({n_params / 1e6:.2f}M params), strategy {engine.strategy} on "
-          f"mesh {inter}x{intra} ({jax.device_count()} {jax.devices()[0].platform} devices), "
-          f"A={cfg.micro_batches}, batch {cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, "
-          f"collectives={cfg.collectives}; model states {mem['total'] / 2**20:.2f} MiB/device",
-          flush=True)
+    print(f"paro-jax: {model_name(cfg)} ({n_params / 1e6:.2f}M params), strategy "
+          f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
+          f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
+          f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={cfg.collectives}; model "
+          f"states {mem['total'] / 2**20:.2f} MiB/device", flush=True)
 
   os.makedirs(cfg.out, exist_ok=True)
   ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.keep)

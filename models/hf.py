@@ -1,0 +1,240 @@
+"""Hugging Face LLaMA weights: read and write `LlamaForCausalLM` directories (safetensors).
+
+`load_hf(directory)` reads `config.json` and `model.safetensors` (or the shards listed in
+`model.safetensors.index.json`) into a `LlamaConfig` and our fp32 parameter tree;
+`save_hf(cfg, params, directory)` writes the same two files back. Neither needs torch.
+
+HF stores each `nn.Linear` weight as (out, in); ours are (in, out) with the heads split out:
+  q_proj (H*K, D) -> wq (D, H, K)      o_proj (D, H*K) -> wo (H, K, D)
+  k_proj, v_proj (G*K, D) -> (D, G, K)  gate_proj, up_proj (F, D) -> (D, F)
+  down_proj (D, F) -> w_down (F, D)     lm_head (V, D) -> head/kernel (D, V)
+Both sides use the "rotate_half" RoPE layout (first half / second half of each head), so the
+query and key weights need no permutation. Per-layer tensors are stacked on a leading axis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so bf16 safetensors load
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from models.llama import LlamaConfig
+
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+_IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry; recomputed here
+
+
+def _layer_map(c: LlamaConfig) -> dict:
+  """Per-layer HF tensor suffix -> (our path, HF shape, HF -> ours, ours -> HF)."""
+  D, H, G, K, F = c.dim, c.heads, c.kv_heads, c.head_dim, c.mlp
+  split = lambda n: (lambda w: w.T.reshape(D, n, K), lambda w: w.reshape(D, n * K).T)
+  t = (lambda w: w.T, lambda w: w.T)
+  same = (lambda w: w, lambda w: w)
+  return {
+      "self_attn.q_proj.weight": (("attn", "wq"), (H * K, D), *split(H)),
+      "self_attn.k_proj.weight": (("attn", "wk"), (G * K, D), *split(G)),
+      "self_attn.v_proj.weight": (("attn", "wv"), (G * K, D), *split(G)),
+      "self_attn.o_proj.weight": (("attn", "wo"), (D, H * K),
+                                  lambda w: w.T.reshape(H, K, D), lambda w: w.reshape(H * K, D).T),
+      "mlp.gate_proj.weight": (("mlp", "w_gate"), (F, D), *t),
+      "mlp.up_proj.weight": (("mlp", "w_up"), (F, D), *t),
+      "mlp.down_proj.weight": (("mlp", "w_down"), (D, F), *t),
+      "input_layernorm.weight": (("attn_norm", "scale"), (D,), *same),
+      "post_attention_layernorm.weight": (("mlp_norm", "scale"), (D,), *same),
+  }
+
+
+def _global_map(c: LlamaConfig) -> dict:
+  """HF tensor name -> (our path, HF shape, HF -> ours, ours -> HF) outside the layer stack."""
+  return {
+      "model.embed_tokens.weight": (("embed", "embedding"), (c.vocab, c.dim),
+                                    lambda w: w, lambda w: w),
+      "model.norm.weight": (("head", "norm", "scale"), (c.dim,), lambda w: w, lambda w: w),
+      "lm_head.weight": (("head", "kernel"), (c.vocab, c.dim), lambda w: w.T, lambda w: w.T),
+  }
+
+
+# --- config ----------------------------------------------------------------------------------
+def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
+  """Our LlamaConfig for an HF LLaMA config.json (as a dict); anything we cannot run is an error."""
+
+  def refuse(why):
+    raise ValueError(f"{where}: unsupported HF config: {why}")
+
+  archs = hf.get("architectures") or []
+  if hf.get("model_type", "llama") != "llama" or (archs and "LlamaForCausalLM" not in archs):
+    refuse(f"model_type {hf.get('model_type')!r}, architectures {archs}: only LLaMA "
+           f"(LlamaForCausalLM) is supported")
+  missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                         "intermediate_size") if k not in hf]
+  if missing:
+    refuse(f"missing field(s) {', '.join(missing)}")
+  if hf.get("tie_word_embeddings", False):
+    refuse("tie_word_embeddings is true, but our model has a separate output head (lm_head)")
+  for key in ("attention_bias", "mlp_bias"):
+    if hf.get(key, False):
+      refuse(f"{key} is true; our model has no biases")
+  if hf.get("hidden_act", "silu") != "silu":
+    refuse(f"hidden_act {hf['hidden_act']!r}; our MLP is SwiGLU (silu)")
+  if hf.get("rope_scaling"):
+    refuse(f"rope_scaling {hf['rope_scaling']}; only plain RoPE (no scaling) is supported")
+  rope = hf.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta here
+  if rope.get("rope_type", "default") != "default":
+    refuse(f"rope_parameters {rope}; only plain RoPE (rope_type 'default') is supported")
+  heads, dim = hf["num_attention_heads"], hf["hidden_size"]
+  head_dim = hf.get("head_dim")
+  if head_dim is None:
+    if dim % heads:
+      refuse(f"hidden_size {dim} is not a multiple of num_attention_heads {heads} and no "
+             f"head_dim is given")
+    head_dim = dim // heads
+  kv_heads = hf.get("num_key_value_heads") or heads
+  try:
+    return LlamaConfig(vocab=hf["vocab_size"], dim=dim, layers=hf["num_hidden_layers"],
+                       heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                       mlp=hf["intermediate_size"],
+                       rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
+                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                       init_std=float(hf.get("initializer_range", 0.02)))
+  except ValueError as e:
+    refuse(str(e))
+
+
+def config_to_hf(c: LlamaConfig) -> dict:
+  """The config.json of a LlamaForCausalLM with our model's shapes."""
+  return {
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "vocab_size": c.vocab, "hidden_size": c.dim, "num_hidden_layers": c.layers,
+      "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
+      "intermediate_size": c.mlp, "hidden_act": "silu", "rms_norm_eps": c.norm_eps,
+      "rope_theta": c.rope_theta, "rope_scaling": None,
+      "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+      "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+      "initializer_range": c.init_std, "torch_dtype": "float32",
+  }
+
+
+def read_config(directory: str) -> LlamaConfig:
+  """Only the model config of an HF LLaMA directory (no weights are read)."""
+  path = os.path.join(_check_dir(directory), CONFIG)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{directory} has no {CONFIG}: not an HF model directory")
+  try:
+    with open(path) as f:
+      hf = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  return config_from_hf(hf, path)
+
+
+# --- weights ---------------------------------------------------------------------------------
+def _check_dir(directory: str) -> str:
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"HF model directory {directory} does not exist (or is not a "
+                            f"directory); pass a local directory holding config.json and "
+                            f"model.safetensors")
+  return directory
+
+
+def _read_tensors(directory: str) -> dict[str, np.ndarray]:
+  single, index = os.path.join(directory, WEIGHTS), os.path.join(directory, INDEX)
+  if os.path.isfile(single):
+    return load_file(single)
+  if os.path.isfile(index):
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index} has no weight_map")
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+      path = os.path.join(directory, shard)
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"{index} lists shard {shard}, which is missing from {directory}")
+      tensors.update(load_file(path))
+    return tensors
+  others = [n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth"))]
+  hint = (f" (it holds {', '.join(sorted(others))}: convert them to safetensors first)"
+          if others else "")
+  raise FileNotFoundError(f"{directory} has neither {WEIGHTS} nor {INDEX}{hint}")
+
+
+def _take(tensors: dict, name: str, shape: tuple, where: str) -> np.ndarray:
+  if name not in tensors:
+    raise ValueError(f"{where}: tensor {name} is missing")
+  w = tensors.pop(name)
+  if tuple(w.shape) != tuple(shape):
+    raise ValueError(f"{where}: tensor {name} has shape {tuple(w.shape)}, but config.json "
+                     f"implies {tuple(shape)}")
+  return np.asarray(w, np.float32)
+
+
+def _put(tree: dict, path: tuple, value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def load_hf(directory: str) -> tuple[LlamaConfig, dict]:
+  """(config, fp32 parameter tree as numpy arrays) of a local HF LLaMA directory."""
+  cfg = read_config(directory)
+  tensors = _read_tensors(directory)
+  params: dict = {}
+  for name, (path, shape, to_ours, _) in _global_map(cfg).items():
+    _put(params, path, to_ours(_take(tensors, name, shape, directory)))
+  for suffix, (path, shape, to_ours, _) in _layer_map(cfg).items():
+    stack = [to_ours(_take(tensors, f"model.layers.{i}.{suffix}", shape, directory))
+             for i in range(cfg.layers)]
+    _put(params, ("layers", *path), np.stack(stack))
+  extra = sorted(n for n in tensors if not n.endswith(_IGNORED))
+  if extra:
+    raise ValueError(f"{directory}: unexpected tensor(s) {', '.join(extra[:8])}"
+                     f"{' ...' if len(extra) > 8 else ''} (is num_hidden_layers right?)")
+  return cfg, params
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict:
+  """Our parameter tree's shapes for `cfg`, as tuples."""
+  shapes: dict = {}
+  for path, shape, to_ours, _ in _global_map(cfg).values():
+    _put(shapes, path, to_ours(np.empty(shape, np.float32)).shape)
+  for path, shape, to_ours, _ in _layer_map(cfg).values():
+    _put(shapes, ("layers", *path), (cfg.layers, *to_ours(np.empty(shape, np.float32)).shape))
+  return shapes
+
+
+def save_hf(cfg: LlamaConfig, params: dict, directory: str) -> str:
+  """Write `params` (our tree, any array type) as an fp32 HF LlamaForCausalLM directory."""
+  tensors, shapes = {}, expected_shapes(cfg)
+
+  def fetch(path):
+    try:
+      w = np.asarray(_get(params, path), np.float32)
+    except (KeyError, TypeError) as e:
+      raise ValueError(f"params has no {'/'.join(path)}") from e
+    want = _get(shapes, path)
+    if w.shape != tuple(want):
+      raise ValueError(f"params {'/'.join(path)} has shape {w.shape}, but the config implies "
+                       f"{tuple(want)}")
+    return w
+
+  for name, (path, _, _, to_hf) in _global_map(cfg).items():
+    tensors[name] = np.ascontiguousarray(to_hf(fetch(path)))
+  for suffix, (path, _, _, to_hf) in _layer_map(cfg).items():
+    stack = fetch(("layers", *path))
+    for i in range(cfg.layers):
+      tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stack[i]))
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, CONFIG), "w") as f:
+    json.dump(config_to_hf(cfg), f, indent=2)
+    f.write("\n")
+  save_file(tensors, os.path.join(directory, WEIGHTS), metadata={"format": "pt"})
+  return directory

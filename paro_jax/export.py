@@ -1,0 +1,54 @@
+"""`paro-jax export`: the newest checkpoint of a training run as an HF LLaMA directory.
+
+The checkpoint is restored through paro_jax.checkpoint onto a one-device engine (strategy NNN,
+mesh 1x1) built for the model config the checkpoint records; its fp32 master weights are written
+with models.hf.save_hf.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.hf import save_hf
+from models.llama import Llama, LlamaConfig
+from paro_jax.checkpoint import Checkpointer
+from paro_jax.engine import Engine, OptimConfig
+from paro_jax.mesh import make_mesh
+from paro_jax.strategy import parse_strategy
+
+CHECKPOINTS = "checkpoints"  # under the run directory, as paro_jax.train writes it
+
+
+def _newest_meta(ckpt: Checkpointer):
+  """The metadata of the newest checkpoint whose metadata reads."""
+  for step in reversed(ckpt.steps()):
+    try:
+      return ckpt.read_meta(step)
+    except Exception:  # noqa: BLE001, S112 - a damaged step: restore() below skips it too
+      continue
+  raise ValueError(f"no readable checkpoint in {ckpt.directory}")
+
+
+def export_run(run_dir: str, out: str) -> int:
+  """Write the newest checkpoint of `run_dir` (train's --out) to `out`; returns its step."""
+  directory = os.path.join(run_dir, CHECKPOINTS)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"{run_dir} has no {CHECKPOINTS}/ directory: pass the --out of a "
+                            f"`paro-jax train` run")
+  ckpt = Checkpointer(directory)
+  try:
+    if not ckpt.steps():
+      raise FileNotFoundError(f"no checkpoint in {directory} to export")
+    meta = _newest_meta(ckpt)
+    cfg = LlamaConfig(**meta.model_config)
+    engine = Engine(Llama(cfg, jnp.float32), parse_strategy("NNN"),
+                    make_mesh(1, 1, jax.devices()[:1]), OptimConfig())
+    state, meta = ckpt.restore(engine, meta.model_name)
+  finally:
+    ckpt.close()
+  save_hf(cfg, jax.tree.map(np.asarray, state.master), out)
+  return meta.step
