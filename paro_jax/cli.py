@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
       usage="paro-jax launch --nodes G --devices-per-node M [options] -- train [train options]",
       description="Start G `paro-jax train` processes with M virtual CPU devices each, joined by "
       "jax.distributed; as root with ip/tc each runs in its own network namespace behind a "
-      "shaped link, otherwise on loopback without shaping. Everything after -- is the train "
-      "command; the launcher adds --mesh GxM and the multi-process flags.")
+      "shaped link, otherwise on loopback without shaping. Everything after -- is the per-node "
+      "command: `train ...` or `python SCRIPT [args]`; the launcher adds --mesh GxM and the "
+      "multi-process flags.")
   launch.add_argument("--nodes", type=int, required=True, help="G: processes (nodes)")
   launch.add_argument("--devices-per-node", type=int, required=True, help="M: devices per node")
   launch.add_argument("--inter-bandwidth", default="1gbit", help="tc rate of each node's link")
