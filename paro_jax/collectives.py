@@ -16,14 +16,16 @@ Implementations (``impl``), all exactly equal to the ``lax`` reference:
   runs the minor axis first then the major one (``('intra', 'inter')``:
   inter, then intra); reduce-scatter runs major first then minor (intra, then
   inter).
-* ``"horing"`` -- hierarchical *overlapping* ring (PaRO).  The payload is split
-  in two halves; half A runs the hierarchical ring in one level order, half B
-  in the opposite order, and the two are interleaved step by step.  Within a
-  step the two ppermutes belong to different halves, so neither depends on the
-  other, and while A is on its first level B is on the other axis: intra and
-  inter links are busy at the same time (with equal axis sizes, every step
-  has exactly one intra and one inter ppermute).
-
+* ``"horing"`` -- hierarchical *overlapping* ring (PaRO): a pipelined 2D
+  schedule sending exactly hring's bytes on each level.  All-gather over
+  ``('intra', 'inter')`` (g nodes, m devices each): the inter ring forwards
+  single chunks (g-1 steps) while the intra ring runs g sub-rounds of m-1
+  steps, sub-round j gathering over the node the chunk the inter ring
+  delivered at its step j; global step t pairs intra step t with inter step
+  t+1, which never depend on each other (g*(m-1) steps).  Reduce-scatter is
+  the transpose: intra reduce-scatter sub-rounds in the reverse order, the
+  inter ring reducing the finished partial sums beside them.  With one
+  level of size 1, or more than two axes, it is the ring / hring.
 For a single axis ``hring`` and ``horing`` are the ring.
 
 Hand-written ppermute collectives return values typed *varying* over ``axes``
@@ -223,29 +225,107 @@ def _run(gen):
     return stop.value
 
 
-def _run_zipped(*gens):
-  """Advance all generators one ppermute at a time, round-robin."""
-  results = [None] * len(gens)
-  live = list(range(len(gens)))
-  while live:
-    for i in list(live):
-      try:
-        next(gens[i])
-      except StopIteration as stop:
-        results[i] = stop.value
-        live.remove(i)
-  return results
+def _tie(x, after, idx):
+  """``x``, made to depend on ``after`` (same shape); ``idx`` is a device index (>= 0).
+
+  A select on a predicate that always holds at run time but is not a
+  compile-time constant: a real data dependency (an optimization barrier is
+  dropped by XLA:CPU), no change to the value, one cheap elementwise pass.
+  Used to chain the intra sub-rounds of HO-Ring into one sequence, so the
+  schedule is the one XLA runs (and the one the HLO shows).
+  """
+  return lax.select(jnp.broadcast_to(idx >= 0, x.shape), x, after)
 
 
-def _split_halves(x, lead: int):
-  """Flatten dims after ``lead`` into one, pad to even: returns (A, B, L)."""
-  shape = x.shape
-  L = math.prod(shape[lead:])
-  flat = x.reshape(shape[:lead] + (L,))
-  if L % 2:
-    flat = jnp.concatenate([flat, jnp.zeros(shape[:lead] + (1,), flat.dtype)], axis=-1)
-  h = flat.shape[-1] // 2
-  return flat[..., :h], flat[..., h:], L
+def _horing_ag(x, axes: tuple):
+  """HO-Ring all-gather over two axes ``(A, B)`` (major, minor); returns [nA*nB, *x.shape].
+
+  With ``axes=('intra', 'inter')``: B = inter (size g, index k), A = intra
+  (size m, index l); device (k, l) holds chunk c[l*g + k].
+
+  * Inter ring (g-1 steps, single chunks, k -> k+1): step e forwards the chunk
+    received at step e-1 (its own at e=1); after it the device holds column
+    chunk c[l*g + (k-e) mod g].
+  * Intra ring: g sub-rounds of m-1 steps; sub-round j is a ring all-gather
+    over A of column chunk c[l*g + (k-j) mod g] (from inter step j).
+  * Global step t runs intra step t (sub-round t // (m-1)) and inter step
+    t+1 (if t+1 <= g-1).  Sub-round j starts at step j*(m-1) >= j and needs
+    inter step j, finished at step j-1: within a step the two permutes are
+    independent.  g*(m-1) steps; per level exactly hring's bytes
+    (inter: g-1 chunks, intra: g*(m-1) chunks).
+  """
+  A, B = axes
+  m, g = _sizes(axes)
+  l = lax.axis_index(A)
+  kb = lax.axis_index(B)
+  name_a, perm_a = _ring_perm((A,), -1)  # intra: receive from l+1
+  name_b, perm_b = _ring_perm((B,), +1)  # inter: send to k+1
+  cols, inter = [x], x  # cols[j] = c[l*g + (k-j) mod g]
+  rounds, parts, prev = [], None, None
+  for t in range(g * (m - 1)):
+    j, s = divmod(t, m - 1)
+    if t + 1 <= g - 1:
+      inter = lax.ppermute(inter, name_b, perm_b)
+      cols.append(inter)
+    if s == 0:
+      parts = [cols[j]]
+      send = cols[j] if prev is None else _tie(cols[j], prev, l)
+    else:
+      send = prev
+    prev = lax.ppermute(send, name_a, perm_a)
+    parts.append(prev)  # parts[s] = chunk of intra index (l + s) mod m
+    if s == m - 2:
+      rounds.append(jnp.roll(jnp.stack(parts), l, axis=0))
+  R = jnp.stack(rounds)  # R[j, l'] = c[l'*g + (k-j) mod g]
+  # reorder j -> q = (k - j) mod g:  out[q] = R[(k - q) mod g]
+  R = jnp.roll(jnp.flip(R, axis=0), kb + 1, axis=0)
+  return jnp.swapaxes(R, 0, 1).reshape((m * g,) + x.shape)
+
+
+def _horing_rs(x, axes: tuple):
+  """HO-Ring reduce-scatter over ``(A, B)`` of stacked ``x`` ([nA*nB, *S]); returns S.
+
+  The transpose of :func:`_horing_ag`.  With ``axes=('intra', 'inter')``
+  (B = inter, size g, index k; A = intra, size m, index l):
+
+  * Intra ring: g sub-rounds of m-1 steps in the reverse order
+    j = g-1, ..., 0; sub-round j is a ring reduce-scatter over A (partial
+    sums l -> l+1) of the column chunks x[l'*g + (k-j) mod g]; it leaves
+    P_j = sum over the node of chunk l*g + (k-j) mod g, the node's share of
+    the result of device (k-j, l).
+  * Inter ring (g-1 steps, single chunks, k -> k-1): step e sends
+    (received partial +) P_{g-e}; after step g-1 the device adds P_0.
+  * Global step t runs intra step t; inter step e needs P_{g-e}, complete at
+    the end of step e*(m-1)-1, so it runs at step e*(m-1), beside the first
+    intra step of the next sub-round, which does not depend on it.
+    g*(m-1) steps; per level exactly hring's bytes.
+  """
+  A, B = axes
+  m, g = _sizes(axes)
+  S = x.shape[1:]
+  l = lax.axis_index(A)
+  kb = lax.axis_index(B)
+  name_a, perm_a = _ring_perm((A,), +1)  # intra partial sums: l -> l+1
+  name_b, perm_b = _ring_perm((B,), -1)  # inter partial sums: k -> k-1
+  X = x.reshape((m, g) + S)
+  P, inter, prev = {}, None, None
+  for t in range(g * (m - 1)):
+    r, s = divmod(t, m - 1)  # sub-round r reduces column j
+    j = g - 1 - r
+    e = r  # inter step e runs at t = e*(m-1)
+    if s == 0 and 1 <= e <= g - 1:  # inter step e, beside intra step t
+      send = P[g - e] if e == 1 else inter + P[g - e]
+      inter = lax.ppermute(send, name_b, perm_b)
+    if s == 0:
+      Y = lax.dynamic_index_in_dim(X, (kb - j) % g, axis=1, keepdims=False)  # [m, *S]
+      acc = _take(Y, (l - 1) % m)
+      if prev is not None:
+        acc = _tie(acc, prev, l)
+    prev = lax.ppermute(acc, name_a, perm_a)
+    acc = prev + _take(Y, (l - 2 - s) % m)
+    if s == m - 2:
+      P[j] = acc
+  return inter + P[0]
 
 
 # --------------------------------------------------------------------------
@@ -260,12 +340,12 @@ def _ag_stacked(x, axes: tuple, impl: str):
   if impl == "hring":
     out = _run(_hier_ag_gen(x, axes, tuple(reversed(axes))))
     return out.reshape((k,) + x.shape)
-  # horing
-  a, b, L = _split_halves(x, 0)
-  fwd, bwd = tuple(reversed(axes)), tuple(axes)
-  ra, rb = _run_zipped(_hier_ag_gen(a, axes, fwd), _hier_ag_gen(b, axes, bwd))
-  out = jnp.concatenate([ra, rb], axis=-1).reshape(k, -1)[:, :L]
-  return out.reshape((k,) + x.shape)
+  if len(axes) > 2:  # horing is defined for two levels; more: the hierarchical ring
+    out = _run(_hier_ag_gen(x, axes, tuple(reversed(axes))))
+    return out.reshape((k,) + x.shape)
+  if 1 in _sizes(axes):  # one level only
+    return _run(_ring_ag_gen(x, axes))
+  return _horing_ag(x, axes)
 
 
 def _rs_stacked(x, axes: tuple, impl: str):
@@ -275,13 +355,11 @@ def _rs_stacked(x, axes: tuple, impl: str):
     return _run(_ring_rs_gen(x, axes))
   if impl == "hring":
     return _run(_hier_rs_gen(x.reshape(sizes + S), axes, tuple(axes)))
-  # horing
-  a, b, L = _split_halves(x, 1)
-  a = a.reshape(sizes + a.shape[1:])
-  b = b.reshape(sizes + b.shape[1:])
-  fwd, bwd = tuple(axes), tuple(reversed(axes))
-  ra, rb = _run_zipped(_hier_rs_gen(a, axes, fwd), _hier_rs_gen(b, axes, bwd))
-  return jnp.concatenate([ra, rb], axis=-1)[:L].reshape(S)
+  if len(axes) > 2:  # horing is defined for two levels; more: the hierarchical ring
+    return _run(_hier_rs_gen(x.reshape(sizes + S), axes, tuple(axes)))
+  if 1 in sizes:  # one level only
+    return _run(_ring_rs_gen(x, axes))
+  return _horing_rs(x, axes)
 
 
 def _ag_impl(x, axes, dim, impl):
@@ -357,8 +435,9 @@ def all_gather(x, axes, *, dim: int, impl: str = "xla"):
   Schedules: ``ring`` -- k-1 ppermute steps on a flat ring, each step
   forwarding the chunk received in the previous one; ``hring`` -- a ring
   over the minor axis, then one over the major axis carrying the gathered
-  block; ``horing`` -- two halves running the two level orders, interleaved
-  so each step pairs ppermutes of independent halves on different links.
+  block; ``horing`` -- the inter ring on single chunks pipelined with g
+  intra sub-rounds (one per column chunk), an intra and an independent inter
+  ppermute per step, hring's bytes on each level.
   Transpose: ``reduce_scatter`` with the same ``impl``.
   """
   axes = _norm_axes(axes)
@@ -380,8 +459,8 @@ def reduce_scatter(x, axes, *, dim: int, impl: str = "xla"):
   Schedules: ``ring`` -- k-1 ppermute steps, a partial sum travelling round
   a flat ring and each device adding its own copy; ``hring`` -- a ring over
   the major axis (on blocks of n_minor chunks), then one over the minor
-  axis; ``horing`` -- two halves running the two level orders, interleaved
-  step by step. Transpose: ``all_gather`` with the same ``impl``.
+  axis; ``horing`` -- the transpose of the all-gather schedule: intra
+  sub-rounds in reverse order, the inter ring reducing beside them. Transpose: ``all_gather`` with the same ``impl``.
   """
   axes = _norm_axes(axes)
   _check_impl(impl)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from paro_jax import collectives as C
+from paro_jax import hlo as H
 
 MESHES = [(2, 4), (4, 2), (2, 2), (1, 8), (8, 1)]
 AXES = [("intra",), ("inter",), ("intra", "inter")]
@@ -339,43 +340,78 @@ def _compiled_hlo(mesh_shape, impl, coll="ag"):
   mesh = _mesh(mesh_shape)
   axes = ("intra", "inter")
   k = mesh.devices.size
-  x = jax.device_put(jnp.zeros((k * 8, 6), jnp.float32), NamedSharding(mesh, P(axes)))
+  # local chunk [8, 6] f32 (192 bytes); reduce-scatter input: k distinct chunks
+  rows = 8 if coll == "ag" else k * 8
+  x = jax.device_put(jnp.zeros((k * rows, 6), jnp.float32), NamedSharding(mesh, P(axes)))
 
   def body(x):
     if coll == "ag":
       return C.all_gather(x, axes, dim=0, impl=impl)
-    return C.reduce_scatter(jnp.tile(x, (k, 1)), axes, dim=0, impl=impl)
+    return C.reduce_scatter(x, axes, dim=0, impl=impl)
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes), check_vma=False))
   return f.lower(x).compile().as_text()
 
 
+HLO_MESHES = [(2, 4), (4, 2), (2, 2)]
+
+
 @pytest.fixture(scope="module")
 def hlo_texts():
   return {
-    ("horing", "ag", (2, 4)): _compiled_hlo((2, 4), "horing"),
-    ("hring", "ag", (2, 4)): _compiled_hlo((2, 4), "hring"),
-    ("horing", "rs", (2, 4)): _compiled_hlo((2, 4), "horing", "rs"),
-    ("horing", "ag", (2, 2)): _compiled_hlo((2, 2), "horing"),
+    (impl, coll, shape): _compiled_hlo(shape, impl, coll)
+    for impl in ("horing", "hring")
+    for coll in ("ag", "rs")
+    for shape in HLO_MESHES
   }
 
 
-def test_horing_intra_inter_permutes_overlap(hlo_texts):
-  for (impl, coll, shape), text in hlo_texts.items():
-    if impl != "horing":
-      continue
-    steps, _ = permute_steps(text, shape)
-    g, m = shape
-    n_perm = sum(len(s) for s in steps)
-    # two halves, each (m - 1) intra + (g - 1) inter ring steps
-    assert n_perm == 2 * ((m - 1) + (g - 1)), (coll, shape, steps)
-    assert len(steps) == (m - 1) + (g - 1), (coll, shape, steps)
-    assert overlap_violations(text, shape) == [], (coll, shape, steps)
-  # equal axis sizes: every step has exactly one intra and one inter permute
-  text = hlo_texts[("horing", "ag", (2, 2))]
-  assert overlap_violations(text, (2, 2), strict=True) == []
-  steps, _ = permute_steps(text, (2, 2))
-  assert [sorted(k for _, k in s) for s in steps] == [["inter", "intra"]] * 2
+def _horing_expected_steps(coll, shape):
+  """Sorted permute kinds per step of the HO-Ring schedule on a (g, m) mesh.
+
+  g*(m-1) steps, each with one intra permute; all-gather: inter step e
+  (1..g-1) at step e-1; reduce-scatter: inter step e at step e*(m-1).
+  """
+  g, m = shape
+  steps = [["intra"] for _ in range(g * (m - 1))]
+  for e in range(1, g):
+    steps[e - 1 if coll == "ag" else e * (m - 1)].insert(0, "inter")
+  return steps
+
+
+@pytest.mark.parametrize("coll", ["ag", "rs"])
+@pytest.mark.parametrize("shape", HLO_MESHES, ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_horing_intra_inter_permutes_overlap(hlo_texts, coll, shape):
+  text = hlo_texts[("horing", coll, shape)]
+  steps, _ = permute_steps(text, shape)
+  got = [sorted(k for _, k in s) for s in steps]
+  assert got == _horing_expected_steps(coll, shape), got
+  # every inter permute shares its step with an independent intra one
+  assert overlap_violations(text, shape) == [], got
+
+
+def _level_bytes(text, shape):
+  """{'intra': bytes, 'inter': bytes} sent per device (summed over devices, times counts)."""
+  g, m = shape
+  out = {"intra": 0.0, "inter": 0.0}
+  for c in H.parse_collectives(text):
+    assert c.kind == "collective-permute", c
+    assert H.level_of(c, m) in ("intra", "inter"), c
+    for d, b in H.device_bytes(c, g * m).items():
+      out["inter" if H.crosses_groups(c, d, m) else "intra"] += b * c.count
+  return out
+
+
+@pytest.mark.parametrize("coll", ["ag", "rs"])
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_horing_sends_hring_bytes_per_level(hlo_texts, coll, shape):
+  g, m = shape
+  chunk = 8 * 6 * 4
+  horing = _level_bytes(hlo_texts[("horing", coll, shape)], shape)
+  hring = _level_bytes(hlo_texts[("hring", coll, shape)], shape)
+  assert horing == hring, (horing, hring)
+  # per device: inter g-1 chunks, intra g*(m-1) chunks
+  assert hring == {"inter": g * m * (g - 1) * chunk, "intra": g * m * g * (m - 1) * chunk}
 
 
 def test_overlap_check_rejects_hring(hlo_texts):
