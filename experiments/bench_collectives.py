@@ -27,7 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from paro_jax import distributed  # noqa: E402
-from paro_jax.cli import _provide_cpu_devices, parse_mesh_shape  # noqa: E402
+from paro_jax.cli import parse_mesh_shape  # noqa: E402
+from paro_jax.xla_flags import provide_cpu_devices  # noqa: E402
 from paro_jax.xla_flags import add_xla_flags  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def main():
   processes = distributed.process_count(*multi)
   if (inter * intra) % processes:
     ap.error(f"--mesh {args.mesh} is not divisible among {processes} processes")
-  _provide_cpu_devices(inter * intra // processes)  # per process
+  provide_cpu_devices(inter * intra // processes)  # per process
   add_xla_flags()  # as `paro-jax train` does (GPU overlap flags; harmless on CPU)
   distributed.maybe_initialize(*multi)  # before anything touches devices
 

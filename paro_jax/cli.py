@@ -3,24 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from paro_jax.xla_flags import add_xla_flags
-
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def _provide_cpu_devices(count: int) -> None:
-  """Ask XLA for `count` virtual CPU devices; must run before jax is imported.
-
-  The flag only shapes the host (CPU) platform, so it is harmless where a GPU is the backend.
-  A count the user already set in XLA_FLAGS is left alone.
-  """
-  flags = os.environ.get("XLA_FLAGS", "")
-  if DEVICE_COUNT_FLAG not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
-
+from paro_jax.xla_flags import add_xla_flags, provide_cpu_devices
 
 def parse_mesh_shape(text: str) -> tuple[int, int]:
   """'2x4' -> (inter=2, intra=4)."""
@@ -155,7 +140,7 @@ def main(argv=None) -> None:
       if (mesh[0] * mesh[1]) % processes:
         raise ValueError(f"--mesh {args.mesh} has {mesh[0] * mesh[1]} devices, not divisible by "
                          f"the {processes} processes")
-      _provide_cpu_devices(mesh[0] * mesh[1] // processes)  # per process
+      provide_cpu_devices(mesh[0] * mesh[1] // processes)  # per process
     add_xla_flags()  # GPU collective overlap (HO-Ring); harmless elsewhere
     distributed.maybe_initialize(*multi)  # before anything touches devices
     if args.command == "inspect":

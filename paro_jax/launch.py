@@ -35,11 +35,12 @@ import sys
 import threading
 import time
 
+from paro_jax.xla_flags import DEVICE_COUNT_FLAG
+
 NS_PREFIX = "paro"          # namespaces: paro<pid>n<k>, paro<pid>br (bridge)
 IF_PREFIX = "pj"            # interfaces: pj<pid>v<k> (node side), pj<pid>p<k> (bridge side)
 SUBNET = "10.77.0"          # node k has 10.77.0.(k+1), only inside our own namespaces
 COORD_PORT = 29500          # free: each namespace is fresh
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 RESERVED = ("--coordinator", "--num-processes", "--process-id")
 _NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)(?:n\d+|br)$")
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,

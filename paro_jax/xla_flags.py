@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
 GPU_OVERLAP_FLAGS = (
     # Schedule asynchronous collectives around compute and around each other.
     "--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -27,3 +29,12 @@ def add_xla_flags(flags=GPU_OVERLAP_FLAGS) -> list[str]:
   if added:
     os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
   return added
+
+
+def provide_cpu_devices(count: int) -> None:
+  """Ask XLA for `count` virtual CPU devices; must run before jax is imported.
+
+  The flag only shapes the host (CPU) platform, so it is harmless where a GPU is the backend.
+  A count the user already set in XLA_FLAGS is left alone.
+  """
+  add_xla_flags([f"{DEVICE_COUNT_FLAG}={count}"])
