@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from paro_jax.engine import Engine, TrainState
 
 STATE, META = "state", "meta"
+CHECKPOINTS = "checkpoints"  # the checkpoint directory inside a run directory (--out)
 FORMAT = 1
 
 

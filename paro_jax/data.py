@@ -181,11 +181,6 @@ def default_corpus(max_bytes: int = 4_000_000) -> np.ndarray:
   return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
-def load_text_bytes(path: str) -> np.ndarray:
-  """A text file as byte tokens; a clear error if it is missing or empty."""
-  return load_tokens(DataConfig(paths=(path,)), BYTE_VOCAB)
-
-
 # --- batches ---------------------------------------------------------------------------------
 class Batches:
   """Random windows of seq_len+1 tokens; batch `step` depends only on (seed, step).

@@ -15,12 +15,10 @@ import numpy as np
 
 from models.hf import save_hf
 from models.llama import Llama, LlamaConfig
-from paro_jax.checkpoint import Checkpointer
+from paro_jax.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.engine import Engine, OptimConfig
 from paro_jax.mesh import make_mesh
 from paro_jax.strategy import parse_strategy
-
-CHECKPOINTS = "checkpoints"  # under the run directory, as paro_jax.train writes it
 
 
 def _newest_meta(ckpt: Checkpointer):

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from models.hf import load_hf, read_config
 from models.llama import Llama, get_config
-from paro_jax.checkpoint import Checkpointer, RunMeta
+from paro_jax.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
 from paro_jax.costs import model_state_bytes
 from paro_jax.data import Batches, DataConfig, load_tokens, split_eval
 from paro_jax.engine import DTYPES, Engine, OptimConfig, TrainState
@@ -22,7 +22,6 @@ from paro_jax.mesh import make_mesh
 from paro_jax.peak import mfu
 from paro_jax.strategy import parse_strategy
 
-CHECKPOINTS = "checkpoints"  # under the run directory
 METRICS = "metrics.jsonl"
 
 
