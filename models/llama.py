@@ -11,6 +11,7 @@ sharded one (see paro_jax/engine.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -99,6 +100,74 @@ def _init(std: float, axes: tuple[str, ...]):
   return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
 
 
+# --- LoRA ------------------------------------------------------------------------------------
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LORA_SUFFIXES = ("_lora_a", "_lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters W + (alpha/rank) A @ B on the named weights (Hu et al., 2021).
+
+  A (in x rank) starts random and B (rank x out) at zero, so an adapted model starts equal to its
+  base. Each adapter is stored as two 2-D matrices whose big dimension carries the shard: A's
+  input (`embed`, or `lora_in` for wo/w_down) and B's output (`embed`, or `lora_out`).
+  """
+
+  rank: int = 8
+  alpha: float = 16.0
+  targets: tuple[str, ...] = ("wq", "wv")  # as PEFT's default for LLaMA (q_proj, v_proj)
+
+  def __post_init__(self):
+    if isinstance(self.targets, str):
+      object.__setattr__(self, "targets", tuple(t for t in self.targets.split(",") if t))
+    object.__setattr__(self, "targets", tuple(self.targets))  # e.g. a list read from JSON
+    if self.rank < 1:
+      raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+    bad = [t for t in self.targets if t not in LORA_TARGETS]
+    if bad or not self.targets:
+      raise ValueError(f"unknown LoRA targets {bad or '(none)'}; choose from "
+                       f"{', '.join(LORA_TARGETS)} (comma-separated, e.g. wq,wv)")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+  def shapes(self, cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each target weight."""
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    io = {"wq": (cfg.dim, q), "wk": (cfg.dim, kv), "wv": (cfg.dim, kv), "wo": (q, cfg.dim),
+          "w_gate": (cfg.dim, cfg.mlp), "w_up": (cfg.dim, cfg.mlp), "w_down": (cfg.mlp, cfg.dim)}
+    return {t: io[t] for t in self.targets}
+
+  def layer_params(self, cfg: LlamaConfig) -> int:
+    """Adapter parameters per layer."""
+    return sum(self.rank * (i + o) for i, o in self.shapes(cfg).values())
+
+
+def is_lora_path(path) -> bool:
+  """Whether a parameter path (a jax key path) names a LoRA adapter leaf."""
+  last = path[-1]
+  return str(getattr(last, "key", last)).endswith(LORA_SUFFIXES)
+
+
+def lora_delta(module: nn.Module, lora: LoraConfig | None, name: str, x, in_axis: str,
+               out_axis: str, out_shape: tuple[int, ...]):
+  """(alpha/r) x A B for target `name` (x: ... x in), shaped ... x out_shape; 0 if no adapter.
+
+  Declared inside the module that owns the weight, as `{name}_lora_a` and `{name}_lora_b`.
+  """
+  if lora is None or name not in lora.targets:
+    return 0
+  n_in, n_out = x.shape[-1], math.prod(out_shape)
+  a = module.param(f"{name}_lora_a", nn.with_logical_partitioning(
+      nn.initializers.normal(1 / math.sqrt(n_in)), (in_axis, "lora_rank")), (n_in, lora.rank))
+  b = module.param(f"{name}_lora_b", nn.with_logical_partitioning(
+      nn.initializers.zeros, ("lora_rank", out_axis)), (lora.rank, n_out))
+  y = (x @ a.astype(x.dtype)) @ b.astype(x.dtype) * jnp.asarray(lora.scale, x.dtype)
+  return y.reshape(*x.shape[:-1], *out_shape)
+
+
 class RMSNorm(nn.Module):
   eps: float
 
@@ -129,6 +198,7 @@ def apply_rope(x_BxLxHxK, sin_LxK2, cos_LxK2):
 
 class Attention(nn.Module):
   cfg: LlamaConfig
+  lora: LoraConfig | None = None
 
   @nn.compact
   def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
@@ -139,9 +209,11 @@ class Attention(nn.Module):
     wk_DxGxK = self.param("wk", _init(c.init_std, ("embed", "kv_heads", "head_dim")), (D, G, K))
     wv_DxGxK = self.param("wv", _init(c.init_std, ("embed", "kv_heads", "head_dim")), (D, G, K))
     wo_HxKxD = self.param("wo", _init(c.init_std, ("heads", "head_dim", "embed")), (H, K, D))
-    q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK.astype(dt))
-    k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wk_DxGxK.astype(dt))
-    v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wv_DxGxK.astype(dt))
+    lora = lambda name, x, out_shape, in_axis="embed", out_axis="lora_out": lora_delta(
+        self, self.lora, name, x, in_axis, out_axis, out_shape)
+    q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK.astype(dt)) + lora("wq", x_BxLxD, (H, K))
+    k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wk_DxGxK.astype(dt)) + lora("wk", x_BxLxD, (G, K))
+    v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wv_DxGxK.astype(dt)) + lora("wv", x_BxLxD, (G, K))
     q_BxLxHxK = apply_rope(q_BxLxHxK, sin_LxK2, cos_LxK2)
     k_BxLxGxK = apply_rope(k_BxLxGxK, sin_LxK2, cos_LxK2)
     B, L = x_BxLxD.shape[:2]
@@ -153,11 +225,14 @@ class Attention(nn.Module):
     scores_BxGxRxLxL = jnp.where(causal_LxL, scores_BxGxRxLxL, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(dt)
     out_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxLxGxK)
-    return jnp.einsum("blhk,hkd->bld", out_BxLxGxRxK.reshape(B, L, H, K), wo_HxKxD.astype(dt))
+    out_BxLxHK = out_BxLxGxRxK.reshape(B, L, H * K)
+    return (jnp.einsum("blhk,hkd->bld", out_BxLxHK.reshape(B, L, H, K), wo_HxKxD.astype(dt))
+            + lora("wo", out_BxLxHK, (D,), in_axis="lora_in", out_axis="embed"))
 
 
 class MLP(nn.Module):
   cfg: LlamaConfig
+  lora: LoraConfig | None = None
 
   @nn.compact
   def __call__(self, x_BxLxD):
@@ -165,22 +240,27 @@ class MLP(nn.Module):
     w_gate_DxF = self.param("w_gate", _init(c.init_std, ("embed", "mlp")), (c.dim, c.mlp))
     w_up_DxF = self.param("w_up", _init(c.init_std, ("embed", "mlp")), (c.dim, c.mlp))
     w_down_FxD = self.param("w_down", _init(c.init_std, ("mlp", "embed")), (c.mlp, c.dim))
-    gate_BxLxF = x_BxLxD @ w_gate_DxF.astype(dt)
-    up_BxLxF = x_BxLxD @ w_up_DxF.astype(dt)
-    return (jax.nn.silu(gate_BxLxF) * up_BxLxF) @ w_down_FxD.astype(dt)
+    lora = lambda name, x, out_shape, in_axis="embed", out_axis="lora_out": lora_delta(
+        self, self.lora, name, x, in_axis, out_axis, out_shape)
+    gate_BxLxF = x_BxLxD @ w_gate_DxF.astype(dt) + lora("w_gate", x_BxLxD, (c.mlp,))
+    up_BxLxF = x_BxLxD @ w_up_DxF.astype(dt) + lora("w_up", x_BxLxD, (c.mlp,))
+    h_BxLxF = jax.nn.silu(gate_BxLxF) * up_BxLxF
+    return h_BxLxF @ w_down_FxD.astype(dt) + lora("w_down", h_BxLxF, (c.dim,), in_axis="lora_in",
+                                                   out_axis="embed")
 
 
 class Block(nn.Module):
   cfg: LlamaConfig
+  lora: LoraConfig | None = None
 
   @nn.compact
   def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
     with jax.named_scope("attention"):
       h = RMSNorm(self.cfg.norm_eps, name="attn_norm")(x_BxLxD)
-      x_BxLxD = x_BxLxD + Attention(self.cfg, name="attn")(h, sin_LxK2, cos_LxK2)
+      x_BxLxD = x_BxLxD + Attention(self.cfg, self.lora, name="attn")(h, sin_LxK2, cos_LxK2)
     with jax.named_scope("mlp"):
       h = RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x_BxLxD)
-      return x_BxLxD + MLP(self.cfg, name="mlp")(h)
+      return x_BxLxD + MLP(self.cfg, self.lora, name="mlp")(h)
 
 
 class Embed(nn.Module):
@@ -213,11 +293,12 @@ def _identity(tree):
 class Llama:
   """The whole model as three Flax modules (embed, a scanned block, head) and pure functions."""
 
-  def __init__(self, cfg: LlamaConfig, dtype=jnp.float32, remat: str = "full"):
+  def __init__(self, cfg: LlamaConfig, dtype=jnp.float32, remat: str = "full",
+               lora: LoraConfig | None = None):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"unknown remat policy {remat!r}; choose one of {tuple(REMAT_POLICIES)}")
-    self.cfg, self.dtype, self.remat = cfg, dtype, remat
-    self.embed, self.block, self.head = Embed(cfg, dtype), Block(cfg), Head(cfg)
+    self.cfg, self.dtype, self.remat, self.lora = cfg, dtype, remat, lora
+    self.embed, self.block, self.head = Embed(cfg, dtype), Block(cfg, lora), Head(cfg)
 
   def _boxed_init(self, rng):
     k_embed, k_layers, k_head = jax.random.split(rng, 3)
@@ -251,8 +332,54 @@ class Llama:
   def layer_param_count(self) -> int:
     """Parameters inside the scanned layer stack (the ones recomputed in backward)."""
     c = self.cfg
+    adapters = self.lora.layer_params(c) if self.lora else 0
     return c.layers * (c.dim * c.head_dim * (2 * c.heads + 2 * c.kv_heads) + 3 * c.dim * c.mlp
-                       + 2 * c.dim)
+                       + 2 * c.dim + adapters)
+
+  def param_count(self) -> int:
+    """All parameters, adapters included (Ψ)."""
+    return self.cfg.param_count() + (self.cfg.layers * self.lora.layer_params(self.cfg)
+                                     if self.lora else 0)
+
+  def trainable_count(self) -> int:
+    """Parameters that are trained (Ψ'): the adapters with LoRA, else all."""
+    return self.cfg.layers * self.lora.layer_params(self.cfg) if self.lora else \
+        self.cfg.param_count()
+
+  def trainable_mask(self) -> dict:
+    """A tree like init()'s of bools: True for the trained leaves (all, or the LoRA adapters)."""
+    shapes = jax.eval_shape(self._boxed_init, jax.random.key(0))
+    shapes = nn.meta.unbox(shapes)
+    if self.lora is None:
+      return jax.tree.map(lambda _: True, shapes)
+    return jax.tree_util.tree_map_with_path(lambda path, _: is_lora_path(path), shapes)
+
+  def with_adapters(self, base, rng) -> dict:
+    """Base weights (e.g. from HF) plus freshly initialised adapters: a full parameter tree."""
+    if self.lora is None:
+      return base
+
+    def overlay(full, given):
+      return {k: overlay(v, given[k]) if isinstance(v, dict) else given.get(k, v)
+              for k, v in full.items()} if isinstance(given, dict) else given
+
+    return overlay(self.init(rng), base)
+
+  def merge_lora(self, params) -> dict:
+    """The base model's parameters with every adapter folded in: W + (alpha/r) A @ B."""
+    if self.lora is None:
+      return params
+    params = jax.tree.map(lambda x: x, params)  # a copy of the dict structure
+    owners = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn",
+              "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp"}
+    for t in self.lora.targets:
+      mod = dict(params["layers"][owners[t]])
+      a, b = mod.pop(f"{t}_lora_a"), mod.pop(f"{t}_lora_b")
+      w = mod[t]  # layers x in... x out...
+      delta = jnp.einsum("lir,lro->lio", a, b) * self.lora.scale
+      mod[t] = w + delta.reshape(w.shape).astype(w.dtype)
+      params["layers"] = {**params["layers"], owners[t]: mod}
+    return params
 
   def apply(self, params, tokens_BxL, materialize: Callable = _identity):
     """Logits (fp32) for the tokens. `materialize(subtree)` returns full weights for a subtree."""

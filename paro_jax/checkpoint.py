@@ -41,6 +41,7 @@ class RunMeta:
   dtype: str
   data: dict  # what batch `step` is a function of, besides (seed, step)
   format: int = FORMAT
+  lora: dict | None = None  # dataclasses.asdict(LoraConfig) of a LoRA run
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -176,6 +177,16 @@ class _ErrorsAsCheckpointError:
 def check_model(meta: RunMeta, engine: Engine, model_name: str | None, where: str) -> None:
   """A checkpoint for another model is refused, naming both configs and the fix."""
   mine = dataclasses.asdict(engine.model.cfg)
+  lora = dataclasses.asdict(engine.model.lora) if engine.model.lora else None
+  same = lambda d: None if d is None else {**d, "targets": tuple(d["targets"])}  # JSON: a list
+  if same(meta.lora) != same(lora):
+    def flags(d):
+      return ("no LoRA flags" if d is None else
+              f"--lora-rank {d['rank']} --lora-alpha {d['alpha']} "
+              f"--lora-targets {','.join(d['targets'])}")
+    raise ValueError(f"checkpoint {where} was written with {flags(meta.lora)}, this run has "
+                     f"{flags(lora)}: resume with the checkpoint's LoRA flags, or start a new run "
+                     f"with another --out")
   if meta.model_config == mine:
     return
   differ = ", ".join(f"{k}: {meta.model_config.get(k)} vs {mine.get(k)}"

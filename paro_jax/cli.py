@@ -16,6 +16,17 @@ def parse_mesh_shape(text: str) -> tuple[int, int]:
   return int(parts[0]), int(parts[1])
 
 
+def _lora_config(args):
+  """The LoraConfig the LoRA flags ask for, or None (full training)."""
+  if args.lora_rank < 0:
+    raise ValueError(f"--lora-rank must be >= 0 (0: full training), got {args.lora_rank}")
+  if not args.lora_rank:
+    return None
+  from models.llama import LoraConfig  # imports jax: only once the device flags are set
+
+  return LoraConfig(args.lora_rank, args.lora_alpha, args.lora_targets)
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="tiny", help="preset: tiny, small, 7b, 13b, 65b")
   p.add_argument("--strategy", default="IIG",
@@ -30,6 +41,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--remat", default="full", choices=["full", "layer", "none"],
                  help="what backward recomputes per layer: full (all, weight gather included), "
                       "layer (all but matmul outputs), none (keeps every layer's weights)")
+  lora = p.add_argument_group("LoRA", "train low-rank adapters only; the base weights are frozen "
+                              "(held once, at the P placement, with no gradient or optimizer state)")
+  lora.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                    help="adapter rank (default 0: full training)")
+  lora.add_argument("--lora-alpha", type=float, default=16.0,
+                    help="adapter scale alpha (the update is alpha/R x A B; default 16)")
+  lora.add_argument("--lora-targets", default="wq,wv",
+                    help="comma-separated weights to adapt, from wq,wk,wv,wo,w_gate,w_up,w_down "
+                         "(default wq,wv)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +169,7 @@ def main(argv=None) -> None:
       inspect(model=args.model, strategy=args.strategy, mesh=mesh,
               micro_batches=args.micro_batches, batch_size=args.batch_size,
               seq_len=args.seq_len, dtype=args.dtype, collectives=args.collectives,
-              remat=args.remat,
+              remat=args.remat, lora=_lora_config(args),
               as_json=args.json)
     if args.command == "train":
       from paro_jax.train import RunConfig, train  # imports jax: after the device flag is set
@@ -162,7 +182,8 @@ def main(argv=None) -> None:
           tokenizer=args.tokenizer, bin_dtype=args.bin_dtype, eval_fraction=args.eval_fraction,
           eval_every=args.eval_every, out=args.out,
           checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume,
-          init_from=args.init_from))
+          init_from=args.init_from, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+          lora_targets=args.lora_targets))
   except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
     print(f"paro-jax: error: {e}", file=sys.stderr)
     sys.exit(2)

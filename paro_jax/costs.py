@@ -79,6 +79,8 @@ def step_traffic(strategy: Strategy, params: int, trainable: int, inter: int, in
   t.add("grad sync", s.sync_scatter_axes, _ring(at_gr, k(s.sync_scatter_axes)))
   at_os = full_g / k(s.opt.axes)
   t.add("grad sync", s.sync_reduce_axes, 2 * _ring(at_os, k(s.sync_reduce_axes)))
-  # Parameter sync: all-gather the updated OS shard to the P placement.
-  t.add("param sync", s.param_sync_axes, _ring(full_p / k(s.params.axes), k(s.param_sync_axes)))
+  # Parameter sync: all-gather the updated OS shard to the P placement (trained parameters only:
+  # frozen ones never change and are held at P already).
+  t.add("param sync", s.param_sync_axes,
+        _ring(param_bytes * trainable / k(s.params.axes), k(s.param_sync_axes)))
   return t

@@ -11,6 +11,11 @@ The step is a `shard_map` over the (inter, intra) mesh. Per optimizer step (PARO
   3. clip by the true global norm and apply optax AdamW to the OS shard.
 Step 0 is the parameter sync of the previous step moved to the start of this one: the same traffic
 once per step, and the P-placed copy never has to outlive the step.
+
+With LoRA (`Llama(lora=...)`) only the adapters are trained: the frozen base weights are held once,
+in the compute dtype, at the P placement (TrainState.frozen), gathered like the others but with no
+gradient; master weights, gradients and optimizer states exist for the adapters alone. Trees of
+trained or frozen leaves keep the full parameter structure with None for the other leaves.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.llama import Llama, next_token_loss
 from paro_jax import collectives as comm
 from paro_jax.mesh import mesh_shape
-from paro_jax.sharding import ShardingRules, local_shape, named, shard_dims, state_specs
+from paro_jax.sharding import (ShardingRules, StateSpecs, local_shape, named, shard_dims,
+                               state_specs)
 from paro_jax.strategy import INTER, INTRA, Strategy
 
 ALL_AXES = (INTRA, INTER)
@@ -79,8 +85,19 @@ def decay_mask(logical_tree):
 
 class TrainState(NamedTuple):
   step: jax.Array       # scalar int32, replicated
-  master: Any           # fp32 parameters at the OS placement
+  master: Any           # fp32 trained parameters at the OS placement
   opt_state: Any        # optax state; moments at the OS placement
+  frozen: Any = None    # LoRA: the frozen base weights, compute dtype, P placement
+
+
+def pick(tree, mask, trained: bool = True):
+  """The leaves of `tree` where `mask` is `trained`; None in place of the others."""
+  return jax.tree.map(lambda m, x: x if m == trained else None, mask, tree)
+
+
+def merge(mask, trained, frozen):
+  """The full tree from its trained and frozen parts (as `pick` splits it)."""
+  return jax.tree.map(lambda m, a, b: a if m else b, mask, trained, frozen)
 
 
 @flax.struct.dataclass
@@ -126,14 +143,22 @@ class Engine:
     self.shapes = jax.eval_shape(model.init, jax.random.key(0))
     self.dims = shard_dims(self.logical, rules)
     self.specs = state_specs(self.shapes, self.dims, strategy, mesh)
-    self.tx = optim.adamw(decay_mask(self.logical))
-    opt_shapes = jax.eval_shape(self.tx.init, self.shapes)
+    # Trained leaves (all, or the LoRA adapters) and, with LoRA, the frozen ones.
+    self.mask = model.trainable_mask()
+    self.lora = model.lora is not None
+    self.t_shapes, self.t_dims = pick(self.shapes, self.mask), pick(self.dims, self.mask)
+    self.t_specs = StateSpecs(*(pick(x, self.mask) for x in
+                                (self.specs.params, self.specs.grads, self.specs.opt)))
+    self.frozen_specs = pick(self.specs.params, self.mask, False) if self.lora else None
+    self.tx = optim.adamw(decay_mask(pick(self.logical, self.mask)))
+    opt_shapes = jax.eval_shape(self.tx.init, self.t_shapes)
     # Moments follow the master weights (OS placement); scalars (the step count) are replicated.
     self.opt_specs = optax.tree_map_params(
-        self.tx, lambda _, spec: spec, opt_shapes, self.specs.opt,
+        self.tx, lambda _, spec: spec, opt_shapes, self.t_specs.opt,
         transform_non_params=lambda _: PartitionSpec(),
         is_leaf=lambda x: isinstance(x, PartitionSpec))
-    self.state_specs = TrainState(PartitionSpec(), self.specs.opt, self.opt_specs)
+    self.state_specs = TrainState(PartitionSpec(), self.t_specs.opt, self.opt_specs,
+                                  self.frozen_specs)
     self.state_shardings = named(mesh, self.state_specs)
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
     self.batch_sharding = NamedSharding(mesh, self.batch_spec)
@@ -144,19 +169,21 @@ class Engine:
   def init_state(self, rng) -> TrainState:
     """Initialise the master weights and optimizer state directly into their OS shards."""
 
-    def init(rng):
-      master = self.model.init(rng)
-      return TrainState(jnp.zeros((), jnp.int32), master, self.tx.init(master))
-
-    return jax.jit(init, out_shardings=self.state_shardings)(rng)
+    return jax.jit(lambda rng: self._fresh_state(self.model.init(rng)),
+                   out_shardings=self.state_shardings)(rng)
 
   def state_from_params(self, params) -> TrainState:
-    """A fresh state (step 0, zero moments) from given fp32 parameters."""
+    """A fresh state (step 0, zero moments) from given fp32 parameters (all of them; with LoRA
+    the adapters' included)."""
+    return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(params)
 
-    def init(master):
-      return TrainState(jnp.zeros((), jnp.int32), master, self.tx.init(master))
-
-    return jax.jit(init, out_shardings=self.state_shardings)(params)
+  def _fresh_state(self, params) -> TrainState:
+    master = pick(params, self.mask)
+    frozen = None
+    if self.lora:
+      frozen = jax.tree.map(lambda w: w.astype(self.compute_dtype),
+                            pick(params, self.mask, False))
+    return TrainState(jnp.zeros((), jnp.int32), master, self.tx.init(master), frozen)
 
   def params(self, state: TrainState):
     """The compute-dtype parameters at their P placement (what the step holds while it runs)."""
@@ -165,17 +192,19 @@ class Engine:
       return jax.tree.map(
           lambda w, d: _gather_invariant(w.astype(self.compute_dtype),
                                          self.strategy.param_sync_axes, d),
-          master, self.dims)
+          master, self.t_dims)
 
-    fn = jax.shard_map(sync, mesh=self.mesh, in_specs=(self.specs.opt,),
-                       out_specs=self.specs.params)
-    return jax.jit(fn)(state.master)
+    fn = jax.shard_map(sync, mesh=self.mesh, in_specs=(self.t_specs.opt,),
+                       out_specs=self.t_specs.params)
+    trained = jax.jit(fn)(state.master)
+    return merge(self.mask, trained, state.frozen) if self.lora else trained
 
   def zero_grads(self):
-    """A gradient accumulator at the Gr placement, as the step holds it between micro-batches."""
-    shardings = named(self.mesh, self.specs.grads)
+    """A gradient accumulator at the Gr placement, as the step holds it between micro-batches
+    (trained leaves only)."""
+    shardings = named(self.mesh, self.t_specs.grads)
     return jax.jit(
-        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.compute_dtype), self.shapes),
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.compute_dtype), self.t_shapes),
         out_shardings=shardings)()
 
   def check_batch_size(self, batch_size: int) -> None:
@@ -234,8 +263,14 @@ class Engine:
     S(P) just before use, its gradient reduce-scattered over S(Gr) into the Shard's sink."""
     s = self.strategy
     gather = _make_gather(s.param_gather_axes, s.grad_scatter_axes, self.collectives)
-    return lambda tree: jax.tree.map(lambda sh: gather(sh.param, sh.sink, sh.dim), tree,
-                                     is_leaf=_is_shard)
+
+    def frozen(param, dim):  # a frozen LoRA base weight: gathered, no gradient
+      return as_varying(comm.all_gather(lax.stop_gradient(param), s.param_gather_axes,
+                                        dim=dim % param.ndim, impl=self.collectives))
+
+    return lambda tree: jax.tree.map(
+        lambda sh: frozen(sh.param, sh.dim) if sh.sink is None else
+        gather(sh.param, sh.sink, sh.dim), tree, is_leaf=_is_shard)
 
   def _train_step(self, state: TrainState, tokens_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no
@@ -245,27 +280,30 @@ class Engine:
     step_fn = jax.shard_map(
         functools.partial(self._local_step, tokens_per_step=tokens_AxBxL1[..., 1:].size),
         mesh=self.mesh,
-        in_specs=(self.specs.opt, self.opt_specs, self.batch_spec),
-        out_specs=(self.specs.opt, self.opt_specs, PartitionSpec(), PartitionSpec()),
+        in_specs=(self.t_specs.opt, self.opt_specs, self.frozen_specs, self.batch_spec),
+        out_specs=(self.t_specs.opt, self.opt_specs, PartitionSpec(), PartitionSpec()),
         check_vma=check_vma)
-    master, opt_state, loss, grad_norm = step_fn(state.master, state.opt_state, tokens_AxBxL1)
+    master, opt_state, loss, grad_norm = step_fn(state.master, state.opt_state, state.frozen,
+                                                 tokens_AxBxL1)
     metrics = {"loss": loss, "grad_norm": grad_norm}
-    return TrainState(state.step + 1, master, opt_state), metrics
+    return TrainState(state.step + 1, master, opt_state, state.frozen), metrics
 
-  def _local_step(self, master, opt_state, tokens_AxBxL1, *, tokens_per_step):
+  def _local_step(self, master, opt_state, frozen, tokens_AxBxL1, *, tokens_per_step):
     s, impl, cdt = self.strategy, self.collectives, self.compute_dtype
     materialize = self._materializer()
 
     with jax.named_scope("param_sync"):
       params = jax.tree.map(
           lambda w, d: comm.all_gather(w.astype(cdt), s.param_sync_axes, dim=d % w.ndim,
-                                       impl=impl), master, self.dims)
+                                       impl=impl), master, self.t_dims)
+      if self.lora:  # the frozen base is already at P, in the compute dtype
+        params = merge(self.mask, params, frozen)
 
     def sink_like(shape_struct, dim):
       ways = s.grads.shard_count(self.inter, self.intra)
       return as_varying(jnp.zeros(local_shape(shape_struct.shape, dim, ways), cdt))
 
-    sinks = jax.tree.map(sink_like, self.shapes, self.dims)
+    sinks = jax.tree.map(sink_like, self.t_shapes, self.t_dims)
 
     def micro_step(acc, tokens_BxL1):
       # Tie the parameters to this micro-batch: otherwise XLA hoists the loop-invariant gathers
@@ -274,7 +312,9 @@ class Engine:
       params_mb, _ = lax.optimization_barrier((params, tokens_BxL1))
 
       def loss_fn(sinks):
-        shards = jax.tree.map(lambda p, k, d: Shard(p, k, d), params_mb, sinks, self.dims)
+        # Frozen leaves get no sink (None): the materializer gathers them without a gradient.
+        shards = jax.tree.map(lambda m, p, k, d: Shard(p, k if m else None, d), self.mask,
+                              params_mb, sinks, self.dims)
         logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize)
         # Each device's share of the step's mean loss: summed over devices and micro-batches
         # it is the mean over all tokens of the step.
@@ -290,7 +330,7 @@ class Engine:
     with jax.named_scope("grad_sync"):
       grads = jax.tree.map(
           lambda g, d: comm.reduce_scatter(g, s.sync_scatter_axes, dim=d % g.ndim, impl=impl),
-          acc, self.dims)
+          acc, self.t_dims)
       grads = jax.tree.map(
           lambda g: comm.all_reduce(g, s.sync_reduce_axes, impl=impl).astype(jnp.float32), grads)
 

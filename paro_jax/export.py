@@ -2,7 +2,8 @@
 
 The checkpoint is restored through paro_jax.checkpoint onto a one-device engine (strategy NNN,
 mesh 1x1) built for the model config the checkpoint records; its fp32 master weights are written
-with models.hf.save_hf.
+with models.hf.save_hf. A LoRA run's adapters are merged into its (frozen) base weights first:
+the export is a plain LLaMA.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.hf import save_hf
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama, LlamaConfig, LoraConfig
 from paro_jax.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.engine import Engine, OptimConfig
+from paro_jax.engine import Engine, OptimConfig, merge
 from paro_jax.mesh import make_mesh
 from paro_jax.strategy import parse_strategy
 
@@ -43,10 +44,15 @@ def export_run(run_dir: str, out: str) -> int:
       raise FileNotFoundError(f"no checkpoint in {directory} to export")
     meta = _newest_meta(ckpt)
     cfg = LlamaConfig(**meta.model_config)
-    engine = Engine(Llama(cfg, jnp.float32), parse_strategy("NNN"),
+    lora = LoraConfig(**meta.lora) if meta.lora else None
+    engine = Engine(Llama(cfg, jnp.float32, lora=lora), parse_strategy("NNN"),
                     make_mesh(1, 1, jax.devices()[:1]), OptimConfig())
     state, meta = ckpt.restore(engine, meta.model_name)
   finally:
     ckpt.close()
-  save_hf(cfg, jax.tree.map(np.asarray, state.master), out)
+  params = state.master
+  if lora:
+    params = engine.model.merge_lora(merge(engine.mask, state.master, jax.tree.map(
+        lambda w: w.astype(jnp.float32), state.frozen)))
+  save_hf(cfg, jax.tree.map(np.asarray, params), out)
   return meta.step

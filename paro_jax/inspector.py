@@ -35,12 +35,11 @@ def compile_step(engine: Engine, batch_size: int, seq_len: int):
 
 
 def expected_traffic(engine: Engine):
-  cfg = engine.model.cfg
-  psi = cfg.param_count()
+  psi, trained = engine.model.param_count(), engine.model.trainable_count()
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
   # Only the layer stack is gathered again in backward (models/llama.py: Llama.apply).
   regathered = engine.model.layer_param_count() if engine.model.remat != "none" else 0
-  return step_traffic(engine.strategy, psi, psi, engine.inter, engine.intra,
+  return step_traffic(engine.strategy, psi, trained, engine.inter, engine.intra,
                       engine.micro_batches, itemsize, itemsize, regathered=regathered)
 
 
@@ -68,8 +67,7 @@ def report(engine: Engine, compiled) -> dict:
   }
   exp = expected_traffic(engine)
   expected = {"inter_bytes": exp.inter, "intra_bytes": exp.intra, "phases": exp.phases}
-  cfg = engine.model.cfg
-  psi = cfg.param_count()
+  psi, trained = engine.model.param_count(), engine.model.trainable_count()
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
   mem = compiled.memory_analysis()
   notes = []
@@ -84,6 +82,7 @@ def report(engine: Engine, compiled) -> dict:
       "micro_batches": engine.micro_batches,
       "collectives_impl": engine.collectives,
       "params": psi,
+      "trainable_params": trained,
       "dtype": jnp.dtype(engine.compute_dtype).name,
       "remat": engine.model.remat,
       "measured": measured,
@@ -91,7 +90,7 @@ def report(engine: Engine, compiled) -> dict:
       "difference": {k: measured[k] - expected[k] for k in ("inter_bytes", "intra_bytes")},
       "collectives": list(rows.values()),
       "memory": {
-          "model_states": model_state_bytes(engine.strategy, psi, psi, engine.inter,
+          "model_states": model_state_bytes(engine.strategy, psi, trained, engine.inter,
                                             engine.intra, itemsize, itemsize),
           "compiled": {
               "argument_bytes": mem.argument_size_in_bytes,
@@ -109,7 +108,9 @@ def report(engine: Engine, compiled) -> dict:
 def format_report(r: dict) -> str:
   mib = 2**20
   lines = [f"strategy {r['strategy']} on mesh {r['mesh']['inter']}x{r['mesh']['intra']}, "
-           f"A={r['micro_batches']}, {r['params'] / 1e6:.2f}M params, {r['dtype']}, "
+           f"A={r['micro_batches']}, {r['params'] / 1e6:.2f}M params"
+           + (f" ({r['trainable_params'] / 1e6:.3f}M trained)"
+              if r["trainable_params"] != r["params"] else "") + f", {r['dtype']}, "
            f"remat={r['remat']}, "
            f"collectives={r['collectives_impl']}", "",
            f"{'kind':20s}{'phase':20s}{'level':8s}{'dtype':7s}{'ops':>5s}{'count/step':>12s}"
@@ -134,7 +135,7 @@ def format_report(r: dict) -> str:
 
 def inspect(model: str, strategy: str, mesh: tuple[int, int] | None, micro_batches: int,
             batch_size: int, seq_len: int, dtype: str, collectives: str, as_json: bool,
-            remat: str = "full") -> dict:
+            remat: str = "full", lora=None) -> dict:
   """Build the engine for a configuration, compile its step and print the report."""
   import json
 
@@ -143,7 +144,7 @@ def inspect(model: str, strategy: str, mesh: tuple[int, int] | None, micro_batch
   from paro_jax.mesh import make_mesh
   from paro_jax.strategy import parse_strategy
 
-  engine = Engine(Llama(get_config(model), DTYPES[dtype], remat), parse_strategy(strategy),
+  engine = Engine(Llama(get_config(model), DTYPES[dtype], remat, lora), parse_strategy(strategy),
                   make_mesh(*mesh) if mesh else make_mesh(), OptimConfig(),
                   micro_batches=micro_batches, collectives=collectives)
   try:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from models.llama import Llama, next_token_loss
-from paro_jax.engine import OptimConfig, decay_mask
+from paro_jax.engine import OptimConfig, decay_mask, merge, pick
 
 
 def reference_train(model: Llama, params, batches, optim: OptimConfig):
@@ -15,23 +15,30 @@ def reference_train(model: Llama, params, batches, optim: OptimConfig):
 
   The gradient of a step is the mean over its A micro-batches of each micro-batch's mean-loss
   gradient, i.e. the full-batch gradient; the optimizer is optax clip_by_global_norm + AdamW.
+  With LoRA only the adapters are trained (and returned, None in place of the frozen leaves);
+  the frozen weights are used in the model's compute dtype, as the engine holds them.
   """
-  tx = optim.reference_tx(decay_mask(model.logical_axes()))
-  opt_state = tx.init(params)
+  mask = model.trainable_mask()
+  tx = optim.reference_tx(decay_mask(pick(model.logical_axes(), mask)))
+  trained = pick(params, mask)
+  frozen = jax.tree.map(lambda w: w.astype(model.dtype), pick(params, mask, False))
+  opt_state = tx.init(trained)
 
-  def loss_fn(params, tokens_AxBxL1):
+  def loss_fn(trained, tokens_AxBxL1):
+    full = merge(mask, trained, frozen)
+
     def one(tokens_BxL1):
-      return next_token_loss(model.apply(params, tokens_BxL1[:, :-1]), tokens_BxL1[:, 1:])
+      return next_token_loss(model.apply(full, tokens_BxL1[:, :-1]), tokens_BxL1[:, 1:])
     return jnp.mean(jnp.stack([one(t) for t in tokens_AxBxL1]))
 
   @jax.jit
-  def step(params, opt_state, tokens):
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  def step(trained, opt_state, tokens):
+    loss, grads = jax.value_and_grad(loss_fn)(trained, tokens)
+    updates, opt_state = tx.update(grads, opt_state, trained)
+    return optax.apply_updates(trained, updates), opt_state, loss
 
   losses = []
   for tokens in batches:
-    params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens))
+    trained, opt_state, loss = step(trained, opt_state, jnp.asarray(tokens))
     losses.append(float(loss))
-  return losses, params
+  return losses, trained

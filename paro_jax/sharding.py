@@ -22,7 +22,8 @@ from paro_jax.strategy import Placement, Strategy
 class ShardingRules:
   """Which logical axes may carry the data-parallel shard, in order of preference."""
 
-  shard_axes: tuple[str, ...] = ("embed",)
+  # `lora_out`/`lora_in`: a LoRA adapter's big dimension where it has no `embed` (models/llama.py).
+  shard_axes: tuple[str, ...] = ("embed", "lora_out", "lora_in")
   never_shard: tuple[str, ...] = ("layers",)  # scanned over: must stay whole on every device
 
   def __post_init__(self):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from models.hf import load_hf, read_config
-from models.llama import Llama, get_config
+from models.llama import Llama, LoraConfig, get_config
 from paro_jax.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
 from paro_jax.costs import model_state_bytes
 from paro_jax.data import Batches, DataConfig, load_tokens, split_eval
@@ -52,6 +52,9 @@ class RunConfig:
   resume: bool = False  # continue from the newest checkpoint in out/checkpoints
   init_from: str | None = None  # an HF LLaMA directory: the model (`model` is ignored) and,
   # in a fresh run, the starting weights
+  lora_rank: int = 0  # > 0: train LoRA adapters of this rank only (models/llama.py LoraConfig)
+  lora_alpha: float = 16.0
+  lora_targets: str = "wq,wv"
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -66,6 +69,13 @@ class RunConfig:
         raise ValueError(f"{name.replace('_', '-')} must be >= 0 (0: off), got "
                          f"{getattr(self, name)}")
     self.data_config()  # its checks
+    self.lora()  # its checks
+
+  def lora(self) -> LoraConfig | None:
+    if self.lora_rank < 0:
+      raise ValueError(f"lora-rank must be >= 0 (0: full training), got {self.lora_rank}")
+    return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets) if self.lora_rank \
+        else None
 
   def data_config(self) -> DataConfig:
     return DataConfig(paths=tuple(self.data), text_field=self.text_field,
@@ -86,7 +96,8 @@ def build(cfg: RunConfig):
   tokens, eval_tokens = split_eval(load_tokens(cfg.data_config(), model_cfg.vocab),
                                   cfg.eval_fraction)
   optim = OptimConfig(learning_rate=cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps)
-  engine = Engine(Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat), strategy, mesh, optim,
+  engine = Engine(Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora()), strategy, mesh,
+                  optim,
                   micro_batches=cfg.micro_batches, collectives=cfg.collectives)
   engine.check_batch_size(cfg.batch_size)
   batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
@@ -113,7 +124,8 @@ def model_name(cfg: RunConfig) -> str:
 def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
   return RunMeta(step=step, seed=cfg.seed, model_name=model_name(cfg),
                  model_config=dataclasses.asdict(engine.model.cfg), strategy=str(engine.strategy),
-                 mesh=(engine.inter, engine.intra), dtype=cfg.dtype, data=cfg.data_position())
+                 mesh=(engine.inter, engine.intra), dtype=cfg.dtype, data=cfg.data_position(),
+                 lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None)
 
 
 def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
@@ -125,6 +137,8 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
                        f"--resume to continue that run, or another --out to start a new one")
     if cfg.init_from:
       _, params = load_hf(cfg.init_from)  # its config is the engine's (build read it)
+      # With LoRA: the HF weights are the frozen base; the adapters start fresh (B = 0).
+      params = engine.model.with_adapters(params, jax.random.key(cfg.seed))
       return engine.state_from_params(params)
     return engine.init_state(jax.random.key(cfg.seed))
   state, meta = ckpt.restore(engine, model_name(cfg))
@@ -152,12 +166,15 @@ def train(cfg: RunConfig) -> str:
   """Train and write RUN/metrics.jsonl and RUN/checkpoints; returns the metrics path."""
   engine, batches, eval_batches = build(cfg)
   model_cfg, inter, intra = engine.model.cfg, engine.inter, engine.intra
-  n_params = model_cfg.param_count()
+  n_params, n_trained = engine.model.param_count(), engine.model.trainable_count()
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
-  mem = model_state_bytes(engine.strategy, n_params, n_params, inter, intra, itemsize, itemsize)
+  mem = model_state_bytes(engine.strategy, n_params, n_trained, inter, intra, itemsize, itemsize)
   main = jax.process_index() == 0  # with several processes only process 0 logs and writes
   if main:
-    print(f"paro-jax: {model_name(cfg)} ({n_params / 1e6:.2f}M params), strategy "
+    lora = engine.model.lora
+    what = (f"LoRA rank {lora.rank} on {','.join(lora.targets)}: {n_trained / 1e6:.3f}M of "
+            f"{n_params / 1e6:.2f}M params trained" if lora else f"{n_params / 1e6:.2f}M params")
+    print(f"paro-jax: {model_name(cfg)} ({what}), strategy "
           f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
           f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
           f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={cfg.collectives}; model "
