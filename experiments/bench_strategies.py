@@ -77,6 +77,8 @@ UNSHAPED_RATE = "100gbit"   # a tbf this fast never queues here: the reference "
 MIN_RATE_BPS, MAX_RATE_BPS = 8e3, 100e9  # tc tbf takes 8kbit..100gbit here (checked by hand)
 BASELINES = ("jit-fsdp", "jit-hsdp")
 REFERENCE_STRATEGY = "GGG"
+# XLA:CPU runs collectives in f32 whatever the training dtype (bf16 is widened): 4 bytes a value.
+WIRE_ITEMSIZE = 4
 
 
 # ------------------------------------------------------------------------------------------
@@ -85,15 +87,15 @@ REFERENCE_STRATEGY = "GGG"
 def _setup_jax(mesh_text: str | None, multi=(None, None, None), devices: int | None = None):
   """Devices and jax.distributed, before jax touches devices (as bench_collectives.py does)."""
   from paro_jax import distributed
-  from paro_jax.cli import _provide_cpu_devices, parse_mesh_shape
-  from paro_jax.xla_flags import add_xla_flags
+  from paro_jax.cli import parse_mesh_shape
+  from paro_jax.xla_flags import add_xla_flags, provide_cpu_devices
 
   processes = distributed.process_count(*multi)
   if mesh_text:
     inter, intra = parse_mesh_shape(mesh_text)
-    _provide_cpu_devices(inter * intra // processes)
+    provide_cpu_devices(inter * intra // processes)
   elif devices:
-    _provide_cpu_devices(devices)
+    provide_cpu_devices(devices)
   add_xla_flags()
   distributed.maybe_initialize(*multi)
 
@@ -142,6 +144,15 @@ def _baseline(kind: str, model_name: str, dtype: str, micro_batches: int, steps:
                           is_leaf=is_spec)
   batch_sh = NamedSharding(mesh, P(None, ("inter", "intra"), None))
 
+  replicated = NamedSharding(mesh, P())
+
+  def gather(subtree):
+    # The FSDP recipe of the JAX docs and MaxText: weights stored sharded, constrained to
+    # replicated where a layer uses them, so XLA all-gathers them per layer (and reduce-scatters
+    # their gradients). Without it XLA:SPMD keeps the weights sharded along `embed` and shards
+    # the activations instead: 18x GGG's inter-node bytes on tiny (strategies_smoke).
+    return jax.tree.map(lambda w: lax.with_sharding_constraint(w, replicated), subtree)
+
   def init(rng):
     params = model.init(rng)
     return params, tx.init(params)
@@ -151,7 +162,8 @@ def _baseline(kind: str, model_name: str, dtype: str, micro_batches: int, steps:
 
     def loss_fn(p, tokens_BxL1):
       pc = jax.tree.map(lambda w: w.astype(model.dtype), p)
-      return next_token_loss(model.apply(pc, tokens_BxL1[:, :-1]), tokens_BxL1[:, 1:])
+      logits = model.apply(pc, tokens_BxL1[:, :-1], materialize=gather)
+      return next_token_loss(logits, tokens_BxL1[:, 1:])
 
     def micro(acc, tokens_BxL1):
       loss, g = jax.value_and_grad(loss_fn)(params, tokens_BxL1)
@@ -302,7 +314,7 @@ def child_inspect(args) -> None:
   import jax
   import jax.numpy as jnp
 
-  from models.llama import Llama, get_config
+  from models.llama import Llama, LoraConfig, get_config
   from paro_jax.cli import parse_mesh_shape
   from paro_jax.engine import DTYPES, Engine, OptimConfig
   from paro_jax.inspector import compile_step, report
@@ -335,7 +347,10 @@ def child_inspect(args) -> None:
                            - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
             "compile_s": time.perf_counter() - t}
       else:
-        engine = Engine(Llama(get_config(args.model), DTYPES[args.dtype]), parse_strategy(name),
+        lora = LoraConfig(args.lora_rank, args.lora_alpha, args.lora_targets) \
+            if args.lora_rank else None
+        engine = Engine(Llama(get_config(args.model), DTYPES[args.dtype], lora=lora),
+                        parse_strategy(name),
                         make_mesh(inter, intra), OptimConfig(), micro_batches=a)
         r = report(engine, compile_step(engine, args.batch_size, args.seq_len))
         out[f"{name}/{a}"] = {
@@ -390,12 +405,15 @@ def _rate_text(bps: float) -> str:
   return f"{bps / 1e3:.0f}kbit" if bps < 10e6 else f"{bps / 1e6:.0f}mbit"
 
 
-def regimes_table(names: list[str], device_flops: float) -> list[dict]:
+def regimes_table(names: list[str], device_flops: float, wire_itemsize: int = 2) -> list[dict]:
+  """Link rate of each regime. The FLOP-per-byte figures are for GPUs that move bf16 (2 bytes per
+  value); when this emulation moves `wire_itemsize`-byte values (fp32 training, and XLA:CPU
+  runs bf16 collectives in f32 anyway), the link is made that much faster, so that the FLOP per
+  transferred value, and hence the ratio of communication to computation, is the regime's."""
   from paro_jax.launch import parse_rate
 
-  node_flops = device_flops * DEVICES_PER_NODE
-  out = [{"regime": UNSHAPED, "rate": UNSHAPED_RATE, "rate_bps": parse_rate(UNSHAPED_RATE),
-          "flop_per_byte": None, "what": "reference: same namespaces, link never the bottleneck"}]
+  node_flops = device_flops * DEVICES_PER_NODE * wire_itemsize / 2
+  out = []
   for name in names:
     if name in REGIMES:
       r = REGIMES[name]
@@ -408,6 +426,12 @@ def regimes_table(names: list[str], device_flops: float) -> list[dict]:
       bps = parse_rate(name)  # a fixed rate such as 1gbit
       out.append({"regime": name, "rate": name, "rate_bps": bps,
                   "flop_per_byte": node_flops / (bps / 8), "what": "fixed rate"})
+  # The reference runs last: the shaped regimes are what an interrupted run should have.
+  out.append({"regime": UNSHAPED, "rate": UNSHAPED_RATE, "rate_bps": parse_rate(UNSHAPED_RATE),
+              "flop_per_byte": None, "what": "reference: same namespaces, link never the "
+                                            "bottleneck"})
+  for g in out:
+    g["wire_itemsize"] = wire_itemsize
   return out
 
 
@@ -465,6 +489,26 @@ class _Monitor(threading.Thread):
 
 
 def run_one(args, regime: dict, name: str, a: int, run_dir: str) -> dict:
+  """One launch; its row is also kept in run_dir/row.json (`--resume` reuses it)."""
+  row_path = os.path.join(run_dir, "row.json")
+  if args.resume and os.path.exists(row_path):
+    with open(row_path) as f:
+      row = json.load(f)
+    if not row.get("error") and row.get("rate") == regime["rate"]:
+      row["resumed"] = True
+      return row
+  row = _launch_one(args, regime, name, a, run_dir)
+  with open(row_path, "w") as f:
+    json.dump(row, f, indent=2)
+  return row
+
+
+def _lora_flags(args) -> list[str]:
+  return ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
+          "--lora-targets", args.lora_targets] if args.lora_rank else []
+
+
+def _launch_one(args, regime: dict, name: str, a: int, run_dir: str) -> dict:
   from paro_jax.launch import launch
 
   shutil.rmtree(run_dir, ignore_errors=True)
@@ -476,7 +520,7 @@ def run_one(args, regime: dict, name: str, a: int, run_dir: str) -> dict:
     argv = ["python", SCRIPT, "--child", "baseline", "--kind", name, *common]
   else:
     argv = ["train", "--strategy", name, "--collectives", args.collectives,
-            "--warmup", "1", *common]
+            "--warmup", "1", *common, *_lora_flags(args)]
   metrics_path = os.path.join(run_dir, "metrics.jsonl")
   mon = _Monitor(metrics_path, os.getpid())
   link: dict = {}
@@ -544,7 +588,9 @@ def markdown(rows: list[dict], regimes: list[dict], calib: dict, meta: dict) -> 
            f"`{meta['command']}`", "",
            f"Machine: {meta['machine']}; model {meta['model']}, batch {meta['batch_size']}x"
            f"{meta['seq_len']} per micro-batch, {meta['dtype']}, {meta['steps']} steps "
-           f"(median of steps {meta['skip'] + 1}..{meta['steps']}).", "",
+           f"(median of steps {meta['skip'] + 1}..{meta['steps']})"
+           + (f"; LoRA mode: rank {meta['lora']['rank']} on {meta['lora']['targets']}, the base "
+              f"frozen" if meta.get("lora") else "") + ".", "",
            f"Calibration: one virtual device alone "
            f"{calib['single_device']['flop_per_s'] / 1e9:.2f} GFLOP/s; with all "
            f"{NODES * DEVICES_PER_NODE} busy at once "
@@ -652,7 +698,7 @@ def estimate(args, rows: list[dict], calib: dict, calib_target: dict | None,
   itemsize = 4 if args.dtype == "fp32" else 2
   # Link rates for the target model's own calibration (rates scale with its FLOP/s).
   regs = regimes_table(["infiniband", "paper_cloud", "commodity", "1gbit"],
-                       calib_target["effective_flop_per_s_per_device"])
+                       calib_target["effective_flop_per_s_per_device"], WIRE_ITEMSIZE)
   names = list(VALID_NAMES) + list(BASELINES)
   steps = args.estimate_steps
   per_step = {}
@@ -705,7 +751,8 @@ def orchestrate(args) -> None:
   regime_names = [r for r in args.regimes.split(",") if r]
   os.makedirs(args.out, exist_ok=True)
   log_path = os.path.join(args.out, "children.log")
-  open(log_path, "w").close()
+  if not args.resume:
+    open(log_path, "w").close()
   t_start = time.perf_counter()
 
   import importlib.metadata as md
@@ -717,6 +764,8 @@ def orchestrate(args) -> None:
           "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype": args.dtype,
           "steps": args.steps, "skip": args.skip, "collectives": args.collectives,
           "inter_latency": "not emulated (no netem on this kernel): rate only",
+          "lora": ({"rank": args.lora_rank, "alpha": args.lora_alpha,
+                    "targets": args.lora_targets} if args.lora_rank else None),
           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
   def calibrate(model):
@@ -725,13 +774,27 @@ def orchestrate(args) -> None:
                        args.dtype, "--devices", str(NODES * DEVICES_PER_NODE)],
                       "CALIBRATION", log_path)
 
-  print(f"calibrating {args.model} ...", flush=True)
-  calib = calibrate(args.model)
+  calib_path = os.path.join(args.out, "calibration.json")
+  if args.calibration or (args.resume and os.path.exists(calib_path)):
+    # The same link rates as the runs being resumed, or as another benchmark's (--calibration).
+    with open(args.calibration or calib_path) as f:
+      calib = json.load(f)
+    print(f"calibration of {calib['model']} from {args.calibration or calib_path}", flush=True)
+    if calib["model"] != args.model:
+      raise SystemExit(f"--calibration {args.calibration} is for model {calib['model']}, not "
+                       f"{args.model}")
+    with open(calib_path, "w") as f:
+      json.dump(calib, f, indent=2)
+  else:
+    print(f"calibrating {args.model} ...", flush=True)
+    calib = calibrate(args.model)
+    with open(calib_path, "w") as f:
+      json.dump(calib, f, indent=2)
   eff = calib["effective_flop_per_s_per_device"]
   print(f"  one device alone {calib['single_device']['flop_per_s'] / 1e9:.2f} GFLOP/s; "
         f"{NODES * DEVICES_PER_NODE} at once {eff / 1e9:.2f} GFLOP/s each "
         f"(node {eff * DEVICES_PER_NODE / 1e9:.2f} GFLOP/s)", flush=True)
-  regimes = regimes_table(regime_names, eff)
+  regimes = regimes_table(regime_names, eff, WIRE_ITEMSIZE)
   print(f"\n{'regime':14s}{'FLOP/byte':>12s}{'link rate':>12s}  stands for")
   for g in regimes:
     fpb = "-" if g["flop_per_byte"] is None else f"{g['flop_per_byte']:,.0f}"
@@ -741,12 +804,35 @@ def orchestrate(args) -> None:
   print("\ncompiling every configuration for its HLO traffic ...", flush=True)
   all_names = names + baselines
   t = time.perf_counter()
-  hlo = _run_child(["--child", "inspect", "--model", args.model, "--names", ",".join(all_names),
-                    "--micro-batches", args.micro_batches, "--batch-size", str(args.batch_size),
-                    "--seq-len", str(args.seq_len), "--dtype", args.dtype, "--mesh",
-                    f"{NODES}x{DEVICES_PER_NODE}"], "INSPECT", log_path)
+  hlo_path = os.path.join(args.out, "hlo.json")
+  hlo = {}
+  if args.resume and os.path.exists(hlo_path):
+    with open(hlo_path) as f:
+      hlo = json.load(f)
+  for a in a_values:
+    missing = [n for n in all_names if f"{n}/{a}" not in hlo]
+    if missing:
+      got = _run_child(["--child", "inspect", "--model", args.model, "--names",
+                        ",".join(missing), "--micro-batches", str(a), "--batch-size",
+                        str(args.batch_size), "--seq-len", str(args.seq_len), "--dtype",
+                        args.dtype, "--mesh", f"{NODES}x{DEVICES_PER_NODE}",
+                        *_lora_flags(args)], "INSPECT", log_path)
+      got.pop("wall_s", None)
+      hlo.update(got)
+      with open(hlo_path, "w") as f:
+        json.dump(hlo, f, indent=2)
   inspect_wall = time.perf_counter() - t
-  hlo.pop("wall_s", None)
+
+  def write(rows, est=None, calib_target=None):
+    meta["wall_s"] = time.perf_counter() - t_start
+    result = {"meta": meta, "calibration": calib, "estimate_calibration": calib_target,
+              "regimes": regimes, "hlo": hlo, "runs": rows, "full_run_estimate": est or {}}
+    with open(os.path.join(args.out, "strategies.json"), "w") as f:
+      json.dump(result, f, indent=2)
+    md_text = markdown(rows, regimes, calib, meta)
+    with open(os.path.join(args.out, "strategies.md"), "w") as f:
+      f.write(md_text)
+    return md_text, plot(rows, os.path.join(args.out, "strategies.png"))
 
   rows = []
   for g in regimes:
@@ -762,7 +848,9 @@ def orchestrate(args) -> None:
           wire = "-" if not w else f"{w['total'] / 2**20:.2f} MiB"
           print(f"{g['regime']:12s} {name:9s} A={a}: step {r['median_step_s']:.3f} s, "
                 f"{r['tokens_per_s']:.0f} tok/s, wire {wire}/step, "
-                f"wall {r['wall_s']:.0f} s", flush=True)
+                f"wall {r['wall_s']:.0f} s" + (" (resumed)" if r.get("resumed") else ""),
+                flush=True)
+        write(summarize(rows, hlo, regimes))  # partial results survive an interrupted run
   summarize(rows, hlo, regimes)
   calib_target = calib
   if args.estimate_model and args.estimate_model != args.model:
@@ -774,15 +862,7 @@ def orchestrate(args) -> None:
     est["hours_inspect"] = (est["inputs"]["inspect_s_per_config_measured"] * 16 * 3 *
                             calib_target["single_device"]["compile_and_first_s"] /
                             calib["single_device"]["compile_and_first_s"]) / 3600
-  meta["wall_s"] = time.perf_counter() - t_start
-  result = {"meta": meta, "calibration": calib, "estimate_calibration": calib_target,
-            "regimes": regimes, "hlo": hlo, "runs": rows, "full_run_estimate": est}
-  with open(os.path.join(args.out, "strategies.json"), "w") as f:
-    json.dump(result, f, indent=2)
-  md_text = markdown(rows, regimes, calib, meta)
-  with open(os.path.join(args.out, "strategies.md"), "w") as f:
-    f.write(md_text)
-  png = plot(rows, os.path.join(args.out, "strategies.png"))
+  md_text, png = write(rows, est, calib_target)
   print("\n" + md_text)
   if est:
     print(f"full-run estimate ({est['model']}, {est['runs']} runs of {est['steps_per_run']} "
@@ -804,8 +884,10 @@ def main():
   ap.add_argument("--regimes", default="infiniband,paper_cloud,commodity,1gbit",
                   help=f"named ({', '.join(REGIMES)}) or fixed tc rates (e.g. 1gbit); the "
                        f"unshaped reference is always run")
-  ap.add_argument("--batch-size", type=int, default=16, help="global micro-batch (sequences)")
-  ap.add_argument("--seq-len", type=int, default=128)
+  ap.add_argument("--batch-size", type=int, default=32,
+                  help="global micro-batch in sequences (default 32 x 512: 2,048 tokens per device "
+                       "and micro-batch, as one 2,048-token sequence per GPU in the papers)")
+  ap.add_argument("--seq-len", type=int, default=512)
   ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
   ap.add_argument("--collectives", default="xla", choices=["xla", "ring", "hring", "horing"])
   ap.add_argument("--steps", type=int, default=6)
@@ -813,6 +895,17 @@ def main():
                   help="leading steps left out of medians and byte counts (compilation)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="experiments/results/strategies")
+  ap.add_argument("--lora-rank", type=int, default=0,
+                  help="LoRA mode: train adapters of this rank only (baselines are full training: "
+                       "pass --baselines '')")
+  ap.add_argument("--lora-alpha", type=float, default=16.0)
+  ap.add_argument("--lora-targets", default="wq,wk,wv,wo,w_gate,w_up,w_down")
+  ap.add_argument("--calibration", default=None, metavar="JSON",
+                  help="reuse another run's calibration.json (the same link rates), e.g. the "
+                       "full-training benchmark's for the LoRA mode")
+  ap.add_argument("--resume", action="store_true",
+                  help="reuse the runs already in --out (runs/REGIME/NAME_A*/row.json) whose link "
+                       "rate is unchanged; run only the missing ones")
   ap.add_argument("--estimate-model", default="small",
                   help="model of the full-run time estimate printed at the end ('' for none)")
   ap.add_argument("--estimate-steps", type=int, default=6)
