@@ -600,6 +600,7 @@ def markdown(rows: list[dict], regimes: list[dict], calib: dict, meta: dict) -> 
   for g in regimes:
     fpb = "-" if g["flop_per_byte"] is None else f"{g['flop_per_byte']:,.0f}"
     lines.append(f"| {g['regime']} | {fpb} | {g['rate']} | {g['what']} |")
+  lines += ["", "Summary (shaped links):", "", *summary_markdown(rows)]
   lines += ["", "Per run: median step time, tokens/s, communication overhead (step time / the "
             "same run's on the unshaped link), throughput relative to GGG in the same regime "
             "and A, inter-node MiB per optimizer step on the wire (tc, both nodes' egress "
@@ -622,6 +623,40 @@ def markdown(rows: list[dict], regimes: list[dict], calib: dict, meta: dict) -> 
         f"{_fmt(_mib(r['formula_inter_bytes_per_device']), '.2f')} | "
         f"{_fmt(_mib(r['model_states_bytes_per_device']), '.2f')} | {r['wall_s']:.0f} |")
   return "\n".join(lines) + "\n"
+
+
+def summary(rows: list[dict]) -> list[dict]:
+  """Per (shaped regime, A): the fastest strategy against ZeRO-3/2 and plain-jit partitioning."""
+  good = [r for r in rows if not r.get("error") and r["regime"] != UNSHAPED]
+  out = []
+  for regime in dict.fromkeys(r["regime"] for r in good):
+    for a in sorted({r["micro_batches"] for r in good if r["regime"] == regime}):
+      here = {r["name"]: r for r in good if r["regime"] == regime and r["micro_batches"] == a}
+      ours = {n: r for n, r in here.items() if n not in BASELINES}
+      if not ours:
+        continue
+      best = max(ours.values(), key=lambda r: r["tokens_per_s"])
+      speed = lambda name: here[name]["tokens_per_s"] if name in here else None
+      ratio = lambda name: (best["tokens_per_s"] / speed(name)) if speed(name) else None
+      jit = [n for n in BASELINES if n in here]
+      best_jit = max(jit, key=speed) if jit else None
+      out.append({"regime": regime, "micro_batches": a, "best": best["name"],
+                  "best_tokens_per_s": best["tokens_per_s"], "vs_GGG": ratio("GGG"),
+                  "vs_NGG": ratio("NGG"), "best_jit": best_jit,
+                  "vs_best_jit": ratio(best_jit) if best_jit else None,
+                  "ranking": sorted(ours, key=lambda n: -ours[n]["tokens_per_s"])})
+  return out
+
+
+def summary_markdown(rows: list[dict]) -> list[str]:
+  lines = ["| regime | A | fastest strategy | tokens/s | vs GGG (ZeRO-3) | vs NGG (ZeRO-2) | vs best "
+           "plain jit | order (fastest first) |", "|---|---:|---|---:|---:|---:|---:|---|"]
+  for x in summary(rows):
+    jit = "-" if x["best_jit"] is None else f"{x['vs_best_jit']:.2f}x ({x['best_jit']})"
+    lines.append(f"| {x['regime']} | {x['micro_batches']} | {x['best']} | "
+                 f"{x['best_tokens_per_s']:.0f} | {_fmt(x['vs_GGG'], '.2f')}x | "
+                 f"{_fmt(x['vs_NGG'], '.2f')}x | {jit} | {' '.join(x['ranking'])} |")
+  return lines
 
 
 def plot(rows: list[dict], path: str) -> str | None:
@@ -826,7 +861,8 @@ def orchestrate(args) -> None:
   def write(rows, est=None, calib_target=None):
     meta["wall_s"] = time.perf_counter() - t_start
     result = {"meta": meta, "calibration": calib, "estimate_calibration": calib_target,
-              "regimes": regimes, "hlo": hlo, "runs": rows, "full_run_estimate": est or {}}
+              "regimes": regimes, "hlo": hlo, "runs": rows, "summary": summary(rows),
+              "full_run_estimate": est or {}}
     with open(os.path.join(args.out, "strategies.json"), "w") as f:
       json.dump(result, f, indent=2)
     md_text = markdown(rows, regimes, calib, meta)
@@ -874,6 +910,21 @@ def orchestrate(args) -> None:
         + f" in {meta['wall_s']:.0f} s")
 
 
+def report_only(out: str) -> None:
+  """Rewrite strategies.md and strategies.png from strategies.json (no runs)."""
+  with open(os.path.join(out, "strategies.json")) as f:
+    result = json.load(f)
+  rows = summarize(result["runs"], result["hlo"], result["regimes"])
+  result["summary"] = summary(rows)
+  with open(os.path.join(out, "strategies.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  md_text = markdown(rows, result["regimes"], result["calibration"], result["meta"])
+  with open(os.path.join(out, "strategies.md"), "w") as f:
+    f.write(md_text)
+  plot(rows, os.path.join(out, "strategies.png"))
+  print(md_text)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--model", default="small")
@@ -903,6 +954,8 @@ def main():
   ap.add_argument("--calibration", default=None, metavar="JSON",
                   help="reuse another run's calibration.json (the same link rates), e.g. the "
                        "full-training benchmark's for the LoRA mode")
+  ap.add_argument("--report", action="store_true",
+                  help="only rewrite --out's strategies.md and .png from its strategies.json")
   ap.add_argument("--resume", action="store_true",
                   help="reuse the runs already in --out (runs/REGIME/NAME_A*/row.json) whose link "
                        "rate is unchanged; run only the missing ones")
@@ -927,6 +980,8 @@ def main():
     child_inspect(args)
   elif args.child == "baseline":
     child_baseline(args)
+  elif args.report:
+    report_only(args.out)
   else:
     if args.skip >= args.steps:
       ap.error(f"--skip {args.skip} must be below --steps {args.steps}")
