@@ -688,6 +688,7 @@ def plot(rows: list[dict], path: str) -> str | None:
   axes[0][0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+  plt.close(fig)  # one plot per finished run: do not keep them all open
   return path
 
 
