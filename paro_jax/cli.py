@@ -30,7 +30,8 @@ def _lora_config(args):
 def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="tiny", help="preset: tiny, small, 7b, 13b, 65b")
   p.add_argument("--strategy", default="IIG",
-                 help="three letters P,G,OS from {N,I,G} (e.g. IIG) or ddp/zero1/zero2/zero3/mics")
+                 help="three letters P,G,OS from {N,I,G} (e.g. IIG) or ddp/zero1/zero2/zero3/mics; "
+                      "train also takes auto (probe the mesh, take the planner's pick)")
   p.add_argument("--mesh", default=None,
                  help="GROUPSxDEVICES, e.g. 2x4 (default: one group per process)")
   p.add_argument("--micro-batches", type=int, default=1, help="A: micro-batches per step")
@@ -122,7 +123,64 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tc rate of each node's loopback (intra-node traffic); default unshaped")
   launch.add_argument("--loopback", action="store_true",
                       help="plain processes on 127.0.0.1, no namespaces and no shaping")
+  _add_planner_commands(sub)
   return parser
+
+
+def _add_planner_commands(sub) -> None:
+  """`plan` (no devices needed) and `probe` (measures the mesh it runs on)."""
+  plan = sub.add_parser(
+      "plan", help="rank the 14 strategies for a cluster: memory, step time, the pick and why")
+  plan.add_argument("--model", default="7b", help="preset: tiny, small, 7b, 13b, 65b")
+  plan.add_argument("--nodes", type=int, required=True, help="G: nodes (groups)")
+  plan.add_argument("--devices-per-node", type=int, required=True, help="M: devices per node")
+  from paro_jax.hardware import GPUS  # no jax
+
+  plan.add_argument("--gpu", default="a100-80gb",
+                    help=f"device model for peak FLOP/s and memory: {', '.join(GPUS)}")
+  plan.add_argument("--device-memory", default=None, help="per device, e.g. 80GB or 80GiB "
+                    "(default: the GPU's)")
+  plan.add_argument("--peak-tflops", type=float, default=None,
+                    help="dense bf16 peak per device (default: the GPU's, or the profile's)")
+  plan.add_argument("--mfu", type=float, default=0.5,
+                    help="fraction of peak the compute alone reaches (default 0.5)")
+  plan.add_argument("--inter-bandwidth", default="100gbit",
+                    help="each node's inter-node link, shared by its devices (e.g. 100gbit, "
+                         "400Gb/s, 50GB/s)")
+  plan.add_argument("--intra-bandwidth", default="300GB/s",
+                    help="per device inside a node (e.g. 300GB/s for NVLink A100)")
+  plan.add_argument("--inter-latency", default="50us", help="per collective between nodes")
+  plan.add_argument("--intra-latency", default="10us", help="per collective inside a node")
+  plan.add_argument("--micro-batch", type=int, default=1, help="sequences per device and "
+                    "micro-batch")
+  plan.add_argument("--micro-batches", type=int, default=8, help="A: micro-batches per step")
+  plan.add_argument("--seq-len", type=int, default=2048)
+  plan.add_argument("--trainable-fraction", type=float, default=1.0,
+                    help="Ψ'/Ψ: 1 for full training, e.g. 0.003 for LoRA")
+  plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
+  plan.add_argument("--collectives", default="xla", choices=["xla", "ring", "hring", "horing"],
+                    help="how collectives over all devices run: xla (NCCL) and hring in two "
+                         "levels, ring flat (PARO.md), horing two overlapped levels")
+  plan.add_argument("--overlap", type=float, default=0.0,
+                    help="fraction of per-micro-batch traffic hidden behind compute (default 0)")
+  plan.add_argument("--usable-memory", type=float, default=0.9,
+                    help="fraction of device memory the plan may fill (default 0.9)")
+  plan.add_argument("--profile", default=None, metavar="FILE",
+                    help="a `paro-jax probe` JSON: its measured links (and FLOP/s) override")
+  plan.add_argument("--json", action="store_true", help="print one JSON object")
+  probe = sub.add_parser("probe", help="measure collectives (per level) and FLOP/s of this mesh "
+                         "into a JSON profile for `plan --profile`")
+  probe.add_argument("--mesh", default=None,
+                     help="GROUPSxDEVICES, e.g. 2x4 (default: one group per process)")
+  probe.add_argument("--sizes", default="64KiB,1MiB,4MiB",
+                     help="per-device buffer sizes, comma-separated (default 64KiB,1MiB,4MiB)")
+  probe.add_argument("--repeats", type=int, default=5, help="timed calls per size (median)")
+  probe.add_argument("--no-flops", action="store_true", help="skip the matmul FLOP/s")
+  probe.add_argument("--out", default="probe.json", help="the JSON profile to write")
+  dist = probe.add_argument_group("multi-process", "as for train")
+  dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+  dist.add_argument("--num-processes", type=int, default=None)
+  dist.add_argument("--process-id", type=int, default=None)
 
 
 def main(argv=None) -> None:
@@ -150,6 +208,19 @@ def main(argv=None) -> None:
       step = export_run(args.run, args.out)
       print(f"paro-jax: wrote checkpoint step {step} of {args.run} to {args.out}")
       return
+    if args.command == "plan":
+      from paro_jax.planner import run_plan  # no devices needed
+
+      run_plan(model=args.model, nodes=args.nodes, devices_per_node=args.devices_per_node,
+               gpu=args.gpu, device_memory=args.device_memory, peak_tflops=args.peak_tflops,
+               mfu=args.mfu, inter_bandwidth=args.inter_bandwidth,
+               intra_bandwidth=args.intra_bandwidth, inter_latency=args.inter_latency,
+               intra_latency=args.intra_latency, micro_batch=args.micro_batch,
+               micro_batches=args.micro_batches, seq_len=args.seq_len,
+               trainable_fraction=args.trainable_fraction, dtype=args.dtype,
+               collectives=args.collectives, overlap=args.overlap,
+               usable_memory=args.usable_memory, profile=args.profile, as_json=args.json)
+      return
     from paro_jax import distributed
 
     mesh = parse_mesh_shape(args.mesh) if args.mesh else None
@@ -163,6 +234,10 @@ def main(argv=None) -> None:
       provide_cpu_devices(mesh[0] * mesh[1] // processes)  # per process
     add_xla_flags()  # GPU collective overlap (HO-Ring); harmless elsewhere
     distributed.maybe_initialize(*multi)  # before anything touches devices
+    if args.command == "probe":
+      from paro_jax.probe import run_probe  # imports jax: after the device flag is set
+
+      run_probe(mesh, args.sizes, args.repeats, not args.no_flops, args.out)
     if args.command == "inspect":
       from paro_jax.inspector import inspect  # imports jax: after the device flag is set
 

@@ -90,9 +90,20 @@ class RunConfig:
 
 def build(cfg: RunConfig):
   """Model, engine and batches for a run; every bad input fails here, before any compile."""
-  strategy = parse_strategy(cfg.strategy)
+  auto = cfg.strategy.strip().lower() == "auto"
+  strategy = None if auto else parse_strategy(cfg.strategy)
   model_cfg = read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)
   mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
+  if auto:  # probe this mesh and take the planner's pick (paro_jax/planner.py)
+    from paro_jax.probe import auto_strategy
+
+    model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora())
+    name, why = auto_strategy(mesh, model_cfg, cfg.micro_batches, cfg.batch_size, cfg.seq_len,
+                              jnp.dtype(DTYPES[cfg.dtype]).itemsize, model.param_count(),
+                              model.trainable_count(), cfg.collectives, cfg.remat != "none")
+    if jax.process_index() == 0:
+      print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
+    strategy = parse_strategy(name)
   tokens, eval_tokens = split_eval(load_tokens(cfg.data_config(), model_cfg.vocab),
                                   cfg.eval_fraction)
   optim = OptimConfig(learning_rate=cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps)

@@ -1,0 +1,359 @@
+"""Does the planner rank the strategies as the emulated cluster measures them? (issue 6)
+
+Reads the strategy benchmark's results (experiments/bench_strategies.py, strategies.json) and, for
+every shaped link regime and A it holds, predicts the step time of each measured strategy with
+paro_jax.planner configured for the emulated cluster:
+
+- nodes x devices per node from the benchmark (2 x 4), the regime's tc rate as each node's link;
+- global collectives "flat": XLA:CPU runs a collective over all devices through gloo, and tc
+  counts every device's ring bytes on the link (strategies_smoke: GGG's wire bytes are 4x the
+  per-device formula);
+- traffic in 4-byte values (XLA:CPU widens bf16 collectives to f32; the benchmark trains fp32);
+- compute: the benchmark's calibration (model FLOP/s of one virtual device while all 8 run at
+  once, `effective_flop_per_s_per_device`), MFU 1.
+
+What the calibration does not give, the intra-node bandwidth, the cost of one collective of each
+kind (all-gather, reduce-scatter, all-reduce: what a probe profile holds per kind), gloo's own
+cost per byte on the inter link (in series with the tc rate) and a scale on the compute time, is
+fitted by non-negative least squares on the *unshaped* runs only (the same strategies on a
+100 Gbit/s link), so the shaped regimes the ranking is judged on are not fitted to. `--no-fit`
+uses --intra-bandwidth / --latency (or a probe profile, --profile) instead.
+
+Per (regime, A): Spearman correlation between predicted and measured step times (average ranks
+for ties), and the measured throughput of the planner's pick relative to the measured best.
+Goal: correlation >= 0.9 and the pick within 5% of the best.
+
+  python experiments/validate_planner.py \
+      --results experiments/results/strategies/strategies.json --out experiments/results/planner
+
+Writes validate.json, validate.md and (with matplotlib) validate.png under --out. Pure Python
+apart from the model presets (models/llama.py imports jax but touches no device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from paro_jax import hardware, planner  # noqa: E402
+from paro_jax.strategy import VALID_NAMES, parse_strategy  # noqa: E402
+
+UNSHAPED = "unshaped"
+WIRE_ITEMSIZE = 4
+
+
+# --- statistics (no scipy) -----------------------------------------------------------------------
+def ranks(xs: list[float]) -> list[float]:
+  """1-based ranks, ties sharing their average rank."""
+  order = sorted(range(len(xs)), key=lambda i: xs[i])
+  out = [0.0] * len(xs)
+  i = 0
+  while i < len(order):
+    j = i
+    while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+      j += 1
+    for k in range(i, j + 1):
+      out[order[k]] = (i + j) / 2 + 1
+    i = j + 1
+  return out
+
+
+def pearson(xs: list[float], ys: list[float]) -> float:
+  mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+  sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+  sxx = sum((x - mx) ** 2 for x in xs)
+  syy = sum((y - my) ** 2 for y in ys)
+  return sxy / math.sqrt(sxx * syy) if sxx and syy else float("nan")
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+  return pearson(ranks(xs), ranks(ys))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+  """Gaussian elimination with partial pivoting; None when singular."""
+  n = len(b)
+  m = [row[:] + [v] for row, v in zip(a, b)]
+  for c in range(n):
+    p = max(range(c, n), key=lambda r: abs(m[r][c]))
+    if abs(m[p][c]) < 1e-300:
+      return None
+    m[c], m[p] = m[p], m[c]
+    for r in range(n):
+      if r != c:
+        f = m[r][c] / m[c][c]
+        m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+  return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
+  """min |X w - y| with w >= 0, by trying every set of free coefficients (a handful here).
+
+  Columns are scaled to unit norm first, so seconds-per-byte and seconds-per-collective
+  coefficients are solved on the same footing.
+  """
+  k = len(rows[0])
+  norms = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(k)]
+  xs = [[r[j] / norms[j] for j in range(k)] for r in rows]
+  best, best_err = [0.0] * k, sum(y * y for y in ys)
+  for size in range(1, k + 1):
+    for free in itertools.combinations(range(k), size):
+      a = [[sum(x[i] * x[j] for x in xs) for j in free] for i in free]
+      b = [sum(x[i] * y for x, y in zip(xs, ys)) for i in free]
+      sol = _solve(a, b)
+      if sol is None or min(sol) < 0:
+        continue
+      w = [0.0] * k
+      for i, v in zip(free, sol):
+        w[i] = v
+      err = sum((sum(wj * xj for wj, xj in zip(w, x)) - y) ** 2 for x, y in zip(xs, ys))
+      if err < best_err:
+        best, best_err = w, err
+  return [w / n for w, n in zip(best, norms)]
+
+
+# --- the planner for the emulated cluster -------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Constants:
+  """What the planner needs beyond the benchmark's own figures."""
+
+  intra_s_per_byte: float  # 1 / intra bandwidth per device
+  latency_s: dict  # collective kind -> seconds per collective, either level
+  gloo_s_per_byte: float  # gloo's own cost per inter-node byte per device, in series with tc
+  compute_scale: float  # x the calibrated compute time
+  source: str
+
+
+def workload(bench: dict) -> planner.Workload:
+  from models.llama import get_config
+
+  meta = bench["meta"]
+  n = meta["nodes"] * meta["devices_per_node"]
+  return planner.Workload(get_config(meta["model"]), micro_batch=max(1, meta["batch_size"] // n),
+                          micro_batches=1, seq_len=meta["seq_len"], itemsize=WIRE_ITEMSIZE)
+
+
+def cluster(bench: dict, rate_bps: float, c: Constants) -> planner.Cluster:
+  meta = bench["meta"]
+  m = meta["devices_per_node"]
+  # Per device: m / node_rate (its share of tc's link) + gloo's cost, in series.
+  inter_bw = 1 / (8 * m / rate_bps + c.gloo_s_per_byte)
+  intra_bw = 1 / max(c.intra_s_per_byte, 1e-30)
+  # Every (collective, level) as a probe profile would give it; a global collective is flat.
+  measured = {(kind, level): (intra_bw if level == "intra" else inter_bw, c.latency_s[kind])
+              for kind in planner.COLLECTIVES for level in planner.LEVELS}
+  network = planner.Network(inter_bandwidth=inter_bw * m, intra_bandwidth=intra_bw,
+                            global_collectives="flat", measured=measured)
+  flops = bench["calibration"]["effective_flop_per_s_per_device"] / c.compute_scale
+  return planner.Cluster(meta["nodes"], m, network, flop_per_s=flops, mfu=1.0)
+
+
+def features(bench: dict, name: str, a: int) -> dict:
+  """Per step: calibrated compute seconds, intra and inter bytes per device, collectives of
+  each kind."""
+  w = dataclasses.replace(workload(bench), micro_batches=a)
+  meta = bench["meta"]
+  unit = planner.Cluster(meta["nodes"], meta["devices_per_node"],
+                         planner.Network(1.0, 1.0), bench["calibration"][
+                             "effective_flop_per_s_per_device"], mfu=1.0)
+  s = parse_strategy(name)
+  traffic = planner.traffic_of(s, w, unit)
+  sched = planner.schedule(s, w)
+  counts = {kind: 0 for kind in planner.COLLECTIVES}
+  for key in traffic.phases:
+    counts[sched[key][0]] += sched[key][2]
+  return {"compute": planner.compute_seconds(w, unit), "intra": traffic.intra,
+          "inter": traffic.inter, "counts": counts}
+
+
+def fit_constants(bench: dict, runs: list[dict]) -> Constants | None:
+  """NNLS on the unshaped runs: step - inter bytes / link = s C + intra / B' + gloo E
+  + sum over kinds of lat_kind K_kind."""
+  meta = bench["meta"]
+  m = meta["devices_per_node"]
+  rate = next((g["rate_bps"] for g in bench["regimes"] if g["regime"] == UNSHAPED), None)
+  ref = [r for r in runs if r["regime"] == UNSHAPED]
+  if rate is None or len(ref) < 4:
+    return None
+  rows, ys = [], []
+  for r in ref:
+    f = features(bench, r["name"], r["micro_batches"])
+    rows.append([f["compute"], f["intra"], f["inter"],
+                 *(f["counts"][k] for k in planner.COLLECTIVES)])
+    ys.append(r["median_step_s"] - f["inter"] * m * 8 / rate)
+  coef = nnls(rows, ys)
+  scale, intra, gloo, *lat = coef
+  steps = [r["median_step_s"] for r in ref]
+  rel = [(sum(c * x for c, x in zip(coef, row)) - y) / t for row, y, t in zip(rows, ys, steps)]
+  rms = math.sqrt(sum(e * e for e in rel) / len(rel))
+  return Constants(intra, dict(zip(planner.COLLECTIVES, lat)), gloo, scale or 1.0,
+                   f"fitted on the {len(ref)} unshaped runs by NNLS, rms error {rms:.1%} there")
+
+
+def predict(bench: dict, regime: dict, a: int, names: list[str], c: Constants) -> planner.Plan:
+  w = dataclasses.replace(workload(bench), micro_batches=a)
+  cl = cluster(bench, regime["rate_bps"], c)
+  est = {n: planner.estimate(parse_strategy(n), w, cl) for n in VALID_NAMES}
+  # The planner's pick among the strategies that were measured (no memory limit on CPU).
+  sub = [est[n] for n in names]
+  pick = planner.tie_break(sub)
+  ranking = [pick] + sorted((e for e in sub if e is not pick), key=lambda e: e.step_time_s)
+  return planner.Plan(pick.strategy, "", ranking, {})
+
+
+def evaluate(bench: dict, c: Constants) -> list[dict]:
+  runs = [r for r in bench["runs"] if not r.get("error") and r["name"] in VALID_NAMES]
+  out = []
+  for regime in bench["regimes"]:
+    if regime["regime"] == UNSHAPED:
+      continue
+    for a in sorted({r["micro_batches"] for r in runs if r["regime"] == regime["regime"]}):
+      measured = {r["name"]: r["median_step_s"] for r in runs
+                  if r["regime"] == regime["regime"] and r["micro_batches"] == a}
+      if len(measured) < 2:
+        continue
+      names = [n for n in VALID_NAMES if n in measured]
+      p = predict(bench, regime, a, names, c)
+      predicted = {e.strategy: e.step_time_s for e in p.ranking}
+      best = min(names, key=measured.get)
+      rho = spearman([predicted[n] for n in names], [measured[n] for n in names])
+      out.append({
+          "regime": regime["regime"], "rate": regime["rate"], "micro_batches": a,
+          "strategies": len(names), "spearman": rho, "pick": p.pick, "measured_best": best,
+          "pick_speed_vs_best": measured[best] / measured[p.pick],
+          "rows": [{"strategy": n, "predicted_step_s": predicted[n],
+                    "measured_step_s": measured[n],
+                    "predicted_rank": r_p, "measured_rank": r_m}
+                   for n, r_p, r_m in zip(names, ranks([predicted[n] for n in names]),
+                                          ranks([measured[n] for n in names]))],
+      })
+  return out
+
+
+def markdown(bench: dict, c: Constants, results: list[dict], alt: list[dict] | None,
+             command: str) -> str:
+  meta = bench["meta"]
+  intra = 1 / c.intra_s_per_byte / 1e9 if c.intra_s_per_byte else float("inf")
+  lines = [f"# Planner against the strategy benchmark ({meta['nodes']}x{meta['devices_per_node']} "
+           "emulated cluster)", "", f"`{command}`", "",
+           f"Benchmark: `{meta['command']}` (model {meta['model']}, batch {meta['batch_size']}x"
+           f"{meta['seq_len']}, {meta['dtype']}).", "",
+           f"Constants ({c.source}): intra {intra:.3g} GB/s per "
+           f"device, per collective " + ", ".join(f"{k} {v * 1e6:.0f} us"
+                                                  for k, v in c.latency_s.items()) + ", gloo "
+           f"{c.gloo_s_per_byte * 1e9:.3g} s/GB per device on the inter link, compute x"
+           f"{c.compute_scale:.2f} of the calibration.", "",
+           "| regime | link | A | strategies | Spearman | pick | measured best "
+           "| pick speed / best |",
+           "|---|---|---:|---:|---:|---|---|---:|"]
+  for r in results:
+    lines.append(f"| {r['regime']} | {r['rate']} | {r['micro_batches']} | {r['strategies']} | "
+                 f"{r['spearman']:.3f} | {r['pick']} | {r['measured_best']} | "
+                 f"{r['pick_speed_vs_best']:.3f} |")
+  if alt:
+    lines += ["", "Without fitting (--no-fit constants):", "",
+              "| regime | A | Spearman | pick | pick speed / best |", "|---|---:|---:|---|---:|"]
+    lines += [f"| {r['regime']} | {r['micro_batches']} | {r['spearman']:.3f} | {r['pick']} | "
+              f"{r['pick_speed_vs_best']:.3f} |" for r in alt]
+  for r in results:
+    lines += ["", f"{r['regime']}, A={r['micro_batches']}:", "",
+              "| strategy | predicted s | measured s | predicted rank | measured rank |",
+              "|---|---:|---:|---:|---:|"]
+    for row in sorted(r["rows"], key=lambda x: x["measured_step_s"]):
+      lines.append(f"| {row['strategy']} | {row['predicted_step_s']:.3f} | "
+                   f"{row['measured_step_s']:.3f} | {row['predicted_rank']:g} | "
+                   f"{row['measured_rank']:g} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: str) -> str | None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  if not results:
+    return None
+  fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4), squeeze=False)
+  for ax, r in zip(axes[0], results):
+    xs = [row["predicted_step_s"] for row in r["rows"]]
+    ys = [row["measured_step_s"] for row in r["rows"]]
+    ax.scatter(xs, ys, s=14)
+    for row, x, y in zip(r["rows"], xs, ys):
+      ax.annotate(row["strategy"], (x, y), fontsize=7, xytext=(2, 2), textcoords="offset points")
+    lo, hi = min(xs + ys), max(xs + ys)
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_title(f"{r['regime']} ({r['rate']}), A={r['micro_batches']}: "
+                 f"rho={r['spearman']:.2f}", fontsize=9)
+    ax.set_xlabel("predicted step (s)")
+  axes[0][0].set_ylabel("measured step (s)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--results", default="experiments/results/strategies/strategies.json")
+  ap.add_argument("--out", default="experiments/results/planner")
+  ap.add_argument("--no-fit", action="store_true",
+                  help="do not fit on the unshaped runs: use the constants below")
+  ap.add_argument("--intra-bandwidth", default="1GB/s",
+                  help="--no-fit: per device (default 1GB/s, bench_collectives' in-process rate)")
+  ap.add_argument("--latency", default="300us", help="--no-fit: per collective, every kind")
+  ap.add_argument("--profile", default=None,
+                  help="--no-fit: a `paro-jax probe --mesh 2x4` profile for intra bandwidth and "
+                       "latencies (its intra fits)")
+  args = ap.parse_args(argv)
+  with open(args.results) as f:
+    bench = json.load(f)
+  runs = [r for r in bench["runs"] if not r.get("error") and r["name"] in VALID_NAMES]
+  intra = hardware.parse_bandwidth(args.intra_bandwidth, "--intra-bandwidth")
+  latency = dict.fromkeys(planner.COLLECTIVES, hardware.parse_latency(args.latency))
+  source = f"--intra-bandwidth {args.intra_bandwidth}, --latency {args.latency}"
+  if args.profile:
+    fits = planner.load_profile(args.profile)["collectives"]
+    intra = fits["all_gather"]["intra"]["bandwidth"]
+    latency = {k: fits[k]["intra"]["latency"] for k in planner.COLLECTIVES}
+    source = f"profile {args.profile}"
+  given = Constants(1 / intra, latency, 0.0, 1.0, source)
+  fitted = None if args.no_fit else fit_constants(bench, runs)
+  if fitted is None and not args.no_fit:
+    print("no unshaped runs to fit on: using the --no-fit constants", file=sys.stderr)
+  primary = fitted or given
+  results = evaluate(bench, primary)
+  alt = evaluate(bench, given) if fitted else None
+  if not results:
+    print(f"{args.results} has no shaped regime with two or more strategies measured",
+          file=sys.stderr)
+    return 1
+  command = " ".join(["python", "experiments/validate_planner.py", *(argv or sys.argv[1:])])
+  os.makedirs(args.out, exist_ok=True)
+  summary = {"command": command, "results_file": args.results, "constants":
+             dataclasses.asdict(primary), "results": results, "no_fit_results": alt,
+             "goal": {"spearman": 0.9, "pick_speed_vs_best": 0.95},
+             "met": all(r["spearman"] >= 0.9 and r["pick_speed_vs_best"] >= 0.95
+                        for r in results)}
+  with open(os.path.join(args.out, "validate.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  text = markdown(bench, primary, results, alt, command)
+  with open(os.path.join(args.out, "validate.md"), "w") as f:
+    f.write(text)
+  png = plot(results, os.path.join(args.out, "validate.png"))
+  print(text)
+  print(f"goal (Spearman >= 0.9, pick >= 0.95 of the best) {'met' if summary['met'] else 'NOT met'}"
+        f"; wrote {args.out}/validate.json, validate.md" + (", validate.png" if png else ""))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
