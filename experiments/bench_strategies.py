@@ -648,14 +648,18 @@ def summary(rows: list[dict]) -> list[dict]:
   return out
 
 
+def _times(x) -> str:
+  return "-" if x is None else f"{x:.2f}x"
+
+
 def summary_markdown(rows: list[dict]) -> list[str]:
   lines = ["| regime | A | fastest strategy | tokens/s | vs GGG (ZeRO-3) | vs NGG (ZeRO-2) | vs best "
            "plain jit | order (fastest first) |", "|---|---:|---|---:|---:|---:|---:|---|"]
   for x in summary(rows):
     jit = "-" if x["best_jit"] is None else f"{x['vs_best_jit']:.2f}x ({x['best_jit']})"
     lines.append(f"| {x['regime']} | {x['micro_batches']} | {x['best']} | "
-                 f"{x['best_tokens_per_s']:.0f} | {_fmt(x['vs_GGG'], '.2f')}x | "
-                 f"{_fmt(x['vs_NGG'], '.2f')}x | {jit} | {' '.join(x['ranking'])} |")
+                 f"{x['best_tokens_per_s']:.0f} | {_times(x['vs_GGG'])} | {_times(x['vs_NGG'])} | "
+                 f"{jit} | {' '.join(x['ranking'])} |")
   return lines
 
 
