@@ -69,7 +69,7 @@ class _FakeMesh:
 
 def test_leaf_without_shardable_axis_is_an_error():
   with pytest.raises(ValueError, match=r"parameter w with logical axes \('mlp',\) has none of "
-                                       r"the shardable axes \('embed',\)"):
+                                       r"the shardable axes \('embed', 'lora_out', 'lora_in'\)"):
     shard_dims({"w": ("mlp",)})
   with pytest.raises(ValueError, match="both shardable and never_shard"):
     ShardingRules(shard_axes=("layers",))
