@@ -91,7 +91,7 @@ def measure_flops(mesh: Mesh, repeats: int = 5) -> float:
   mm = jax.jit(jax.shard_map(
       lambda x: (x.reshape(size, size).astype(dtype) @ x.reshape(size, size).astype(dtype)
                  ).astype(jnp.float32).reshape(-1),
-      mesh=mesh, in_specs=P(ALL), out_specs=P(ALL), check_vma=False))
+      mesh=mesh, in_specs=P(ALL), out_specs=P(ALL)))
   return 2 * size**3 / _timed(mm, a, repeats)
 
 
@@ -106,6 +106,9 @@ def probe(mesh: Mesh, sizes=DEFAULT_SIZES, repeats: int = 5, flops: bool = True)
       if k == 1:  # nothing to measure: a level of one device moves no data
         continue
       points = []
+      # check_vma off: a psum or all-gather result is replicated over the level's axes, but the
+      # probe hands every device's copy back (out_specs P(ALL)) only to time it; with check_vma
+      # on, the output spec would have to drop those axes for each level.
       fn = jax.jit(jax.shard_map(_body(kind, LEVEL_AXES[level]), mesh=mesh, in_specs=P(ALL),
                                  out_specs=P(ALL), check_vma=False))
       for size in sizes:
