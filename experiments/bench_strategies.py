@@ -12,7 +12,7 @@ whose egress is shaped with tc tbf (rate only: netem latency is not available on
   2. Regimes: real clusters named by FLOP per inter-node byte (a device's effective FLOP/s over
      its share of the node's network). The emulated link rate of a regime is
        (effective device FLOP/s x devices per node) / (FLOP per byte)
-     clamped to what tc accepts; plus fixed rates (`--fixed-rates`, default 1gbit), plus an
+     clamped to what tc accepts; plus fixed rates named in --regimes (e.g. 1gbit), plus an
      "unshaped" reference (100gbit, the same namespaces) that every overhead is relative to.
   3. For each (regime, strategy or baseline, A) one launch of `train --steps K`; from the run's
      metrics.jsonl (written by process 0): median step time over the steps after `--skip`
