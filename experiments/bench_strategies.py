@@ -676,10 +676,11 @@ def plot(rows: list[dict], path: str) -> str | None:
   regimes = list(dict.fromkeys(r["regime"] for r in good))
   a_values = sorted({r["micro_batches"] for r in good})
   names = list(dict.fromkeys(r["name"] for r in good))
-  fig, axes = plt.subplots(1, len(a_values), figsize=(max(6, 0.6 * len(names) * len(regimes)) *
-                                                      len(a_values) / 2 + 2, 4.5), squeeze=False)
+  # One row per A, one group of bars per configuration, one bar per regime.
+  fig, axes = plt.subplots(len(a_values), 1, figsize=(max(6, 0.25 * len(names) * len(regimes)),
+                                                      3.6 * len(a_values)), squeeze=False)
   width = 0.8 / len(regimes)
-  for ax, a in zip(axes[0], a_values):
+  for ax, a in zip(axes[:, 0], a_values):
     for i, reg in enumerate(regimes):
       ys = [next((r["throughput_vs_ggg"] for r in good if r["regime"] == reg and r["name"] == n
                   and r["micro_batches"] == a), 0.0) for n in names]
