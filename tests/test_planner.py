@@ -250,6 +250,13 @@ def test_nnls_recovers_nonnegative_coefficients():
   assert min(validate_planner.nnls(rows, ys)) >= 0
 
 
+def _truth():
+  """The constants the synthetic benchmarks' "measured" step times are made with."""
+  return validate_planner.Constants(
+      1 / 0.8e9, {"all_gather": 2e-4, "reduce_scatter": 9e-4, "all_reduce": 5e-4}, 2e-9, 1.1,
+      "truth")
+
+
 def _synthetic_bench(truth):
   bench = {"meta": {"nodes": 2, "devices_per_node": 4, "model": "tiny", "batch_size": 32,
                     "seq_len": 512, "dtype": "fp32", "command": "synthetic"},
@@ -269,9 +276,7 @@ def _synthetic_bench(truth):
 
 def test_validation_on_noise_free_synthetic_results(tmp_path):
   """Results the planner's own model produced: the fit reproduces them, rank correlation 1."""
-  truth = validate_planner.Constants(
-      1 / 0.8e9, {"all_gather": 2e-4, "reduce_scatter": 9e-4, "all_reduce": 5e-4}, 2e-9, 1.1,
-      "truth")
+  truth = _truth()
   bench = _synthetic_bench(truth)
   path = tmp_path / "strategies.json"
   path.write_text(json.dumps(bench))
@@ -289,9 +294,7 @@ def test_validation_on_noise_free_synthetic_results(tmp_path):
 def test_validation_judges_the_pick_on_the_remeasured_contenders(tmp_path):
   """--remeasured: the pick is compared with the contenders measured again; a (regime, A) whose
   contenders were not all re-measured keeps the full run's figure."""
-  truth = validate_planner.Constants(
-      1 / 0.8e9, {"all_gather": 2e-4, "reduce_scatter": 9e-4, "all_reduce": 5e-4}, 2e-9, 1.1,
-      "truth")
+  truth = _truth()
   path = tmp_path / "strategies.json"
   path.write_text(json.dumps(_synthetic_bench(truth)))
   assert validate_planner.main(["--results", str(path), "--out", str(tmp_path / "a")]) == 0
@@ -329,9 +332,7 @@ def test_validation_merges_remeasurements_split_over_files(tmp_path):
   """Two --remeasured files (one per A), a common 10% slowdown: every cell is re-measured in
   full and ranked on both runs; the same configuration measured differently in two files is an
   error that names it."""
-  truth = validate_planner.Constants(
-      1 / 0.8e9, {"all_gather": 2e-4, "reduce_scatter": 9e-4, "all_reduce": 5e-4}, 2e-9, 1.1,
-      "truth")
+  truth = _truth()
   bench = _synthetic_bench(truth)
   path = tmp_path / "strategies.json"
   path.write_text(json.dumps(bench))
