@@ -36,7 +36,12 @@ noisy.
 
   python experiments/validate_planner.py \
       --results experiments/results/strategies/strategies.json --out experiments/results/planner \
+      [--results experiments/results/strategies_commodity/strategies.json] \
       [--remeasured experiments/results/strategies_top/strategies.json [--remeasured ...]]
+
+`--results` repeats: benchmark runs of one setup (model, batch, mesh, the same calibration and so
+the same link rates) merge into one, so a regime benchmarked later into its own --out (with
+`--calibration` of the first run's calibration.json) is judged beside the others.
 
 Writes validate.json, validate.md and (with matplotlib) validate.png under --out. Pure Python
 apart from the model presets (models/llama.py imports jax but touches no device).
@@ -58,6 +63,7 @@ from paro_jax import hardware, planner  # noqa: E402
 from paro_jax.strategy import VALID_NAMES, parse_strategy  # noqa: E402
 
 UNSHAPED = "unshaped"
+DEFAULT_RESULTS = "experiments/results/strategies/strategies.json"
 WIRE_ITEMSIZE = 4
 
 
@@ -220,22 +226,65 @@ def predict(bench: dict, regime: dict, a: int, names: list[str], c: Constants) -
   return planner.Plan(pick.strategy, "", ranking, {})
 
 
-def measured_times(*benches: dict) -> dict[tuple[str, int], dict[str, float]]:
-  """{(regime, A): {strategy: median step s}} over the benchmarks' successful strategy runs.
+def merge_runs(benches: list[dict], flag: str) -> list[dict]:
+  """The benchmarks' successful strategy runs, each configuration once.
 
-  Several benchmarks (re-measurements split over runs) merge; a configuration in two of them
-  must be the same run (a copied, `--resume`d row), else it is ambiguous and raises."""
-  out: dict[tuple[str, int], dict[str, float]] = {}
+  A configuration in two of them must be the same run (a copied, `--resume`d row, as the
+  unshaped references of a regime run into its own --out), else it is ambiguous and raises."""
+  seen: dict[tuple[str, str, int], dict] = {}
   for bench in benches:
     for r in bench["runs"]:
-      if not r.get("error") and r["name"] in VALID_NAMES:
-        cell = out.setdefault((r["regime"], r["micro_batches"]), {})
-        if r["name"] in cell and cell[r["name"]] != r["median_step_s"]:
-          raise ValueError(f"{r['regime']} {r['name']} A={r['micro_batches']} was measured in "
-                           f"two --remeasured files ({cell[r['name']]} s, {r['median_step_s']} "
-                           "s): give each configuration once")
-        cell[r["name"]] = r["median_step_s"]
+      if r.get("error") or r["name"] not in VALID_NAMES:
+        continue
+      key = (r["regime"], r["name"], r["micro_batches"])
+      if key in seen and seen[key]["median_step_s"] != r["median_step_s"]:
+        raise ValueError(f"{r['regime']} {r['name']} A={r['micro_batches']} was measured in "
+                         f"two {flag} files ({seen[key]['median_step_s']} s, "
+                         f"{r['median_step_s']} s): give each configuration once")
+      seen.setdefault(key, r)
+  return list(seen.values())
+
+
+def measured_times(*benches: dict, flag: str = "--remeasured"
+                   ) -> dict[tuple[str, int], dict[str, float]]:
+  """{(regime, A): {strategy: median step s}} over the benchmarks' successful strategy runs
+  (several merge: re-measurements split over runs)."""
+  out: dict[tuple[str, int], dict[str, float]] = {}
+  for r in merge_runs(list(benches), flag):
+    out.setdefault((r["regime"], r["micro_batches"]), {})[r["name"]] = r["median_step_s"]
   return out
+
+
+SAME_SETUP = ("nodes", "devices_per_node", "model", "batch_size", "seq_len", "dtype")
+
+
+def merge_results(benches: list[dict]) -> dict:
+  """Several runs of the strategy benchmark on one setup as one benchmark (a regime run later
+  into its own --out, e.g. commodity): regimes and strategy runs merged, each configuration
+  once. Runs of different setups (model, batch, mesh, calibrated link rates) do not compare and
+  are refused, naming what differs."""
+  first = benches[0]
+  for b in benches[1:]:
+    diff = [k for k in SAME_SETUP if b["meta"].get(k) != first["meta"].get(k)]
+    if (b["calibration"]["effective_flop_per_s_per_device"]
+        != first["calibration"]["effective_flop_per_s_per_device"]):
+      diff.append("calibration (run it with --calibration of the first one's calibration.json)")
+    if diff:
+      raise ValueError(f"--results `{b['meta']['command']}` differs from `"
+                       f"{first['meta']['command']}` in {', '.join(diff)}: their step times do "
+                       "not compare; give benchmark runs of one setup")
+  regimes: dict[str, dict] = {}
+  for b in benches:
+    for g in b["regimes"]:
+      if regimes.setdefault(g["regime"], g)["rate_bps"] != g["rate_bps"]:
+        raise ValueError(f"regime {g['regime']} has two link rates in the --results files "
+                         f"({regimes[g['regime']]['rate']}, {g['rate']})")
+  # The reference last, as the benchmark orders it.
+  order = sorted(regimes, key=lambda n: n == UNSHAPED)
+  meta = dict(first["meta"], command="`; `".join(dict.fromkeys(b["meta"]["command"]
+                                                               for b in benches)))
+  return dict(first, meta=meta, regimes=[regimes[n] for n in order],
+              runs=merge_runs(benches, "--results"))
 
 
 def contenders(measured: dict[str, float], pick: str, margin: float) -> list[str]:
@@ -467,7 +516,10 @@ def plot(results: list[dict], path: str) -> str | None:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--results", default="experiments/results/strategies/strategies.json")
+  ap.add_argument("--results", action="append", default=None, metavar="JSON",
+                  help="strategies.json of the strategy benchmark (repeatable: runs of one setup "
+                       "merge, e.g. a regime benchmarked into its own --out; default "
+                       f"{DEFAULT_RESULTS})")
   ap.add_argument("--out", default="experiments/results/planner")
   ap.add_argument("--no-fit", action="store_true",
                   help="do not fit on the unshaped runs: use the constants below")
@@ -484,8 +536,12 @@ def main(argv=None) -> int:
   ap.add_argument("--margin", type=float, default=0.15,
                   help="contenders: measured within this fraction of the best (default 0.15)")
   args = ap.parse_args(argv)
-  with open(args.results) as f:
-    bench = json.load(f)
+  args.results = args.results or [DEFAULT_RESULTS]
+  benches = []
+  for path in args.results:
+    with open(path) as f:
+      benches.append(json.load(f))
+  bench = merge_results(benches)
   again, again_meta = None, None
   if args.remeasured:
     rebenches = []
@@ -512,7 +568,7 @@ def main(argv=None) -> int:
   primary = fitted or given
   results = evaluate(bench, primary, again, args.margin)
   alt = evaluate(bench, given, again, args.margin) if fitted else None
-  noise = noise_sigma(measured_times(bench), again) if again else None
+  noise = noise_sigma(measured_times(bench, flag="--results"), again) if again else None
   if noise:
     for r in results:
       r["spearman_noise_ceiling"] = spearman_ceiling([x["measured_step_s"] for x in r["rows"]],
@@ -522,7 +578,7 @@ def main(argv=None) -> int:
         r["spearman_noise_ceiling_both"] = spearman_ceiling(
             list(r["remeasured"]["all"]["both_step_s"].values()), noise["sigma"] / math.sqrt(2))
   if not results:
-    print(f"{args.results} has no shaped regime with two or more strategies measured",
+    print(f"{', '.join(args.results)} has no shaped regime with two or more strategies measured",
           file=sys.stderr)
     return 1
   command = " ".join(["python", "experiments/validate_planner.py", *(argv or sys.argv[1:])])

@@ -386,3 +386,46 @@ def test_spearman_ceiling_falls_with_noise_against_the_spread():
   assert validate_planner.spearman_ceiling(spread, 0.02, draws=200) == pytest.approx(1.0)
   close = [1.0 + 0.001 * k for k in range(10)]  # 0.1% apart, 30% noise: ranks are a lottery
   assert abs(validate_planner.spearman_ceiling(close, 0.3, draws=200)) < 0.5
+
+
+def test_validation_merges_regimes_from_several_results_files(tmp_path):
+  """--results repeats: a regime benchmarked into its own --out (the unshaped references copied)
+  is judged beside the first file's; a different setup, or one configuration measured twice with
+  different times, is refused by name."""
+  truth = _truth()
+  bench = _synthetic_bench(truth)
+  slower = {"regime": "slower", "rate": "5mbit", "rate_bps": 5e6}
+  second = dict(bench, meta=dict(bench["meta"], command="second"),
+                regimes=[slower, bench["regimes"][1]],
+                runs=[r for r in bench["runs"] if r["regime"] == "unshaped"])
+  for a in (1, 4):
+    for n in VALID_NAMES:
+      t = validate_planner.predict(bench, slower, a, [n], truth).ranking[0].step_time_s
+      second["runs"].append({"regime": "slower", "name": n, "micro_batches": a,
+                             "median_step_s": t})
+  paths = [tmp_path / "first.json", tmp_path / "second.json"]
+  paths[0].write_text(json.dumps(bench))
+  paths[1].write_text(json.dumps(second))
+  assert validate_planner.main(["--results", str(paths[0]), "--results", str(paths[1]),
+                                "--out", str(tmp_path / "out")]) == 0
+  summary = json.loads((tmp_path / "out" / "validate.json").read_text())
+  assert [(r["regime"], r["micro_batches"]) for r in summary["results"]] == [
+      ("slow", 1), ("slow", 4), ("slower", 1), ("slower", 4)]
+  assert all(r["spearman"] == pytest.approx(1.0) for r in summary["results"]) and summary["met"]
+  # The fit saw each unshaped run once: the copies did not double them.
+  assert "fitted on the 28 unshaped runs" in summary["constants"]["source"]
+  assert "`synthetic`; `second`" in (tmp_path / "out" / "validate.md").read_text()
+
+  other = dict(second, meta=dict(second["meta"], batch_size=64))
+  paths.append(tmp_path / "other.json")
+  paths[-1].write_text(json.dumps(other))
+  with pytest.raises(ValueError, match="differs from `synthetic` in batch_size"):
+    validate_planner.main(["--results", str(paths[0]), "--results", str(paths[2]),
+                           "--out", str(tmp_path / "x")])
+  clash = json.loads(paths[1].read_text())
+  clash["runs"][0]["median_step_s"] *= 2
+  paths.append(tmp_path / "clash.json")
+  paths[-1].write_text(json.dumps(clash))
+  with pytest.raises(ValueError, match="unshaped .* measured in two --results files"):
+    validate_planner.main(["--results", str(paths[0]), "--results", str(paths[3]),
+                           "--out", str(tmp_path / "x")])
