@@ -24,15 +24,17 @@ for ties), and the measured throughput of the planner's pick relative to the mea
 Goal: correlation >= 0.9 and the pick within 5% of the best.
 
 The best few strategies often differ by less than the noise of a short benchmark run. With
-`--remeasured` (the strategies.json of a second benchmark run of those strategies with more
-steps), the pick is judged against the contenders measured again: every strategy measured within
---margin (15%) of the best in the full run, plus the pick; a (regime, A) whose contenders were
-not all re-measured keeps the full run's figure. Where every strategy of a (regime, A) was
-measured again, the Spearman correlation the goal is judged on is the one against both runs
-combined (the geometric mean of the two step times, less noisy than either); the one against
-the full run alone is reported beside it. The run-to-run noise, from the configurations measured
-twice, gives the Spearman correlation a perfect predictor would reach against measurements that
-noisy.
+`--remeasured` (the strategies.json of another benchmark run of those strategies with more
+steps; repeatable: files split over regimes merge, and a configuration in several of them counts
+as measured again in each), the pick is judged against the contenders measured again (the
+geometric mean of their re-measurements): every strategy measured within --margin (15%) of the
+best in the full run, plus the pick; a (regime, A) whose contenders were not all re-measured
+keeps the full run's figure. Where every strategy of a (regime, A) was measured again, the
+Spearman correlation the goal is judged on is the one against every run combined (the geometric
+mean of the full run's and each re-measurement's step times, less noisy than any one); the one
+against the full run alone is reported beside it. The run-to-run noise, from the configurations
+measured more than once, gives the Spearman correlation a perfect predictor would reach against
+measurements that noisy.
 
   python experiments/validate_planner.py \
       --results experiments/results/strategies/strategies.json --out experiments/results/planner \
@@ -245,14 +247,31 @@ def merge_runs(benches: list[dict], flag: str) -> list[dict]:
   return list(seen.values())
 
 
-def measured_times(*benches: dict, flag: str = "--remeasured"
-                   ) -> dict[tuple[str, int], dict[str, float]]:
-  """{(regime, A): {strategy: median step s}} over the benchmarks' successful strategy runs
-  (several merge: re-measurements split over runs)."""
+def measured_times(bench: dict) -> dict[tuple[str, int], dict[str, float]]:
+  """{(regime, A): {strategy: median step s}} over a (merged) benchmark's strategy runs."""
   out: dict[tuple[str, int], dict[str, float]] = {}
-  for r in merge_runs(list(benches), flag):
+  for r in merge_runs([bench], "--results"):
     out.setdefault((r["regime"], r["micro_batches"]), {})[r["name"]] = r["median_step_s"]
   return out
+
+
+def remeasured_times(benches: list[dict]) -> dict[tuple[str, int], dict[str, list[float]]]:
+  """{(regime, A): {strategy: [median step s of each re-measurement]}}.
+
+  Files split over regimes or A merge; a configuration measured again in several files counts
+  each run (in file order). A row copied between files (the same median, as the unshaped
+  references a `--resume`d run reuses) is one run, not two."""
+  out: dict[tuple[str, int], dict[str, list[float]]] = {}
+  for bench in benches:
+    for r in merge_runs([bench], "--remeasured"):
+      times = out.setdefault((r["regime"], r["micro_batches"]), {}).setdefault(r["name"], [])
+      if r["median_step_s"] not in times:
+        times.append(r["median_step_s"])
+  return out
+
+
+def gmean(xs: list[float]) -> float:
+  return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 SAME_SETUP = ("nodes", "devices_per_node", "model", "batch_size", "seq_len", "dtype")
@@ -311,10 +330,11 @@ def settle(result: dict, measured: dict[str, float], again: dict[str, float] | N
 
 def noise_sigma(first: dict, again: dict) -> dict | None:
   """Run-to-run noise of one step-time measurement, from the shaped configurations measured in
-  both benchmark runs: the standard deviation of log(again / first) about its mean (a shift
+  the full run and again (`again` as remeasured_times gives it: every re-measurement is one
+  pair with the full run): the standard deviation of log(again / first) about its mean (a shift
   common to all does not change a ranking), over sqrt(2) for two independent measurements."""
-  logs = [math.log(again[k][n] / first[k][n]) for k in again if k in first and k[0] != UNSHAPED
-          for n in again[k] if n in first[k]]
+  logs = [math.log(t / first[k][n]) for k in again if k in first and k[0] != UNSHAPED
+          for n in again[k] if n in first[k] for t in again[k][n]]
   if len(logs) < 3:
     return None
   mean = sum(logs) / len(logs)
@@ -335,7 +355,10 @@ def spearman_ceiling(times: list[float], sigma: float, draws: int = 2000, seed: 
 def evaluate(bench: dict, c: Constants, again: dict | None = None,
              margin: float = 0.15) -> list[dict]:
   """Per shaped (regime, A): Spearman over all measured strategies and the pick's speed relative
-  to the best; with `again` (measured_times of a re-measurement) also that speed re-measured."""
+  to the best; with `again` (remeasured_times) also that speed re-measured (the geometric mean
+  of a contender's re-measurements), and where every strategy was measured again, the Spearman
+  correlation against every run combined (geometric mean of the full run and each
+  re-measurement)."""
   runs = [r for r in bench["runs"] if not r.get("error") and r["name"] in VALID_NAMES]
   out = []
   for regime in bench["regimes"]:
@@ -363,21 +386,23 @@ def evaluate(bench: dict, c: Constants, again: dict | None = None,
       })
       if again is not None:
         cell = again.get((regime["regime"], a)) or {}
-        out[-1]["remeasured"] = settle(out[-1], measured, cell, margin)
+        mean = {n: gmean(ts) for n, ts in cell.items()}
+        out[-1]["remeasured"] = settle(out[-1], measured, mean, margin)
         if all(n in cell for n in names):
-          both = [math.sqrt(measured[n] * cell[n]) for n in names]
+          combined = [gmean([measured[n], *cell[n]]) for n in names]
           out[-1]["remeasured"]["all"] = {
-              "spearman_again": spearman([predicted[n] for n in names], [cell[n] for n in names]),
-              "spearman_both": spearman([predicted[n] for n in names], both),
-              "both_step_s": dict(zip(names, both))}
+              "runs": 1 + min(len(cell[n]) for n in names),
+              "spearman_again": spearman([predicted[n] for n in names], [mean[n] for n in names]),
+              "spearman_combined": spearman([predicted[n] for n in names], combined),
+              "combined_step_s": dict(zip(names, combined))}
   return out
 
 
 def spearman_score(r: dict) -> float:
-  """The Spearman correlation the goal is judged on: against both runs combined where every
+  """The Spearman correlation the goal is judged on: against every run combined where every
   strategy was re-measured, else against the full run."""
   full = (r.get("remeasured") or {}).get("all")
-  return full["spearman_both"] if full else r["spearman"]
+  return full["spearman_combined"] if full else r["spearman"]
 
 
 def pick_score(r: dict) -> float:
@@ -432,27 +457,29 @@ def markdown(bench: dict, c: Constants, results: list[dict], alt: list[dict] | N
                    f"{r['pick']} | {rm['pick_speed_vs_best']:.3f} |")
     full = [r for r in results if r["remeasured"].get("all")]
     if full:
-      lines += ["", "Every strategy re-measured: Spearman against the full run, the re-measurement "
-                "and both combined (geometric mean of the two step times; what the goal is judged "
-                "on here).", "",
-                "| regime | A | full run | re-measured | both | perfect predictor vs both |",
-                "|---|---:|---:|---:|---:|---:|"]
-      lines += [f"| {r['regime']} | {r['micro_batches']} | {r['spearman']:.3f} | "
+      lines += ["", "Every strategy re-measured: Spearman against the full run, the "
+                "re-measurement(s) (geometric mean where several) and every run combined "
+                "(geometric mean of the full run's and each re-measurement's step times; what the "
+                "goal is judged on here).", "",
+                "| regime | A | runs | full run | re-measured | combined | perfect predictor vs "
+                "combined |", "|---|---:|---:|---:|---:|---:|---:|"]
+      lines += [f"| {r['regime']} | {r['micro_batches']} | {r['remeasured']['all']['runs']} | "
+                f"{r['spearman']:.3f} | "
                 f"{r['remeasured']['all']['spearman_again']:.3f} | "
-                f"{r['remeasured']['all']['spearman_both']:.3f} | "
-                + (f"{r['spearman_noise_ceiling_both']:.3f}" if "spearman_noise_ceiling_both" in r
-                   else "-") + " |" for r in full]
+                f"{r['remeasured']['all']['spearman_combined']:.3f} | "
+                + (f"{r['spearman_noise_ceiling_combined']:.3f}"
+                   if "spearman_noise_ceiling_combined" in r else "-") + " |" for r in full]
     if noise:
-      lines += ["", f"Run-to-run noise of one step time, from the {noise['pairs']} shaped "
-                f"configurations measured in both runs: {noise['sigma']:.1%} (log-normal sigma; "
+      lines += ["", f"Run-to-run noise of one step time, from {noise['pairs']} pairs of a shaped "
+                f"configuration's full run and its re-measurement: {noise['sigma']:.1%} (log-normal sigma; "
                 f"the re-measurement ran {math.expm1(noise['mean_log_ratio']):+.1%} on average). "
                 "A perfect predictor's Spearman correlation against one measurement that noisy "
                 "(median of 2,000 draws): " + ", ".join(
                     f"{r['regime']} A={r['micro_batches']} {r['spearman_noise_ceiling']:.3f}"
                     for r in results) + "."]
   if again_meta is not None:
-    lines += ["", "Judged (goal: Spearman >= 0.9 and the pick >= 0.95 of the best; both runs "
-              "where re-measured):", "", "| regime | A | Spearman | pick speed / best | goal |",
+    lines += ["", "Judged (goal: Spearman >= 0.9 and the pick >= 0.95 of the best; every run "
+              "combined where re-measured):", "", "| regime | A | Spearman | pick speed / best | goal |",
               "|---|---:|---:|---:|---|"]
     lines += [f"| {r['regime']} | {r['micro_batches']} | {spearman_score(r):.3f} | "
               f"{pick_score(r):.3f} | "
@@ -530,9 +557,10 @@ def main(argv=None) -> int:
                   help="--no-fit: a `paro-jax probe --mesh 2x4` profile for intra bandwidth and "
                        "latencies (its intra fits)")
   ap.add_argument("--remeasured", action="append", default=[], metavar="JSON",
-                  help="strategies.json of a second benchmark run with more steps (repeatable): "
-                       "the pick's speed relative to the best is judged on it, among the "
-                       "contenders; a (regime, A) re-measured in full is ranked on both runs")
+                  help="strategies.json of another benchmark run with more steps (repeatable; a "
+                       "configuration in several files is measured again in each): the pick's "
+                       "speed relative to the best is judged on it, among the contenders; a "
+                       "(regime, A) re-measured in full is ranked on every run combined")
   ap.add_argument("--margin", type=float, default=0.15,
                   help="contenders: measured within this fraction of the best (default 0.15)")
   args = ap.parse_args(argv)
@@ -548,7 +576,7 @@ def main(argv=None) -> int:
     for path in args.remeasured:
       with open(path) as f:
         rebenches.append(json.load(f))
-    again = measured_times(*rebenches)
+    again = remeasured_times(rebenches)
     again_meta = {"command": "`; `".join(b["meta"]["command"] for b in rebenches),
                   "steps": "/".join(sorted({str(b["meta"]["steps"]) for b in rebenches})),
                   "skip": min(b["meta"]["skip"] for b in rebenches)}
@@ -568,15 +596,15 @@ def main(argv=None) -> int:
   primary = fitted or given
   results = evaluate(bench, primary, again, args.margin)
   alt = evaluate(bench, given, again, args.margin) if fitted else None
-  noise = noise_sigma(measured_times(bench, flag="--results"), again) if again else None
+  noise = noise_sigma(measured_times(bench), again) if again else None
   if noise:
     for r in results:
       r["spearman_noise_ceiling"] = spearman_ceiling([x["measured_step_s"] for x in r["rows"]],
                                                      noise["sigma"])
-      if r["remeasured"].get("all"):
-        # The geometric mean of two independent measurements: noise sigma / sqrt(2).
-        r["spearman_noise_ceiling_both"] = spearman_ceiling(
-            list(r["remeasured"]["all"]["both_step_s"].values()), noise["sigma"] / math.sqrt(2))
+      if full := r["remeasured"].get("all"):
+        # The geometric mean of k independent measurements: noise sigma / sqrt(k).
+        r["spearman_noise_ceiling_combined"] = spearman_ceiling(
+            list(full["combined_step_s"].values()), noise["sigma"] / math.sqrt(full["runs"]))
   if not results:
     print(f"{', '.join(args.results)} has no shaped regime with two or more strategies measured",
           file=sys.stderr)
@@ -595,7 +623,7 @@ def main(argv=None) -> int:
   png = plot(results, os.path.join(args.out, "validate.png"))
   print(text)
   print(f"goal (Spearman >= 0.9, pick >= 0.95 of the best"
-        + (", both re-measured where covered" if again else "")
+        + (", re-measured where covered" if again else "")
         + f") {'met' if summary['met'] else 'NOT met'}"
         f"; wrote {args.out}/validate.json, validate.md" + (", validate.png" if png else ""))
   return 0

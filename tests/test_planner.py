@@ -322,16 +322,16 @@ def test_validation_judges_the_pick_on_the_remeasured_contenders(tmp_path):
   # A=1 was re-measured in full: ranked on both runs too (the re-measurement alone ties 13
   # strategies, so its correlation with the prediction is well below the full run's 1).
   full = a1["remeasured"]["all"]
-  assert full["spearman_again"] < 0.5 and set(full["both_step_s"]) == set(VALID_NAMES)
-  assert validate_planner.spearman_score(a1) == full["spearman_both"]
+  assert full["spearman_again"] < 0.5 and set(full["combined_step_s"]) == set(VALID_NAMES)
+  assert full["runs"] == 2 and validate_planner.spearman_score(a1) == full["spearman_combined"]
   assert "all" not in a4["remeasured"]
   assert validate_planner.spearman_score(a4) == a4["spearman"]
 
 
 def test_validation_merges_remeasurements_split_over_files(tmp_path):
   """Two --remeasured files (one per A), a common 10% slowdown: every cell is re-measured in
-  full and ranked on both runs; the same configuration measured differently in two files is an
-  error that names it."""
+  full and ranked on both runs; a third file measuring A=1 again with noise is a third run of
+  those configurations, combined by geometric mean."""
   truth = _truth()
   bench = _synthetic_bench(truth)
   path = tmp_path / "strategies.json"
@@ -348,17 +348,31 @@ def test_validation_merges_remeasurements_split_over_files(tmp_path):
   summary = json.loads((tmp_path / "out" / "validate.json").read_text())
   assert summary["met"] and summary["noise"]["sigma"] == pytest.approx(0.0, abs=1e-9)
   for r in summary["results"]:
-    assert r["remeasured"]["all"]["spearman_both"] == pytest.approx(1.0)
-    assert r["spearman_noise_ceiling_both"] == pytest.approx(1.0)
+    assert r["remeasured"]["all"]["runs"] == 2
+    assert r["remeasured"]["all"]["spearman_combined"] == pytest.approx(1.0)
+    assert r["spearman_noise_ceiling_combined"] == pytest.approx(1.0)
   md = (tmp_path / "out" / "validate.md").read_text()
   assert "Every strategy re-measured" in md and "again A=1`; `again A=4" in md
-  clash = json.loads(files[0].read_text())
-  clash["runs"][0]["median_step_s"] *= 2
-  files.append(tmp_path / "clash.json")
-  files[-1].write_text(json.dumps(clash))
-  with pytest.raises(ValueError, match="measured in two --remeasured files"):
-    validate_planner.main(["--results", str(path), "--out", str(tmp_path / "x"),
-                           "--remeasured", str(files[0]), "--remeasured", str(files[2])])
+
+  # A third run of A=1: every strategy's time x 1.1 x (1 + 0.3 or 1 - 0.3, alternating).
+  third = json.loads(files[0].read_text())
+  for i, r in enumerate(third["runs"]):
+    r["median_step_s"] *= 1.3 if i % 2 else 0.7
+  files.append(tmp_path / "again1b.json")
+  files[-1].write_text(json.dumps(third))
+  assert validate_planner.main(["--results", str(path), "--out", str(tmp_path / "three"),
+                                *(x for f in files for x in ("--remeasured", str(f)))]) == 0
+  summary = json.loads((tmp_path / "three" / "validate.json").read_text())
+  a1, a4 = summary["results"]
+  assert a1["remeasured"]["all"]["runs"] == 3 and a4["remeasured"]["all"]["runs"] == 2
+  slow1 = {r["name"]: r["median_step_s"] for r in bench["runs"]
+           if r["regime"] == "slow" and r["micro_batches"] == 1 and r["name"] in VALID_NAMES}
+  third_t = {r["name"]: r["median_step_s"] for r in third["runs"]}
+  for n, t in a1["remeasured"]["all"]["combined_step_s"].items():
+    assert t == pytest.approx((slow1[n] * 1.1 * slow1[n] * third_t[n]) ** (1 / 3))
+  # 14 + 14 pairs with the full run at A=1, 14 at A=4; the +-30% runs make the noise visible.
+  assert summary["noise"]["pairs"] == 42 and summary["noise"]["sigma"] > 0.1
+  assert "| slow | 1 | 3 |" in (tmp_path / "three" / "validate.md").read_text()
 
 
 def test_contenders_are_those_near_the_best_plus_the_pick():
@@ -369,15 +383,21 @@ def test_contenders_are_those_near_the_best_plus_the_pick():
 
 def test_noise_sigma_ignores_a_common_shift_and_the_unshaped_reference():
   first = {("slow", 1): {"A": 1.0, "B": 2.0, "C": 4.0}, ("unshaped", 1): {"A": 1.0, "B": 1.0}}
-  shifted = {("slow", 1): {"A": 1.1, "B": 2.2, "C": 4.4}, ("unshaped", 1): {"A": 9.0, "B": 1.0}}
+  shifted = {("slow", 1): {"A": [1.1], "B": [2.2], "C": [4.4]},
+             ("unshaped", 1): {"A": [9.0], "B": [1.0]}}
   got = validate_planner.noise_sigma(first, shifted)
   assert got["pairs"] == 3 and got["sigma"] == pytest.approx(0.0, abs=1e-12)
   assert got["mean_log_ratio"] == pytest.approx(math.log(1.1))
-  noisy = {("slow", 1): {"A": 1.0, "B": 4.0, "C": 4.0}}
+  noisy = {("slow", 1): {"A": [1.0], "B": [4.0], "C": [4.0]}}
   logs = [0.0, math.log(2.0), 0.0]
   assert validate_planner.noise_sigma(first, noisy)["sigma"] == pytest.approx(
       statistics.stdev(logs) / math.sqrt(2))
-  assert validate_planner.noise_sigma(first, {("slow", 1): {"A": 1.0}}) is None
+  # Every re-measurement of a configuration is one pair with the full run.
+  twice = {("slow", 1): {"A": [1.0, 2.0], "B": [4.0]}}
+  logs = [0.0, math.log(2.0), math.log(2.0)]
+  got = validate_planner.noise_sigma(first, twice)
+  assert got["pairs"] == 3 and got["sigma"] == pytest.approx(statistics.stdev(logs) / math.sqrt(2))
+  assert validate_planner.noise_sigma(first, {("slow", 1): {"A": [1.0]}}) is None
 
 
 def test_spearman_ceiling_falls_with_noise_against_the_spread():
@@ -429,3 +449,14 @@ def test_validation_merges_regimes_from_several_results_files(tmp_path):
   with pytest.raises(ValueError, match="unshaped .* measured in two --results files"):
     validate_planner.main(["--results", str(paths[0]), "--results", str(paths[3]),
                            "--out", str(tmp_path / "x")])
+
+
+def test_remeasured_times_counts_each_run_once():
+  """A row copied into another --remeasured file (same median) is one run; a different median of
+  the same configuration is another run."""
+  def bench(*times):
+    return {"runs": [{"regime": "slow", "name": "IIG", "micro_batches": 1, "median_step_s": t}
+                     for t in times]}
+  got = validate_planner.remeasured_times([bench(2.0), bench(2.0), bench(3.0)])
+  assert got == {("slow", 1): {"IIG": [2.0, 3.0]}}
+  assert validate_planner.gmean([2.0, 8.0]) == pytest.approx(4.0)
