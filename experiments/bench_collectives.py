@@ -26,10 +26,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from paro_jax import distributed  # noqa: E402
+from paro_jax.cluster import distributed  # noqa: E402
 from paro_jax.cli import parse_mesh_shape  # noqa: E402
-from paro_jax.xla_flags import provide_cpu_devices  # noqa: E402
-from paro_jax.xla_flags import add_xla_flags  # noqa: E402
+from paro_jax.core.xla_flags import provide_cpu_devices  # noqa: E402
+from paro_jax.core.xla_flags import add_xla_flags  # noqa: E402
 
 
 def _shape_of(shape, idx):
@@ -67,8 +67,8 @@ def main():
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from paro_jax import collectives
-  from paro_jax.mesh import make_mesh
+  from paro_jax.core import collectives
+  from paro_jax.core.mesh import make_mesh
 
   mesh = make_mesh(inter, intra)
   n, axes = inter * intra, ("intra", "inter")

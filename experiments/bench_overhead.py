@@ -23,9 +23,9 @@ import numpy as np
 import optax
 
 from models.llama import Llama, get_config, next_token_loss
-from paro_jax.engine import DTYPES, Engine, OptimConfig, decay_mask
-from paro_jax.mesh import make_mesh
-from paro_jax.strategy import parse_strategy
+from paro_jax.core.engine import DTYPES, Engine, OptimConfig, decay_mask
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.strategy import parse_strategy
 
 
 def median_step_time(step, state, batch, steps, warmup=3):

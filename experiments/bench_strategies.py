@@ -1,6 +1,6 @@
-"""Throughput of PaRO strategies on an emulated 2-node cluster, across link regimes (issue 4).
+"""Throughput of PaRO strategies on an emulated 2-node cluster, across link regimes.
 
-Every run is a real multi-process training run: `paro_jax.launch.launch` starts one process per
+Every run is a real multi-process training run: `paro_jax.cluster.launch.launch` starts one process per
 "node" (2 nodes x 4 virtual CPU devices), each in its own network namespace, joined by a veth pair
 whose egress is shaped with tc tbf (rate only: netem latency is not available on this kernel).
 
@@ -19,7 +19,7 @@ whose egress is shaped with tc tbf (rate only: netem latency is not available on
      (the first includes compilation), tokens/s, communication overhead (step time / the same
      configuration's step time on the unshaped link), inter-node bytes per optimizer step counted
      by tc on the wire (sum of both nodes' egress; per-step deltas, see `_Monitor`), beside the
-     compiled-HLO figure (paro_jax.inspector.report) and the formula (paro_jax.costs), and the
+     compiled-HLO figure (paro_jax.analysis.inspector.report) and the formula (paro_jax.analysis.costs), and the
      per-device model-state memory.
   4. Baselines "as most JAX users would write it": one plain `jax.jit` training step (same model,
      remat, optax AdamW with global-norm clipping) with NamedSharding annotations only, XLA
@@ -86,9 +86,9 @@ WIRE_ITEMSIZE = 4
 # ------------------------------------------------------------------------------------------
 def _setup_jax(mesh_text: str | None, multi=(None, None, None), devices: int | None = None):
   """Devices and jax.distributed, before jax touches devices (as bench_collectives.py does)."""
-  from paro_jax import distributed
+  from paro_jax.cluster import distributed
   from paro_jax.cli import parse_mesh_shape
-  from paro_jax.xla_flags import add_xla_flags, provide_cpu_devices
+  from paro_jax.core.xla_flags import add_xla_flags, provide_cpu_devices
 
   processes = distributed.process_count(*multi)
   if mesh_text:
@@ -104,7 +104,7 @@ def _auto_mesh(inter: int, intra: int):
   """paro_jax's (inter, intra) device order, with Auto axes: what a plain-jit user has."""
   from jax.sharding import AxisType, Mesh
 
-  from paro_jax.mesh import make_mesh
+  from paro_jax.core.mesh import make_mesh
 
   m = make_mesh(inter, intra)
   return Mesh(m.devices, m.axis_names, axis_types=(AxisType.Auto,) * 2)
@@ -119,8 +119,8 @@ def _baseline(kind: str, model_name: str, dtype: str, micro_batches: int, steps:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from models.llama import Llama, get_config, next_token_loss
-  from paro_jax.engine import DTYPES, OptimConfig, decay_mask
-  from paro_jax.sharding import shard_dims
+  from paro_jax.core.engine import DTYPES, OptimConfig, decay_mask
+  from paro_jax.core.sharding import shard_dims
 
   model = Llama(get_config(model_name), DTYPES[dtype])
   logical = model.logical_axes()
@@ -188,7 +188,7 @@ def child_baseline(args) -> None:
   import numpy as np
 
   from paro_jax.cli import parse_mesh_shape
-  from paro_jax.data import Batches, DataConfig, load_tokens, split_eval
+  from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
 
   inter, intra = parse_mesh_shape(args.mesh)
   mesh = _auto_mesh(inter, intra)
@@ -209,7 +209,7 @@ def child_baseline(args) -> None:
   tokens_per_step = a * args.batch_size * args.seq_len
   last = time.perf_counter()
   with open(os.path.join(args.out, "metrics.jsonl") if main else os.devnull, "w") as log:
-    def record(step, metrics):  # as paro_jax/train.py: read step s after s+1 is dispatched
+    def record(step, metrics):  # as paro_jax/run/train.py: read step s after s+1 is dispatched
       nonlocal last
       jax.block_until_ready(metrics)
       now = time.perf_counter()
@@ -241,7 +241,7 @@ def child_calibrate(args) -> None:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from models.llama import Llama, get_config, next_token_loss
-  from paro_jax.engine import DTYPES
+  from paro_jax.core.engine import DTYPES
 
   cfg = get_config(args.model)
   model = Llama(cfg, DTYPES[args.dtype])
@@ -296,7 +296,7 @@ def child_calibrate(args) -> None:
 
 
 def _hlo_traffic(hlo_text: str, n: int, intra: int) -> dict:
-  from paro_jax import hlo
+  from paro_jax.analysis import hlo
 
   per = {}
   for c in hlo.parse_collectives(hlo_text):
@@ -316,10 +316,10 @@ def child_inspect(args) -> None:
 
   from models.llama import Llama, LoraConfig, get_config
   from paro_jax.cli import parse_mesh_shape
-  from paro_jax.engine import DTYPES, Engine, OptimConfig
-  from paro_jax.inspector import compile_step, report
-  from paro_jax.mesh import make_mesh
-  from paro_jax.strategy import parse_strategy
+  from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+  from paro_jax.analysis.inspector import compile_step, report
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.strategy import parse_strategy
 
   inter, intra = parse_mesh_shape(args.mesh)
   out = {}
@@ -410,7 +410,7 @@ def regimes_table(names: list[str], device_flops: float, wire_itemsize: int = 2)
   value); when this emulation moves `wire_itemsize`-byte values (fp32 training, and XLA:CPU
   runs bf16 collectives in f32 anyway), the link is made that much faster, so that the FLOP per
   transferred value, and hence the ratio of communication to computation, is the regime's."""
-  from paro_jax.launch import parse_rate
+  from paro_jax.cluster.launch import parse_rate
 
   node_flops = device_flops * DEVICES_PER_NODE * wire_itemsize / 2
   out = []
@@ -509,7 +509,7 @@ def _lora_flags(args) -> list[str]:
 
 
 def _launch_one(args, regime: dict, name: str, a: int, run_dir: str) -> dict:
-  from paro_jax.launch import launch
+  from paro_jax.cluster.launch import launch
 
   shutil.rmtree(run_dir, ignore_errors=True)
   os.makedirs(run_dir)
@@ -710,11 +710,11 @@ def estimate(args, rows: list[dict], calib: dict, calib_target: dict | None,
   teardown; compile_scale: ratio of the two models' single-device compile times; compute: the
   target model's calibrated forward+backward per micro-batch with 8 devices busy; bw_unshaped:
   fitted on this run's unshaped runs (their step minus compute, over their HLO bytes per device);
-  bytes: the formula (paro_jax.costs) for strategies; for baselines this run's HLO figure scaled
+  bytes: the formula (paro_jax.analysis.costs) for strategies; for baselines this run's HLO figure scaled
   by the parameter ratio (or, absent, the formula of GGG / III).
   """
-  from paro_jax.costs import step_traffic
-  from paro_jax.strategy import VALID_NAMES, parse_strategy
+  from paro_jax.analysis.costs import step_traffic
+  from paro_jax.core.strategy import VALID_NAMES, parse_strategy
   from models.llama import Llama, get_config
 
   good = [r for r in rows if not r.get("error")]
@@ -772,7 +772,7 @@ def estimate(args, rows: list[dict], calib: dict, calib_target: dict | None,
 
 
 def orchestrate(args) -> None:
-  from paro_jax.strategy import VALID_NAMES
+  from paro_jax.core.strategy import VALID_NAMES
 
   if os.geteuid() != 0 or not shutil.which("tc"):
     print("warning: not root or no tc: the launcher will run unshaped on loopback and no bytes "

@@ -1,8 +1,8 @@
-"""Does the planner rank the strategies as the emulated cluster measures them? (issue 6)
+"""Does the planner rank the strategies as the emulated cluster measures them?
 
 Reads the strategy benchmark's results (experiments/bench_strategies.py, strategies.json) and, for
 every shaped link regime and A it holds, predicts the step time of each measured strategy with
-paro_jax.planner configured for the emulated cluster:
+paro_jax.analysis.planner configured for the emulated cluster:
 
 - nodes x devices per node from the benchmark (2 x 4), the regime's tc rate as each node's link;
 - global collectives "flat": XLA:CPU runs a collective over all devices through gloo, and tc
@@ -61,8 +61,8 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from paro_jax import hardware, planner  # noqa: E402
-from paro_jax.strategy import VALID_NAMES, parse_strategy  # noqa: E402
+from paro_jax.analysis import hardware, planner  # noqa: E402
+from paro_jax.core.strategy import VALID_NAMES, parse_strategy  # noqa: E402
 
 UNSHAPED = "unshaped"
 DEFAULT_RESULTS = "experiments/results/strategies/strategies.json"

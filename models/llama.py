@@ -5,7 +5,7 @@ Every parameter is declared once, with its logical axes (`embed`, `mlp`, `heads`
 stacked on a leading `layers` axis and run with `lax.scan`, so compile time does not grow with
 depth. `Llama.apply` takes a `materialize` hook that turns each stored parameter subtree into
 full weights just before use: the identity for a dense model, a per-layer all-gather for a
-sharded one (see paro_jax/engine.py).
+sharded one (see paro_jax/core/engine.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paro_jax.xla_flags import add_xla_flags, provide_cpu_devices
+from paro_jax.core.xla_flags import add_xla_flags, provide_cpu_devices
 
 def parse_mesh_shape(text: str) -> tuple[int, int]:
   """'2x4' -> (inter=2, intra=4)."""
@@ -134,7 +134,7 @@ def _add_planner_commands(sub) -> None:
   plan.add_argument("--model", default="7b", help="preset: tiny, small, 7b, 13b, 65b")
   plan.add_argument("--nodes", type=int, required=True, help="G: nodes (groups)")
   plan.add_argument("--devices-per-node", type=int, required=True, help="M: devices per node")
-  from paro_jax.hardware import GPUS  # no jax
+  from paro_jax.analysis.hardware import GPUS  # no jax
 
   plan.add_argument("--gpu", default="a100-80gb",
                     help=f"device model for peak FLOP/s and memory: {', '.join(GPUS)}")
@@ -160,7 +160,7 @@ def _add_planner_commands(sub) -> None:
   plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
   plan.add_argument("--collectives", default="xla", choices=["xla", "ring", "hring", "horing"],
                     help="how collectives over all devices run: xla (NCCL) and hring in two "
-                         "levels, ring flat (PARO.md), horing two overlapped levels")
+                         "levels, ring flat (docs/design.md), horing two overlapped levels")
   plan.add_argument("--overlap", type=float, default=0.0,
                     help="fraction of per-micro-batch traffic hidden behind compute (default 0)")
   plan.add_argument("--usable-memory", type=float, default=0.9,
@@ -192,24 +192,24 @@ def main(argv=None) -> None:
   args = build_parser().parse_args(argv)
   try:
     if args.command == "launch":
-      from paro_jax.launch import launch  # no jax in the launcher process
+      from paro_jax.cluster.launch import launch  # no jax in the launcher process
 
       sys.exit(launch(child_argv, nodes=args.nodes, devices_per_node=args.devices_per_node,
                       inter_bandwidth=args.inter_bandwidth, inter_latency=args.inter_latency,
                       intra_bandwidth=args.intra_bandwidth, shaped=not args.loopback))
     if args.command == "plot":
-      from paro_jax.plot import plot_runs  # no jax needed
+      from paro_jax.run.plot import plot_runs  # no jax needed
 
       print(f"paro-jax: wrote {plot_runs(args.runs, args.out)}")
       return
     if args.command == "export":
-      from paro_jax.export import export_run  # one device: no device flags needed
+      from paro_jax.run.export import export_run  # one device: no device flags needed
 
       step = export_run(args.run, args.out)
       print(f"paro-jax: wrote checkpoint step {step} of {args.run} to {args.out}")
       return
     if args.command == "plan":
-      from paro_jax.planner import run_plan  # no devices needed
+      from paro_jax.analysis.planner import run_plan  # no devices needed
 
       run_plan(model=args.model, nodes=args.nodes, devices_per_node=args.devices_per_node,
                gpu=args.gpu, device_memory=args.device_memory, peak_tflops=args.peak_tflops,
@@ -221,7 +221,7 @@ def main(argv=None) -> None:
                collectives=args.collectives, overlap=args.overlap,
                usable_memory=args.usable_memory, profile=args.profile, as_json=args.json)
       return
-    from paro_jax import distributed
+    from paro_jax.cluster import distributed
 
     mesh = parse_mesh_shape(args.mesh) if args.mesh else None
     multi = (getattr(args, "coordinator", None), getattr(args, "num_processes", None),
@@ -235,11 +235,11 @@ def main(argv=None) -> None:
     add_xla_flags()  # GPU collective overlap (HO-Ring); harmless elsewhere
     distributed.maybe_initialize(*multi)  # before anything touches devices
     if args.command == "probe":
-      from paro_jax.probe import run_probe  # imports jax: after the device flag is set
+      from paro_jax.analysis.probe import run_probe  # imports jax: after the device flag is set
 
       run_probe(mesh, args.sizes, args.repeats, not args.no_flops, args.out)
     if args.command == "inspect":
-      from paro_jax.inspector import inspect  # imports jax: after the device flag is set
+      from paro_jax.analysis.inspector import inspect  # imports jax: after the device flag is set
 
       inspect(model=args.model, strategy=args.strategy, mesh=mesh,
               micro_batches=args.micro_batches, batch_size=args.batch_size,
@@ -247,7 +247,7 @@ def main(argv=None) -> None:
               remat=args.remat, lora=_lora_config(args),
               as_json=args.json)
     if args.command == "train":
-      from paro_jax.train import RunConfig, train  # imports jax: after the device flag is set
+      from paro_jax.run.train import RunConfig, train  # imports jax: after the device flag is set
 
       train(RunConfig(
           model=args.model, strategy=args.strategy, mesh=mesh, micro_batches=args.micro_batches,

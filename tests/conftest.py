@@ -2,7 +2,7 @@
 
 import os
 
-from paro_jax.xla_flags import add_xla_flags  # imports no jax
+from paro_jax.core.xla_flags import add_xla_flags  # imports no jax
 
 # Tests compile many tiny programs: LLVM's optimisation of the generated CPU code costs far more
 # than it saves (about 4x faster compiles). HLO passes, which decide the communication schedule

@@ -14,12 +14,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 from models.llama import Llama, get_config
-from paro_jax.checkpoint import Checkpointer, CheckpointError, RunMeta
-from paro_jax.data import Batches, default_corpus
-from paro_jax.engine import Engine, OptimConfig
-from paro_jax.mesh import make_mesh
-from paro_jax.strategy import parse_strategy
-from paro_jax.train import RunConfig, train
+from paro_jax.run.checkpoint import Checkpointer, CheckpointError, RunMeta
+from paro_jax.run.data import Batches, default_corpus
+from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.strategy import parse_strategy
+from paro_jax.run.train import RunConfig, train
 
 RUN = dict(model="test", strategy="IIG", mesh=(2, 4), micro_batches=2, batch_size=8, seq_len=16,
            dtype="fp32", steps=6, warmup=2)

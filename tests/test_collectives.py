@@ -1,4 +1,4 @@
-"""Tests for paro_jax.collectives: hand-written ring collectives == lax, exactly.
+"""Tests for paro_jax.core.collectives: hand-written ring collectives == lax, exactly.
 
 Inputs are small random integers (stored as float32 / bfloat16 / int32), so
 every partial sum is exactly representable whatever the summation order, and
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from paro_jax import collectives as C
-from paro_jax import hlo as H
+from paro_jax.core import collectives as C
+from paro_jax.analysis import hlo as H
 
 MESHES = [(2, 4), (4, 2), (2, 2), (1, 8), (8, 1)]
 AXES = [("intra",), ("inter",), ("intra", "inter")]

@@ -1,16 +1,16 @@
-"""costs.py against the formulas of PARO.md, transcribed case by case."""
+"""costs.py against the formulas of docs/design.md, transcribed case by case."""
 
 import pytest
 
-from paro_jax.costs import model_state_bytes, step_traffic
-from paro_jax.strategy import VALID_NAMES, parse_strategy
+from paro_jax.analysis.costs import model_state_bytes, step_traffic
+from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
 PSI, G, M, A = 1_000_000, 2, 4, 3
 N = G * M
 
 
 def paro_md_inter_bytes(name):
-  """Inter-group bytes per device and step, written from PARO.md's per-case list."""
+  """Inter-group bytes per device and step, written from docs/design.md's per-case list."""
   p, gr, os_ = name
   psi = PSI
   total = 0.0

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from models.llama import Llama, get_config, next_token_loss
-from paro_jax.data import Batches, DataConfig, load_tokens, split_eval
-from paro_jax.engine import Engine, OptimConfig
-from paro_jax.mesh import make_mesh
-from paro_jax.peak import mfu, peak_flops
-from paro_jax.strategy import parse_strategy
-from paro_jax.train import RunConfig, train
+from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
+from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.mesh import make_mesh
+from paro_jax.analysis.peak import mfu, peak_flops
+from paro_jax.core.strategy import parse_strategy
+from paro_jax.run.train import RunConfig, train
 
 TEXT = "def add(a, b):\n  return a + b\n" * 40
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from models.llama import Llama, LlamaConfig, next_token_loss
-from paro_jax.engine import Engine, OptimConfig
-from paro_jax.mesh import make_mesh
-from paro_jax.reference import reference_train
-from paro_jax.strategy import VALID_NAMES, parse_strategy
+from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.mesh import make_mesh
+from paro_jax.run.reference import reference_train
+from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 # Adam's first steps are nearly sign(g): for a gradient element near 0, float rounding in the

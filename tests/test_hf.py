@@ -18,8 +18,8 @@ from safetensors.numpy import load_file, save_file
 from models.hf import config_to_hf, load_hf, read_config, save_hf
 from models.llama import Llama, next_token_loss
 from paro_jax import cli
-from paro_jax.checkpoint import Checkpointer
-from paro_jax.train import CHECKPOINTS, RunConfig, build, train
+from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.train import CHECKPOINTS, RunConfig, build, train
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf_tiny")
 REF = np.load(os.path.join(FIXTURE, "logits.npz"))

@@ -1,4 +1,4 @@
-"""The inspector reads from compiled HLO the traffic that PARO.md's formulas predict."""
+"""The inspector reads from compiled HLO the traffic that docs/design.md's formulas predict."""
 
 import json
 
@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import pytest
 
 from models.llama import Llama, LlamaConfig
-from paro_jax import hlo
-from paro_jax.engine import Engine, OptimConfig
-from paro_jax.inspector import compile_step, report
-from paro_jax.mesh import make_mesh
-from paro_jax.strategy import VALID_NAMES, parse_strategy
+from paro_jax.analysis import hlo
+from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.analysis.inspector import compile_step, report
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 

@@ -11,14 +11,14 @@ import pytest
 from models.hf import load_hf
 from models.llama import Llama, LlamaConfig, LoraConfig, is_lora_path
 from paro_jax import cli
-from paro_jax.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.costs import model_state_bytes
-from paro_jax.engine import Engine, OptimConfig, merge
-from paro_jax.inspector import compile_step, report
-from paro_jax.mesh import make_mesh
-from paro_jax.reference import reference_train
-from paro_jax.strategy import VALID_NAMES, parse_strategy
-from paro_jax.train import RunConfig, build, train
+from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
+from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.core.engine import Engine, OptimConfig, merge
+from paro_jax.analysis.inspector import compile_step, report
+from paro_jax.core.mesh import make_mesh
+from paro_jax.run.reference import reference_train
+from paro_jax.core.strategy import VALID_NAMES, parse_strategy
+from paro_jax.run.train import RunConfig, build, train
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 # Every kind of target: q/k/v (A on embed, B on the flattened heads), wo/w_down (A on the

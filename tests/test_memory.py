@@ -1,4 +1,4 @@
-"""Bytes each device really holds for each state == the formula of PARO.md."""
+"""Bytes each device really holds for each state == the formula of docs/design.md."""
 
 import collections
 
@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import pytest
 
 from models.llama import Llama, LlamaConfig
-from paro_jax.costs import model_state_bytes
-from paro_jax.engine import Engine, OptimConfig
-from paro_jax.mesh import make_mesh
-from paro_jax.strategy import VALID_NAMES, parse_strategy
+from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from paro_jax.cli import parse_mesh_shape
-from paro_jax.mesh import make_mesh, mesh_shape
+from paro_jax.core.mesh import make_mesh, mesh_shape
 
 
 def test_mesh_axes_and_order():

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from paro_jax.launch import NS_PREFIX, launch
+from paro_jax.cluster.launch import NS_PREFIX, launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_COMPILE = "--xla_backend_optimization_level=0"
@@ -208,7 +208,7 @@ SLURM = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS
 
 
 def test_cluster_detection_from_environment():
-  from paro_jax import distributed
+  from paro_jax.cluster import distributed
 
   assert distributed.detect_cluster({}) is None
   assert distributed.detect_cluster(SLURM) == ("slurm", 2)
@@ -243,7 +243,7 @@ def test_slurm_srun_is_auto_detected():
   with __import__("socket").socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  code = ("from paro_jax.distributed import maybe_initialize; assert maybe_initialize(); "
+  code = ("from paro_jax.cluster.distributed import maybe_initialize; assert maybe_initialize(); "
           "import jax; print(jax.process_index(), jax.process_count(), jax.device_count())")
   procs = []
   for i in range(2):

@@ -1,4 +1,4 @@
-"""The planner (paro_jax/planner.py), the probe, `train --strategy auto` and the validation math.
+"""The planner (paro_jax/analysis/planner.py), the probe, `train --strategy auto` and the validation math.
 
 The paper's conclusions are checked on realistic clusters: 16 nodes x 8 A100-80GB, a 100 Gbit/s
 link per node (a slow cloud) against 300 GB/s NVLink, A=8 micro-batches of one 2,048-token
@@ -14,10 +14,10 @@ import sys
 import pytest
 
 from models.llama import PRESETS, Llama, get_config
-from paro_jax import hardware, planner
+from paro_jax.analysis import hardware, planner
 from paro_jax.cli import main
-from paro_jax.costs import step_traffic
-from paro_jax.strategy import VALID_NAMES, parse_strategy
+from paro_jax.analysis.costs import step_traffic
+from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "experiments"))
@@ -194,8 +194,8 @@ def test_plan_devices_that_do_not_divide_the_model(capsys):
 
 
 def test_probe_measures_every_collective_and_level(tmp_path):
-  from paro_jax.mesh import make_mesh
-  from paro_jax.probe import probe, write_profile
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.analysis.probe import probe, write_profile
 
   profile = probe(make_mesh(2, 4), sizes=(4096, 65536), repeats=1)
   for kind in planner.COLLECTIVES:
@@ -212,7 +212,7 @@ def test_probe_measures_every_collective_and_level(tmp_path):
 
 
 def test_fit_line():
-  from paro_jax.probe import fit_line
+  from paro_jax.analysis.probe import fit_line
 
   bw, lat = fit_line([(1e6, 1e-4 + 1e6 / 2e9), (4e6, 1e-4 + 4e6 / 2e9), (8e6, 1e-4 + 8e6 / 2e9)])
   assert bw == pytest.approx(2e9) and lat == pytest.approx(1e-4)

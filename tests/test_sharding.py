@@ -4,9 +4,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models.llama import Llama, LlamaConfig
-from paro_jax.mesh import make_mesh
-from paro_jax.sharding import ShardingRules, placement_spec, shard_dims, state_specs
-from paro_jax.strategy import Placement, parse_strategy
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.sharding import ShardingRules, placement_spec, shard_dims, state_specs
+from paro_jax.core.strategy import Placement, parse_strategy
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 
@@ -48,7 +48,7 @@ def test_g_shard_lies_inside_i_shard():
     assert len(g) == 8 and g <= i_by_dev[s.device]
     seen |= g
   assert seen == set(range(64))
-  # Device (inter k, intra l) holds global chunk l*g + k (PARO.md's layout).
+  # Device (inter k, intra l) holds global chunk l*g + k (docs/design.md's layout).
   for s in g_shards.addressable_shards:
     k, l = np.argwhere(mesh.devices == s.device)[0]
     assert np.asarray(s.data)[0] == (l * 2 + k) * 8

@@ -1,8 +1,8 @@
 import pytest
 
-from paro_jax.strategy import ALIASES, VALID_NAMES, Placement, parse_strategy
+from paro_jax.core.strategy import ALIASES, VALID_NAMES, Placement, parse_strategy
 
-# The 14 strategies of PARO.md, written out independently of the generator in strategy.py.
+# The 14 strategies of docs/design.md, written out independently of the generator in strategy.py.
 PAPER_14 = "NNN NNI NII INI III NNG NIG NGG ING IIG IGG GNG GIG GGG".split()
 
 

@@ -2,7 +2,7 @@ import os
 import subprocess
 import sys
 
-from paro_jax.xla_flags import GPU_OVERLAP_FLAGS, add_xla_flags
+from paro_jax.core.xla_flags import GPU_OVERLAP_FLAGS, add_xla_flags
 
 PROGRAM = "import jax, jax.numpy as jnp; print(float(jnp.ones(3).sum()))"
 

@@ -1,6 +1,6 @@
 """`paro-jax export`: the newest checkpoint of a training run as an HF LLaMA directory.
 
-The checkpoint is restored through paro_jax.checkpoint onto a one-device engine (strategy NNN,
+The checkpoint is restored through paro_jax.run.checkpoint onto a one-device engine (strategy NNN,
 mesh 1x1) built for the model config the checkpoint records; its fp32 master weights are written
 with models.hf.save_hf. A LoRA run's adapters are merged into its (frozen) base weights first:
 the export is a plain LLaMA.
@@ -16,10 +16,10 @@ import numpy as np
 
 from models.hf import save_hf
 from models.llama import Llama, LlamaConfig, LoraConfig
-from paro_jax.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.engine import Engine, OptimConfig, merge
-from paro_jax.mesh import make_mesh
-from paro_jax.strategy import parse_strategy
+from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
+from paro_jax.core.engine import Engine, OptimConfig, merge
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.strategy import parse_strategy
 
 
 def _newest_meta(ckpt: Checkpointer):

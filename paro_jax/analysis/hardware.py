@@ -9,17 +9,17 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from paro_jax.peak import peak_flops
+from paro_jax.analysis.peak import peak_flops
 
 GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
 class Gpu:
-  """A GPU model: its peak (from paro_jax.peak) and nominal memory (10^9 bytes per GB)."""
+  """A GPU model: its peak (from paro_jax.analysis.peak) and nominal memory (10^9 bytes per GB)."""
 
   name: str
-  kind: str  # the key into paro_jax.peak.PEAK_BF16_FLOPS
+  kind: str  # the key into paro_jax.analysis.peak.PEAK_BF16_FLOPS
   memory_bytes: float
 
   @property
@@ -69,7 +69,7 @@ def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
   In 'X/s' forms a capital B means bytes and a small b bits; tc's own units (gbit, mbps, ...)
   follow tc, where 'mbps' is megabytes per second.
   """
-  from paro_jax.launch import parse_rate  # tc's units; stdlib only
+  from paro_jax.cluster.launch import parse_rate  # tc's units; stdlib only
 
   try:
     return parse_rate(text) / 8
@@ -85,7 +85,7 @@ def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
 
 def parse_latency(text: str, what: str = "latency") -> float:
   """'10us', '0.5ms', '0' -> seconds."""
-  from paro_jax.launch import parse_delay
+  from paro_jax.cluster.launch import parse_delay
 
   try:
     return parse_delay(text)

@@ -3,11 +3,11 @@
 Pure Python (no jax), so a laptop can plan a 128-GPU run. For every strategy:
 
 - traffic: `costs.step_traffic`, bytes each device sends per optimizer step and phase (the one
-  formula, PARO.md's; nothing here re-derives it);
+  formula, docs/design.md's; nothing here re-derives it);
 - time of a phase: bytes / bandwidth of its level + latency x collectives. A collective over
   `intra` runs at the intra bandwidth; one over `inter` at each device's share of its node's
   link (node bandwidth / devices per node: all devices of a node send at once). One over both
-  axes (global) is modelled by `global_collectives`: "flat" (PARO.md: every device's ring bytes
+  axes (global) is modelled by `global_collectives`: "flat" (docs/design.md: every device's ring bytes
   cross the node link at its share; what XLA:CPU over gloo does, checked on the wire by tc in the
   strategy benchmark), "hierarchical" (an intra part, then an inter part carrying 1/m of the
   payload: NCCL's node-ordered rings, paro_jax's hring) or "overlapped" (the two parts at once:
@@ -35,9 +35,9 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING
 
-from paro_jax.costs import model_state_bytes, step_traffic
-from paro_jax.hardware import GPUS, human_bytes, parse_bandwidth, parse_latency, parse_size
-from paro_jax.strategy import INTER, KNOWN_NAMES, VALID_NAMES, Strategy, parse_strategy
+from paro_jax.analysis.costs import model_state_bytes, step_traffic
+from paro_jax.analysis.hardware import GPUS, human_bytes, parse_bandwidth, parse_latency, parse_size
+from paro_jax.core.strategy import INTER, KNOWN_NAMES, VALID_NAMES, Strategy, parse_strategy
 
 if TYPE_CHECKING:  # models/llama.py imports jax; the planner needs only the config's numbers
   from models.llama import LlamaConfig
@@ -173,7 +173,7 @@ def schedule(strategy: Strategy, w: Workload) -> dict[str, tuple[str, tuple[str,
   for phase, axes, kind, count in items:
     if axes:
       key = f"{phase}/{'inter' if INTER in axes else 'intra'}"
-      assert key not in out, f"two collectives in phase {key} of {s}"  # see PARO.md's schedule
+      assert key not in out, f"two collectives in phase {key} of {s}"  # see docs/design.md's schedule
       out[key] = (kind, axes, count)
   return out
 

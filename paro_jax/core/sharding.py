@@ -14,8 +14,8 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paro_jax.mesh import mesh_shape
-from paro_jax.strategy import Placement, Strategy
+from paro_jax.core.mesh import mesh_shape
+from paro_jax.core.strategy import Placement, Strategy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 A strategy names where each of Parameters, Gradients and Optimizer states lives:
 N (replicated on every device), I (sharded over the `intra` axis, one copy per group) or
 G (sharded over all devices). Everything the engine communicates is derived here from the
-letters alone (see PARO.md, "Schedule of one optimizer step").
+letters alone (see docs/design.md, "Schedule of one optimizer step").
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ from tqdm import tqdm
 
 from models.hf import load_hf, read_config
 from models.llama import Llama, LoraConfig, get_config
-from paro_jax.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
-from paro_jax.costs import model_state_bytes
-from paro_jax.data import Batches, DataConfig, load_tokens, split_eval
-from paro_jax.engine import DTYPES, Engine, OptimConfig, TrainState
-from paro_jax.mesh import make_mesh
-from paro_jax.peak import mfu
-from paro_jax.strategy import parse_strategy
+from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
+from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
+from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
+from paro_jax.core.mesh import make_mesh
+from paro_jax.analysis.peak import mfu
+from paro_jax.core.strategy import parse_strategy
 
 METRICS = "metrics.jsonl"
 
@@ -94,8 +94,8 @@ def build(cfg: RunConfig):
   strategy = None if auto else parse_strategy(cfg.strategy)
   model_cfg = read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)
   mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
-  if auto:  # probe this mesh and take the planner's pick (paro_jax/planner.py)
-    from paro_jax.probe import auto_strategy
+  if auto:  # probe this mesh and take the planner's pick (paro_jax/analysis/planner.py)
+    from paro_jax.analysis.probe import auto_strategy
 
     model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora())
     name, why = auto_strategy(mesh, model_cfg, cfg.micro_batches, cfg.batch_size, cfg.seq_len,

@@ -1,6 +1,6 @@
 """One training step for all 14 strategies, derived from the three placement letters.
 
-The step is a `shard_map` over the (inter, intra) mesh. Per optimizer step (PARO.md):
+The step is a `shard_map` over the (inter, intra) mesh. Per optimizer step (docs/design.md):
   0. parameter sync: cast the fp32 master shard (OS placement) to the compute dtype and all-gather
      it over S(OS) minus S(P) to the P placement;
   1. for each of the A micro-batches (a `lax.scan`), forward and backward through the layer scan;
@@ -32,11 +32,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.llama import Llama, next_token_loss
-from paro_jax import collectives as comm
-from paro_jax.mesh import mesh_shape
-from paro_jax.sharding import (ShardingRules, StateSpecs, local_shape, named, shard_dims,
+from paro_jax.core import collectives as comm
+from paro_jax.core.mesh import mesh_shape
+from paro_jax.core.sharding import (ShardingRules, StateSpecs, local_shape, named, shard_dims,
                                state_specs)
-from paro_jax.strategy import INTER, INTRA, Strategy
+from paro_jax.core.strategy import INTER, INTRA, Strategy
 
 ALL_AXES = (INTRA, INTER)
 BATCH_AXES = (INTER, INTRA)  # process p (an inter row) reads a contiguous slice of the batch

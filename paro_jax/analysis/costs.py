@@ -1,4 +1,4 @@
-"""Analytic memory and traffic of a strategy (PARO.md, "Cost per device and step").
+"""Analytic memory and traffic of a strategy (docs/design.md, "Memory and traffic").
 
 Traffic is ring cost per device: (k-1)/k * S for an all-gather or reduce-scatter of S bytes over k
 devices, twice that for an all-reduce. A collective over `inter` (alone or with `intra`) crosses
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.strategy import INTER, INTRA, Strategy
+from paro_jax.core.strategy import INTER, INTRA, Strategy
 
 
 def model_state_bytes(strategy: Strategy, params: int, trainable: int, inter: int, intra: int,
@@ -59,7 +59,7 @@ def step_traffic(strategy: Strategy, params: int, trainable: int, inter: int, in
   """Expected per-device traffic of one optimizer step of `strategy`, by the schedule's phases.
 
   `regathered` is how many parameters are gathered a second time in backward (rematerialised);
-  PARO.md's formula assumes all of them (the default); paro_jax's LLaMA recomputes only its
+  docs/design.md's formula assumes all of them (the default); paro_jax's LLaMA recomputes only its
   layer stack (Llama.layer_param_count), not the embedding and head.
   """
   s, t = strategy, Traffic()

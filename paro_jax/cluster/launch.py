@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from paro_jax.xla_flags import DEVICE_COUNT_FLAG
+from paro_jax.core.xla_flags import DEVICE_COUNT_FLAG
 
 NS_PREFIX = "paro"          # namespaces: paro<pid>n<k>, paro<pid>br (bridge)
 IF_PREFIX = "pj"            # interfaces: pj<pid>v<k> (node side), pj<pid>p<k> (bridge side)

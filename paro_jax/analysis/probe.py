@@ -27,9 +27,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from paro_jax.mesh import mesh_shape
-from paro_jax.planner import ALL_GATHER, ALL_REDUCE, COLLECTIVES, LEVELS, REDUCE_SCATTER
-from paro_jax.strategy import INTER, INTRA
+from paro_jax.core.mesh import mesh_shape
+from paro_jax.analysis.planner import ALL_GATHER, ALL_REDUCE, COLLECTIVES, LEVELS, REDUCE_SCATTER
+from paro_jax.core.strategy import INTER, INTRA
 
 LEVEL_AXES = {"intra": (INTRA,), "inter": (INTER,), "global": (INTRA, INTER)}
 DEFAULT_SIZES = (2**16, 2**20, 2**22)  # per-device buffer bytes: 64 KiB, 1 MiB, 4 MiB
@@ -172,7 +172,7 @@ def auto_strategy(mesh: Mesh, model, micro_batches: int, batch_size: int, seq_le
                   itemsize: int, params: int, trainable: int, collectives: str = "xla",
                   remat: bool = True) -> tuple[str, str]:
   """`train --strategy auto`: probe `mesh` briefly and return the planner's (pick, why)."""
-  from paro_jax.planner import choose_strategy
+  from paro_jax.analysis.planner import choose_strategy
 
   inter, intra = mesh_shape(mesh)
   profile = probe(mesh, QUICK_SIZES, repeats=3)
@@ -189,8 +189,8 @@ def auto_strategy(mesh: Mesh, model, micro_batches: int, batch_size: int, seq_le
 def run_probe(mesh_shape_: tuple[int, int] | None, sizes: str, repeats: int, flops: bool,
               out: str) -> dict:
   """`paro-jax probe`: probe the mesh, print the fits, write the profile (process 0)."""
-  from paro_jax.mesh import make_mesh
-  from paro_jax.planner import parse_size
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.analysis.planner import parse_size
 
   if repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {repeats}")

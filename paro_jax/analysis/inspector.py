@@ -2,8 +2,8 @@
 
 Nothing is allocated: the state and batch are `ShapeDtypeStruct`s with their shardings, so
 models far larger than this machine's memory compile (XLA's compile time is then the limit).
-Measured traffic is read from the compiled HLO (paro_jax/hlo.py) and set beside the analytic
-formulas of PARO.md (paro_jax/costs.py).
+Measured traffic is read from the compiled HLO (paro_jax/analysis/hlo.py) and set beside the analytic
+formulas of docs/design.md (paro_jax/analysis/costs.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import collections
 import jax
 import jax.numpy as jnp
 
-from paro_jax import hlo
-from paro_jax.costs import model_state_bytes, step_traffic
-from paro_jax.engine import Engine
+from paro_jax.analysis import hlo
+from paro_jax.analysis.costs import model_state_bytes, step_traffic
+from paro_jax.core.engine import Engine
 
 
 def abstract_inputs(engine: Engine, batch_size: int, seq_len: int):
@@ -140,9 +140,9 @@ def inspect(model: str, strategy: str, mesh: tuple[int, int] | None, micro_batch
   import json
 
   from models.llama import Llama, get_config
-  from paro_jax.engine import DTYPES, OptimConfig
-  from paro_jax.mesh import make_mesh
-  from paro_jax.strategy import parse_strategy
+  from paro_jax.core.engine import DTYPES, OptimConfig
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.strategy import parse_strategy
 
   engine = Engine(Llama(get_config(model), DTYPES[dtype], remat, lora), parse_strategy(strategy),
                   make_mesh(*mesh) if mesh else make_mesh(), OptimConfig(),

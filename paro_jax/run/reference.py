@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from models.llama import Llama, next_token_loss
-from paro_jax.engine import OptimConfig, decay_mask, merge, pick
+from paro_jax.core.engine import OptimConfig, decay_mask, merge, pick
 
 
 def reference_train(model: Llama, params, batches, optim: OptimConfig):

@@ -21,7 +21,7 @@ import warnings
 import jax
 import orbax.checkpoint as ocp
 
-from paro_jax.engine import Engine, TrainState
+from paro_jax.core.engine import Engine, TrainState
 
 STATE, META = "state", "meta"
 CHECKPOINTS = "checkpoints"  # the checkpoint directory inside a run directory (--out)

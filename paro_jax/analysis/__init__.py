@@ -1,0 +1,1 @@
+"""What a strategy costs: analytic formulas, compiled-program inspection, the planner."""

@@ -1,0 +1,1 @@
+"""Multi-process runs: jax.distributed set-up and the emulated-cluster launcher."""

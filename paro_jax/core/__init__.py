@@ -1,0 +1,1 @@
+"""The engine: strategies, mesh, sharding, collectives and the training step."""

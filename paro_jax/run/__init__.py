@@ -1,0 +1,1 @@
+"""Training runs: the loop, data, checkpoints, export, plots, the single-device reference."""
