@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from paro_jax.cluster import distributed  # noqa: E402
-from paro_jax.cli import parse_mesh_shape  # noqa: E402
+from paro_jax.core.names import parse_mesh_shape  # noqa: E402
 from paro_jax.core.xla_flags import provide_cpu_devices  # noqa: E402
 from paro_jax.core.xla_flags import add_xla_flags  # noqa: E402
 

@@ -87,7 +87,7 @@ WIRE_ITEMSIZE = 4
 def _setup_jax(mesh_text: str | None, multi=(None, None, None), devices: int | None = None):
   """Devices and jax.distributed, before jax touches devices (as bench_collectives.py does)."""
   from paro_jax.cluster import distributed
-  from paro_jax.cli import parse_mesh_shape
+  from paro_jax.core.names import parse_mesh_shape
   from paro_jax.core.xla_flags import add_xla_flags, provide_cpu_devices
 
   processes = distributed.process_count(*multi)
@@ -187,7 +187,7 @@ def child_baseline(args) -> None:
   import jax
   import numpy as np
 
-  from paro_jax.cli import parse_mesh_shape
+  from paro_jax.core.names import parse_mesh_shape
   from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
 
   inter, intra = parse_mesh_shape(args.mesh)
@@ -315,7 +315,7 @@ def child_inspect(args) -> None:
   import jax.numpy as jnp
 
   from models.llama import Llama, LoraConfig, get_config
-  from paro_jax.cli import parse_mesh_shape
+  from paro_jax.core.names import parse_mesh_shape
   from paro_jax.core.engine import DTYPES, Engine, OptimConfig
   from paro_jax.analysis.inspector import compile_step, report
   from paro_jax.core.mesh import make_mesh
@@ -410,7 +410,7 @@ def regimes_table(names: list[str], device_flops: float, wire_itemsize: int = 2)
   value); when this emulation moves `wire_itemsize`-byte values (fp32 training, and XLA:CPU
   runs bf16 collectives in f32 anyway), the link is made that much faster, so that the FLOP per
   transferred value, and hence the ratio of communication to computation, is the regime's."""
-  from paro_jax.cluster.launch import parse_rate
+  from paro_jax.core.units import parse_rate
 
   node_flops = device_flops * DEVICES_PER_NODE * wire_itemsize / 2
   out = []
@@ -932,6 +932,8 @@ def report_only(out: str) -> None:
 
 
 def main():
+  from paro_jax.core.names import COLLECTIVE_IMPLS  # imports no jax
+
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--model", default="small")
   ap.add_argument("--strategies", default=None, help="comma-separated (default: all 14)")
@@ -946,7 +948,7 @@ def main():
                        "and micro-batch, as one 2,048-token sequence per GPU in the papers)")
   ap.add_argument("--seq-len", type=int, default=512)
   ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-  ap.add_argument("--collectives", default="xla", choices=["xla", "ring", "hring", "horing"])
+  ap.add_argument("--collectives", default="xla", choices=COLLECTIVE_IMPLS)
   ap.add_argument("--steps", type=int, default=6)
   ap.add_argument("--skip", type=int, default=1,
                   help="leading steps left out of medians and byte counts (compilation)")

@@ -61,7 +61,8 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from paro_jax.analysis import hardware, planner  # noqa: E402
+from paro_jax.analysis import planner  # noqa: E402
+from paro_jax.core import names, units  # noqa: E402
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy  # noqa: E402
 
 UNSHAPED = "unshaped"
@@ -168,8 +169,8 @@ def cluster(bench: dict, rate_bps: float, c: Constants) -> planner.Cluster:
   intra_bw = 1 / max(c.intra_s_per_byte, 1e-30)
   # Every (collective, level) as a probe profile would give it; a global collective is flat.
   measured = {(kind, level): (intra_bw if level == "intra" else inter_bw, c.latency_s[kind])
-              for kind in planner.COLLECTIVES for level in planner.LEVELS}
-  network = planner.Network(inter_bandwidth=inter_bw * m, intra_bandwidth=intra_bw,
+              for kind in names.SCHEDULE_COLLECTIVES for level in names.LEVELS}
+  network = planner.Links(inter_bandwidth=inter_bw * m, intra_bandwidth=intra_bw,
                             global_collectives="flat", measured=measured)
   flops = bench["calibration"]["effective_flop_per_s_per_device"] / c.compute_scale
   return planner.Cluster(meta["nodes"], m, network, flop_per_s=flops, mfu=1.0)
@@ -181,12 +182,12 @@ def features(bench: dict, name: str, a: int) -> dict:
   w = dataclasses.replace(workload(bench), micro_batches=a)
   meta = bench["meta"]
   unit = planner.Cluster(meta["nodes"], meta["devices_per_node"],
-                         planner.Network(1.0, 1.0), bench["calibration"][
+                         planner.Links(1.0, 1.0), bench["calibration"][
                              "effective_flop_per_s_per_device"], mfu=1.0)
   s = parse_strategy(name)
   traffic = planner.traffic_of(s, w, unit)
   sched = planner.schedule(s, w)
-  counts = {kind: 0 for kind in planner.COLLECTIVES}
+  counts = {kind: 0 for kind in names.SCHEDULE_COLLECTIVES}
   for key in traffic.phases:
     counts[sched[key][0]] += sched[key][2]
   return {"compute": planner.compute_seconds(w, unit), "intra": traffic.intra,
@@ -206,14 +207,14 @@ def fit_constants(bench: dict, runs: list[dict]) -> Constants | None:
   for r in ref:
     f = features(bench, r["name"], r["micro_batches"])
     rows.append([f["compute"], f["intra"], f["inter"],
-                 *(f["counts"][k] for k in planner.COLLECTIVES)])
+                 *(f["counts"][k] for k in names.SCHEDULE_COLLECTIVES)])
     ys.append(r["median_step_s"] - f["inter"] * m * 8 / rate)
   coef = nnls(rows, ys)
   scale, intra, gloo, *lat = coef
   steps = [r["median_step_s"] for r in ref]
   rel = [(sum(c * x for c, x in zip(coef, row)) - y) / t for row, y, t in zip(rows, ys, steps)]
   rms = math.sqrt(sum(e * e for e in rel) / len(rel))
-  return Constants(intra, dict(zip(planner.COLLECTIVES, lat)), gloo, scale or 1.0,
+  return Constants(intra, dict(zip(names.SCHEDULE_COLLECTIVES, lat)), gloo, scale or 1.0,
                    f"fitted on the {len(ref)} unshaped runs by NNLS, rms error {rms:.1%} there")
 
 
@@ -581,13 +582,13 @@ def main(argv=None) -> int:
                   "steps": "/".join(sorted({str(b["meta"]["steps"]) for b in rebenches})),
                   "skip": min(b["meta"]["skip"] for b in rebenches)}
   runs = [r for r in bench["runs"] if not r.get("error") and r["name"] in VALID_NAMES]
-  intra = hardware.parse_bandwidth(args.intra_bandwidth, "--intra-bandwidth")
-  latency = dict.fromkeys(planner.COLLECTIVES, hardware.parse_latency(args.latency))
+  intra = units.parse_bandwidth(args.intra_bandwidth, "--intra-bandwidth")
+  latency = dict.fromkeys(names.SCHEDULE_COLLECTIVES, units.parse_latency(args.latency))
   source = f"--intra-bandwidth {args.intra_bandwidth}, --latency {args.latency}"
   if args.profile:
     fits = planner.load_profile(args.profile)["collectives"]
     intra = fits["all_gather"]["intra"]["bandwidth"]
-    latency = {k: fits[k]["intra"]["latency"] for k in planner.COLLECTIVES}
+    latency = {k: fits[k]["intra"]["latency"] for k in names.SCHEDULE_COLLECTIVES}
     source = f"profile {args.profile}"
   given = Constants(1 / intra, latency, 0.0, 1.0, source)
   fitted = None if args.no_fit else fit_constants(bench, runs)

@@ -45,10 +45,17 @@ class LlamaConfig:
     if self.head_dim % 2:
       raise ValueError(f"LlamaConfig: head_dim ({self.head_dim}) must be even for RoPE")
 
-  def param_count(self) -> int:
+  def layer_param_count(self) -> int:
+    """Parameters of one transformer layer: attention, MLP and the two norms."""
     attn = self.dim * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-    layer = attn + 3 * self.dim * self.mlp + 2 * self.dim
-    return self.layers * layer + 2 * self.vocab * self.dim + self.dim
+    return attn + 3 * self.dim * self.mlp + 2 * self.dim
+
+  def outer_param_count(self) -> int:
+    """Parameters outside the layer stack: embedding, final norm and the untied head."""
+    return 2 * self.vocab * self.dim + self.dim
+
+  def param_count(self) -> int:
+    return self.layers * self.layer_param_count() + self.outer_param_count()
 
   def flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token: 6 x matmul params + attention scores (forward + backward)."""
@@ -128,6 +135,13 @@ class LoraConfig:
     if bad or not self.targets:
       raise ValueError(f"unknown LoRA targets {bad or '(none)'}; choose from "
                        f"{', '.join(LORA_TARGETS)} (comma-separated, e.g. wq,wv)")
+
+  @classmethod
+  def from_flags(cls, rank: int, alpha: float, targets) -> LoraConfig | None:
+    """The adapters `--lora-rank/--lora-alpha/--lora-targets` ask for; None for rank 0."""
+    if rank < 0:
+      raise ValueError(f"--lora-rank must be >= 0 (0: full training), got {rank}")
+    return cls(rank, alpha, targets) if rank else None
 
   @property
   def scale(self) -> float:
@@ -333,8 +347,7 @@ class Llama:
     """Parameters inside the scanned layer stack (the ones recomputed in backward)."""
     c = self.cfg
     adapters = self.lora.layer_params(c) if self.lora else 0
-    return c.layers * (c.dim * c.head_dim * (2 * c.heads + 2 * c.kv_heads) + 3 * c.dim * c.mlp
-                       + 2 * c.dim + adapters)
+    return c.layers * (c.layer_param_count() + adapters)
 
   def param_count(self) -> int:
     """All parameters, adapters included (Ψ)."""

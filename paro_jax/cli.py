@@ -1,30 +1,27 @@
-"""The `paro-jax` command line. Flags are parsed here and nowhere else."""
+"""The `paro-jax` command line: subcommands, their flags, and the device set-up before jax starts."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from paro_jax.core.names import COLLECTIVE_IMPLS, parse_mesh_shape
 from paro_jax.core.xla_flags import add_xla_flags, provide_cpu_devices
-
-def parse_mesh_shape(text: str) -> tuple[int, int]:
-  """'2x4' -> (inter=2, intra=4)."""
-  parts = text.lower().split("x")
-  if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-    raise ValueError(f"bad --mesh {text!r}: write GROUPSxDEVICES_PER_GROUP, e.g. 2x4 "
-                     f"(2 groups, i.e. nodes, of 4 devices each)")
-  return int(parts[0]), int(parts[1])
 
 
 def _lora_config(args):
   """The LoraConfig the LoRA flags ask for, or None (full training)."""
-  if args.lora_rank < 0:
-    raise ValueError(f"--lora-rank must be >= 0 (0: full training), got {args.lora_rank}")
-  if not args.lora_rank:
-    return None
   from models.llama import LoraConfig  # imports jax: only once the device flags are set
 
-  return LoraConfig(args.lora_rank, args.lora_alpha, args.lora_targets)
+  return LoraConfig.from_flags(args.lora_rank, args.lora_alpha, args.lora_targets)
+
+
+def _by_name(args, target, **given):
+  """The keyword arguments of `target` (a function or dataclass) that `args` has, by name."""
+  import inspect
+
+  names = inspect.signature(target).parameters
+  return {**{k: v for k, v in vars(args).items() if k in names}, **given}
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -38,7 +35,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--batch-size", type=int, default=16, help="global micro-batch size (sequences)")
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
-  p.add_argument("--collectives", default="xla", choices=["xla", "ring", "hring", "horing"])
+  p.add_argument("--collectives", default="xla", choices=COLLECTIVE_IMPLS)
   p.add_argument("--remat", default="full", choices=["full", "layer", "none"],
                  help="what backward recomputes per layer: full (all, weight gather included), "
                       "layer (all but matmul outputs), none (keeps every layer's weights)")
@@ -158,7 +155,7 @@ def _add_planner_commands(sub) -> None:
   plan.add_argument("--trainable-fraction", type=float, default=1.0,
                     help="Ψ'/Ψ: 1 for full training, e.g. 0.003 for LoRA")
   plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
-  plan.add_argument("--collectives", default="xla", choices=["xla", "ring", "hring", "horing"],
+  plan.add_argument("--collectives", default="xla", choices=COLLECTIVE_IMPLS,
                     help="how collectives over all devices run: xla (NCCL) and hring in two "
                          "levels, ring flat (docs/design.md), horing two overlapped levels")
   plan.add_argument("--overlap", type=float, default=0.0,
@@ -211,15 +208,7 @@ def main(argv=None) -> None:
     if args.command == "plan":
       from paro_jax.analysis.planner import run_plan  # no devices needed
 
-      run_plan(model=args.model, nodes=args.nodes, devices_per_node=args.devices_per_node,
-               gpu=args.gpu, device_memory=args.device_memory, peak_tflops=args.peak_tflops,
-               mfu=args.mfu, inter_bandwidth=args.inter_bandwidth,
-               intra_bandwidth=args.intra_bandwidth, inter_latency=args.inter_latency,
-               intra_latency=args.intra_latency, micro_batch=args.micro_batch,
-               micro_batches=args.micro_batches, seq_len=args.seq_len,
-               trainable_fraction=args.trainable_fraction, dtype=args.dtype,
-               collectives=args.collectives, overlap=args.overlap,
-               usable_memory=args.usable_memory, profile=args.profile, as_json=args.json)
+      run_plan(**_by_name(args, run_plan, as_json=args.json))
       return
     from paro_jax.cluster import distributed
 
@@ -241,24 +230,11 @@ def main(argv=None) -> None:
     if args.command == "inspect":
       from paro_jax.analysis.inspector import inspect  # imports jax: after the device flag is set
 
-      inspect(model=args.model, strategy=args.strategy, mesh=mesh,
-              micro_batches=args.micro_batches, batch_size=args.batch_size,
-              seq_len=args.seq_len, dtype=args.dtype, collectives=args.collectives,
-              remat=args.remat, lora=_lora_config(args),
-              as_json=args.json)
+      inspect(**_by_name(args, inspect, mesh=mesh, lora=_lora_config(args), as_json=args.json))
     if args.command == "train":
       from paro_jax.run.train import RunConfig, train  # imports jax: after the device flag is set
 
-      train(RunConfig(
-          model=args.model, strategy=args.strategy, mesh=mesh, micro_batches=args.micro_batches,
-          batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-          collectives=args.collectives, remat=args.remat, steps=args.steps, seed=args.seed, lr=args.lr,
-          warmup=args.warmup, data=tuple(args.data), text_field=args.text_field,
-          tokenizer=args.tokenizer, bin_dtype=args.bin_dtype, eval_fraction=args.eval_fraction,
-          eval_every=args.eval_every, out=args.out,
-          checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume,
-          init_from=args.init_from, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-          lora_targets=args.lora_targets))
+      train(RunConfig(**_by_name(args, RunConfig, mesh=mesh, data=tuple(args.data))))
   except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
     print(f"paro-jax: error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -12,7 +12,7 @@ from models.llama import Llama, get_config, next_token_loss
 from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
-from paro_jax.analysis.peak import mfu, peak_flops
+from paro_jax.analysis.hardware import mfu, peak_flops
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.train import RunConfig, train
 

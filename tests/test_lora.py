@@ -13,7 +13,7 @@ from models.llama import Llama, LlamaConfig, LoraConfig, is_lora_path
 from paro_jax import cli
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.analysis.costs import model_state_bytes
-from paro_jax.core.engine import Engine, OptimConfig, merge
+from paro_jax.core.engine import Engine, OptimConfig, join_trainable
 from paro_jax.analysis.inspector import compile_step, report
 from paro_jax.core.mesh import make_mesh
 from paro_jax.run.reference import reference_train
@@ -175,7 +175,7 @@ def test_train_resume_other_strategy_and_export_merged(tmp_path):
   state, meta = ckpt.restore(engine, "test")
   ckpt.close()
   assert meta.step == 3
-  full = jax.device_get(merge(engine.mask, state.master, state.frozen))
+  full = jax.device_get(join_trainable(engine.mask, state.master, state.frozen))
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab, (2, 16)), jnp.int32)
   np.testing.assert_allclose(Llama(cfg).apply(jax.tree.map(jnp.asarray, exported), tokens),
                              engine.model.apply(full, tokens), atol=1e-5)

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from paro_jax.cli import parse_mesh_shape
+from paro_jax.core.names import parse_mesh_shape
 from paro_jax.core.mesh import make_mesh, mesh_shape
 
 

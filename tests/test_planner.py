@@ -15,6 +15,7 @@ import pytest
 
 from models.llama import PRESETS, Llama, get_config
 from paro_jax.analysis import hardware, planner
+from paro_jax.core import names, units
 from paro_jax.cli import main
 from paro_jax.analysis.costs import step_traffic
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
@@ -32,11 +33,11 @@ def paper_plan(model="7b", trainable_fraction=1.0, memory="80GB", global_collect
   psi = cfg.param_count()
   w = planner.Workload(cfg, micro_batch=1, micro_batches=8, seq_len=2048,
                        trainable=round(trainable_fraction * psi))
-  net = planner.Network(hardware.parse_bandwidth("100gbit"), hardware.parse_bandwidth("300GB/s"),
+  net = planner.Links(units.parse_bandwidth("100gbit"), units.parse_bandwidth("300GB/s"),
                         global_collectives=global_collectives)
   card = hardware.GPUS["a100-80gb"]
   return planner.plan(w, planner.Cluster(nodes, 8, net, card.peak_flops,
-                                         device_memory=hardware.parse_size(memory)))
+                                         device_memory=units.parse_size(memory)))
 
 
 @pytest.mark.parametrize("global_collectives", ["flat", "hierarchical"])
@@ -79,7 +80,7 @@ def test_traffic_is_costs_step_traffic():
   """The planner times exactly costs.step_traffic's bytes, phase by phase (no second formula)."""
   cfg = get_config("7b")
   w = planner.Workload(cfg, micro_batches=4, trainable=cfg.param_count() // 100)
-  cluster = planner.Cluster(4, 8, planner.Network(12.5e9, 300e9), 312e12)
+  cluster = planner.Cluster(4, 8, planner.Links(12.5e9, 300e9), 312e12)
   regathered = Llama(cfg).layer_param_count()
   assert w.layer_params == regathered
   for name in VALID_NAMES:
@@ -101,11 +102,11 @@ def test_global_collective_models_and_overlap():
   w = planner.Workload(cfg)
   times = {}
   for model in planner.GLOBAL_MODELS:
-    net = planner.Network(12.5e9, 300e9, global_collectives=model)
+    net = planner.Links(12.5e9, 300e9, global_collectives=model)
     times[model] = planner.estimate(parse_strategy("GGG"), w,
                                     planner.Cluster(16, 8, net, 312e12)).step_time_s
   assert times["flat"] > times["hierarchical"] > times["overlapped"]
-  net = planner.Network(12.5e9, 300e9)
+  net = planner.Links(12.5e9, 300e9)
   plain, hidden = (planner.estimate(parse_strategy("IIG"), w,
                                     planner.Cluster(16, 8, net, 312e12, overlap=o))
                    for o in (0.0, 1.0))
@@ -123,20 +124,20 @@ def test_layer_params_match_the_model():
     ("80GB", 80e9), ("80GiB", 80 * 2**30), ("512MiB", 512 * 2**20), ("1.5TB", 1.5e12),
     ("4096", 4096), ("64KiB", 65536)])
 def test_parse_size(text, expected):
-  assert hardware.parse_size(text) == pytest.approx(expected)
+  assert units.parse_size(text) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("text,expected", [
     ("300GB/s", 300e9), ("100gbit", 12.5e9), ("100Gb/s", 12.5e9), ("25GiB/s", 25 * 2**30),
     ("400mbit", 50e6), ("10gbps", 10e9)])  # tc's gbps is gigabytes per second
 def test_parse_bandwidth(text, expected):
-  assert hardware.parse_bandwidth(text) == pytest.approx(expected)
+  assert units.parse_bandwidth(text) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("fn,text", [
-    (hardware.parse_size, "80 gigs"), (hardware.parse_size, "-1GB"),
-    (hardware.parse_size, "80GB/s"), (hardware.parse_bandwidth, "fast"),
-    (hardware.parse_bandwidth, "300GB")])
+    (units.parse_size, "80 gigs"), (units.parse_size, "-1GB"),
+    (units.parse_size, "80GB/s"), (units.parse_bandwidth, "fast"),
+    (units.parse_bandwidth, "300GB")])
 def test_parsers_refuse_with_an_example(fn, text):
   with pytest.raises(ValueError, match=f"bad .*{text!r}: write .*e.g."):
     fn(text)
@@ -198,8 +199,8 @@ def test_probe_measures_every_collective_and_level(tmp_path):
   from paro_jax.analysis.probe import probe, write_profile
 
   profile = probe(make_mesh(2, 4), sizes=(4096, 65536), repeats=1)
-  for kind in planner.COLLECTIVES:
-    for level in planner.LEVELS:
+  for kind in names.SCHEDULE_COLLECTIVES:
+    for level in names.LEVELS:
       fit = profile["collectives"][kind][level]
       assert fit["bandwidth"] > 0 and fit["latency"] >= 0, (kind, level)
   assert profile["flop_per_s"] > 0

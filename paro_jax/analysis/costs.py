@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.core.strategy import INTER, INTRA, Strategy
+from paro_jax.core.names import INTER, INTRA
+from paro_jax.core.strategy import Strategy
 
 
 def model_state_bytes(strategy: Strategy, params: int, trainable: int, inter: int, intra: int,

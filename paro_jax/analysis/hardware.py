@@ -1,25 +1,53 @@
-"""Device and link figures for the planner: a table of GPUs and parsers for sizes and rates.
+"""Accelerators: peak FLOP/s (for MFU and the planner) and the GPU models the planner knows.
 
-Sizes and rates are strings on the command line ('80GB', '300GB/s', '100gbit'); each parser
-returns plain bytes or bytes per second and refuses anything else with an example.
+One table of peaks, matched against jax's `device_kind`; the planner's GPU list refers to it by
+kind, so a peak is written once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 
-from paro_jax.analysis.peak import peak_flops
+from paro_jax.core.units import GB
 
-GB = 1e9
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, matched against
+# jax's `device_kind` by substring, most specific first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("A100", 312e12),
+    ("A10G", 125e12),  # AWS's A10; NVIDIA publishes no separate figure: taken as the A10's
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("V100", 125e12),  # no bf16: its fp16 tensor-core peak
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """Peak bf16 FLOP/s of one device of this kind; None when unknown (e.g. CPU)."""
+  for name, flops in PEAK_BF16_FLOPS:
+    if name.lower() in device_kind.lower():
+      return flops
+  return None
+
+
+def mfu(flops_per_step: float, step_time_s: float, devices: int,
+        device_kind: str) -> float | None:
+  """Model FLOPs per second over the devices' summed peak; None when the peak is unknown."""
+  peak = peak_flops(device_kind)
+  if peak is None or step_time_s <= 0:
+    return None
+  return flops_per_step / step_time_s / (peak * devices)
 
 
 @dataclasses.dataclass(frozen=True)
 class Gpu:
-  """A GPU model: its peak (from paro_jax.analysis.peak) and nominal memory (10^9 bytes per GB)."""
+  """A GPU model: its peak (from PEAK_BF16_FLOPS above) and nominal memory (10^9 bytes per GB)."""
 
   name: str
-  kind: str  # the key into paro_jax.analysis.peak.PEAK_BF16_FLOPS
+  kind: str  # the key into PEAK_BF16_FLOPS
   memory_bytes: float
 
   @property
@@ -41,58 +69,3 @@ GPUS: dict[str, Gpu] = {
     "v100-16gb": Gpu("V100 16GB", "V100", 16 * GB),
     "v100-32gb": Gpu("V100 32GB", "V100", 32 * GB),
 }
-
-
-# --- sizes and rates ---------------------------------------------------------------------------
-_SI = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-_BIN = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
-
-
-def _prefix(p: str) -> float | None:
-  p = p.lower()
-  return _BIN.get(p) if p.endswith("i") else _SI.get(p)
-
-
-def parse_size(text: str, what: str = "memory size") -> float:
-  """'80GB' (10^9), '80GiB' (2^30), '512MiB', '1e9' -> bytes; a clear error otherwise."""
-  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*(?:([kmgtpKMGTP]i?)?[bB])?\s*", str(text))
-  factor = _prefix(m.group(2) or "") if m else None
-  if not m or factor is None or float(m.group(1)) <= 0:
-    raise ValueError(f"bad {what} {text!r}: write a positive number and a unit, e.g. 80GB "
-                     f"(10^9 bytes) or 80GiB (2^30 bytes)")
-  return float(m.group(1)) * factor
-
-
-def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
-  """A rate -> bytes per second: '300GB/s' (bytes), '100Gb/s' or '100gbit' (bits), or any tc rate.
-
-  In 'X/s' forms a capital B means bytes and a small b bits; tc's own units (gbit, mbps, ...)
-  follow tc, where 'mbps' is megabytes per second.
-  """
-  from paro_jax.cluster.launch import parse_rate  # tc's units; stdlib only
-
-  try:
-    return parse_rate(text) / 8
-  except ValueError:
-    pass
-  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtTpP]i?)?(B|b|bit)/s\s*", str(text))
-  factor = _prefix(m.group(2) or "") if m else None
-  if not m or factor is None or float(m.group(1)) <= 0:
-    raise ValueError(f"bad {what} {text!r}: write e.g. 300GB/s (bytes per second), 100Gb/s or "
-                     f"100gbit (bits per second)")
-  return float(m.group(1)) * factor / (8 if m.group(3) != "B" else 1)
-
-
-def parse_latency(text: str, what: str = "latency") -> float:
-  """'10us', '0.5ms', '0' -> seconds."""
-  from paro_jax.cluster.launch import parse_delay
-
-  try:
-    return parse_delay(text)
-  except ValueError:
-    raise ValueError(f"bad {what} {text!r}: write e.g. 10us, 0.5ms or 0") from None
-
-
-def human_bytes(x: float) -> str:
-  """Decimal units, as GPU memory and --device-memory are given."""
-  return f"{x / GB:.1f} GB" if x >= GB else f"{x / 1e6:.1f} MB"

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import numpy as np
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+HLO_COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 
@@ -132,7 +132,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
       for callee in re.findall(r"%?([\w.\-]+)", b):
         calls[comp].append((callee, 1))
     base = op[: -len("-start")] if op.endswith("-start") else op
-    if base in COLLECTIVES and not op.endswith("-done"):
+    if base in HLO_COLLECTIVE_OPS and not op.endswith("-done"):
       nbytes, dtypes = _array_bytes(_result_type(op, type_text))
       opname = _OPNAME_RE.search(rest)
       found.append(Collective(name, base, comp, nbytes, dtypes, _parse_groups(rest),

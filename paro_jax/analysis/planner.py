@@ -36,15 +36,16 @@ import json
 from typing import TYPE_CHECKING
 
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
-from paro_jax.analysis.hardware import GPUS, human_bytes, parse_bandwidth, parse_latency, parse_size
-from paro_jax.core.strategy import INTER, KNOWN_NAMES, VALID_NAMES, Strategy, parse_strategy
+from paro_jax.analysis.hardware import GPUS
+from paro_jax.core.names import (ALL_GATHER, ALL_REDUCE, INTER, LEVELS, REDUCE_SCATTER,
+                                  SCHEDULE_COLLECTIVES)
+from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, Strategy, parse_strategy
+from paro_jax.core.units import (COMPUTE_DTYPE_BYTES, human_bytes, parse_bandwidth, parse_latency,
+                                 parse_size)
 
 if TYPE_CHECKING:  # models/llama.py imports jax; the planner needs only the config's numbers
   from models.llama import LlamaConfig
 
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
-COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
-LEVELS = ("intra", "inter", "global")
 GLOBAL_MODELS = ("flat", "hierarchical", "overlapped")
 # How each --collectives implementation runs a collective over both axes. xla on GPUs is NCCL,
 # whose rings visit the devices node by node, so a node's link carries about 1/m of the payload
@@ -62,7 +63,7 @@ LEAVES_PER_LAYER, OTHER_LEAVES = 9, 3
 
 # --- the inputs ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Network:
+class Links:
   """Links of the cluster. Bandwidths in bytes/s; latencies in seconds per collective."""
 
   inter_bandwidth: float  # each node's inter-node link, shared by its devices
@@ -85,7 +86,7 @@ class Network:
 class Cluster:
   nodes: int
   devices_per_node: int
-  network: Network
+  network: Links
   flop_per_s: float | None  # per device, peak (or measured); None: compute time left out
   mfu: float = DEFAULT_MFU
   device_memory: float | None = None  # bytes; None: no limit (CPU)
@@ -143,8 +144,7 @@ class Workload:
   @property
   def layer_params(self) -> int:
     """Parameters of the layer stack: all but the embedding, final norm and head."""
-    c = self.model
-    return self.psi - 2 * c.vocab * c.dim - c.dim
+    return self.psi - self.model.outer_param_count()
 
   @property
   def tokens_per_device(self) -> int:
@@ -428,11 +428,11 @@ def load_profile(path: str) -> dict:
 
 
 def measured_links(profile: dict) -> dict:
-  """{(collective, level): (bandwidth, latency)} of a profile, for Network.measured."""
+  """{(collective, level): (bandwidth, latency)} of a profile, for Links.measured."""
   out = {}
   for kind, levels in profile.get("collectives", {}).items():
     for level, fit in levels.items():
-      if kind in COLLECTIVES and level in LEVELS and fit.get("bandwidth", 0) > 0:
+      if kind in SCHEDULE_COLLECTIVES and level in LEVELS and fit.get("bandwidth", 0) > 0:
         out[(kind, level)] = (float(fit["bandwidth"]), max(0.0, float(fit.get("latency", 0.0))))
   return out
 
@@ -447,7 +447,7 @@ def choose_strategy(model, inter: int, intra: int, micro_batch: int, micro_batch
   nothing) takes the defaults. Raises ValueError when nothing fits.
   """
   measured = measured_links(profile)
-  network = Network(inter_bandwidth=12.5e9, intra_bandwidth=300e9,
+  network = Links(inter_bandwidth=12.5e9, intra_bandwidth=300e9,
                     global_collectives=GLOBAL_MODEL_OF.get(collectives, "flat"),
                     measured=measured)
   cluster = Cluster(inter, intra, network, flop_per_s=profile.get("flop_per_s"), mfu=DEFAULT_MFU,
@@ -477,7 +477,7 @@ def run_plan(model: str, nodes: int, devices_per_node: int, gpu: str = "a100-80g
   if not 0 < trainable_fraction <= 1:
     raise ValueError(f"--trainable-fraction must be in (0, 1] (1: full training, e.g. 0.003 for "
                      f"LoRA), got {trainable_fraction}")
-  itemsize = {"bf16": 2, "fp32": 4}.get(dtype)
+  itemsize = COMPUTE_DTYPE_BYTES.get(dtype)
   if itemsize is None:
     raise ValueError(f"unknown --dtype {dtype!r}; choose bf16 or fp32")
   cfg = get_config(model)
@@ -489,7 +489,7 @@ def run_plan(model: str, nodes: int, devices_per_node: int, gpu: str = "a100-80g
   prof = load_profile(profile) if profile else {}
   if prof.get("flop_per_s") and not peak_tflops:
     flops = prof["flop_per_s"]
-  network = Network(parse_bandwidth(inter_bandwidth, "--inter-bandwidth"),
+  network = Links(parse_bandwidth(inter_bandwidth, "--inter-bandwidth"),
                     parse_bandwidth(intra_bandwidth, "--intra-bandwidth"),
                     parse_latency(inter_latency, "--inter-latency"),
                     parse_latency(intra_latency, "--intra-latency"),

@@ -28,13 +28,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paro_jax.core.mesh import mesh_shape
-from paro_jax.analysis.planner import ALL_GATHER, ALL_REDUCE, COLLECTIVES, LEVELS, REDUCE_SCATTER
-from paro_jax.core.strategy import INTER, INTRA
+from paro_jax.core.names import (ALL_GATHER, ALL_REDUCE, LEVEL_AXES, LEVELS, MESH_AXES,
+                                  REDUCE_SCATTER, SCHEDULE_COLLECTIVES)
 
-LEVEL_AXES = {"intra": (INTRA,), "inter": (INTER,), "global": (INTRA, INTER)}
 DEFAULT_SIZES = (2**16, 2**20, 2**22)  # per-device buffer bytes: 64 KiB, 1 MiB, 4 MiB
 QUICK_SIZES = (2**16, 2**20)  # train --strategy auto
-ALL = (INTER, INTRA)
 
 
 def _ring_bytes(kind: str, size: int, k: int) -> float:
@@ -62,7 +60,7 @@ def _timed(fn, x, repeats: int) -> float:
 def _ones(mesh: Mesh, elems_per_device: int, dtype) -> jax.Array:
   """A global array, `elems_per_device` per device, each process filling only its own shards."""
   n = mesh.devices.size
-  sharding = NamedSharding(mesh, P(ALL))
+  sharding = NamedSharding(mesh, P(MESH_AXES))
   return jax.make_array_from_callback(
       (n * elems_per_device,), sharding, lambda idx: np.ones((elems_per_device,), dtype))
 
@@ -91,7 +89,7 @@ def measure_flops(mesh: Mesh, repeats: int = 5) -> float:
   mm = jax.jit(jax.shard_map(
       lambda x: (x.reshape(size, size).astype(dtype) @ x.reshape(size, size).astype(dtype)
                  ).astype(jnp.float32).reshape(-1),
-      mesh=mesh, in_specs=P(ALL), out_specs=P(ALL)))
+      mesh=mesh, in_specs=P(MESH_AXES), out_specs=P(MESH_AXES)))
   return 2 * size**3 / _timed(mm, a, repeats)
 
 
@@ -100,17 +98,17 @@ def probe(mesh: Mesh, sizes=DEFAULT_SIZES, repeats: int = 5, flops: bool = True)
   inter, intra = mesh_shape(mesh)
   group = {"intra": intra, "inter": inter, "global": inter * intra}
   table, values = {}, []
-  for kind in COLLECTIVES:
+  for kind in SCHEDULE_COLLECTIVES:
     for level in LEVELS:
       k = group[level]
       if k == 1:  # nothing to measure: a level of one device moves no data
         continue
       points = []
       # check_vma off: a psum or all-gather result is replicated over the level's axes, but the
-      # probe hands every device's copy back (out_specs P(ALL)) only to time it; with check_vma
+      # probe hands every device's copy back (out_specs P(MESH_AXES)) only to time it; with check_vma
       # on, the output spec would have to drop those axes for each level.
-      fn = jax.jit(jax.shard_map(_body(kind, LEVEL_AXES[level]), mesh=mesh, in_specs=P(ALL),
-                                 out_specs=P(ALL), check_vma=False))
+      fn = jax.jit(jax.shard_map(_body(kind, LEVEL_AXES[level]), mesh=mesh, in_specs=P(MESH_AXES),
+                                 out_specs=P(MESH_AXES), check_vma=False))
       for size in sizes:
         elems = max(k, int(size) // 4 // k * k)  # f32, divisible by the group
         local = elems // k if kind == ALL_GATHER else elems  # all-gather: the shard grows k-fold
@@ -190,7 +188,7 @@ def run_probe(mesh_shape_: tuple[int, int] | None, sizes: str, repeats: int, flo
               out: str) -> dict:
   """`paro-jax probe`: probe the mesh, print the fits, write the profile (process 0)."""
   from paro_jax.core.mesh import make_mesh
-  from paro_jax.analysis.planner import parse_size
+  from paro_jax.core.units import parse_size
 
   if repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {repeats}")

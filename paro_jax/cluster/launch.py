@@ -35,6 +35,8 @@ import sys
 import threading
 import time
 
+from paro_jax.core.names import parse_mesh_shape
+from paro_jax.core.units import parse_delay, parse_rate
 from paro_jax.core.xla_flags import DEVICE_COUNT_FLAG
 
 NS_PREFIX = "paro"          # namespaces: paro<pid>n<k>, paro<pid>br (bridge)
@@ -43,29 +45,6 @@ SUBNET = "10.77.0"          # node k has 10.77.0.(k+1), only inside our own name
 COORD_PORT = 29500          # free: each namespace is fresh
 RESERVED = ("--coordinator", "--num-processes", "--process-id")
 _NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)(?:n\d+|br)$")
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
-
-
-def parse_rate(text: str) -> float:
-  """A tc rate ('1gbit', '500mbit', '100mbps') in bits per second; a clear error otherwise."""
-  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
-  if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
-    raise ValueError(f"bad rate {text!r}: write a number and one of {sorted(_RATE_UNITS)}, "
-                     f"e.g. 1gbit or 500mbit")
-  return float(m.group(1)) * _RATE_UNITS[m.group(2)]
-
-
-def parse_delay(text: str | None) -> float:
-  """'0.5ms' / '200us' / '0' -> seconds."""
-  if text is None or text.strip() in ("", "0", "none"):
-    return 0.0
-  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)\s*", text.lower())
-  if not m:
-    raise ValueError(f"bad latency {text!r}: write e.g. 0.5ms, 200us or 0")
-  return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
-
-
 def _tbf(dev: str, rate: str, latency: str) -> list[str]:
   burst = max(32 * 1024, int(parse_rate(rate) / 8 / 500))  # >= 2 ms of traffic at the rate
   return ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate,
@@ -109,7 +88,7 @@ def remove_stale_namespaces() -> list[str]:
   return removed
 
 
-class Network:
+class NamespaceNetwork:
   """Namespaces, veths, bridge and tc shaping for one launch; `close()` removes all of it."""
 
   def __init__(self, nodes: int, inter_bandwidth: str, inter_latency: str | None,
@@ -255,9 +234,8 @@ def child_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> list
   mesh = [a for i, a in enumerate(argv) if argv[i - 1] == "--mesh" or a.startswith("--mesh=")]
   if mesh:
     text = mesh[-1].split("=", 1)[-1]
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts) or \
-        int(parts[0]) * int(parts[1]) != nodes * devices_per_node:
+    inter, intra = parse_mesh_shape(text)
+    if inter * intra != nodes * devices_per_node:
       raise ValueError(f"--mesh {text} in the train command does not have the "
                        f"{nodes * devices_per_node} devices of {nodes} nodes x {devices_per_node}")
   else:
@@ -277,7 +255,8 @@ def _child_env(devices_per_node: int, env: dict | None) -> dict:
   flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
   env["XLA_FLAGS"] = " ".join(flags + [f"{DEVICE_COUNT_FLAG}={devices_per_node}"])
   env["PYTHONUNBUFFERED"] = "1"
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  # The repository root (above paro_jax/ and models/), so children import this checkout.
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
   return env
 
@@ -395,7 +374,7 @@ def launch(train_argv: list[str], nodes: int, devices_per_node: int,
         say(f"{why}: running {nodes} plain processes on 127.0.0.1; the link is NOT shaped")
       else:
         remove_stale_namespaces()
-        network = Network(nodes, inter_bandwidth, inter_latency, intra_bandwidth)
+        network = NamespaceNetwork(nodes, inter_bandwidth, inter_latency, intra_bandwidth)
         try:
           network.open()
         except (RuntimeError, OSError) as e:

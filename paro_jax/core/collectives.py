@@ -50,9 +50,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["IMPLS", "all_gather", "reduce_scatter", "all_reduce"]
+from paro_jax.core.names import COLLECTIVE_IMPLS
 
-IMPLS = ("xla", "ring", "hring", "horing")
+__all__ = ["IMPLS", "all_gather", "reduce_scatter", "all_reduce", "to_varying"]
+
+IMPLS = COLLECTIVE_IMPLS
 
 
 # --------------------------------------------------------------------------
@@ -86,10 +88,13 @@ def _varying(x) -> frozenset:
   return frozenset(getattr(mat, "varying", ()) or ())
 
 
-def _to_varying(x, axes: tuple):
+def to_varying(x, axes: tuple):
   """pcast ``x`` to varying over those of ``axes`` it is not varying over yet.
 
-  Under ``check_vma=False`` the type carries no axes and the cast is a no-op.
+  Values that are replicated (invariant) over an axis get an automatic psum of their cotangent
+  over it in backward. Typing gathered weights as varying keeps that psum out of every
+  micro-batch, so gradients are reduced exactly where the strategy says. Under
+  ``check_vma=False`` the type carries no axes and the cast is a no-op.
   """
   missing = tuple(a for a in axes if a not in _varying(x))
   if missing:
@@ -411,7 +416,7 @@ def _with_transpose(forward, transpose, n_static: int):
 
   def bwd(*args):  # (*static, residual, cotangent)
     static, g = args[:n_static], args[-1]
-    return (transpose(_to_varying(g, static[0]), *static),)
+    return (transpose(to_varying(g, static[0]), *static),)
 
   op.defvjp(fwd, bwd)
   return op
@@ -447,7 +452,7 @@ def all_gather(x, axes, *, dim: int, impl: str = "xla"):
   dim = dim % x.ndim
   if impl == "xla":
     return lax.all_gather(x, _lax_axes(axes), axis=dim, tiled=True)
-  return _ag(_to_varying(x, axes), axes, dim, impl)
+  return _ag(to_varying(x, axes), axes, dim, impl)
 
 
 def reduce_scatter(x, axes, *, dim: int, impl: str = "xla"):
@@ -469,7 +474,7 @@ def reduce_scatter(x, axes, *, dim: int, impl: str = "xla"):
   dim = dim % x.ndim
   if impl == "xla":
     return lax.psum_scatter(x, _lax_axes(axes), scatter_dimension=dim, tiled=True)
-  return _rs(_to_varying(x, axes), axes, dim, impl)
+  return _rs(to_varying(x, axes), axes, dim, impl)
 
 
 def all_reduce(x, axes, *, impl: str = "xla"):
@@ -485,4 +490,4 @@ def all_reduce(x, axes, *, impl: str = "xla"):
     return x
   if impl == "xla":
     return lax.psum(x, _lax_axes(axes))
-  return _ar(_to_varying(x, axes), axes, impl)
+  return _ar(to_varying(x, axes), axes, impl)

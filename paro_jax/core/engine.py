@@ -36,10 +36,9 @@ from paro_jax.core import collectives as comm
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.sharding import (ShardingRules, StateSpecs, local_shape, named, shard_dims,
                                state_specs)
-from paro_jax.core.strategy import INTER, INTRA, Strategy
+from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES
+from paro_jax.core.strategy import Strategy
 
-ALL_AXES = (INTRA, INTER)
-BATCH_AXES = (INTER, INTRA)  # process p (an inter row) reads a contiguous slice of the batch
 DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
           "float32": jnp.float32}
 
@@ -90,13 +89,13 @@ class TrainState(NamedTuple):
   frozen: Any = None    # LoRA: the frozen base weights, compute dtype, P placement
 
 
-def pick(tree, mask, trained: bool = True):
+def split_trainable(tree, mask, trained: bool = True):
   """The leaves of `tree` where `mask` is `trained`; None in place of the others."""
   return jax.tree.map(lambda m, x: x if m == trained else None, mask, tree)
 
 
-def merge(mask, trained, frozen):
-  """The full tree from its trained and frozen parts (as `pick` splits it)."""
+def join_trainable(mask, trained, frozen):
+  """The full tree from its trained and frozen parts (as `split_trainable` splits it)."""
   return jax.tree.map(lambda m, a, b: a if m else b, mask, trained, frozen)
 
 
@@ -111,18 +110,6 @@ class Shard:
 
 def _is_shard(x) -> bool:
   return isinstance(x, Shard)
-
-
-def as_varying(x, axes=ALL_AXES):
-  """Type x as varying over `axes` (a no-op for axes it already varies over).
-
-  Values that are replicated (invariant) over an axis get an automatic psum of their cotangent
-  over it in backward. Typing the gathered weights as varying keeps that psum out of every
-  micro-batch: gradients are reduced exactly where the strategy says, and nowhere else.
-  """
-  have = jax.typeof(x).manual_axis_type.varying
-  missing = tuple(a for a in axes if a not in have)
-  return lax.pcast(x, missing, to="varying") if missing else x
 
 
 class Engine:
@@ -146,18 +133,18 @@ class Engine:
     # Trained leaves (all, or the LoRA adapters) and, with LoRA, the frozen ones.
     self.mask = model.trainable_mask()
     self.lora = model.lora is not None
-    self.t_shapes, self.t_dims = pick(self.shapes, self.mask), pick(self.dims, self.mask)
-    self.t_specs = StateSpecs(*(pick(x, self.mask) for x in
+    self.trained_shapes, self.trained_dims = split_trainable(self.shapes, self.mask), split_trainable(self.dims, self.mask)
+    self.trained_specs = StateSpecs(*(split_trainable(x, self.mask) for x in
                                 (self.specs.params, self.specs.grads, self.specs.opt)))
-    self.frozen_specs = pick(self.specs.params, self.mask, False) if self.lora else None
-    self.tx = optim.adamw(decay_mask(pick(self.logical, self.mask)))
-    opt_shapes = jax.eval_shape(self.tx.init, self.t_shapes)
+    self.frozen_specs = split_trainable(self.specs.params, self.mask, False) if self.lora else None
+    self.tx = optim.adamw(decay_mask(split_trainable(self.logical, self.mask)))
+    opt_shapes = jax.eval_shape(self.tx.init, self.trained_shapes)
     # Moments follow the master weights (OS placement); scalars (the step count) are replicated.
     self.opt_specs = optax.tree_map_params(
-        self.tx, lambda _, spec: spec, opt_shapes, self.t_specs.opt,
+        self.tx, lambda _, spec: spec, opt_shapes, self.trained_specs.opt,
         transform_non_params=lambda _: PartitionSpec(),
         is_leaf=lambda x: isinstance(x, PartitionSpec))
-    self.state_specs = TrainState(PartitionSpec(), self.t_specs.opt, self.opt_specs,
+    self.state_specs = TrainState(PartitionSpec(), self.trained_specs.opt, self.opt_specs,
                                   self.frozen_specs)
     self.state_shardings = named(mesh, self.state_specs)
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
@@ -178,11 +165,11 @@ class Engine:
     return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(params)
 
   def _fresh_state(self, params) -> TrainState:
-    master = pick(params, self.mask)
+    master = split_trainable(params, self.mask)
     frozen = None
     if self.lora:
       frozen = jax.tree.map(lambda w: w.astype(self.compute_dtype),
-                            pick(params, self.mask, False))
+                            split_trainable(params, self.mask, False))
     return TrainState(jnp.zeros((), jnp.int32), master, self.tx.init(master), frozen)
 
   def params(self, state: TrainState):
@@ -192,19 +179,19 @@ class Engine:
       return jax.tree.map(
           lambda w, d: _gather_invariant(w.astype(self.compute_dtype),
                                          self.strategy.param_sync_axes, d),
-          master, self.t_dims)
+          master, self.trained_dims)
 
-    fn = jax.shard_map(sync, mesh=self.mesh, in_specs=(self.t_specs.opt,),
-                       out_specs=self.t_specs.params)
+    fn = jax.shard_map(sync, mesh=self.mesh, in_specs=(self.trained_specs.opt,),
+                       out_specs=self.trained_specs.params)
     trained = jax.jit(fn)(state.master)
-    return merge(self.mask, trained, state.frozen) if self.lora else trained
+    return join_trainable(self.mask, trained, state.frozen) if self.lora else trained
 
   def zero_grads(self):
     """A gradient accumulator at the Gr placement, as the step holds it between micro-batches
     (trained leaves only)."""
-    shardings = named(self.mesh, self.t_specs.grads)
+    shardings = named(self.mesh, self.trained_specs.grads)
     return jax.jit(
-        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.compute_dtype), self.t_shapes),
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.compute_dtype), self.trained_shapes),
         out_shardings=shardings)()
 
   def check_batch_size(self, batch_size: int) -> None:
@@ -251,7 +238,7 @@ class Engine:
 
       _, losses = lax.scan(micro_loss, None, tokens_AxBxL1)
       # Every device holds the same number of rows: the mean of the local means is the mean.
-      return lax.psum(jnp.mean(losses), ALL_AXES) / (self.inter * self.intra)
+      return lax.psum(jnp.mean(losses), GLOBAL_AXES) / (self.inter * self.intra)
 
     return jax.shard_map(local_loss, mesh=self.mesh, in_specs=(self.specs.params, self.batch_spec),
                          out_specs=PartitionSpec(),
@@ -265,8 +252,9 @@ class Engine:
     gather = _make_gather(s.param_gather_axes, s.grad_scatter_axes, self.collectives)
 
     def frozen(param, dim):  # a frozen LoRA base weight: gathered, no gradient
-      return as_varying(comm.all_gather(lax.stop_gradient(param), s.param_gather_axes,
-                                        dim=dim % param.ndim, impl=self.collectives))
+      full = comm.all_gather(lax.stop_gradient(param), s.param_gather_axes, dim=dim % param.ndim,
+                             impl=self.collectives)
+      return comm.to_varying(full, GLOBAL_AXES)
 
     return lambda tree: jax.tree.map(
         lambda sh: frozen(sh.param, sh.dim) if sh.sink is None else
@@ -280,8 +268,8 @@ class Engine:
     step_fn = jax.shard_map(
         functools.partial(self._local_step, tokens_per_step=tokens_AxBxL1[..., 1:].size),
         mesh=self.mesh,
-        in_specs=(self.t_specs.opt, self.opt_specs, self.frozen_specs, self.batch_spec),
-        out_specs=(self.t_specs.opt, self.opt_specs, PartitionSpec(), PartitionSpec()),
+        in_specs=(self.trained_specs.opt, self.opt_specs, self.frozen_specs, self.batch_spec),
+        out_specs=(self.trained_specs.opt, self.opt_specs, PartitionSpec(), PartitionSpec()),
         check_vma=check_vma)
     master, opt_state, loss, grad_norm = step_fn(state.master, state.opt_state, state.frozen,
                                                  tokens_AxBxL1)
@@ -289,21 +277,22 @@ class Engine:
     return TrainState(state.step + 1, master, opt_state, state.frozen), metrics
 
   def _local_step(self, master, opt_state, frozen, tokens_AxBxL1, *, tokens_per_step):
-    s, impl, cdt = self.strategy, self.collectives, self.compute_dtype
+    s, impl, compute_dtype = self.strategy, self.collectives, self.compute_dtype
     materialize = self._materializer()
 
     with jax.named_scope("param_sync"):
       params = jax.tree.map(
-          lambda w, d: comm.all_gather(w.astype(cdt), s.param_sync_axes, dim=d % w.ndim,
-                                       impl=impl), master, self.t_dims)
+          lambda w, d: comm.all_gather(w.astype(compute_dtype), s.param_sync_axes, dim=d % w.ndim,
+                                       impl=impl), master, self.trained_dims)
       if self.lora:  # the frozen base is already at P, in the compute dtype
-        params = merge(self.mask, params, frozen)
+        params = join_trainable(self.mask, params, frozen)
 
     def sink_like(shape_struct, dim):
       ways = s.grads.shard_count(self.inter, self.intra)
-      return as_varying(jnp.zeros(local_shape(shape_struct.shape, dim, ways), cdt))
+      zeros = jnp.zeros(local_shape(shape_struct.shape, dim, ways), compute_dtype)
+      return comm.to_varying(zeros, GLOBAL_AXES)
 
-    sinks = jax.tree.map(sink_like, self.t_shapes, self.t_dims)
+    sinks = jax.tree.map(sink_like, self.trained_shapes, self.trained_dims)
 
     def micro_step(acc, tokens_BxL1):
       # Tie the parameters to this micro-batch: otherwise XLA hoists the loop-invariant gathers
@@ -330,7 +319,7 @@ class Engine:
     with jax.named_scope("grad_sync"):
       grads = jax.tree.map(
           lambda g, d: comm.reduce_scatter(g, s.sync_scatter_axes, dim=d % g.ndim, impl=impl),
-          acc, self.t_dims)
+          acc, self.trained_dims)
       grads = jax.tree.map(
           lambda g: comm.all_reduce(g, s.sync_reduce_axes, impl=impl).astype(jnp.float32), grads)
 
@@ -344,7 +333,7 @@ class Engine:
       master = optax.apply_updates(master, updates)
 
     # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
-    loss = lax.psum(jnp.sum(losses), ALL_AXES)
+    loss = lax.psum(jnp.sum(losses), GLOBAL_AXES)
     return master, opt_state, loss, grad_norm
 
 
@@ -360,7 +349,7 @@ def _make_gather(gather_axes, scatter_axes, impl):
   def gather(param, sink, dim):
     del sink  # only receives the gradient
     full = comm.all_gather(param, gather_axes, dim=dim % param.ndim, impl=impl)
-    return as_varying(full)
+    return comm.to_varying(full, GLOBAL_AXES)
 
   def fwd(param, sink, dim):
     return gather(param, sink, dim), None

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from paro_jax.core.strategy import MESH_AXES
+from paro_jax.core.names import MESH_AXES
 
 
 def default_mesh_shape() -> tuple[int, int]:

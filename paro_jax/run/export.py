@@ -17,7 +17,7 @@ import numpy as np
 from models.hf import save_hf
 from models.llama import Llama, LlamaConfig, LoraConfig
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.core.engine import Engine, OptimConfig, merge
+from paro_jax.core.engine import Engine, OptimConfig, join_trainable
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 
@@ -52,7 +52,7 @@ def export_run(run_dir: str, out: str) -> int:
     ckpt.close()
   params = state.master
   if lora:
-    params = engine.model.merge_lora(merge(engine.mask, state.master, jax.tree.map(
+    params = engine.model.merge_lora(join_trainable(engine.mask, state.master, jax.tree.map(
         lambda w: w.astype(jnp.float32), state.frozen)))
   save_hf(cfg, jax.tree.map(np.asarray, params), out)
   return meta.step

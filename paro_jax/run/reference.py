@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from models.llama import Llama, next_token_loss
-from paro_jax.core.engine import OptimConfig, decay_mask, merge, pick
+from paro_jax.core.engine import OptimConfig, decay_mask, join_trainable, split_trainable
 
 
 def reference_train(model: Llama, params, batches, optim: OptimConfig):
@@ -19,13 +19,13 @@ def reference_train(model: Llama, params, batches, optim: OptimConfig):
   the frozen weights are used in the model's compute dtype, as the engine holds them.
   """
   mask = model.trainable_mask()
-  tx = optim.reference_tx(decay_mask(pick(model.logical_axes(), mask)))
-  trained = pick(params, mask)
-  frozen = jax.tree.map(lambda w: w.astype(model.dtype), pick(params, mask, False))
+  tx = optim.reference_tx(decay_mask(split_trainable(model.logical_axes(), mask)))
+  trained = split_trainable(params, mask)
+  frozen = jax.tree.map(lambda w: w.astype(model.dtype), split_trainable(params, mask, False))
   opt_state = tx.init(trained)
 
   def loss_fn(trained, tokens_AxBxL1):
-    full = merge(mask, trained, frozen)
+    full = join_trainable(mask, trained, frozen)
 
     def one(tokens_BxL1):
       return next_token_loss(model.apply(full, tokens_BxL1[:, :-1]), tokens_BxL1[:, 1:])

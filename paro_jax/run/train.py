@@ -19,7 +19,7 @@ from paro_jax.analysis.costs import model_state_bytes
 from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
 from paro_jax.core.mesh import make_mesh
-from paro_jax.analysis.peak import mfu
+from paro_jax.analysis.hardware import mfu
 from paro_jax.core.strategy import parse_strategy
 
 METRICS = "metrics.jsonl"
@@ -72,10 +72,7 @@ class RunConfig:
     self.lora()  # its checks
 
   def lora(self) -> LoraConfig | None:
-    if self.lora_rank < 0:
-      raise ValueError(f"lora-rank must be >= 0 (0: full training), got {self.lora_rank}")
-    return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets) if self.lora_rank \
-        else None
+    return LoraConfig.from_flags(self.lora_rank, self.lora_alpha, self.lora_targets)
 
   def data_config(self) -> DataConfig:
     return DataConfig(paths=tuple(self.data), text_field=self.text_field,
@@ -94,10 +91,10 @@ def build(cfg: RunConfig):
   strategy = None if auto else parse_strategy(cfg.strategy)
   model_cfg = read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)
   mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
+  model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora())
   if auto:  # probe this mesh and take the planner's pick (paro_jax/analysis/planner.py)
     from paro_jax.analysis.probe import auto_strategy
 
-    model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora())
     name, why = auto_strategy(mesh, model_cfg, cfg.micro_batches, cfg.batch_size, cfg.seq_len,
                               jnp.dtype(DTYPES[cfg.dtype]).itemsize, model.param_count(),
                               model.trainable_count(), cfg.collectives, cfg.remat != "none")
@@ -107,9 +104,8 @@ def build(cfg: RunConfig):
   tokens, eval_tokens = split_eval(load_tokens(cfg.data_config(), model_cfg.vocab),
                                   cfg.eval_fraction)
   optim = OptimConfig(learning_rate=cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps)
-  engine = Engine(Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora()), strategy, mesh,
-                  optim,
-                  micro_batches=cfg.micro_batches, collectives=cfg.collectives)
+  engine = Engine(model, strategy, mesh, optim, micro_batches=cfg.micro_batches,
+                  collectives=cfg.collectives)
   engine.check_batch_size(cfg.batch_size)
   batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
   eval_batches = None

@@ -1,0 +1,34 @@
+"""Names the whole project shares: mesh axes, link levels, collectives. Imports no jax.
+
+The mesh is `(inter, intra)`: one row per node. A state sharded globally splits one dimension
+over `("intra", "inter")`, intra-major, so each device's G shard lies inside its own I shard
+(docs/design.md, "Layout").
+"""
+
+from __future__ import annotations
+
+INTRA = "intra"
+INTER = "inter"
+MESH_AXES = (INTER, INTRA)  # the mesh's shape is (inter, intra)
+GLOBAL_AXES = (INTRA, INTER)  # a G-sharded dimension: intra-major
+BATCH_AXES = (INTER, INTRA)  # process p (an inter row) reads a contiguous slice of the batch
+
+# Link levels a collective can span, and the mesh axes of each.
+LEVEL_AXES = {"intra": (INTRA,), "inter": (INTER,), "global": GLOBAL_AXES}
+LEVELS = tuple(LEVEL_AXES)
+
+# Implementations of the collectives (`--collectives`); see paro_jax/core/collectives.py.
+COLLECTIVE_IMPLS = ("xla", "ring", "hring", "horing")
+
+# The collectives a strategy's schedule uses, as the planner and the probe name them.
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+SCHEDULE_COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+
+
+def parse_mesh_shape(text: str) -> tuple[int, int]:
+  """'2x4' -> (inter=2, intra=4)."""
+  parts = text.lower().split("x")
+  if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"bad --mesh {text!r}: write GROUPSxDEVICES_PER_GROUP, e.g. 2x4 "
+                     f"(2 groups, i.e. nodes, of 4 devices each)")
+  return int(parts[0]), int(parts[1])
