@@ -80,8 +80,9 @@ def main():
   def place(shape, spec):
     """A global f32 array of ones, each process filling only its own shards."""
     sharding = NamedSharding(mesh, spec)
-    return jax.make_array_from_callback(shape, sharding,
-                                        lambda idx: np.ones(_shape_of(shape, idx), np.float32))
+    return jax.make_array_from_callback(
+      shape, sharding, lambda idx: np.ones(_shape_of(shape, idx), np.float32)
+    )
 
   def timed(fn, x):
     jax.block_until_ready(fn(x))  # compile and warm up
@@ -109,29 +110,43 @@ def main():
           x = place((elems * n,), P(("inter", "intra")))
           out_spec = spec
         # Hand-written rings give replicated results typed varying: see engine.py.
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=x.sharding.spec,
-                                   out_specs=out_spec, check_vma=impl == "xla"))
+        fn = jax.jit(
+          jax.shard_map(
+            body, mesh=mesh, in_specs=x.sharding.spec, out_specs=out_spec, check_vma=impl == "xla"
+          )
+        )
         times[impl] = timed(fn, x)
-        results.append({"op": op, "impl": impl, "bytes_per_device": elems * 4,
-                        "seconds": times[impl]})
+        results.append(
+          {"op": op, "impl": impl, "bytes_per_device": elems * 4, "seconds": times[impl]}
+        )
       row[op] = times
-      say(f"{op:16s}{elems * 4:14d}" + "".join(f"{t * 1e3:10.3f}ms" for t in times.values()),
-            flush=True)
+      say(
+        f"{op:16s}{elems * 4:14d}" + "".join(f"{t * 1e3:10.3f}ms" for t in times.values()),
+        flush=True,
+      )
     size *= args.factor
 
   if not lead:
     return
   os.makedirs(args.out, exist_ok=True)
-  meta = {"mesh": {"inter": inter, "intra": intra}, "platform": jax.devices()[0].platform,
-          "device_kind": jax.devices()[0].device_kind, "processes": jax.process_count(),
-          "machine": platform.machine(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
-          "repeats": args.repeats, "local_devices": jax.local_device_count(),
-          "link": os.environ.get("PARO_JAX_LINK", "one process: no network link"),
-          "note": args.note}
+  meta = {
+    "mesh": {"inter": inter, "intra": intra},
+    "platform": jax.devices()[0].platform,
+    "device_kind": jax.devices()[0].device_kind,
+    "processes": jax.process_count(),
+    "machine": platform.machine(),
+    "cpu_count": os.cpu_count(),
+    "jax": jax.__version__,
+    "repeats": args.repeats,
+    "local_devices": jax.local_device_count(),
+    "link": os.environ.get("PARO_JAX_LINK", "one process: no network link"),
+    "note": args.note,
+  }
   with open(os.path.join(args.out, "collectives.json"), "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=2)
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -140,10 +155,13 @@ def main():
   fig, panels = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
   for ax, op in zip(panels, ("all_gather", "reduce_scatter")):
     for impl in args.impls.split(","):
-      pts = [(r["bytes_per_device"], r["seconds"]) for r in results
-             if r["op"] == op and r["impl"] == impl]
+      pts = [
+        (r["bytes_per_device"], r["seconds"])
+        for r in results
+        if r["op"] == op and r["impl"] == impl
+      ]
       ax.loglog(*zip(*pts), marker="o", label=impl)
-    where = (f", {processes} processes" if processes > 1 else ", 1 process")
+    where = f", {processes} processes" if processes > 1 else ", 1 process"
     ax.set_title(f"{op} over (intra, inter), mesh {inter}x{intra}{where}", fontsize=10)
     ax.set_xlabel("bytes per device")
     ax.grid(True, which="both", alpha=0.3)

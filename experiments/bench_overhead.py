@@ -73,8 +73,9 @@ def main():
     params, opt_state = state
     # Same numerics as the engine: compute-dtype params, fp32 master and moments.
     loss_fn = lambda p: next_token_loss(
-        model.apply(jax.tree.map(lambda w: w.astype(model.dtype), p), tokens_1xBxL1[0, :, :-1]),
-        tokens_1xBxL1[0, :, 1:])
+      model.apply(jax.tree.map(lambda w: w.astype(model.dtype), p), tokens_1xBxL1[0, :, :-1]),
+      tokens_1xBxL1[0, :, 1:],
+    )
     grads = jax.grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -91,11 +92,20 @@ def main():
   engine_t, plain_t = min(engine_times), min(plain_times)
   ratio = engine_t / plain_t
   result = {
-      "model": args.model, "params": cfg.param_count(), "batch_size": args.batch_size,
-      "seq_len": args.seq_len, "dtype": args.dtype, "steps": args.steps, "rounds": args.rounds,
-      "engine_nnn_1x1_step_s": engine_t, "plain_jit_step_s": plain_t, "ratio": ratio,
-      "device": jax.devices()[0].device_kind, "machine": platform.machine(),
-      "cpu_count": os.cpu_count(), "jax": jax.__version__,
+    "model": args.model,
+    "params": cfg.param_count(),
+    "batch_size": args.batch_size,
+    "seq_len": args.seq_len,
+    "dtype": args.dtype,
+    "steps": args.steps,
+    "rounds": args.rounds,
+    "engine_nnn_1x1_step_s": engine_t,
+    "plain_jit_step_s": plain_t,
+    "ratio": ratio,
+    "device": jax.devices()[0].device_kind,
+    "machine": platform.machine(),
+    "cpu_count": os.cpu_count(),
+    "jax": jax.__version__,
   }
   print(f"{'':28s}{'median step (ms)':>18s}")
   print(f"{'plain jit + optax':28s}{plain_t * 1e3:18.2f}")

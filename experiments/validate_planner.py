@@ -157,8 +157,13 @@ def workload(bench: dict) -> planner.Workload:
 
   meta = bench["meta"]
   n = meta["nodes"] * meta["devices_per_node"]
-  return planner.Workload(get_config(meta["model"]), micro_batch=max(1, meta["batch_size"] // n),
-                          micro_batches=1, seq_len=meta["seq_len"], itemsize=WIRE_ITEMSIZE)
+  return planner.Workload(
+    get_config(meta["model"]),
+    micro_batch=max(1, meta["batch_size"] // n),
+    micro_batches=1,
+    seq_len=meta["seq_len"],
+    itemsize=WIRE_ITEMSIZE,
+  )
 
 
 def cluster(bench: dict, rate_bps: float, c: Constants) -> planner.Cluster:
@@ -168,10 +173,17 @@ def cluster(bench: dict, rate_bps: float, c: Constants) -> planner.Cluster:
   inter_bw = 1 / (8 * m / rate_bps + c.gloo_s_per_byte)
   intra_bw = 1 / max(c.intra_s_per_byte, 1e-30)
   # Every (collective, level) as a probe profile would give it; a global collective is flat.
-  measured = {(kind, level): (intra_bw if level == "intra" else inter_bw, c.latency_s[kind])
-              for kind in names.SCHEDULE_COLLECTIVES for level in names.LEVELS}
-  network = planner.Links(inter_bandwidth=inter_bw * m, intra_bandwidth=intra_bw,
-                            global_collectives="flat", measured=measured)
+  measured = {
+    (kind, level): (intra_bw if level == "intra" else inter_bw, c.latency_s[kind])
+    for kind in names.SCHEDULE_COLLECTIVES
+    for level in names.LEVELS
+  }
+  network = planner.Links(
+    inter_bandwidth=inter_bw * m,
+    intra_bandwidth=intra_bw,
+    global_collectives="flat",
+    measured=measured,
+  )
   flops = bench["calibration"]["effective_flop_per_s_per_device"] / c.compute_scale
   return planner.Cluster(meta["nodes"], m, network, flop_per_s=flops, mfu=1.0)
 
@@ -181,17 +193,25 @@ def features(bench: dict, name: str, a: int) -> dict:
   each kind."""
   w = dataclasses.replace(workload(bench), micro_batches=a)
   meta = bench["meta"]
-  unit = planner.Cluster(meta["nodes"], meta["devices_per_node"],
-                         planner.Links(1.0, 1.0), bench["calibration"][
-                             "effective_flop_per_s_per_device"], mfu=1.0)
+  unit = planner.Cluster(
+    meta["nodes"],
+    meta["devices_per_node"],
+    planner.Links(1.0, 1.0),
+    bench["calibration"]["effective_flop_per_s_per_device"],
+    mfu=1.0,
+  )
   s = parse_strategy(name)
   traffic = planner.traffic_of(s, w, unit)
   sched = planner.schedule(s, w)
   counts = {kind: 0 for kind in names.SCHEDULE_COLLECTIVES}
   for key in traffic.phases:
     counts[sched[key][0]] += sched[key][2]
-  return {"compute": planner.compute_seconds(w, unit), "intra": traffic.intra,
-          "inter": traffic.inter, "counts": counts}
+  return {
+    "compute": planner.compute_seconds(w, unit),
+    "intra": traffic.intra,
+    "inter": traffic.inter,
+    "counts": counts,
+  }
 
 
 def fit_constants(bench: dict, runs: list[dict]) -> Constants | None:
@@ -206,16 +226,22 @@ def fit_constants(bench: dict, runs: list[dict]) -> Constants | None:
   rows, ys = [], []
   for r in ref:
     f = features(bench, r["name"], r["micro_batches"])
-    rows.append([f["compute"], f["intra"], f["inter"],
-                 *(f["counts"][k] for k in names.SCHEDULE_COLLECTIVES)])
+    rows.append(
+      [f["compute"], f["intra"], f["inter"], *(f["counts"][k] for k in names.SCHEDULE_COLLECTIVES)]
+    )
     ys.append(r["median_step_s"] - f["inter"] * m * 8 / rate)
   coef = nnls(rows, ys)
   scale, intra, gloo, *lat = coef
   steps = [r["median_step_s"] for r in ref]
   rel = [(sum(c * x for c, x in zip(coef, row)) - y) / t for row, y, t in zip(rows, ys, steps)]
   rms = math.sqrt(sum(e * e for e in rel) / len(rel))
-  return Constants(intra, dict(zip(names.SCHEDULE_COLLECTIVES, lat)), gloo, scale or 1.0,
-                   f"fitted on the {len(ref)} unshaped runs by NNLS, rms error {rms:.1%} there")
+  return Constants(
+    intra,
+    dict(zip(names.SCHEDULE_COLLECTIVES, lat)),
+    gloo,
+    scale or 1.0,
+    f"fitted on the {len(ref)} unshaped runs by NNLS, rms error {rms:.1%} there",
+  )
 
 
 def predict(bench: dict, regime: dict, a: int, names: list[str], c: Constants) -> planner.Plan:
@@ -241,9 +267,11 @@ def merge_runs(benches: list[dict], flag: str) -> list[dict]:
         continue
       key = (r["regime"], r["name"], r["micro_batches"])
       if key in seen and seen[key]["median_step_s"] != r["median_step_s"]:
-        raise ValueError(f"{r['regime']} {r['name']} A={r['micro_batches']} was measured in "
-                         f"two {flag} files ({seen[key]['median_step_s']} s, "
-                         f"{r['median_step_s']} s): give each configuration once")
+        raise ValueError(
+          f"{r['regime']} {r['name']} A={r['micro_batches']} was measured in "
+          f"two {flag} files ({seen[key]['median_step_s']} s, "
+          f"{r['median_step_s']} s): give each configuration once"
+        )
       seen.setdefault(key, r)
   return list(seen.values())
 
@@ -286,25 +314,33 @@ def merge_results(benches: list[dict]) -> dict:
   first = benches[0]
   for b in benches[1:]:
     diff = [k for k in SAME_SETUP if b["meta"].get(k) != first["meta"].get(k)]
-    if (b["calibration"]["effective_flop_per_s_per_device"]
-        != first["calibration"]["effective_flop_per_s_per_device"]):
+    if (
+      b["calibration"]["effective_flop_per_s_per_device"]
+      != first["calibration"]["effective_flop_per_s_per_device"]
+    ):
       diff.append("calibration (run it with --calibration of the first one's calibration.json)")
     if diff:
-      raise ValueError(f"--results `{b['meta']['command']}` differs from `"
-                       f"{first['meta']['command']}` in {', '.join(diff)}: their step times do "
-                       "not compare; give benchmark runs of one setup")
+      raise ValueError(
+        f"--results `{b['meta']['command']}` differs from `"
+        f"{first['meta']['command']}` in {', '.join(diff)}: their step times do "
+        "not compare; give benchmark runs of one setup"
+      )
   regimes: dict[str, dict] = {}
   for b in benches:
     for g in b["regimes"]:
       if regimes.setdefault(g["regime"], g)["rate_bps"] != g["rate_bps"]:
-        raise ValueError(f"regime {g['regime']} has two link rates in the --results files "
-                         f"({regimes[g['regime']]['rate']}, {g['rate']})")
+        raise ValueError(
+          f"regime {g['regime']} has two link rates in the --results files "
+          f"({regimes[g['regime']]['rate']}, {g['rate']})"
+        )
   # The reference last, as the benchmark orders it.
   order = sorted(regimes, key=lambda n: n == UNSHAPED)
-  meta = dict(first["meta"], command="`; `".join(dict.fromkeys(b["meta"]["command"]
-                                                               for b in benches)))
-  return dict(first, meta=meta, regimes=[regimes[n] for n in order],
-              runs=merge_runs(benches, "--results"))
+  meta = dict(
+    first["meta"], command="`; `".join(dict.fromkeys(b["meta"]["command"] for b in benches))
+  )
+  return dict(
+    first, meta=meta, regimes=[regimes[n] for n in order], runs=merge_runs(benches, "--results")
+  )
 
 
 def contenders(measured: dict[str, float], pick: str, margin: float) -> list[str]:
@@ -314,8 +350,9 @@ def contenders(measured: dict[str, float], pick: str, margin: float) -> list[str
   return sorted({n for n, t in measured.items() if t <= best * (1 + margin)} | {pick})
 
 
-def settle(result: dict, measured: dict[str, float], again: dict[str, float] | None,
-           margin: float) -> dict:
+def settle(
+  result: dict, measured: dict[str, float], again: dict[str, float] | None, margin: float
+) -> dict:
   """The pick's speed relative to the best among the contenders, measured again (more steps).
 
   Covered only if `again` holds every contender; strategies outside them measured more than
@@ -325,8 +362,13 @@ def settle(result: dict, measured: dict[str, float], again: dict[str, float] | N
   if missing:
     return {"contenders": names, "covered": False, "missing": missing}
   best = min(names, key=again.get)
-  return {"contenders": names, "covered": True, "steps_s": {n: again[n] for n in names},
-          "best": best, "pick_speed_vs_best": again[best] / again[result["pick"]]}
+  return {
+    "contenders": names,
+    "covered": True,
+    "steps_s": {n: again[n] for n in names},
+    "best": best,
+    "pick_speed_vs_best": again[best] / again[result["pick"]],
+  }
 
 
 def noise_sigma(first: dict, again: dict) -> dict | None:
@@ -334,8 +376,14 @@ def noise_sigma(first: dict, again: dict) -> dict | None:
   the full run and again (`again` as remeasured_times gives it: every re-measurement is one
   pair with the full run): the standard deviation of log(again / first) about its mean (a shift
   common to all does not change a ranking), over sqrt(2) for two independent measurements."""
-  logs = [math.log(t / first[k][n]) for k in again if k in first and k[0] != UNSHAPED
-          for n in again[k] if n in first[k] for t in again[k][n]]
+  logs = [
+    math.log(t / first[k][n])
+    for k in again
+    if k in first and k[0] != UNSHAPED
+    for n in again[k]
+    if n in first[k]
+    for t in again[k][n]
+  ]
   if len(logs) < 3:
     return None
   mean = sum(logs) / len(logs)
@@ -348,13 +396,15 @@ def spearman_ceiling(times: list[float], sigma: float, draws: int = 2000, seed: 
   `sigma`: what a perfect predictor reaches against one measurement that noisy. `times` are
   themselves measured, so their spread is a little overstated and so is the ceiling."""
   rng = random.Random(seed)
-  rhos = sorted(spearman(times, [t * math.exp(rng.gauss(0.0, sigma)) for t in times])
-                for _ in range(draws))
+  rhos = sorted(
+    spearman(times, [t * math.exp(rng.gauss(0.0, sigma)) for t in times]) for _ in range(draws)
+  )
   return rhos[draws // 2]
 
 
-def evaluate(bench: dict, c: Constants, again: dict | None = None,
-             margin: float = 0.15) -> list[dict]:
+def evaluate(
+  bench: dict, c: Constants, again: dict | None = None, margin: float = 0.15
+) -> list[dict]:
   """Per shaped (regime, A): Spearman over all measured strategies and the pick's speed relative
   to the best; with `again` (remeasured_times) also that speed re-measured (the geometric mean
   of a contender's re-measurements), and where every strategy was measured again, the Spearman
@@ -366,8 +416,11 @@ def evaluate(bench: dict, c: Constants, again: dict | None = None,
     if regime["regime"] == UNSHAPED:
       continue
     for a in sorted({r["micro_batches"] for r in runs if r["regime"] == regime["regime"]}):
-      measured = {r["name"]: r["median_step_s"] for r in runs
-                  if r["regime"] == regime["regime"] and r["micro_batches"] == a}
+      measured = {
+        r["name"]: r["median_step_s"]
+        for r in runs
+        if r["regime"] == regime["regime"] and r["micro_batches"] == a
+      }
       if len(measured) < 2:
         continue
       names = [n for n in VALID_NAMES if n in measured]
@@ -375,16 +428,30 @@ def evaluate(bench: dict, c: Constants, again: dict | None = None,
       predicted = {e.strategy: e.step_time_s for e in p.ranking}
       best = min(names, key=measured.get)
       rho = spearman([predicted[n] for n in names], [measured[n] for n in names])
-      out.append({
-          "regime": regime["regime"], "rate": regime["rate"], "micro_batches": a,
-          "strategies": len(names), "spearman": rho, "pick": p.pick, "measured_best": best,
+      out.append(
+        {
+          "regime": regime["regime"],
+          "rate": regime["rate"],
+          "micro_batches": a,
+          "strategies": len(names),
+          "spearman": rho,
+          "pick": p.pick,
+          "measured_best": best,
           "pick_speed_vs_best": measured[best] / measured[p.pick],
-          "rows": [{"strategy": n, "predicted_step_s": predicted[n],
-                    "measured_step_s": measured[n],
-                    "predicted_rank": r_p, "measured_rank": r_m}
-                   for n, r_p, r_m in zip(names, ranks([predicted[n] for n in names]),
-                                          ranks([measured[n] for n in names]))],
-      })
+          "rows": [
+            {
+              "strategy": n,
+              "predicted_step_s": predicted[n],
+              "measured_step_s": measured[n],
+              "predicted_rank": r_p,
+              "measured_rank": r_m,
+            }
+            for n, r_p, r_m in zip(
+              names, ranks([predicted[n] for n in names]), ranks([measured[n] for n in names])
+            )
+          ],
+        }
+      )
       if again is not None:
         cell = again.get((regime["regime"], a)) or {}
         mean = {n: gmean(ts) for n, ts in cell.items()}
@@ -392,10 +459,11 @@ def evaluate(bench: dict, c: Constants, again: dict | None = None,
         if all(n in cell for n in names):
           combined = [gmean([measured[n], *cell[n]]) for n in names]
           out[-1]["remeasured"]["all"] = {
-              "runs": 1 + min(len(cell[n]) for n in names),
-              "spearman_again": spearman([predicted[n] for n in names], [mean[n] for n in names]),
-              "spearman_combined": spearman([predicted[n] for n in names], combined),
-              "combined_step_s": dict(zip(names, combined))}
+            "runs": 1 + min(len(cell[n]) for n in names),
+            "spearman_again": spearman([predicted[n] for n in names], [mean[n] for n in names]),
+            "spearman_combined": spearman([predicted[n] for n in names], combined),
+            "combined_step_s": dict(zip(names, combined)),
+          }
   return out
 
 
@@ -419,94 +487,157 @@ def goal_met(r: dict) -> bool:
   return spearman_score(r) >= GOAL["spearman"] and pick_score(r) >= GOAL["pick_speed_vs_best"]
 
 
-def markdown(bench: dict, c: Constants, results: list[dict], alt: list[dict] | None,
-             command: str, again_meta: dict | None = None, margin: float = 0.15,
-             noise: dict | None = None) -> str:
+def markdown(
+  bench: dict,
+  c: Constants,
+  results: list[dict],
+  alt: list[dict] | None,
+  command: str,
+  again_meta: dict | None = None,
+  margin: float = 0.15,
+  noise: dict | None = None,
+) -> str:
   meta = bench["meta"]
   intra = 1 / c.intra_s_per_byte / 1e9 if c.intra_s_per_byte else float("inf")
-  lines = [f"# Planner against the strategy benchmark ({meta['nodes']}x{meta['devices_per_node']} "
-           "emulated cluster)", "", f"`{command}`", "",
-           f"Benchmark: `{meta['command']}` (model {meta['model']}, batch {meta['batch_size']}x"
-           f"{meta['seq_len']}, {meta['dtype']}).", "",
-           f"Constants ({c.source}): intra {intra:.3g} GB/s per "
-           f"device, per collective " + ", ".join(f"{k} {v * 1e6:.0f} us"
-                                                  for k, v in c.latency_s.items()) + ", gloo "
-           f"{c.gloo_s_per_byte * 1e9:.3g} s/GB per device on the inter link, compute x"
-           f"{c.compute_scale:.2f} of the calibration.", "",
-           "| regime | link | A | strategies | Spearman | pick | measured best "
-           "| pick speed / best |",
-           "|---|---|---:|---:|---:|---|---|---:|"]
+  lines = [
+    f"# Planner against the strategy benchmark ({meta['nodes']}x{meta['devices_per_node']} "
+    "emulated cluster)",
+    "",
+    f"`{command}`",
+    "",
+    f"Benchmark: `{meta['command']}` (model {meta['model']}, batch {meta['batch_size']}x"
+    f"{meta['seq_len']}, {meta['dtype']}).",
+    "",
+    f"Constants ({c.source}): intra {intra:.3g} GB/s per "
+    f"device, per collective "
+    + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.latency_s.items())
+    + ", gloo "
+    f"{c.gloo_s_per_byte * 1e9:.3g} s/GB per device on the inter link, compute x"
+    f"{c.compute_scale:.2f} of the calibration.",
+    "",
+    "| regime | link | A | strategies | Spearman | pick | measured best | pick speed / best |",
+    "|---|---|---:|---:|---:|---|---|---:|",
+  ]
   for r in results:
-    lines.append(f"| {r['regime']} | {r['rate']} | {r['micro_batches']} | {r['strategies']} | "
-                 f"{r['spearman']:.3f} | {r['pick']} | {r['measured_best']} | "
-                 f"{r['pick_speed_vs_best']:.3f} |")
+    lines.append(
+      f"| {r['regime']} | {r['rate']} | {r['micro_batches']} | {r['strategies']} | "
+      f"{r['spearman']:.3f} | {r['pick']} | {r['measured_best']} | "
+      f"{r['pick_speed_vs_best']:.3f} |"
+    )
   if again_meta is not None:
-    lines += ["", f"Re-measured (`{again_meta['command']}`: {again_meta['steps']} steps, median "
-              f"of steps {again_meta['skip'] + 1}..{again_meta['steps']}): the contenders, every "
-              f"strategy measured within {margin:.0%} of the best above plus the pick.", "",
-              "| regime | A | contenders (re-measured s) | best | pick | pick speed / best |",
-              "|---|---:|---|---|---|---:|"]
+    lines += [
+      "",
+      f"Re-measured (`{again_meta['command']}`: {again_meta['steps']} steps, median "
+      f"of steps {again_meta['skip'] + 1}..{again_meta['steps']}): the contenders, every "
+      f"strategy measured within {margin:.0%} of the best above plus the pick.",
+      "",
+      "| regime | A | contenders (re-measured s) | best | pick | pick speed / best |",
+      "|---|---:|---|---|---|---:|",
+    ]
     for r in results:
       rm = r["remeasured"]
       if not rm["covered"]:
-        lines.append(f"| {r['regime']} | {r['micro_batches']} | not re-measured: "
-                     f"{', '.join(rm['missing'])} | - | {r['pick']} | - |")
+        lines.append(
+          f"| {r['regime']} | {r['micro_batches']} | not re-measured: "
+          f"{', '.join(rm['missing'])} | - | {r['pick']} | - |"
+        )
         continue
-      times = ", ".join(f"{n} {rm['steps_s'][n]:.3f}" for n in
-                        sorted(rm["contenders"], key=rm["steps_s"].get))
-      lines.append(f"| {r['regime']} | {r['micro_batches']} | {times} | {rm['best']} | "
-                   f"{r['pick']} | {rm['pick_speed_vs_best']:.3f} |")
+      times = ", ".join(
+        f"{n} {rm['steps_s'][n]:.3f}" for n in sorted(rm["contenders"], key=rm["steps_s"].get)
+      )
+      lines.append(
+        f"| {r['regime']} | {r['micro_batches']} | {times} | {rm['best']} | "
+        f"{r['pick']} | {rm['pick_speed_vs_best']:.3f} |"
+      )
     full = [r for r in results if r["remeasured"].get("all")]
     if full:
-      lines += ["", "Every strategy re-measured: Spearman against the full run, the "
-                "re-measurement(s) (geometric mean where several) and every run combined "
-                "(geometric mean of the full run's and each re-measurement's step times; what the "
-                "goal is judged on here).", "",
-                "| regime | A | runs | full run | re-measured | combined | perfect predictor vs "
-                "combined |", "|---|---:|---:|---:|---:|---:|---:|"]
-      lines += [f"| {r['regime']} | {r['micro_batches']} | {r['remeasured']['all']['runs']} | "
-                f"{r['spearman']:.3f} | "
-                f"{r['remeasured']['all']['spearman_again']:.3f} | "
-                f"{r['remeasured']['all']['spearman_combined']:.3f} | "
-                + (f"{r['spearman_noise_ceiling_combined']:.3f}"
-                   if "spearman_noise_ceiling_combined" in r else "-") + " |" for r in full]
+      lines += [
+        "",
+        "Every strategy re-measured: Spearman against the full run, the "
+        "re-measurement(s) (geometric mean where several) and every run combined "
+        "(geometric mean of the full run's and each re-measurement's step times; what the "
+        "goal is judged on here).",
+        "",
+        "| regime | A | runs | full run | re-measured | combined | perfect predictor vs combined |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+      ]
+      lines += [
+        f"| {r['regime']} | {r['micro_batches']} | {r['remeasured']['all']['runs']} | "
+        f"{r['spearman']:.3f} | "
+        f"{r['remeasured']['all']['spearman_again']:.3f} | "
+        f"{r['remeasured']['all']['spearman_combined']:.3f} | "
+        + (
+          f"{r['spearman_noise_ceiling_combined']:.3f}"
+          if "spearman_noise_ceiling_combined" in r
+          else "-"
+        )
+        + " |"
+        for r in full
+      ]
     if noise:
-      lines += ["", f"Run-to-run noise of one step time, from {noise['pairs']} pairs of a shaped "
-                f"configuration's full run and its re-measurement: {noise['sigma']:.1%} (log-normal sigma; "
-                f"the re-measurement ran {math.expm1(noise['mean_log_ratio']):+.1%} on average). "
-                "A perfect predictor's Spearman correlation against one measurement that noisy "
-                "(median of 2,000 draws): " + ", ".join(
-                    f"{r['regime']} A={r['micro_batches']} {r['spearman_noise_ceiling']:.3f}"
-                    for r in results) + "."]
+      lines += [
+        "",
+        f"Run-to-run noise of one step time, from {noise['pairs']} pairs of a shaped "
+        f"configuration's full run and its re-measurement: {noise['sigma']:.1%} (log-normal sigma; "
+        f"the re-measurement ran {math.expm1(noise['mean_log_ratio']):+.1%} on average). "
+        "A perfect predictor's Spearman correlation against one measurement that noisy "
+        "(median of 2,000 draws): "
+        + ", ".join(
+          f"{r['regime']} A={r['micro_batches']} {r['spearman_noise_ceiling']:.3f}" for r in results
+        )
+        + ".",
+      ]
   if again_meta is not None:
-    lines += ["", "Judged (goal: Spearman >= 0.9 and the pick >= 0.95 of the best; every run "
-              "combined where re-measured):", "", "| regime | A | Spearman | pick speed / best | goal |",
-              "|---|---:|---:|---:|---|"]
-    lines += [f"| {r['regime']} | {r['micro_batches']} | {spearman_score(r):.3f} | "
-              f"{pick_score(r):.3f} | "
-              f"{'met' if goal_met(r) else 'NOT met'} |"
-              for r in results]
+    lines += [
+      "",
+      "Judged (goal: Spearman >= 0.9 and the pick >= 0.95 of the best; every run "
+      "combined where re-measured):",
+      "",
+      "| regime | A | Spearman | pick speed / best | goal |",
+      "|---|---:|---:|---:|---|",
+    ]
+    lines += [
+      f"| {r['regime']} | {r['micro_batches']} | {spearman_score(r):.3f} | "
+      f"{pick_score(r):.3f} | "
+      f"{'met' if goal_met(r) else 'NOT met'} |"
+      for r in results
+    ]
   if alt:
-    lines += ["", "Without fitting (--no-fit constants):", "",
-              "| regime | A | Spearman | pick | pick speed / best |", "|---|---:|---:|---|---:|"]
-    lines += [f"| {r['regime']} | {r['micro_batches']} | {r['spearman']:.3f} | {r['pick']} | "
-              f"{r['pick_speed_vs_best']:.3f}" + (f" ({pick_score(r):.3f} re-measured)"
-                                                  if r.get("remeasured", {}).get("covered")
-                                                  else "") + " |" for r in alt]
+    lines += [
+      "",
+      "Without fitting (--no-fit constants):",
+      "",
+      "| regime | A | Spearman | pick | pick speed / best |",
+      "|---|---:|---:|---|---:|",
+    ]
+    lines += [
+      f"| {r['regime']} | {r['micro_batches']} | {r['spearman']:.3f} | {r['pick']} | "
+      f"{r['pick_speed_vs_best']:.3f}"
+      + (f" ({pick_score(r):.3f} re-measured)" if r.get("remeasured", {}).get("covered") else "")
+      + " |"
+      for r in alt
+    ]
   for r in results:
-    lines += ["", f"{r['regime']}, A={r['micro_batches']}:", "",
-              "| strategy | predicted s | measured s | predicted rank | measured rank |",
-              "|---|---:|---:|---:|---:|"]
+    lines += [
+      "",
+      f"{r['regime']}, A={r['micro_batches']}:",
+      "",
+      "| strategy | predicted s | measured s | predicted rank | measured rank |",
+      "|---|---:|---:|---:|---:|",
+    ]
     for row in sorted(r["rows"], key=lambda x: x["measured_step_s"]):
-      lines.append(f"| {row['strategy']} | {row['predicted_step_s']:.3f} | "
-                   f"{row['measured_step_s']:.3f} | {row['predicted_rank']:g} | "
-                   f"{row['measured_rank']:g} |")
+      lines.append(
+        f"| {row['strategy']} | {row['predicted_step_s']:.3f} | "
+        f"{row['measured_step_s']:.3f} | {row['predicted_rank']:g} | "
+        f"{row['measured_rank']:g} |"
+      )
   return "\n".join(lines) + "\n"
 
 
 def plot(results: list[dict], path: str) -> str | None:
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -516,8 +647,9 @@ def plot(results: list[dict], path: str) -> str | None:
   # A grid: one column per regime, one row per A.
   regimes = list(dict.fromkeys(r["regime"] for r in results))
   a_values = sorted({r["micro_batches"] for r in results})
-  fig, axes = plt.subplots(len(a_values), len(regimes),
-                           figsize=(4.2 * len(regimes), 4 * len(a_values)), squeeze=False)
+  fig, axes = plt.subplots(
+    len(a_values), len(regimes), figsize=(4.2 * len(regimes), 4 * len(a_values)), squeeze=False
+  )
   for ax in axes.flat:
     ax.set_visible(False)
   for r in results:
@@ -532,8 +664,9 @@ def plot(results: list[dict], path: str) -> str | None:
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.7)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_title(f"{r['regime']} ({r['rate']}), A={r['micro_batches']}: "
-                 f"rho={r['spearman']:.2f}", fontsize=9)
+    ax.set_title(
+      f"{r['regime']} ({r['rate']}), A={r['micro_batches']}: rho={r['spearman']:.2f}", fontsize=9
+    )
     ax.set_xlabel("predicted step (s)")
     ax.set_ylabel("measured step (s)")
   fig.tight_layout()
@@ -544,26 +677,47 @@ def plot(results: list[dict], path: str) -> str | None:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--results", action="append", default=None, metavar="JSON",
-                  help="strategies.json of the strategy benchmark (repeatable: runs of one setup "
-                       "merge, e.g. a regime benchmarked into its own --out; default "
-                       f"{DEFAULT_RESULTS})")
+  ap.add_argument(
+    "--results",
+    action="append",
+    default=None,
+    metavar="JSON",
+    help="strategies.json of the strategy benchmark (repeatable: runs of one setup "
+    "merge, e.g. a regime benchmarked into its own --out; default "
+    f"{DEFAULT_RESULTS})",
+  )
   ap.add_argument("--out", default="experiments/results/planner")
-  ap.add_argument("--no-fit", action="store_true",
-                  help="do not fit on the unshaped runs: use the constants below")
-  ap.add_argument("--intra-bandwidth", default="1GB/s",
-                  help="--no-fit: per device (default 1GB/s, bench_collectives' in-process rate)")
+  ap.add_argument(
+    "--no-fit", action="store_true", help="do not fit on the unshaped runs: use the constants below"
+  )
+  ap.add_argument(
+    "--intra-bandwidth",
+    default="1GB/s",
+    help="--no-fit: per device (default 1GB/s, bench_collectives' in-process rate)",
+  )
   ap.add_argument("--latency", default="300us", help="--no-fit: per collective, every kind")
-  ap.add_argument("--profile", default=None,
-                  help="--no-fit: a `paro-jax probe --mesh 2x4` profile for intra bandwidth and "
-                       "latencies (its intra fits)")
-  ap.add_argument("--remeasured", action="append", default=[], metavar="JSON",
-                  help="strategies.json of another benchmark run with more steps (repeatable; a "
-                       "configuration in several files is measured again in each): the pick's "
-                       "speed relative to the best is judged on it, among the contenders; a "
-                       "(regime, A) re-measured in full is ranked on every run combined")
-  ap.add_argument("--margin", type=float, default=0.15,
-                  help="contenders: measured within this fraction of the best (default 0.15)")
+  ap.add_argument(
+    "--profile",
+    default=None,
+    help="--no-fit: a `paro-jax probe --mesh 2x4` profile for intra bandwidth and "
+    "latencies (its intra fits)",
+  )
+  ap.add_argument(
+    "--remeasured",
+    action="append",
+    default=[],
+    metavar="JSON",
+    help="strategies.json of another benchmark run with more steps (repeatable; a "
+    "configuration in several files is measured again in each): the pick's "
+    "speed relative to the best is judged on it, among the contenders; a "
+    "(regime, A) re-measured in full is ranked on every run combined",
+  )
+  ap.add_argument(
+    "--margin",
+    type=float,
+    default=0.15,
+    help="contenders: measured within this fraction of the best (default 0.15)",
+  )
   args = ap.parse_args(argv)
   args.results = args.results or [DEFAULT_RESULTS]
   benches = []
@@ -578,9 +732,11 @@ def main(argv=None) -> int:
       with open(path) as f:
         rebenches.append(json.load(f))
     again = remeasured_times(rebenches)
-    again_meta = {"command": "`; `".join(b["meta"]["command"] for b in rebenches),
-                  "steps": "/".join(sorted({str(b["meta"]["steps"]) for b in rebenches})),
-                  "skip": min(b["meta"]["skip"] for b in rebenches)}
+    again_meta = {
+      "command": "`; `".join(b["meta"]["command"] for b in rebenches),
+      "steps": "/".join(sorted({str(b["meta"]["steps"]) for b in rebenches})),
+      "skip": min(b["meta"]["skip"] for b in rebenches),
+    }
   runs = [r for r in bench["runs"] if not r.get("error") and r["name"] in VALID_NAMES]
   intra = units.parse_bandwidth(args.intra_bandwidth, "--intra-bandwidth")
   latency = dict.fromkeys(names.SCHEDULE_COLLECTIVES, units.parse_latency(args.latency))
@@ -600,22 +756,34 @@ def main(argv=None) -> int:
   noise = noise_sigma(measured_times(bench), again) if again else None
   if noise:
     for r in results:
-      r["spearman_noise_ceiling"] = spearman_ceiling([x["measured_step_s"] for x in r["rows"]],
-                                                     noise["sigma"])
+      r["spearman_noise_ceiling"] = spearman_ceiling(
+        [x["measured_step_s"] for x in r["rows"]], noise["sigma"]
+      )
       if full := r["remeasured"].get("all"):
         # The geometric mean of k independent measurements: noise sigma / sqrt(k).
         r["spearman_noise_ceiling_combined"] = spearman_ceiling(
-            list(full["combined_step_s"].values()), noise["sigma"] / math.sqrt(full["runs"]))
+          list(full["combined_step_s"].values()), noise["sigma"] / math.sqrt(full["runs"])
+        )
   if not results:
-    print(f"{', '.join(args.results)} has no shaped regime with two or more strategies measured",
-          file=sys.stderr)
+    print(
+      f"{', '.join(args.results)} has no shaped regime with two or more strategies measured",
+      file=sys.stderr,
+    )
     return 1
   command = " ".join(["python", "experiments/validate_planner.py", *(argv or sys.argv[1:])])
   os.makedirs(args.out, exist_ok=True)
-  summary = {"command": command, "results_file": args.results, "constants":
-             dataclasses.asdict(primary), "results": results, "no_fit_results": alt,
-             "remeasured_file": args.remeasured, "margin": args.margin, "noise": noise,
-             "goal": GOAL, "met": all(goal_met(r) for r in results)}
+  summary = {
+    "command": command,
+    "results_file": args.results,
+    "constants": dataclasses.asdict(primary),
+    "results": results,
+    "no_fit_results": alt,
+    "remeasured_file": args.remeasured,
+    "margin": args.margin,
+    "noise": noise,
+    "goal": GOAL,
+    "met": all(goal_met(r) for r in results),
+  }
   with open(os.path.join(args.out, "validate.json"), "w") as f:
     json.dump(summary, f, indent=2)
   text = markdown(bench, primary, results, alt, command, again_meta, args.margin, noise)
@@ -623,10 +791,12 @@ def main(argv=None) -> int:
     f.write(text)
   png = plot(results, os.path.join(args.out, "validate.png"))
   print(text)
-  print(f"goal (Spearman >= 0.9, pick >= 0.95 of the best"
-        + (", re-measured where covered" if again else "")
-        + f") {'met' if summary['met'] else 'NOT met'}"
-        f"; wrote {args.out}/validate.json, validate.md" + (", validate.png" if png else ""))
+  print(
+    "goal (Spearman >= 0.9, pick >= 0.95 of the best"
+    + (", re-measured where covered" if again else "")
+    + f") {'met' if summary['met'] else 'NOT met'}"
+    f"; wrote {args.out}/validate.json, validate.md" + (", validate.png" if png else "")
+  )
   return 0
 
 

@@ -34,26 +34,34 @@ def _layer_map(c: LlamaConfig) -> dict:
   t = (lambda w: w.T, lambda w: w.T)
   same = (lambda w: w, lambda w: w)
   return {
-      "self_attn.q_proj.weight": (("attn", "wq"), (H * K, D), *split(H)),
-      "self_attn.k_proj.weight": (("attn", "wk"), (G * K, D), *split(G)),
-      "self_attn.v_proj.weight": (("attn", "wv"), (G * K, D), *split(G)),
-      "self_attn.o_proj.weight": (("attn", "wo"), (D, H * K),
-                                  lambda w: w.T.reshape(H, K, D), lambda w: w.reshape(H * K, D).T),
-      "mlp.gate_proj.weight": (("mlp", "w_gate"), (F, D), *t),
-      "mlp.up_proj.weight": (("mlp", "w_up"), (F, D), *t),
-      "mlp.down_proj.weight": (("mlp", "w_down"), (D, F), *t),
-      "input_layernorm.weight": (("attn_norm", "scale"), (D,), *same),
-      "post_attention_layernorm.weight": (("mlp_norm", "scale"), (D,), *same),
+    "self_attn.q_proj.weight": (("attn", "wq"), (H * K, D), *split(H)),
+    "self_attn.k_proj.weight": (("attn", "wk"), (G * K, D), *split(G)),
+    "self_attn.v_proj.weight": (("attn", "wv"), (G * K, D), *split(G)),
+    "self_attn.o_proj.weight": (
+      ("attn", "wo"),
+      (D, H * K),
+      lambda w: w.T.reshape(H, K, D),
+      lambda w: w.reshape(H * K, D).T,
+    ),
+    "mlp.gate_proj.weight": (("mlp", "w_gate"), (F, D), *t),
+    "mlp.up_proj.weight": (("mlp", "w_up"), (F, D), *t),
+    "mlp.down_proj.weight": (("mlp", "w_down"), (D, F), *t),
+    "input_layernorm.weight": (("attn_norm", "scale"), (D,), *same),
+    "post_attention_layernorm.weight": (("mlp_norm", "scale"), (D,), *same),
   }
 
 
 def _global_map(c: LlamaConfig) -> dict:
   """HF tensor name -> (our path, HF shape, HF -> ours, ours -> HF) outside the layer stack."""
   return {
-      "model.embed_tokens.weight": (("embed", "embedding"), (c.vocab, c.dim),
-                                    lambda w: w, lambda w: w),
-      "model.norm.weight": (("head", "norm", "scale"), (c.dim,), lambda w: w, lambda w: w),
-      "lm_head.weight": (("head", "kernel"), (c.vocab, c.dim), lambda w: w.T, lambda w: w.T),
+    "model.embed_tokens.weight": (
+      ("embed", "embedding"),
+      (c.vocab, c.dim),
+      lambda w: w,
+      lambda w: w,
+    ),
+    "model.norm.weight": (("head", "norm", "scale"), (c.dim,), lambda w: w, lambda w: w),
+    "lm_head.weight": (("head", "kernel"), (c.vocab, c.dim), lambda w: w.T, lambda w: w.T),
   }
 
 
@@ -66,10 +74,21 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
 
   archs = hf.get("architectures") or []
   if hf.get("model_type", "llama") != "llama" or (archs and "LlamaForCausalLM" not in archs):
-    refuse(f"model_type {hf.get('model_type')!r}, architectures {archs}: only LLaMA "
-           f"(LlamaForCausalLM) is supported")
-  missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                         "intermediate_size") if k not in hf]
+    refuse(
+      f"model_type {hf.get('model_type')!r}, architectures {archs}: only LLaMA "
+      f"(LlamaForCausalLM) is supported"
+    )
+  missing = [
+    k
+    for k in (
+      "vocab_size",
+      "hidden_size",
+      "num_hidden_layers",
+      "num_attention_heads",
+      "intermediate_size",
+    )
+    if k not in hf
+  ]
   if missing:
     refuse(f"missing field(s) {', '.join(missing)}")
   if hf.get("tie_word_embeddings", False):
@@ -88,17 +107,25 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
   head_dim = hf.get("head_dim")
   if head_dim is None:
     if dim % heads:
-      refuse(f"hidden_size {dim} is not a multiple of num_attention_heads {heads} and no "
-             f"head_dim is given")
+      refuse(
+        f"hidden_size {dim} is not a multiple of num_attention_heads {heads} and no "
+        f"head_dim is given"
+      )
     head_dim = dim // heads
   kv_heads = hf.get("num_key_value_heads") or heads
   try:
-    return LlamaConfig(vocab=hf["vocab_size"], dim=dim, layers=hf["num_hidden_layers"],
-                       heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                       mlp=hf["intermediate_size"],
-                       rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
-                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                       init_std=float(hf.get("initializer_range", 0.02)))
+    return LlamaConfig(
+      vocab=hf["vocab_size"],
+      dim=dim,
+      layers=hf["num_hidden_layers"],
+      heads=heads,
+      kv_heads=kv_heads,
+      head_dim=head_dim,
+      mlp=hf["intermediate_size"],
+      rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      init_std=float(hf.get("initializer_range", 0.02)),
+    )
   except ValueError as e:
     refuse(str(e))
 
@@ -106,14 +133,25 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
 def config_to_hf(c: LlamaConfig) -> dict:
   """The config.json of a LlamaForCausalLM with our model's shapes."""
   return {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-      "vocab_size": c.vocab, "hidden_size": c.dim, "num_hidden_layers": c.layers,
-      "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
-      "intermediate_size": c.mlp, "hidden_act": "silu", "rms_norm_eps": c.norm_eps,
-      "rope_theta": c.rope_theta, "rope_scaling": None,
-      "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-      "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-      "initializer_range": c.init_std, "torch_dtype": "float32",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": c.vocab,
+    "hidden_size": c.dim,
+    "num_hidden_layers": c.layers,
+    "num_attention_heads": c.heads,
+    "num_key_value_heads": c.kv_heads,
+    "head_dim": c.head_dim,
+    "intermediate_size": c.mlp,
+    "hidden_act": "silu",
+    "rms_norm_eps": c.norm_eps,
+    "rope_theta": c.rope_theta,
+    "rope_scaling": None,
+    "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": c.init_std,
+    "torch_dtype": "float32",
   }
 
 
@@ -133,9 +171,11 @@ def read_config(directory: str) -> LlamaConfig:
 # --- weights ---------------------------------------------------------------------------------
 def _check_dir(directory: str) -> str:
   if not os.path.isdir(directory):
-    raise FileNotFoundError(f"HF model directory {directory} does not exist (or is not a "
-                            f"directory); pass a local directory holding config.json and "
-                            f"model.safetensors")
+    raise FileNotFoundError(
+      f"HF model directory {directory} does not exist (or is not a "
+      f"directory); pass a local directory holding config.json and "
+      f"model.safetensors"
+    )
   return directory
 
 
@@ -156,8 +196,9 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
       tensors.update(load_file(path))
     return tensors
   others = [n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth"))]
-  hint = (f" (it holds {', '.join(sorted(others))}: convert them to safetensors first)"
-          if others else "")
+  hint = (
+    f" (it holds {', '.join(sorted(others))}: convert them to safetensors first)" if others else ""
+  )
   raise FileNotFoundError(f"{directory} has neither {WEIGHTS} nor {INDEX}{hint}")
 
 
@@ -166,8 +207,9 @@ def _take(tensors: dict, name: str, shape: tuple, where: str) -> np.ndarray:
     raise ValueError(f"{where}: tensor {name} is missing")
   w = tensors.pop(name)
   if tuple(w.shape) != tuple(shape):
-    raise ValueError(f"{where}: tensor {name} has shape {tuple(w.shape)}, but config.json "
-                     f"implies {tuple(shape)}")
+    raise ValueError(
+      f"{where}: tensor {name} has shape {tuple(w.shape)}, but config.json implies {tuple(shape)}"
+    )
   return np.asarray(w, np.float32)
 
 
@@ -191,13 +233,17 @@ def load_hf(directory: str) -> tuple[LlamaConfig, dict]:
   for name, (path, shape, to_ours, _) in _global_map(cfg).items():
     _put(params, path, to_ours(_take(tensors, name, shape, directory)))
   for suffix, (path, shape, to_ours, _) in _layer_map(cfg).items():
-    stack = [to_ours(_take(tensors, f"model.layers.{i}.{suffix}", shape, directory))
-             for i in range(cfg.layers)]
+    stack = [
+      to_ours(_take(tensors, f"model.layers.{i}.{suffix}", shape, directory))
+      for i in range(cfg.layers)
+    ]
     _put(params, ("layers", *path), np.stack(stack))
   extra = sorted(n for n in tensors if not n.endswith(_IGNORED))
   if extra:
-    raise ValueError(f"{directory}: unexpected tensor(s) {', '.join(extra[:8])}"
-                     f"{' ...' if len(extra) > 8 else ''} (is num_hidden_layers right?)")
+    raise ValueError(
+      f"{directory}: unexpected tensor(s) {', '.join(extra[:8])}"
+      f"{' ...' if len(extra) > 8 else ''} (is num_hidden_layers right?)"
+    )
   return cfg, params
 
 
@@ -222,8 +268,9 @@ def save_hf(cfg: LlamaConfig, params: dict, directory: str) -> str:
       raise ValueError(f"params has no {'/'.join(path)}") from e
     want = _get(shapes, path)
     if w.shape != tuple(want):
-      raise ValueError(f"params {'/'.join(path)} has shape {w.shape}, but the config implies "
-                       f"{tuple(want)}")
+      raise ValueError(
+        f"params {'/'.join(path)} has shape {w.shape}, but the config implies {tuple(want)}"
+      )
     return w
 
   for name, (path, _, _, to_hf) in _global_map(cfg).items():

@@ -40,8 +40,10 @@ class LlamaConfig:
       if getattr(self, field) <= 0:
         raise ValueError(f"LlamaConfig.{field} must be positive, got {getattr(self, field)}")
     if self.heads % self.kv_heads:
-      raise ValueError(f"LlamaConfig: heads ({self.heads}) must be a multiple of kv_heads "
-                       f"({self.kv_heads}) for grouped-query attention")
+      raise ValueError(
+        f"LlamaConfig: heads ({self.heads}) must be a multiple of kv_heads "
+        f"({self.kv_heads}) for grouped-query attention"
+      )
     if self.head_dim % 2:
       raise ValueError(f"LlamaConfig: head_dim ({self.head_dim}) must be even for RoPE")
 
@@ -64,23 +66,26 @@ class LlamaConfig:
 
 
 PRESETS: dict[str, LlamaConfig] = {
-    # ~1.05M parameters: tests and quick starts.
-    "tiny": LlamaConfig(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, head_dim=32, mlp=512),
-    # ~25M parameters: CPU benchmarks.
-    "small": LlamaConfig(vocab=256, dim=512, layers=8, heads=8, kv_heads=4, head_dim=64, mlp=1536),
-    # The LLaMA-1 shapes (Touvron et al., 2023), for the inspector and planning.
-    "7b": LlamaConfig(vocab=32000, dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128,
-                      mlp=11008, norm_eps=1e-6),
-    "13b": LlamaConfig(vocab=32000, dim=5120, layers=40, heads=40, kv_heads=40, head_dim=128,
-                       mlp=13824, norm_eps=1e-6),
-    "65b": LlamaConfig(vocab=32000, dim=8192, layers=80, heads=64, kv_heads=64, head_dim=128,
-                       mlp=22016, norm_eps=1e-5),
+  # ~1.05M parameters: tests and quick starts.
+  "tiny": LlamaConfig(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, head_dim=32, mlp=512),
+  # ~25M parameters: CPU benchmarks.
+  "small": LlamaConfig(vocab=256, dim=512, layers=8, heads=8, kv_heads=4, head_dim=64, mlp=1536),
+  # The LLaMA-1 shapes (Touvron et al., 2023), for the inspector and planning.
+  "7b": LlamaConfig(
+    vocab=32000, dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11008, norm_eps=1e-6
+  ),
+  "13b": LlamaConfig(
+    vocab=32000, dim=5120, layers=40, heads=40, kv_heads=40, head_dim=128, mlp=13824, norm_eps=1e-6
+  ),
+  "65b": LlamaConfig(
+    vocab=32000, dim=8192, layers=80, heads=64, kv_heads=64, head_dim=128, mlp=22016, norm_eps=1e-5
+  ),
 }
 
 
 # Not listed in help or errors: a model that compiles and trains in moments, for tests.
 HIDDEN_PRESETS: dict[str, LlamaConfig] = {
-    "test": LlamaConfig(vocab=256, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64),
+  "test": LlamaConfig(vocab=256, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64),
 }
 
 
@@ -97,9 +102,9 @@ def get_config(name: str) -> LlamaConfig:
 # the weights are still gathered again); "none": no recomputation, so every layer's gathered
 # weights and activations stay alive until backward.
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "layer": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "layer": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "none": None,
 }
 
 
@@ -133,8 +138,10 @@ class LoraConfig:
       raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
     bad = [t for t in self.targets if t not in LORA_TARGETS]
     if bad or not self.targets:
-      raise ValueError(f"unknown LoRA targets {bad or '(none)'}; choose from "
-                       f"{', '.join(LORA_TARGETS)} (comma-separated, e.g. wq,wv)")
+      raise ValueError(
+        f"unknown LoRA targets {bad or '(none)'}; choose from "
+        f"{', '.join(LORA_TARGETS)} (comma-separated, e.g. wq,wv)"
+      )
 
   @classmethod
   def from_flags(cls, rank: int, alpha: float, targets) -> LoraConfig | None:
@@ -150,8 +157,15 @@ class LoraConfig:
   def shapes(self, cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each target weight."""
     q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    io = {"wq": (cfg.dim, q), "wk": (cfg.dim, kv), "wv": (cfg.dim, kv), "wo": (q, cfg.dim),
-          "w_gate": (cfg.dim, cfg.mlp), "w_up": (cfg.dim, cfg.mlp), "w_down": (cfg.mlp, cfg.dim)}
+    io = {
+      "wq": (cfg.dim, q),
+      "wk": (cfg.dim, kv),
+      "wv": (cfg.dim, kv),
+      "wo": (q, cfg.dim),
+      "w_gate": (cfg.dim, cfg.mlp),
+      "w_up": (cfg.dim, cfg.mlp),
+      "w_down": (cfg.mlp, cfg.dim),
+    }
     return {t: io[t] for t in self.targets}
 
   def layer_params(self, cfg: LlamaConfig) -> int:
@@ -165,8 +179,15 @@ def is_lora_path(path) -> bool:
   return str(getattr(last, "key", last)).endswith(LORA_SUFFIXES)
 
 
-def lora_delta(module: nn.Module, lora: LoraConfig | None, name: str, x, in_axis: str,
-               out_axis: str, out_shape: tuple[int, ...]):
+def lora_delta(
+  module: nn.Module,
+  lora: LoraConfig | None,
+  name: str,
+  x,
+  in_axis: str,
+  out_axis: str,
+  out_shape: tuple[int, ...],
+):
   """(alpha/r) x A B for target `name` (x: ... x in), shaped ... x out_shape; 0 if no adapter.
 
   Declared inside the module that owns the weight, as `{name}_lora_a` and `{name}_lora_b`.
@@ -174,10 +195,18 @@ def lora_delta(module: nn.Module, lora: LoraConfig | None, name: str, x, in_axis
   if lora is None or name not in lora.targets:
     return 0
   n_in, n_out = x.shape[-1], math.prod(out_shape)
-  a = module.param(f"{name}_lora_a", nn.with_logical_partitioning(
-      nn.initializers.normal(1 / math.sqrt(n_in)), (in_axis, "lora_rank")), (n_in, lora.rank))
-  b = module.param(f"{name}_lora_b", nn.with_logical_partitioning(
-      nn.initializers.zeros, ("lora_rank", out_axis)), (lora.rank, n_out))
+  a = module.param(
+    f"{name}_lora_a",
+    nn.with_logical_partitioning(
+      nn.initializers.normal(1 / math.sqrt(n_in)), (in_axis, "lora_rank")
+    ),
+    (n_in, lora.rank),
+  )
+  b = module.param(
+    f"{name}_lora_b",
+    nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", out_axis)),
+    (lora.rank, n_out),
+  )
   y = (x @ a.astype(x.dtype)) @ b.astype(x.dtype) * jnp.asarray(lora.scale, x.dtype)
   return y.reshape(*x.shape[:-1], *out_shape)
 
@@ -187,8 +216,12 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD):
-    scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                         (x_BxLxD.shape[-1],), jnp.float32)
+    scale_D = self.param(
+      "scale",
+      nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+      (x_BxLxD.shape[-1],),
+      jnp.float32,
+    )
     x = x_BxLxD.astype(jnp.float32)
     x = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
     return (x * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
@@ -224,24 +257,33 @@ class Attention(nn.Module):
     wv_DxGxK = self.param("wv", _init(c.init_std, ("embed", "kv_heads", "head_dim")), (D, G, K))
     wo_HxKxD = self.param("wo", _init(c.init_std, ("heads", "head_dim", "embed")), (H, K, D))
     lora = lambda name, x, out_shape, in_axis="embed", out_axis="lora_out": lora_delta(
-        self, self.lora, name, x, in_axis, out_axis, out_shape)
-    q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK.astype(dt)) + lora("wq", x_BxLxD, (H, K))
-    k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wk_DxGxK.astype(dt)) + lora("wk", x_BxLxD, (G, K))
-    v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wv_DxGxK.astype(dt)) + lora("wv", x_BxLxD, (G, K))
+      self, self.lora, name, x, in_axis, out_axis, out_shape
+    )
+    q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK.astype(dt)) + lora(
+      "wq", x_BxLxD, (H, K)
+    )
+    k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wk_DxGxK.astype(dt)) + lora(
+      "wk", x_BxLxD, (G, K)
+    )
+    v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wv_DxGxK.astype(dt)) + lora(
+      "wv", x_BxLxD, (G, K)
+    )
     q_BxLxHxK = apply_rope(q_BxLxHxK, sin_LxK2, cos_LxK2)
     k_BxLxGxK = apply_rope(k_BxLxGxK, sin_LxK2, cos_LxK2)
     B, L = x_BxLxD.shape[:2]
     # Grouped-query attention: R = H/G query heads share each key/value head.
     q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
-    scores_BxGxRxLxL = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK,
-                                  preferred_element_type=jnp.float32) / jnp.sqrt(K).astype(jnp.float32)
+    scores_BxGxRxLxL = jnp.einsum(
+      "blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK, preferred_element_type=jnp.float32
+    ) / jnp.sqrt(K).astype(jnp.float32)
     causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
     scores_BxGxRxLxL = jnp.where(causal_LxL, scores_BxGxRxLxL, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(dt)
     out_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxLxGxK)
     out_BxLxHK = out_BxLxGxRxK.reshape(B, L, H * K)
-    return (jnp.einsum("blhk,hkd->bld", out_BxLxHK.reshape(B, L, H, K), wo_HxKxD.astype(dt))
-            + lora("wo", out_BxLxHK, (D,), in_axis="lora_in", out_axis="embed"))
+    return jnp.einsum("blhk,hkd->bld", out_BxLxHK.reshape(B, L, H, K), wo_HxKxD.astype(dt)) + lora(
+      "wo", out_BxLxHK, (D,), in_axis="lora_in", out_axis="embed"
+    )
 
 
 class MLP(nn.Module):
@@ -255,12 +297,14 @@ class MLP(nn.Module):
     w_up_DxF = self.param("w_up", _init(c.init_std, ("embed", "mlp")), (c.dim, c.mlp))
     w_down_FxD = self.param("w_down", _init(c.init_std, ("mlp", "embed")), (c.mlp, c.dim))
     lora = lambda name, x, out_shape, in_axis="embed", out_axis="lora_out": lora_delta(
-        self, self.lora, name, x, in_axis, out_axis, out_shape)
+      self, self.lora, name, x, in_axis, out_axis, out_shape
+    )
     gate_BxLxF = x_BxLxD @ w_gate_DxF.astype(dt) + lora("w_gate", x_BxLxD, (c.mlp,))
     up_BxLxF = x_BxLxD @ w_up_DxF.astype(dt) + lora("w_up", x_BxLxD, (c.mlp,))
     h_BxLxF = jax.nn.silu(gate_BxLxF) * up_BxLxF
-    return h_BxLxF @ w_down_FxD.astype(dt) + lora("w_down", h_BxLxF, (c.dim,), in_axis="lora_in",
-                                                   out_axis="embed")
+    return h_BxLxF @ w_down_FxD.astype(dt) + lora(
+      "w_down", h_BxLxF, (c.dim,), in_axis="lora_in", out_axis="embed"
+    )
 
 
 class Block(nn.Module):
@@ -283,8 +327,9 @@ class Embed(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BxL):
-    table_VxD = self.param("embedding", _init(self.cfg.init_std, ("vocab", "embed")),
-                           (self.cfg.vocab, self.cfg.dim))
+    table_VxD = self.param(
+      "embedding", _init(self.cfg.init_std, ("vocab", "embed")), (self.cfg.vocab, self.cfg.dim)
+    )
     return jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype)
 
 
@@ -294,10 +339,12 @@ class Head(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD):
     x_BxLxD = RMSNorm(self.cfg.norm_eps, name="norm")(x_BxLxD)
-    w_DxV = self.param("kernel", _init(self.cfg.init_std, ("embed", "vocab")),
-                       (self.cfg.dim, self.cfg.vocab))
-    return jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(x_BxLxD.dtype),
-                      preferred_element_type=jnp.float32)
+    w_DxV = self.param(
+      "kernel", _init(self.cfg.init_std, ("embed", "vocab")), (self.cfg.dim, self.cfg.vocab)
+    )
+    return jnp.einsum(
+      "bld,dv->blv", x_BxLxD, w_DxV.astype(x_BxLxD.dtype), preferred_element_type=jnp.float32
+    )
 
 
 def _identity(tree):
@@ -307,8 +354,9 @@ def _identity(tree):
 class Llama:
   """The whole model as three Flax modules (embed, a scanned block, head) and pure functions."""
 
-  def __init__(self, cfg: LlamaConfig, dtype=jnp.float32, remat: str = "full",
-               lora: LoraConfig | None = None):
+  def __init__(
+    self, cfg: LlamaConfig, dtype=jnp.float32, remat: str = "full", lora: LoraConfig | None = None
+  ):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"unknown remat policy {remat!r}; choose one of {tuple(REMAT_POLICIES)}")
     self.cfg, self.dtype, self.remat, self.lora = cfg, dtype, remat, lora
@@ -322,9 +370,9 @@ class Llama:
     layer_keys = jax.random.split(k_layers, self.cfg.layers)
     layers = jax.vmap(lambda k: self.block.init(k, x, sin, cos)["params"])(layer_keys)
     return {
-        "embed": self.embed.init(k_embed, tokens)["params"],
-        "layers": layers,
-        "head": self.head.init(k_head, x)["params"],
+      "embed": self.embed.init(k_embed, tokens)["params"],
+      "layers": layers,
+      "head": self.head.init(k_head, x)["params"],
     }
 
   def init(self, rng) -> dict:
@@ -339,8 +387,9 @@ class Llama:
     is_box = lambda x: isinstance(x, nn.Partitioned)
     axes = jax.tree.map(lambda b: tuple(b.names), boxed, is_leaf=is_box)
     # vmap stacked the layer leaves without recording the new leading axis: add it here.
-    axes["layers"] = jax.tree.map(lambda a: (LAYERS, *a), axes["layers"],
-                                  is_leaf=lambda x: isinstance(x, tuple))
+    axes["layers"] = jax.tree.map(
+      lambda a: (LAYERS, *a), axes["layers"], is_leaf=lambda x: isinstance(x, tuple)
+    )
     return axes
 
   def layer_param_count(self) -> int:
@@ -351,13 +400,15 @@ class Llama:
 
   def param_count(self) -> int:
     """All parameters, adapters included (Ψ)."""
-    return self.cfg.param_count() + (self.cfg.layers * self.lora.layer_params(self.cfg)
-                                     if self.lora else 0)
+    return self.cfg.param_count() + (
+      self.cfg.layers * self.lora.layer_params(self.cfg) if self.lora else 0
+    )
 
   def trainable_count(self) -> int:
     """Parameters that are trained (Ψ'): the adapters with LoRA, else all."""
-    return self.cfg.layers * self.lora.layer_params(self.cfg) if self.lora else \
-        self.cfg.param_count()
+    return (
+      self.cfg.layers * self.lora.layer_params(self.cfg) if self.lora else self.cfg.param_count()
+    )
 
   def trainable_mask(self) -> dict:
     """A tree like init()'s of bools: True for the trained leaves (all, or the LoRA adapters)."""
@@ -373,8 +424,14 @@ class Llama:
       return base
 
     def overlay(full, given):
-      return {k: overlay(v, given[k]) if isinstance(v, dict) else given.get(k, v)
-              for k, v in full.items()} if isinstance(given, dict) else given
+      return (
+        {
+          k: overlay(v, given[k]) if isinstance(v, dict) else given.get(k, v)
+          for k, v in full.items()
+        }
+        if isinstance(given, dict)
+        else given
+      )
 
     return overlay(self.init(rng), base)
 
@@ -383,8 +440,15 @@ class Llama:
     if self.lora is None:
       return params
     params = jax.tree.map(lambda x: x, params)  # a copy of the dict structure
-    owners = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn",
-              "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp"}
+    owners = {
+      "wq": "attn",
+      "wk": "attn",
+      "wv": "attn",
+      "wo": "attn",
+      "w_gate": "mlp",
+      "w_up": "mlp",
+      "w_down": "mlp",
+    }
     for t in self.lora.targets:
       mod = dict(params["layers"][owners[t]])
       a, b = mod.pop(f"{t}_lora_a"), mod.pop(f"{t}_lora_b")
@@ -422,5 +486,7 @@ class Llama:
 def next_token_loss(logits_BxLxV, targets_BxL):
   """Mean cross-entropy in fp32."""
   import optax  # local: models/ does not otherwise need optax
+
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits_BxLxV.astype(jnp.float32), targets_BxL).mean()
+    logits_BxLxV.astype(jnp.float32), targets_BxL
+  ).mean()

@@ -7,6 +7,11 @@ from paro_jax.core.xla_flags import add_xla_flags  # imports no jax
 # Tests compile many tiny programs: LLVM's optimisation of the generated CPU code costs far more
 # than it saves (about 4x faster compiles). HLO passes, which decide the communication schedule
 # the tests check, still run in full.
-add_xla_flags(("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-               "--xla_llvm_disable_expensive_passes=true"))
+add_xla_flags(
+  (
+    "--xla_force_host_platform_device_count=8",
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+  )
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

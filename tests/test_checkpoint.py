@@ -21,8 +21,17 @@ from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.train import RunConfig, train
 
-RUN = dict(model="test", strategy="IIG", mesh=(2, 4), micro_batches=2, batch_size=8, seq_len=16,
-           dtype="fp32", steps=6, warmup=2)
+RUN = dict(
+  model="test",
+  strategy="IIG",
+  mesh=(2, 4),
+  micro_batches=2,
+  batch_size=8,
+  seq_len=16,
+  dtype="fp32",
+  steps=6,
+  warmup=2,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,8 +53,13 @@ BATCHES = Batches(default_corpus(), CFG.micro_batches, CFG.batch_size, CFG.seq_l
 def make_engine(strategy, mesh):
   """The engine train() builds for RUN (the same programs: compilation cache hits), on any mesh."""
   optim = OptimConfig(learning_rate=CFG.lr, warmup_steps=CFG.warmup, total_steps=CFG.steps)
-  return Engine(Llama(get_config(CFG.model), jnp.float32), parse_strategy(strategy), mesh, optim,
-                micro_batches=CFG.micro_batches)
+  return Engine(
+    Llama(get_config(CFG.model), jnp.float32),
+    parse_strategy(strategy),
+    mesh,
+    optim,
+    micro_batches=CFG.micro_batches,
+  )
 
 
 def batch(step):
@@ -53,10 +67,16 @@ def batch(step):
 
 
 def meta_for(engine, step):
-  return RunMeta(step=step, seed=0, model_name="test",
-                 model_config=dataclasses.asdict(get_config("test")),
-                 strategy=str(engine.strategy), mesh=(engine.inter, engine.intra), dtype="fp32",
-                 data={})
+  return RunMeta(
+    step=step,
+    seed=0,
+    model_name="test",
+    model_config=dataclasses.asdict(get_config("test")),
+    strategy=str(engine.strategy),
+    mesh=(engine.inter, engine.intra),
+    dtype="fp32",
+    data={},
+  )
 
 
 @pytest.fixture(scope="module")
@@ -130,21 +150,23 @@ def test_checkpoint_stores_logical_shapes(saved_iig):
   directory, master, _ = saved_iig
   stored = ocp.StandardCheckpointer().metadata(os.path.join(directory, "2", "state"))
   stored_master = stored.item_metadata.tree["master"]
-  for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(master),
-                               jax.tree.leaves(stored_master)):
+  for (path, want), got in zip(
+    jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(stored_master)
+  ):
     assert tuple(got.shape) == want.shape, jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("strategy,mesh_shape", [("GGG", (1, 8)), ("NNN", (1, 4))])
 def test_restore_under_another_strategy_and_mesh(saved_iig, strategy, mesh_shape):
   directory, master, next_loss = saved_iig
-  devices = jax.devices()[:mesh_shape[0] * mesh_shape[1]]
+  devices = jax.devices()[: mesh_shape[0] * mesh_shape[1]]
   engine = make_engine(strategy, make_mesh(*mesh_shape, devices=devices))
   state, meta = Checkpointer(directory).restore(engine)
   assert (meta.step, meta.strategy, meta.mesh) == (2, "IIG", (2, 4))
   assert int(state.step) == 2
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(state.master)),
-                          jax.tree.leaves(master)):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(jax.device_get(state.master)), jax.tree.leaves(master)
+  ):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
   leaf = jax.tree.leaves(state.opt_state)[1]
   assert leaf.sharding.mesh.devices.size == len(devices)
@@ -176,8 +198,9 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(saved_iig, tmp_path
   with pytest.warns(UserWarning, match=r"checkpoint step 3 is unreadable .*falling back to step 2"):
     state, meta = Checkpointer(directory).restore(engine)
   assert meta.step == 2
-  np.testing.assert_array_equal(jax.device_get(state.master)["head"]["kernel"],
-                                master["head"]["kernel"])
+  np.testing.assert_array_equal(
+    jax.device_get(state.master)["head"]["kernel"], master["head"]["kernel"]
+  )
   # Every step damaged: an error that says so, no silent fresh start.
   with open(os.path.join(directory, "2", "meta", "metadata"), "w") as f:
     f.write("{garbled")
@@ -207,5 +230,6 @@ def test_full_disk_keeps_the_previous_checkpoint(saved_iig, tmp_path, monkeypatc
   monkeypatch.undo()
   restored, meta = Checkpointer(directory).restore(engine)
   assert meta.step == 2
-  np.testing.assert_array_equal(jax.device_get(restored.master)["head"]["kernel"],
-                                master["head"]["kernel"])
+  np.testing.assert_array_equal(
+    jax.device_get(restored.master)["head"]["kernel"], master["head"]["kernel"]
+  )

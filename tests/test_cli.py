@@ -16,9 +16,30 @@ def test_train_quick_start_run(tmp_path):
   the run writes one metrics row per step, and the loss falls clearly over 50 steps."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = tmp_path / "run"
-  cmd = [sys.executable, "-m", "paro_jax", "train", "--model", "tiny", "--strategy", "IIG",
-         "--mesh", "2x4", "--micro-batches", "2", "--batch-size", "16", "--seq-len", "64",
-         "--steps", "50", "--seed", "0", "--out", str(out)]
+  cmd = [
+    sys.executable,
+    "-m",
+    "paro_jax",
+    "train",
+    "--model",
+    "tiny",
+    "--strategy",
+    "IIG",
+    "--mesh",
+    "2x4",
+    "--micro-batches",
+    "2",
+    "--batch-size",
+    "16",
+    "--seq-len",
+    "64",
+    "--steps",
+    "50",
+    "--seed",
+    "0",
+    "--out",
+    str(out),
+  ]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "mesh 2x4 (8 cpu devices)" in proc.stdout
@@ -29,14 +50,17 @@ def test_train_quick_start_run(tmp_path):
   assert first > 5.0 and last < first - 1.5, (first, last)
 
 
-@pytest.mark.parametrize("argv,message", [
+@pytest.mark.parametrize(
+  "argv,message",
+  [
     (["--strategy", "GNI"], "invalid strategy 'GNI'"),
     (["--strategy", "IXG"], "unknown strategy 'IXG'"),
     (["--mesh", "3x3"], "mesh 3x3 needs 9 devices but 8 are available"),
     (["--mesh", "2by4"], "bad --mesh '2by4'"),
     (["--data", "/nonexistent/corpus.txt"], "data file '/nonexistent/corpus.txt' does not exist"),
     (["--batch-size", "12"], "micro-batch size 12 is not divisible by the 8 devices"),
-])
+  ],
+)
 def test_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):
   with pytest.raises(SystemExit) as e:
     main(["train", "--steps", "1", "--out", str(tmp_path), "--mesh", "2x4", *argv])

@@ -19,14 +19,15 @@ def paro_md_inter_bytes(name):
   if gr == "G":
     total += A * (N - 1) / N * 2 * psi
   total += {
-      ("I", "G"): (G - 1) / G * 2 * psi / M,
-      ("I", "I"): 2 * (G - 1) / G * 2 * psi / M,
-      ("N", "G"): (N - 1) / N * 2 * psi,
-      ("N", "I"): 2 * (G - 1) / G * 2 * psi / M,
-      ("N", "N"): 2 * (N - 1) / N * 2 * psi,
+    ("I", "G"): (G - 1) / G * 2 * psi / M,
+    ("I", "I"): 2 * (G - 1) / G * 2 * psi / M,
+    ("N", "G"): (N - 1) / N * 2 * psi,
+    ("N", "I"): 2 * (G - 1) / G * 2 * psi / M,
+    ("N", "N"): 2 * (N - 1) / N * 2 * psi,
   }.get((gr, os_), 0.0)
   total += {("G", "I"): (G - 1) / G * 2 * psi / M, ("G", "N"): (N - 1) / N * 2 * psi}.get(
-      (os_, p), 0.0)
+    (os_, p), 0.0
+  )
   return total
 
 
@@ -59,10 +60,17 @@ def test_inter_traffic_frequency():
     assert (eight > one) == ("G" in name[:2]), name
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("NNN", 2 + 2 + 12), ("GGG", (2 + 2 + 12) / 8), ("IIG", 2 / 4 + 2 / 4 + 12 / 8),
-    ("ING", 2 / 4 + 2 + 12 / 8), ("NIG", 2 + 2 / 4 + 12 / 8),
-])
+@pytest.mark.parametrize(
+  "name,expected",
+  [
+    ("NNN", 2 + 2 + 12),
+    ("GGG", (2 + 2 + 12) / 8),
+    ("IIG", 2 / 4 + 2 / 4 + 12 / 8),
+    ("ING", 2 / 4 + 2 + 12 / 8),
+    ("NIG", 2 + 2 / 4 + 12 / 8),
+  ],
+)
 def test_memory_formula(name, expected):
   assert model_state_bytes(parse_strategy(name), PSI, PSI, G, M)["total"] == pytest.approx(
-      expected * PSI)
+    expected * PSI
+  )

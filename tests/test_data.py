@@ -51,11 +51,14 @@ def test_text_glob_jsonl_and_bin_sources(tmp_path):
   assert load_tokens(DataConfig(paths=(str(tmp_path / "u.bin"),)), 100_000).dtype == np.uint32
 
 
-@pytest.mark.parametrize("make,message", [
+@pytest.mark.parametrize(
+  "make,message",
+  [
     (lambda d: (d / "missing.txt", None), "does not exist"),
     (lambda d: (d / "nothing-*.txt", None), "matches no file"),
     (lambda d: (d / "empty.txt", ""), "is empty"),
-])
+  ],
+)
 def test_missing_or_empty_data_is_a_clear_error(tmp_path, make, message):
   path, content = make(tmp_path)
   if content is not None:
@@ -66,7 +69,8 @@ def test_missing_or_empty_data_is_a_clear_error(tmp_path, make, message):
 
 def test_hf_tokenizer(tmp_path):
   tokenizers = pytest.importorskip(
-      "tokenizers", reason="the HF tokenizer path needs `tokenizers` (pip install -e '.[hf]')")
+    "tokenizers", reason="the HF tokenizer path needs `tokenizers` (pip install -e '.[hf]')"
+  )
   from tokenizers import models, pre_tokenizers, trainers
 
   def make(vocab_size):
@@ -87,8 +91,9 @@ def test_hf_tokenizer(tmp_path):
 
 
 def test_byte_tokens_need_a_256_vocabulary():
-  with pytest.raises(ValueError, match="byte-level tokenizer has a vocabulary of 256, more than "
-                                       "the model's 64"):
+  with pytest.raises(
+    ValueError, match="byte-level tokenizer has a vocabulary of 256, more than the model's 64"
+  ):
     load_tokens(DataConfig(), 64)
 
 
@@ -114,8 +119,13 @@ def test_eval_loss_equals_a_dense_forward(strategy, mesh_shape):
   params = Llama(cfg).init(jax.random.key(0))
   tokens = Batches(np.arange(4000) * 7 % 256, 2, 8, 16, seed=0)(0)
   want = np.mean([next_token_loss(Llama(cfg).apply(params, t[:, :-1]), t[:, 1:]) for t in tokens])
-  engine = Engine(Llama(cfg, jnp.float32), parse_strategy(strategy), make_mesh(*mesh_shape),
-                  OptimConfig(), micro_batches=2)
+  engine = Engine(
+    Llama(cfg, jnp.float32),
+    parse_strategy(strategy),
+    make_mesh(*mesh_shape),
+    OptimConfig(),
+    micro_batches=2,
+  )
   state = engine.state_from_params(params)
   got = engine.eval_loss(state, engine.shard_batch(tokens))
   np.testing.assert_allclose(float(got), want, rtol=1e-5)
@@ -136,11 +146,24 @@ def jsonl_run(tmp_path_factory):
   root = tmp_path_factory.mktemp("jsonl")
   with open(root / "corpus.jsonl", "w") as f:
     for i in range(200):
-      f.write(json.dumps({"content": f"{i}: " + TEXT[i % 50:i % 50 + 60]}) + "\n")
+      f.write(json.dumps({"content": f"{i}: " + TEXT[i % 50 : i % 50 + 60]}) + "\n")
   out = root / "run"
-  train(RunConfig(model="test", strategy="IIG", mesh=(2, 4), micro_batches=2, batch_size=8,
-                  seq_len=16, steps=4, data=(str(root / "corpus.jsonl"),), text_field="content",
-                  eval_fraction=0.1, eval_every=2, out=str(out)))
+  train(
+    RunConfig(
+      model="test",
+      strategy="IIG",
+      mesh=(2, 4),
+      micro_batches=2,
+      batch_size=8,
+      seq_len=16,
+      steps=4,
+      data=(str(root / "corpus.jsonl"),),
+      text_field="content",
+      eval_fraction=0.1,
+      eval_every=2,
+      out=str(out),
+    )
+  )
   return out
 
 

@@ -32,8 +32,14 @@ def setup():
 
 
 def run_engine(strategy, mesh_shape, batches, params0, dtype=jnp.float32, collectives="xla"):
-  engine = Engine(Llama(CFG, dtype), parse_strategy(strategy), make_mesh(*mesh_shape), OPTIM,
-                  micro_batches=A, collectives=collectives)
+  engine = Engine(
+    Llama(CFG, dtype),
+    parse_strategy(strategy),
+    make_mesh(*mesh_shape),
+    OPTIM,
+    micro_batches=A,
+    collectives=collectives,
+  )
   state = engine.state_from_params(params0)
   losses = []
   for batch in batches:
@@ -44,8 +50,9 @@ def run_engine(strategy, mesh_shape, batches, params0, dtype=jnp.float32, collec
 
 def assert_trees_close(a, b, atol, rtol=0.0):
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol,
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def test_reference_moves_every_parameter(setup):

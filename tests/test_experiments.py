@@ -37,18 +37,42 @@ def test_inspect_child_strategy_and_baseline():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = REPO
   proc = subprocess.run(
-      [sys.executable, SCRIPT, "--child", "inspect", "--model", "test", "--names",
-       "GGG,jit-fsdp", "--micro-batches", "1", "--batch-size", "8", "--seq-len", "8",
-       "--dtype", "fp32", "--mesh", "2x4"],
-      capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    [
+      sys.executable,
+      SCRIPT,
+      "--child",
+      "inspect",
+      "--model",
+      "test",
+      "--names",
+      "GGG,jit-fsdp",
+      "--micro-batches",
+      "1",
+      "--batch-size",
+      "8",
+      "--seq-len",
+      "8",
+      "--dtype",
+      "fp32",
+      "--mesh",
+      "2x4",
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = next(x for x in proc.stdout.splitlines() if x.startswith("INSPECT "))
-  out = json.loads(line[len("INSPECT "):])
+  out = json.loads(line[len("INSPECT ") :])
   ggg, fsdp = out["GGG/1"], out["jit-fsdp/1"]
-  assert ggg["measured"]["inter_bytes"] == pytest.approx(ggg["expected"]["inter_bytes"],
-                                                         rel=0.01)
+  assert ggg["measured"]["inter_bytes"] == pytest.approx(ggg["expected"]["inter_bytes"], rel=0.01)
   # The same model states sharded 8 ways; XLA's schedule moves at least GGG's parameter bytes
   # (forward gathers) and, with activations batch-sharded, not orders of magnitude more.
   assert fsdp["model_states_bytes"] > 0
-  assert 0.5 * ggg["measured"]["inter_bytes"] < fsdp["measured"]["inter_bytes"] \
-      < 4 * ggg["measured"]["inter_bytes"]
+  assert (
+    0.5 * ggg["measured"]["inter_bytes"]
+    < fsdp["measured"]["inter_bytes"]
+    < 4 * ggg["measured"]["inter_bytes"]
+  )

@@ -26,8 +26,9 @@ REF = np.load(os.path.join(FIXTURE, "logits.npz"))
 
 
 def our_logits(cfg, params, ids):
-  return np.asarray(Llama(cfg, jnp.float32).apply(jax.tree.map(jnp.asarray, params),
-                                                  jnp.asarray(ids)))
+  return np.asarray(
+    Llama(cfg, jnp.float32).apply(jax.tree.map(jnp.asarray, params), jnp.asarray(ids))
+  )
 
 
 def leaves_equal(a, b):
@@ -54,29 +55,42 @@ def edit_config(directory, **changes):
 def test_fixture_logits_match_transformers():
   cfg, params = load_hf(FIXTURE)
   assert (cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp) == (
-      256, 32, 2, 4, 2, 16, 64)
+    256,
+    32,
+    2,
+    4,
+    2,
+    16,
+    64,
+  )
   assert cfg.rope_theta == 1000.0 and cfg.norm_eps == 1e-5
-  np.testing.assert_allclose(our_logits(cfg, params, REF["input_ids"]), REF["logits"],
-                             atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(
+    our_logits(cfg, params, REF["input_ids"]), REF["logits"], atol=1e-4, rtol=1e-4
+  )
 
 
 def test_live_transformers_loads_our_export(tmp_path):
-  torch = pytest.importorskip("torch",
-                              reason="torch not installed: live transformers check skipped")
+  torch = pytest.importorskip(
+    "torch", reason="torch not installed: live transformers check skipped"
+  )
   transformers = pytest.importorskip(
-      "transformers", reason="transformers not installed: live transformers check skipped")
+    "transformers", reason="transformers not installed: live transformers check skipped"
+  )
   cfg, params = load_hf(FIXTURE)
   # Perturbed, so the export is not just the fixture's own bytes.
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda w: w + 0.05 * rng.standard_normal(w.shape).astype(np.float32),
-                        params)
+  params = jax.tree.map(
+    lambda w: w + 0.05 * rng.standard_normal(w.shape).astype(np.float32), params
+  )
   save_hf(cfg, params, tmp_path / "out")
-  model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out",
-                                                        attn_implementation="eager").eval()
+  model = transformers.LlamaForCausalLM.from_pretrained(
+    tmp_path / "out", attn_implementation="eager"
+  ).eval()
   with torch.no_grad():
     theirs = model(input_ids=torch.as_tensor(REF["input_ids"]).long()).logits.numpy()
-  np.testing.assert_allclose(our_logits(cfg, params, REF["input_ids"]), theirs,
-                             atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(
+    our_logits(cfg, params, REF["input_ids"]), theirs, atol=1e-4, rtol=1e-4
+  )
 
 
 # --- round trips -------------------------------------------------------------------------------
@@ -90,8 +104,9 @@ def test_save_load_round_trip(tmp_path):
   assert written["architectures"] == ["LlamaForCausalLM"]
   assert written["tie_word_embeddings"] is False and written["head_dim"] == 16
   # The tensors are the fixture's, name for name, shape for shape, bit for bit.
-  ours, theirs = (load_file(os.path.join(d, "model.safetensors")) for d in (tmp_path / "out",
-                                                                            FIXTURE))
+  ours, theirs = (
+    load_file(os.path.join(d, "model.safetensors")) for d in (tmp_path / "out", FIXTURE)
+  )
   assert set(ours) == set(theirs)
   for name in theirs:
     np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
@@ -104,12 +119,15 @@ def test_sharded_and_bf16(tmp_path):
   tensors = load_file(out / "model.safetensors")
   os.remove(out / "model.safetensors")
   names = sorted(tensors)
-  shards = {"model-00001-of-00002.safetensors": names[::2],
-            "model-00002-of-00002.safetensors": names[1::2]}
+  shards = {
+    "model-00001-of-00002.safetensors": names[::2],
+    "model-00002-of-00002.safetensors": names[1::2],
+  }
   for shard, members in shards.items():
     save_file({n: tensors[n].astype(ml_dtypes.bfloat16) for n in members}, out / shard)
-  (out / "model.safetensors.index.json").write_text(json.dumps(
-      {"weight_map": {n: shard for shard, members in shards.items() for n in members}}))
+  (out / "model.safetensors.index.json").write_text(
+    json.dumps({"weight_map": {n: shard for shard, members in shards.items() for n in members}})
+  )
   _, params = load_hf(out)
   _, exact = load_hf(FIXTURE)
   for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(exact)):
@@ -133,17 +151,22 @@ def test_missing_directory_and_files(tmp_path):
     load_hf(out)
 
 
-@pytest.mark.parametrize("changes, message", [
+@pytest.mark.parametrize(
+  "changes, message",
+  [
     ({"tie_word_embeddings": True}, "tie_word_embeddings"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "only LLaMA"),
-    ({"head_dim": None, "num_attention_heads": 5, "num_key_value_heads": 5},
-     "not a multiple of num_attention_heads"),
+    (
+      {"head_dim": None, "num_attention_heads": 5, "num_key_value_heads": 5},
+      "not a multiple of num_attention_heads",
+    ),
     ({"num_key_value_heads": 3}, "multiple of kv_heads"),
-])
+  ],
+)
 def test_unsupported_config(tmp_path, changes, message):
   out = copy_fixture(tmp_path)
   edit_config(out, **changes)
@@ -173,8 +196,14 @@ def test_save_checks_shapes(tmp_path):
 
 
 # --- training runs: export and --init-from -----------------------------------------------------
-RUN = {"strategy": "IIG", "mesh": (2, 4), "batch_size": 8, "seq_len": 16, "dtype": "fp32",
-       "warmup": 1}
+RUN = {
+  "strategy": "IIG",
+  "mesh": (2, 4),
+  "batch_size": 8,
+  "seq_len": 16,
+  "dtype": "fp32",
+  "warmup": 1,
+}
 
 
 def test_export_round_trip(tmp_path):

@@ -15,10 +15,17 @@ from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 
 
-def inspect_report(strategy, micro_batches, collectives="xla", mesh=(2, 4), remat="full",
-                   seq_len=8):
-  engine = Engine(Llama(CFG, jnp.float32, remat), parse_strategy(strategy), make_mesh(*mesh),
-                  OptimConfig(), micro_batches=micro_batches, collectives=collectives)
+def inspect_report(
+  strategy, micro_batches, collectives="xla", mesh=(2, 4), remat="full", seq_len=8
+):
+  engine = Engine(
+    Llama(CFG, jnp.float32, remat),
+    parse_strategy(strategy),
+    make_mesh(*mesh),
+    OptimConfig(),
+    micro_batches=micro_batches,
+    collectives=collectives,
+  )
   return report(engine, compile_step(engine, batch_size=8, seq_len=seq_len))
 
 
@@ -54,8 +61,10 @@ def test_phases_and_levels_iig(reports):
   assert ("reduce-scatter", "backward", "intra") in rows
   assert ("reduce-scatter", "gradient sync", "inter") in rows
   assert ("all-gather", "parameter sync", "inter") in rows
-  assert not any(level != "intra" and phase in ("forward", "backward", "backward (remat)")
-                 for _, phase, level in rows)
+  assert not any(
+    level != "intra" and phase in ("forward", "backward", "backward (remat)")
+    for _, phase, level in rows
+  )
 
 
 def test_json_fields(reports):
@@ -117,6 +126,10 @@ def test_hlo_parser_on_synthetic_module():
   assert hlo.level_of(ag, intra=4) == "inter" and hlo.phase_of(ag.op_name) == "forward"
   assert hlo.device_bytes(ag, 8)[0] == pytest.approx(0.5 * 64)
   assert hlo.level_of(cp, intra=4) == "intra" and hlo.device_bytes(cp, 8) == {
-      0: 32, 1: 32, 4: 32, 5: 32}
+    0: 32,
+    1: 32,
+    4: 32,
+    5: 32,
+  }
   assert hlo.level_of(ar, intra=4) == "global" and hlo.phase_of(ar.op_name) == "gradient sync"
   assert hlo.device_bytes(ar, 8)[3] == pytest.approx(2 * 7 / 8 * 32)

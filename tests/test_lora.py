@@ -29,8 +29,9 @@ A, B, L, STEPS = 2, 8, 8, 3
 
 
 def adapter_count(params) -> int:
-  return sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
-             if is_lora_path(path))
+  return sum(
+    x.size for path, x in jax.tree_util.tree_leaves_with_path(params) if is_lora_path(path)
+  )
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,8 @@ def test_model_starts_as_its_base_and_merges_exactly():
   np.testing.assert_array_equal(lora.apply(params, tokens), base.apply(without, tokens))
   # With non-zero B, folding the adapters into the weights gives the same function.
   params = jax.tree_util.tree_map_with_path(
-      lambda p, x: x + 0.05 if str(p[-1].key).endswith("_lora_b") else x, params)
+    lambda p, x: x + 0.05 if str(p[-1].key).endswith("_lora_b") else x, params
+  )
   merged = lora.merge_lora(params)
   assert adapter_count(merged) == 0
   np.testing.assert_allclose(base.apply(merged, tokens), lora.apply(params, tokens), atol=1e-5)
@@ -68,11 +70,14 @@ def test_counts():
   assert sum(jax.tree.leaves(model.trainable_mask())) == 2 * len(LORA.targets)
 
 
-@pytest.mark.parametrize("kwargs,message", [
+@pytest.mark.parametrize(
+  "kwargs,message",
+  [
     ({"targets": ("wq", "q_proj")}, "unknown LoRA targets ['q_proj']"),
     ({"targets": ""}, "unknown LoRA targets (none)"),
     ({"rank": 0}, "LoRA rank must be >= 1"),
-])
+  ],
+)
 def test_bad_lora_config(kwargs, message):
   with pytest.raises(ValueError) as e:
     LoraConfig(**kwargs)
@@ -81,7 +86,7 @@ def test_bad_lora_config(kwargs, message):
 
 def test_reference_moves_every_adapter(setup):
   _, params0, _, trained = setup
-  for (path, a) in jax.tree_util.tree_leaves_with_path(trained):
+  for path, a in jax.tree_util.tree_leaves_with_path(trained):
     b = params0
     for k in path:
       b = b[k.key]
@@ -91,8 +96,9 @@ def test_reference_moves_every_adapter(setup):
 @pytest.mark.parametrize("strategy", VALID_NAMES)
 def test_lora_equals_single_device(setup, strategy):
   batches, params0, ref_losses, ref_trained = setup
-  engine = Engine(Llama(CFG, lora=LORA), parse_strategy(strategy), make_mesh(2, 4), OPTIM,
-                  micro_batches=A)
+  engine = Engine(
+    Llama(CFG, lora=LORA), parse_strategy(strategy), make_mesh(2, 4), OPTIM, micro_batches=A
+  )
   state = engine.state_from_params(params0)
   losses = []
   for batch in batches:
@@ -101,8 +107,9 @@ def test_lora_equals_single_device(setup, strategy):
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   master = jax.device_get(state.master)
   assert jax.tree.structure(master) == jax.tree.structure(ref_trained)
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(master),
-                          jax.tree.leaves(ref_trained)):
+  for (path, x), y in zip(
+    jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(ref_trained)
+  ):
     np.testing.assert_allclose(x, y, atol=2e-5, err_msg=jax.tree_util.keystr(path))
   # The base is frozen: bit for bit what it started as.
   full = jax.device_get(engine.params(state))
@@ -141,8 +148,13 @@ def test_state_bytes_match_formula(setup, strategy):
 @pytest.mark.parametrize("strategy", ["ING", "IIG", "NNG", "GGG"])
 def test_traffic_uses_trainable_count(strategy):
   """The compiled step moves what the formula says with Ψ' for gradients and parameter sync."""
-  engine = Engine(Llama(CFG, jnp.float32, lora=LORA), parse_strategy(strategy), make_mesh(2, 4),
-                  OptimConfig(), micro_batches=2)
+  engine = Engine(
+    Llama(CFG, jnp.float32, lora=LORA),
+    parse_strategy(strategy),
+    make_mesh(2, 4),
+    OptimConfig(),
+    micro_batches=2,
+  )
   r = report(engine, compile_step(engine, batch_size=8, seq_len=8))
   assert r["trainable_params"] == engine.model.trainable_count() < r["params"] / 4
   for key in ("inter_bytes", "intra_bytes"):
@@ -153,16 +165,23 @@ def test_traffic_uses_trainable_count(strategy):
     assert 0 < r["measured"]["inter_bytes"] < 2 * 2 * 4 * engine.model.trainable_count()
 
 
-RUN = {"model": "test", "mesh": (2, 4), "batch_size": 8, "seq_len": 16, "dtype": "fp32",
-       "warmup": 1, "lora_rank": 4, "lora_targets": "wq,wv,w_down"}
+RUN = {
+  "model": "test",
+  "mesh": (2, 4),
+  "batch_size": 8,
+  "seq_len": 16,
+  "dtype": "fp32",
+  "warmup": 1,
+  "lora_rank": 4,
+  "lora_targets": "wq,wv,w_down",
+}
 
 
 def test_train_resume_other_strategy_and_export_merged(tmp_path):
   run = tmp_path / "run"
   train(RunConfig(strategy="ING", steps=2, out=str(run), **RUN))
   # Resume on another strategy and mesh; the LoRA flags must match the checkpoint's.
-  other = RunConfig(strategy="GGG", steps=3, out=str(run), resume=True,
-                    **{**RUN, "mesh": (1, 8)})
+  other = RunConfig(strategy="GGG", steps=3, out=str(run), resume=True, **{**RUN, "mesh": (1, 8)})
   with pytest.raises(ValueError, match="was written with --lora-rank 4"):
     train(dataclasses.replace(other, lora_rank=8))
   train(other)
@@ -177,17 +196,37 @@ def test_train_resume_other_strategy_and_export_merged(tmp_path):
   assert meta.step == 3
   full = jax.device_get(join_trainable(engine.mask, state.master, state.frozen))
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab, (2, 16)), jnp.int32)
-  np.testing.assert_allclose(Llama(cfg).apply(jax.tree.map(jnp.asarray, exported), tokens),
-                             engine.model.apply(full, tokens), atol=1e-5)
+  np.testing.assert_allclose(
+    Llama(cfg).apply(jax.tree.map(jnp.asarray, exported), tokens),
+    engine.model.apply(full, tokens),
+    atol=1e-5,
+  )
 
 
-@pytest.mark.parametrize("argv,message", [
+@pytest.mark.parametrize(
+  "argv,message",
+  [
     (["--lora-rank", "4", "--lora-targets", "wq,q_proj"], "unknown LoRA targets ['q_proj']"),
     (["--lora-rank", "-1"], "lora-rank must be >= 0"),
-])
+  ],
+)
 def test_bad_lora_flags_are_clear_errors(tmp_path, capsys, argv, message):
   with pytest.raises(SystemExit) as e:
-    cli.main(["train", "--model", "test", "--mesh", "2x4", "--steps", "1", "--batch-size", "8",
-              "--out", str(tmp_path), *argv])
+    cli.main(
+      [
+        "train",
+        "--model",
+        "test",
+        "--mesh",
+        "2x4",
+        "--steps",
+        "1",
+        "--batch-size",
+        "8",
+        "--out",
+        str(tmp_path),
+        *argv,
+      ]
+    )
   assert e.value.code == 2
   assert message in capsys.readouterr().err

@@ -22,8 +22,11 @@ def test_default_mesh_is_one_group_per_process():
 
 @pytest.mark.parametrize("shape", [(3, 3), (2, 2), (1, 16)])
 def test_mesh_device_count_mismatch(shape):
-  with pytest.raises(ValueError, match=rf"mesh {shape[0]}x{shape[1]} needs {shape[0] * shape[1]} "
-                                       r"devices but 8 are available.*--mesh GxM"):
+  with pytest.raises(
+    ValueError,
+    match=rf"mesh {shape[0]}x{shape[1]} needs {shape[0] * shape[1]} "
+    r"devices but 8 are available.*--mesh GxM",
+  ):
     make_mesh(*shape)
 
 

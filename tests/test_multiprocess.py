@@ -31,9 +31,26 @@ def _env():
 
 
 def _train(strategy, out, steps=2, *extra):
-  return ["train", "--model", "tiny", "--strategy", strategy, "--batch-size", "4", "--seq-len",
-          "16", "--steps", str(steps), "--warmup", "1", "--dtype", "fp32", "--out", str(out),
-          *extra]
+  return [
+    "train",
+    "--model",
+    "tiny",
+    "--strategy",
+    strategy,
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "16",
+    "--steps",
+    str(steps),
+    "--warmup",
+    "1",
+    "--dtype",
+    "fp32",
+    "--out",
+    str(out),
+    *extra,
+  ]
 
 
 def _losses(out):
@@ -66,8 +83,11 @@ def _namespaces_of(pid):
   if shutil.which("ip") is None:
     return []
   out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-  return [line.split()[0] for line in out.splitlines()
-          if line.startswith(f"{NS_PREFIX}{pid}n") or line.startswith(f"{NS_PREFIX}{pid}br")]
+  return [
+    line.split()[0]
+    for line in out.splitlines()
+    if line.startswith(f"{NS_PREFIX}{pid}n") or line.startswith(f"{NS_PREFIX}{pid}br")
+  ]
 
 
 def _can_namespace():
@@ -83,16 +103,30 @@ def _can_namespace():
 def test_two_processes_match_one(tmp_path, strategy):
   """2 processes x 2 devices (loopback, gloo) give the losses of 1 process x 4 devices, mesh
   2x2 both; only process 0 writes metrics."""
-  ref = subprocess.run([sys.executable, "-m", "paro_jax", *_train(strategy, tmp_path / "one"),
-                        "--mesh", "2x2"], cwd=REPO, env=_env(), capture_output=True, text=True,
-                       timeout=300)
+  ref = subprocess.run(
+    [sys.executable, "-m", "paro_jax", *_train(strategy, tmp_path / "one"), "--mesh", "2x2"],
+    cwd=REPO,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert ref.returncode == 0, ref.stderr[-3000:]
   out, err = io.StringIO(), io.StringIO()
-  code = launch(_train(strategy, tmp_path / "two"), nodes=2, devices_per_node=2, shaped=False,
-                env=_env(), stdout=out, stderr=err)
+  code = launch(
+    _train(strategy, tmp_path / "two"),
+    nodes=2,
+    devices_per_node=2,
+    shaped=False,
+    env=_env(),
+    stdout=out,
+    stderr=err,
+  )
   assert code == 0, err.getvalue()[-3000:]
   assert "the link is NOT shaped" in err.getvalue()
-  assert "[node 0] paro-jax: tiny" in out.getvalue() and "mesh 2x2 (4 cpu devices)" in out.getvalue()
+  assert (
+    "[node 0] paro-jax: tiny" in out.getvalue() and "mesh 2x2 (4 cpu devices)" in out.getvalue()
+  )
   assert '[node 1] {"step"' not in out.getvalue()  # process 1 neither logs nor writes
   np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
   assert len(_losses(tmp_path / "two")) == 2
@@ -103,8 +137,14 @@ def test_bad_train_argument_fails_fast_naming_the_node(tmp_path, monkeypatch):
   monkeypatch.setattr(os, "geteuid", lambda: 1000)
   err = io.StringIO()
   start = time.monotonic()
-  code = launch(_train("IIG", tmp_path, 2, "--batch-size", "3"), nodes=2, devices_per_node=2,
-                env=_env(), stdout=io.StringIO(), stderr=err)
+  code = launch(
+    _train("IIG", tmp_path, 2, "--batch-size", "3"),
+    nodes=2,
+    devices_per_node=2,
+    env=_env(),
+    stdout=io.StringIO(),
+    stderr=err,
+  )
   assert code == 2
   assert time.monotonic() - start < 60
   text = err.getvalue()
@@ -116,11 +156,11 @@ def test_bad_train_argument_fails_fast_naming_the_node(tmp_path, monkeypatch):
 
 def test_launcher_refuses_flags_it_sets(tmp_path):
   with pytest.raises(ValueError, match="--process-id is set by the launcher"):
-    launch(_train("IIG", tmp_path, 1, "--process-id", "0"), nodes=2, devices_per_node=2,
-           shaped=False)
+    launch(
+      _train("IIG", tmp_path, 1, "--process-id", "0"), nodes=2, devices_per_node=2, shaped=False
+    )
   with pytest.raises(ValueError, match="does not have the 4 devices"):
-    launch(_train("IIG", tmp_path, 1, "--mesh", "1x2"), nodes=2, devices_per_node=2,
-           shaped=False)
+    launch(_train("IIG", tmp_path, 1, "--mesh", "1x2"), nodes=2, devices_per_node=2, shaped=False)
 
 
 def test_launch_runs_a_python_script(tmp_path):
@@ -128,9 +168,28 @@ def test_launch_runs_a_python_script(tmp_path):
   the collectives benchmark, tiny, on loopback 2x1; only process 0 prints and writes."""
   bench = os.path.join(REPO, "experiments", "bench_collectives.py")
   out, err = io.StringIO(), io.StringIO()
-  code = launch(["python", bench, "--max-bytes", "1024", "--repeats", "1", "--impls",
-                 "xla,horing", "--out", str(tmp_path), "--note", "t"], nodes=2,
-                devices_per_node=1, shaped=False, env=_env(), stdout=out, stderr=err)
+  code = launch(
+    [
+      "python",
+      bench,
+      "--max-bytes",
+      "1024",
+      "--repeats",
+      "1",
+      "--impls",
+      "xla,horing",
+      "--out",
+      str(tmp_path),
+      "--note",
+      "t",
+    ],
+    nodes=2,
+    devices_per_node=1,
+    shaped=False,
+    env=_env(),
+    stdout=out,
+    stderr=err,
+  )
   assert code == 0, err.getvalue()[-3000:]
   data = json.loads((tmp_path / "collectives.json").read_text())
   assert data["meta"]["processes"] == 2 and data["meta"]["mesh"] == {"inter": 2, "intra": 1}
@@ -142,10 +201,22 @@ def test_launch_runs_a_python_script(tmp_path):
 
 
 def _start_cli_launch(tmp_path, *launch_args):
-  cmd = [sys.executable, "-m", "paro_jax", "launch", "--nodes", "2", "--devices-per-node", "2",
-         *launch_args, "--", *_train("IIG", tmp_path, 50)]
-  proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  cmd = [
+    sys.executable,
+    "-m",
+    "paro_jax",
+    "launch",
+    "--nodes",
+    "2",
+    "--devices-per-node",
+    "2",
+    *launch_args,
+    "--",
+    *_train("IIG", tmp_path, 50),
+  ]
+  proc = subprocess.Popen(
+    cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
   deadline = time.monotonic() + 60
   kids = []
   while len(kids) < 2 and time.monotonic() < deadline:
@@ -184,14 +255,23 @@ def test_sigterm_to_the_launcher_stops_everything(tmp_path):
   assert _namespaces_of(proc.pid) == []
 
 
-@pytest.mark.skipif(_can_namespace() is not None,
-                    reason=f"namespaced launch not possible: {_can_namespace()}")
+@pytest.mark.skipif(
+  _can_namespace() is not None, reason=f"namespaced launch not possible: {_can_namespace()}"
+)
 def test_namespaced_launch_trains_and_cleans_up(tmp_path):
   """2 nodes x 2 devices in their own network namespaces, linked by a veth pair shaped to
   1 Gbit/s: trains 2 steps, traffic really crosses the link, and nothing is left behind."""
   out, err, sent = io.StringIO(), io.StringIO(), {}
-  code = launch(_train("IIG", tmp_path), nodes=2, devices_per_node=2, inter_bandwidth="1gbit",
-                env=_env(), stdout=out, stderr=err, link_bytes=sent)
+  code = launch(
+    _train("IIG", tmp_path),
+    nodes=2,
+    devices_per_node=2,
+    inter_bandwidth="1gbit",
+    env=_env(),
+    stdout=out,
+    stderr=err,
+    link_bytes=sent,
+  )
   assert code == 0, err.getvalue()[-3000:]
   assert "joined by a veth pair" in err.getvalue() and "shaped to 1gbit" in err.getvalue()
   assert len(_losses(tmp_path)) == 2
@@ -203,8 +283,14 @@ def test_namespaced_launch_trains_and_cleans_up(tmp_path):
   assert f"pj{os.getpid()}" not in links
 
 
-SLURM = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
-         "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2"}
+SLURM = {
+  "SLURM_JOB_ID": "77",
+  "SLURM_STEP_NODELIST": "localhost",
+  "SLURM_NTASKS": "2",
+  "SLURM_PROCID": "0",
+  "SLURM_LOCALID": "0",
+  "SLURM_STEP_NUM_NODES": "2",
+}
 
 
 def test_cluster_detection_from_environment():
@@ -213,8 +299,9 @@ def test_cluster_detection_from_environment():
   assert distributed.detect_cluster({}) is None
   assert distributed.detect_cluster(SLURM) == ("slurm", 2)
   assert distributed.detect_cluster({**SLURM, "SLURM_NTASKS": "1"}) is None
-  assert distributed.detect_cluster({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1",
-                                     "OMPI_COMM_WORLD_SIZE": "4"}) == ("ompi", 4)
+  assert distributed.detect_cluster(
+    {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "4"}
+  ) == ("ompi", 4)
   assert distributed.process_count(environ=SLURM) == 2
   assert distributed.process_count("h:1", 3, 2, environ=SLURM) == 3  # flags win
   assert distributed.one_process_per_node(SLURM)
@@ -231,8 +318,21 @@ def test_mesh_must_divide_among_processes(tmp_path, capsys):
   from paro_jax.cli import main
 
   with pytest.raises(SystemExit) as e:
-    main(["train", "--mesh", "1x3", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
-          "--process-id", "0", "--out", str(tmp_path)])
+    main(
+      [
+        "train",
+        "--mesh",
+        "1x3",
+        "--coordinator",
+        "127.0.0.1:1",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "0",
+        "--out",
+        str(tmp_path),
+      ]
+    )
   assert e.value.code == 2
   assert "--mesh 1x3 has 3 devices, not divisible by the 2 processes" in capsys.readouterr().err
 
@@ -243,14 +343,29 @@ def test_slurm_srun_is_auto_detected():
   with __import__("socket").socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  code = ("from paro_jax.cluster.distributed import maybe_initialize; assert maybe_initialize(); "
-          "import jax; print(jax.process_index(), jax.process_count(), jax.device_count())")
+  code = (
+    "from paro_jax.cluster.distributed import maybe_initialize; assert maybe_initialize(); "
+    "import jax; print(jax.process_index(), jax.process_count(), jax.device_count())"
+  )
   procs = []
   for i in range(2):
-    env = {**_env(), **SLURM, "SLURM_PROCID": str(i), "JAX_COORDINATOR_PORT": str(port),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    env = {
+      **_env(),
+      **SLURM,
+      "SLURM_PROCID": str(i),
+      "JAX_COORDINATOR_PORT": str(port),
+      "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+      )
+    )
   outs = [p.communicate(timeout=120) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs
   assert [o[0].split() for o in outs] == [["0", "2", "4"], ["1", "2", "4"]]

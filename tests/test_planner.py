@@ -1,4 +1,4 @@
-"""The planner (paro_jax/analysis/planner.py), the probe, `train --strategy auto` and the validation math.
+"""The planner (paro_jax/analysis/planner.py), the probe, `train --strategy auto`, validation math.
 
 The paper's conclusions are checked on realistic clusters: 16 nodes x 8 A100-80GB, a 100 Gbit/s
 link per node (a slow cloud) against 300 GB/s NVLink, A=8 micro-batches of one 2,048-token
@@ -20,24 +20,31 @@ from paro_jax.cli import main
 from paro_jax.analysis.costs import step_traffic
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "experiments"))
+sys.path.insert(
+  0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+)
 import validate_planner  # noqa: E402
 
 PARTIAL = [n for n in VALID_NAMES if "I" in n]  # some state sharded within a node only
 
 
-def paper_plan(model="7b", trainable_fraction=1.0, memory="80GB", global_collectives="hierarchical",
-               nodes=16):
+def paper_plan(
+  model="7b", trainable_fraction=1.0, memory="80GB", global_collectives="hierarchical", nodes=16
+):
   cfg = get_config(model)
   psi = cfg.param_count()
-  w = planner.Workload(cfg, micro_batch=1, micro_batches=8, seq_len=2048,
-                       trainable=round(trainable_fraction * psi))
-  net = planner.Links(units.parse_bandwidth("100gbit"), units.parse_bandwidth("300GB/s"),
-                        global_collectives=global_collectives)
+  w = planner.Workload(
+    cfg, micro_batch=1, micro_batches=8, seq_len=2048, trainable=round(trainable_fraction * psi)
+  )
+  net = planner.Links(
+    units.parse_bandwidth("100gbit"),
+    units.parse_bandwidth("300GB/s"),
+    global_collectives=global_collectives,
+  )
   card = hardware.GPUS["a100-80gb"]
-  return planner.plan(w, planner.Cluster(nodes, 8, net, card.peak_flops,
-                                         device_memory=units.parse_size(memory)))
+  return planner.plan(
+    w, planner.Cluster(nodes, 8, net, card.peak_flops, device_memory=units.parse_size(memory))
+  )
 
 
 @pytest.mark.parametrize("global_collectives", ["flat", "hierarchical"])
@@ -89,9 +96,12 @@ def test_traffic_is_costs_step_traffic():
     t = step_traffic(s, w.psi, w.psi_trained, 4, 8, 4, 2, 2, regathered=regathered)
     assert e.traffic["phases"] == t.phases and e.traffic["inter_bytes"] == t.inter
     assert set(t.phases) <= set(planner.schedule(s, w)), name
-    comm = sum(planner.collective_seconds(*planner.schedule(s, w)[k][:2], b,
-                                          planner.schedule(s, w)[k][2], cluster)
-               for k, b in t.phases.items())
+    comm = sum(
+      planner.collective_seconds(
+        *planner.schedule(s, w)[k][:2], b, planner.schedule(s, w)[k][2], cluster
+      )
+      for k, b in t.phases.items()
+    )
     assert e.step_time_s == pytest.approx(e.times["compute"] + comm)
 
 
@@ -103,16 +113,19 @@ def test_global_collective_models_and_overlap():
   times = {}
   for model in planner.GLOBAL_MODELS:
     net = planner.Links(12.5e9, 300e9, global_collectives=model)
-    times[model] = planner.estimate(parse_strategy("GGG"), w,
-                                    planner.Cluster(16, 8, net, 312e12)).step_time_s
+    times[model] = planner.estimate(
+      parse_strategy("GGG"), w, planner.Cluster(16, 8, net, 312e12)
+    ).step_time_s
   assert times["flat"] > times["hierarchical"] > times["overlapped"]
   net = planner.Links(12.5e9, 300e9)
-  plain, hidden = (planner.estimate(parse_strategy("IIG"), w,
-                                    planner.Cluster(16, 8, net, 312e12, overlap=o))
-                   for o in (0.0, 1.0))
+  plain, hidden = (
+    planner.estimate(parse_strategy("IIG"), w, planner.Cluster(16, 8, net, 312e12, overlap=o))
+    for o in (0.0, 1.0)
+  )
   per_mb = plain.times["param_gathers"] + plain.times["grad_traffic"]
-  assert hidden.step_time_s == pytest.approx(plain.step_time_s - min(per_mb,
-                                                                     plain.times["compute"]))
+  assert hidden.step_time_s == pytest.approx(
+    plain.step_time_s - min(per_mb, plain.times["compute"])
+  )
 
 
 def test_layer_params_match_the_model():
@@ -120,32 +133,70 @@ def test_layer_params_match_the_model():
     assert planner.Workload(cfg).layer_params == Llama(cfg).layer_param_count()
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("80GB", 80e9), ("80GiB", 80 * 2**30), ("512MiB", 512 * 2**20), ("1.5TB", 1.5e12),
-    ("4096", 4096), ("64KiB", 65536)])
+@pytest.mark.parametrize(
+  "text,expected",
+  [
+    ("80GB", 80e9),
+    ("80GiB", 80 * 2**30),
+    ("512MiB", 512 * 2**20),
+    ("1.5TB", 1.5e12),
+    ("4096", 4096),
+    ("64KiB", 65536),
+  ],
+)
 def test_parse_size(text, expected):
   assert units.parse_size(text) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("300GB/s", 300e9), ("100gbit", 12.5e9), ("100Gb/s", 12.5e9), ("25GiB/s", 25 * 2**30),
-    ("400mbit", 50e6), ("10gbps", 10e9)])  # tc's gbps is gigabytes per second
+@pytest.mark.parametrize(
+  "text,expected",
+  [
+    ("300GB/s", 300e9),
+    ("100gbit", 12.5e9),
+    ("100Gb/s", 12.5e9),
+    ("25GiB/s", 25 * 2**30),
+    ("400mbit", 50e6),
+    ("10gbps", 10e9),
+  ],
+)  # tc's gbps is gigabytes per second
 def test_parse_bandwidth(text, expected):
   assert units.parse_bandwidth(text) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("fn,text", [
-    (units.parse_size, "80 gigs"), (units.parse_size, "-1GB"),
-    (units.parse_size, "80GB/s"), (units.parse_bandwidth, "fast"),
-    (units.parse_bandwidth, "300GB")])
+@pytest.mark.parametrize(
+  "fn,text",
+  [
+    (units.parse_size, "80 gigs"),
+    (units.parse_size, "-1GB"),
+    (units.parse_size, "80GB/s"),
+    (units.parse_bandwidth, "fast"),
+    (units.parse_bandwidth, "300GB"),
+  ],
+)
 def test_parsers_refuse_with_an_example(fn, text):
   with pytest.raises(ValueError, match=f"bad .*{text!r}: write .*e.g."):
     fn(text)
 
 
-PLAN = ["plan", "--model", "7b", "--nodes", "16", "--devices-per-node", "8", "--device-memory",
-        "80GB", "--inter-bandwidth", "100gbit", "--intra-bandwidth", "300GB/s", "--micro-batch",
-        "1", "--micro-batches", "8"]
+PLAN = [
+  "plan",
+  "--model",
+  "7b",
+  "--nodes",
+  "16",
+  "--devices-per-node",
+  "8",
+  "--device-memory",
+  "80GB",
+  "--inter-bandwidth",
+  "100gbit",
+  "--intra-bandwidth",
+  "300GB/s",
+  "--micro-batch",
+  "1",
+  "--micro-batches",
+  "8",
+]
 
 
 def test_plan_json_schema(capsys):
@@ -155,8 +206,13 @@ def test_plan_json_schema(capsys):
   assert len(out["ranking"]) == 14 and out["ranking"][0]["strategy"] == out["pick"]
   for row in out["ranking"]:
     assert {"strategy", "fits", "memory_bytes", "step_time_s", "tokens_per_s", "times"} <= set(row)
-    assert set(row["times"]) == {"compute", "param_gathers", "grad_traffic", "grad_sync",
-                                 "param_sync"}
+    assert set(row["times"]) == {
+      "compute",
+      "param_gathers",
+      "grad_traffic",
+      "grad_sync",
+      "param_sync",
+    }
   fits = [r["fits"] for r in out["ranking"]]
   assert fits == sorted(fits, reverse=True)  # fitting ones first
 
@@ -167,7 +223,9 @@ def test_plan_table(capsys):
   assert "ZeRO-3" in out and "pick " in out and out.count("\n") > 15
 
 
-@pytest.mark.parametrize("argv,message", [
+@pytest.mark.parametrize(
+  "argv,message",
+  [
     (["--model", "70b"], "unknown model preset '70b'"),
     (["--device-memory", "80 gigs"], "bad --device-memory '80 gigs'"),
     (["--inter-bandwidth", "fast"], "bad --inter-bandwidth 'fast'"),
@@ -176,7 +234,8 @@ def test_plan_table(capsys):
     (["--gpu", "tpu"], "unknown --gpu 'tpu'"),
     (["--trainable-fraction", "2"], "--trainable-fraction must be in (0, 1]"),
     (["--profile", "/nonexistent/probe.json"], "profile '/nonexistent/probe.json' does not exist"),
-])
+  ],
+)
 def test_plan_bad_input(capsys, argv, message):
   with pytest.raises(SystemExit) as e:
     main([*PLAN, *argv])
@@ -207,8 +266,9 @@ def test_probe_measures_every_collective_and_level(tmp_path):
   path = tmp_path / "probe.json"
   write_profile(profile, str(path))
   assert len(planner.measured_links(planner.load_profile(str(path)))) == 9
-  name, why = planner.choose_strategy(get_config("tiny"), 2, 4, 1, 2, 64, 4,
-                                      planner.load_profile(str(path)))
+  name, why = planner.choose_strategy(
+    get_config("tiny"), 2, 4, 1, 2, 64, 4, planner.load_profile(str(path))
+  )
   assert name in VALID_NAMES and name in why
 
 
@@ -223,8 +283,27 @@ def test_fit_line():
 
 def test_train_strategy_auto(tmp_path, capsys):
   out = tmp_path / "run"
-  main(["train", "--strategy", "auto", "--model", "test", "--mesh", "2x4", "--steps", "2",
-        "--batch-size", "8", "--seq-len", "16", "--dtype", "fp32", "--out", str(out)])
+  main(
+    [
+      "train",
+      "--strategy",
+      "auto",
+      "--model",
+      "test",
+      "--mesh",
+      "2x4",
+      "--steps",
+      "2",
+      "--batch-size",
+      "8",
+      "--seq-len",
+      "16",
+      "--dtype",
+      "fp32",
+      "--out",
+      str(out),
+    ]
+  )
   text = capsys.readouterr().out
   line = next(x for x in text.splitlines() if "--strategy auto picked" in x)
   pick = line.split("picked ")[1][:3]
@@ -240,13 +319,15 @@ def test_ranks_and_spearman():
   assert validate_planner.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
   # Ties: x has ranks (1.5, 1.5, 3, 4), y is increasing.
   assert validate_planner.spearman([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(
-      validate_planner.pearson([1.5, 1.5, 3, 4], [1, 2, 3, 4]))
+    validate_planner.pearson([1.5, 1.5, 3, 4], [1, 2, 3, 4])
+  )
 
 
 def test_nnls_recovers_nonnegative_coefficients():
   rows = [[1.0, x, x * x] for x in range(6)]
-  assert validate_planner.nnls(rows, [2 + 3 * r[1] for r in rows]) == pytest.approx([2, 3, 0],
-                                                                                   abs=1e-9)
+  assert validate_planner.nnls(rows, [2 + 3 * r[1] for r in rows]) == pytest.approx(
+    [2, 3, 0], abs=1e-9
+  )
   ys = [2 - 3 * r[1] for r in rows]  # the best fit has a negative slope: clipped to 0
   assert min(validate_planner.nnls(rows, ys)) >= 0
 
@@ -254,24 +335,35 @@ def test_nnls_recovers_nonnegative_coefficients():
 def _truth():
   """The constants the synthetic benchmarks' "measured" step times are made with."""
   return validate_planner.Constants(
-      1 / 0.8e9, {"all_gather": 2e-4, "reduce_scatter": 9e-4, "all_reduce": 5e-4}, 2e-9, 1.1,
-      "truth")
+    1 / 0.8e9, {"all_gather": 2e-4, "reduce_scatter": 9e-4, "all_reduce": 5e-4}, 2e-9, 1.1, "truth"
+  )
 
 
 def _synthetic_bench(truth):
-  bench = {"meta": {"nodes": 2, "devices_per_node": 4, "model": "tiny", "batch_size": 32,
-                    "seq_len": 512, "dtype": "fp32", "command": "synthetic"},
-           "calibration": {"effective_flop_per_s_per_device": 5e9},
-           "regimes": [{"regime": "slow", "rate": "20mbit", "rate_bps": 20e6},
-                       {"regime": "unshaped", "rate": "100gbit", "rate_bps": 100e9}],
-           "runs": [{"regime": "slow", "name": "jit-fsdp", "micro_batches": 1,
-                     "median_step_s": 1.0}]}
+  bench = {
+    "meta": {
+      "nodes": 2,
+      "devices_per_node": 4,
+      "model": "tiny",
+      "batch_size": 32,
+      "seq_len": 512,
+      "dtype": "fp32",
+      "command": "synthetic",
+    },
+    "calibration": {"effective_flop_per_s_per_device": 5e9},
+    "regimes": [
+      {"regime": "slow", "rate": "20mbit", "rate_bps": 20e6},
+      {"regime": "unshaped", "rate": "100gbit", "rate_bps": 100e9},
+    ],
+    "runs": [{"regime": "slow", "name": "jit-fsdp", "micro_batches": 1, "median_step_s": 1.0}],
+  }
   for g in bench["regimes"]:
     for a in (1, 4):
       for n in VALID_NAMES:
         t = validate_planner.predict(bench, g, a, [n], truth).ranking[0].step_time_s
-        bench["runs"].append({"regime": g["regime"], "name": n, "micro_batches": a,
-                              "median_step_s": t})
+        bench["runs"].append(
+          {"regime": g["regime"], "name": n, "micro_batches": a, "median_step_s": t}
+        )
   return bench
 
 
@@ -283,8 +375,10 @@ def test_validation_on_noise_free_synthetic_results(tmp_path):
   path.write_text(json.dumps(bench))
   assert validate_planner.main(["--results", str(path), "--out", str(tmp_path / "out")]) == 0
   summary = json.loads((tmp_path / "out" / "validate.json").read_text())
-  assert [(r["regime"], r["micro_batches"]) for r in summary["results"]] == [("slow", 1),
-                                                                             ("slow", 4)]
+  assert [(r["regime"], r["micro_batches"]) for r in summary["results"]] == [
+    ("slow", 1),
+    ("slow", 4),
+  ]
   for r in summary["results"]:
     assert r["spearman"] == pytest.approx(1.0) and r["pick_speed_vs_best"] >= 1 - planner.TIE
     assert r["strategies"] == 14
@@ -301,14 +395,31 @@ def test_validation_judges_the_pick_on_the_remeasured_contenders(tmp_path):
   assert validate_planner.main(["--results", str(path), "--out", str(tmp_path / "a")]) == 0
   pick = json.loads((tmp_path / "a" / "validate.json").read_text())["results"][0]["pick"]
   # Measured again at A=1 only: the pick 25% slower than every other strategy.
-  again = {"meta": {"command": "again", "steps": 7, "skip": 1},
-           "runs": [{"regime": "slow", "name": n, "micro_batches": 1,
-                     "median_step_s": 2.5 if n == pick else 2.0} for n in VALID_NAMES]}
+  again = {
+    "meta": {"command": "again", "steps": 7, "skip": 1},
+    "runs": [
+      {"regime": "slow", "name": n, "micro_batches": 1, "median_step_s": 2.5 if n == pick else 2.0}
+      for n in VALID_NAMES
+    ],
+  }
   again_path = tmp_path / "again.json"
   again_path.write_text(json.dumps(again))
   # --margin 10: every strategy is a contender.
-  assert validate_planner.main(["--results", str(path), "--out", str(tmp_path / "b"),
-                                "--remeasured", str(again_path), "--margin", "10"]) == 0
+  assert (
+    validate_planner.main(
+      [
+        "--results",
+        str(path),
+        "--out",
+        str(tmp_path / "b"),
+        "--remeasured",
+        str(again_path),
+        "--margin",
+        "10",
+      ]
+    )
+    == 0
+  )
   summary = json.loads((tmp_path / "b" / "validate.json").read_text())
   a1, a4 = summary["results"]
   assert a1["remeasured"]["covered"] and len(a1["remeasured"]["contenders"]) == 14
@@ -339,13 +450,30 @@ def test_validation_merges_remeasurements_split_over_files(tmp_path):
   path.write_text(json.dumps(bench))
   files = []
   for a in (1, 4):
-    runs = [dict(r, median_step_s=1.1 * r["median_step_s"]) for r in bench["runs"]
-            if r["regime"] == "slow" and r["micro_batches"] == a and r["name"] in VALID_NAMES]
+    runs = [
+      dict(r, median_step_s=1.1 * r["median_step_s"])
+      for r in bench["runs"]
+      if r["regime"] == "slow" and r["micro_batches"] == a and r["name"] in VALID_NAMES
+    ]
     files.append(tmp_path / f"again{a}.json")
-    files[-1].write_text(json.dumps({"meta": {"command": f"again A={a}", "steps": 7, "skip": 1},
-                                     "runs": runs}))
-  assert validate_planner.main(["--results", str(path), "--out", str(tmp_path / "out"),
-                                "--remeasured", str(files[0]), "--remeasured", str(files[1])]) == 0
+    files[-1].write_text(
+      json.dumps({"meta": {"command": f"again A={a}", "steps": 7, "skip": 1}, "runs": runs})
+    )
+  assert (
+    validate_planner.main(
+      [
+        "--results",
+        str(path),
+        "--out",
+        str(tmp_path / "out"),
+        "--remeasured",
+        str(files[0]),
+        "--remeasured",
+        str(files[1]),
+      ]
+    )
+    == 0
+  )
   summary = json.loads((tmp_path / "out" / "validate.json").read_text())
   assert summary["met"] and summary["noise"]["sigma"] == pytest.approx(0.0, abs=1e-9)
   for r in summary["results"]:
@@ -361,13 +489,26 @@ def test_validation_merges_remeasurements_split_over_files(tmp_path):
     r["median_step_s"] *= 1.3 if i % 2 else 0.7
   files.append(tmp_path / "again1b.json")
   files[-1].write_text(json.dumps(third))
-  assert validate_planner.main(["--results", str(path), "--out", str(tmp_path / "three"),
-                                *(x for f in files for x in ("--remeasured", str(f)))]) == 0
+  assert (
+    validate_planner.main(
+      [
+        "--results",
+        str(path),
+        "--out",
+        str(tmp_path / "three"),
+        *(x for f in files for x in ("--remeasured", str(f))),
+      ]
+    )
+    == 0
+  )
   summary = json.loads((tmp_path / "three" / "validate.json").read_text())
   a1, a4 = summary["results"]
   assert a1["remeasured"]["all"]["runs"] == 3 and a4["remeasured"]["all"]["runs"] == 2
-  slow1 = {r["name"]: r["median_step_s"] for r in bench["runs"]
-           if r["regime"] == "slow" and r["micro_batches"] == 1 and r["name"] in VALID_NAMES}
+  slow1 = {
+    r["name"]: r["median_step_s"]
+    for r in bench["runs"]
+    if r["regime"] == "slow" and r["micro_batches"] == 1 and r["name"] in VALID_NAMES
+  }
   third_t = {r["name"]: r["median_step_s"] for r in third["runs"]}
   for n, t in a1["remeasured"]["all"]["combined_step_s"].items():
     assert t == pytest.approx((slow1[n] * 1.1 * slow1[n] * third_t[n]) ** (1 / 3))
@@ -384,15 +525,18 @@ def test_contenders_are_those_near_the_best_plus_the_pick():
 
 def test_noise_sigma_ignores_a_common_shift_and_the_unshaped_reference():
   first = {("slow", 1): {"A": 1.0, "B": 2.0, "C": 4.0}, ("unshaped", 1): {"A": 1.0, "B": 1.0}}
-  shifted = {("slow", 1): {"A": [1.1], "B": [2.2], "C": [4.4]},
-             ("unshaped", 1): {"A": [9.0], "B": [1.0]}}
+  shifted = {
+    ("slow", 1): {"A": [1.1], "B": [2.2], "C": [4.4]},
+    ("unshaped", 1): {"A": [9.0], "B": [1.0]},
+  }
   got = validate_planner.noise_sigma(first, shifted)
   assert got["pairs"] == 3 and got["sigma"] == pytest.approx(0.0, abs=1e-12)
   assert got["mean_log_ratio"] == pytest.approx(math.log(1.1))
   noisy = {("slow", 1): {"A": [1.0], "B": [4.0], "C": [4.0]}}
   logs = [0.0, math.log(2.0), 0.0]
   assert validate_planner.noise_sigma(first, noisy)["sigma"] == pytest.approx(
-      statistics.stdev(logs) / math.sqrt(2))
+    statistics.stdev(logs) / math.sqrt(2)
+  )
   # Every re-measurement of a configuration is one pair with the full run.
   twice = {("slow", 1): {"A": [1.0, 2.0], "B": [4.0]}}
   logs = [0.0, math.log(2.0), math.log(2.0)]
@@ -402,7 +546,7 @@ def test_noise_sigma_ignores_a_common_shift_and_the_unshaped_reference():
 
 
 def test_spearman_ceiling_falls_with_noise_against_the_spread():
-  spread = [2.0 ** k for k in range(10)]  # neighbours 2x apart
+  spread = [2.0**k for k in range(10)]  # neighbours 2x apart
   assert validate_planner.spearman_ceiling(spread, 0.0, draws=50) == pytest.approx(1.0)
   assert validate_planner.spearman_ceiling(spread, 0.02, draws=200) == pytest.approx(1.0)
   close = [1.0 + 0.001 * k for k in range(10)]  # 0.1% apart, 30% noise: ranks are a lottery
@@ -416,22 +560,32 @@ def test_validation_merges_regimes_from_several_results_files(tmp_path):
   truth = _truth()
   bench = _synthetic_bench(truth)
   slower = {"regime": "slower", "rate": "5mbit", "rate_bps": 5e6}
-  second = dict(bench, meta=dict(bench["meta"], command="second"),
-                regimes=[slower, bench["regimes"][1]],
-                runs=[r for r in bench["runs"] if r["regime"] == "unshaped"])
+  second = dict(
+    bench,
+    meta=dict(bench["meta"], command="second"),
+    regimes=[slower, bench["regimes"][1]],
+    runs=[r for r in bench["runs"] if r["regime"] == "unshaped"],
+  )
   for a in (1, 4):
     for n in VALID_NAMES:
       t = validate_planner.predict(bench, slower, a, [n], truth).ranking[0].step_time_s
-      second["runs"].append({"regime": "slower", "name": n, "micro_batches": a,
-                             "median_step_s": t})
+      second["runs"].append({"regime": "slower", "name": n, "micro_batches": a, "median_step_s": t})
   paths = [tmp_path / "first.json", tmp_path / "second.json"]
   paths[0].write_text(json.dumps(bench))
   paths[1].write_text(json.dumps(second))
-  assert validate_planner.main(["--results", str(paths[0]), "--results", str(paths[1]),
-                                "--out", str(tmp_path / "out")]) == 0
+  assert (
+    validate_planner.main(
+      ["--results", str(paths[0]), "--results", str(paths[1]), "--out", str(tmp_path / "out")]
+    )
+    == 0
+  )
   summary = json.loads((tmp_path / "out" / "validate.json").read_text())
   assert [(r["regime"], r["micro_batches"]) for r in summary["results"]] == [
-      ("slow", 1), ("slow", 4), ("slower", 1), ("slower", 4)]
+    ("slow", 1),
+    ("slow", 4),
+    ("slower", 1),
+    ("slower", 4),
+  ]
   assert all(r["spearman"] == pytest.approx(1.0) for r in summary["results"]) and summary["met"]
   # The fit saw each unshaped run once: the copies did not double them.
   assert "fitted on the 28 unshaped runs" in summary["constants"]["source"]
@@ -441,23 +595,30 @@ def test_validation_merges_regimes_from_several_results_files(tmp_path):
   paths.append(tmp_path / "other.json")
   paths[-1].write_text(json.dumps(other))
   with pytest.raises(ValueError, match="differs from `synthetic` in batch_size"):
-    validate_planner.main(["--results", str(paths[0]), "--results", str(paths[2]),
-                           "--out", str(tmp_path / "x")])
+    validate_planner.main(
+      ["--results", str(paths[0]), "--results", str(paths[2]), "--out", str(tmp_path / "x")]
+    )
   clash = json.loads(paths[1].read_text())
   clash["runs"][0]["median_step_s"] *= 2
   paths.append(tmp_path / "clash.json")
   paths[-1].write_text(json.dumps(clash))
   with pytest.raises(ValueError, match="unshaped .* measured in two --results files"):
-    validate_planner.main(["--results", str(paths[0]), "--results", str(paths[3]),
-                           "--out", str(tmp_path / "x")])
+    validate_planner.main(
+      ["--results", str(paths[0]), "--results", str(paths[3]), "--out", str(tmp_path / "x")]
+    )
 
 
 def test_remeasured_times_counts_each_run_once():
   """A row copied into another --remeasured file (same median) is one run; a different median of
   the same configuration is another run."""
+
   def bench(*times):
-    return {"runs": [{"regime": "slow", "name": "IIG", "micro_batches": 1, "median_step_s": t}
-                     for t in times]}
+    return {
+      "runs": [
+        {"regime": "slow", "name": "IIG", "micro_batches": 1, "median_step_s": t} for t in times
+      ]
+    }
+
   got = validate_planner.remeasured_times([bench(2.0), bench(2.0), bench(3.0)])
   assert got == {("slow", 1): {"IIG": [2.0, 3.0]}}
   assert validate_planner.gmean([2.0, 8.0]) == pytest.approx(4.0)

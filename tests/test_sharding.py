@@ -39,8 +39,12 @@ def test_stored_specs_iig(model_trees):
 def test_g_shard_lies_inside_i_shard():
   mesh = make_mesh(2, 4)
   x = np.arange(64)
-  i_shards = jax.device_put(x, NamedSharding(mesh, placement_spec("x", (64,), -1, Placement.I, mesh)))
-  g_shards = jax.device_put(x, NamedSharding(mesh, placement_spec("x", (64,), -1, Placement.G, mesh)))
+  i_shards = jax.device_put(
+    x, NamedSharding(mesh, placement_spec("x", (64,), -1, Placement.I, mesh))
+  )
+  g_shards = jax.device_put(
+    x, NamedSharding(mesh, placement_spec("x", (64,), -1, Placement.G, mesh))
+  )
   i_by_dev = {s.device: set(np.asarray(s.data).tolist()) for s in i_shards.addressable_shards}
   seen = set()
   for s in g_shards.addressable_shards:
@@ -56,9 +60,12 @@ def test_g_shard_lies_inside_i_shard():
 
 def test_non_dividing_dimension_names_leaf_shape_and_mesh(model_trees):
   logical, shapes, dims = model_trees
-  with pytest.raises(ValueError, match=r"cannot shard layers/attn/wq \(shape \(2, 32, 4, 8\)\) "
-                                       r"with placement G: its dimension 1 has size 32, not "
-                                       r"divisible by 48 \(mesh inter=6 x intra=8\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"cannot shard layers/attn/wq \(shape \(2, 32, 4, 8\)\) "
+    r"with placement G: its dimension 1 has size 32, not "
+    r"divisible by 48 \(mesh inter=6 x intra=8\)",
+  ):
     placement_spec("layers/attn/wq", (2, 32, 4, 8), -3, Placement.G, _FakeMesh(6, 8))
 
 
@@ -68,8 +75,11 @@ class _FakeMesh:
 
 
 def test_leaf_without_shardable_axis_is_an_error():
-  with pytest.raises(ValueError, match=r"parameter w with logical axes \('mlp',\) has none of "
-                                       r"the shardable axes \('embed', 'lora_out', 'lora_in'\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"parameter w with logical axes \('mlp',\) has none of "
+    r"the shardable axes \('embed', 'lora_out', 'lora_in'\)",
+  ):
     shard_dims({"w": ("mlp",)})
   with pytest.raises(ValueError, match="both shardable and never_shard"):
     ShardingRules(shard_axes=("layers",))

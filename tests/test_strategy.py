@@ -13,9 +13,19 @@ def test_exactly_the_14_valid_strategies():
     assert parse_strategy(name.lower()).name == name
 
 
-@pytest.mark.parametrize("alias,letters", [("ddp", "NNN"), ("zero1", "NNG"), ("zero2", "NGG"),
-                                           ("zero3", "GGG"), ("mics", "III"), ("hsdp", "III"),
-                                           ("hsdp-zero2", "NII"), ("ZeRO3", "GGG")])
+@pytest.mark.parametrize(
+  "alias,letters",
+  [
+    ("ddp", "NNN"),
+    ("zero1", "NNG"),
+    ("zero2", "NGG"),
+    ("zero3", "GGG"),
+    ("mics", "III"),
+    ("hsdp", "III"),
+    ("hsdp-zero2", "NII"),
+    ("ZeRO3", "GGG"),
+  ],
+)
 def test_aliases(alias, letters):
   assert parse_strategy(alias).name == letters
   assert alias.lower() in ALIASES
@@ -32,8 +42,10 @@ def test_refused_with_rule_and_valid_names(bad):
     assert name in msg
 
 
-@pytest.mark.parametrize("name,gather,scatter,sync_rs,sync_ar,param_sync", [
-    # name   per-layer gather    per-layer grad RS   boundary RS         boundary AR         param sync
+@pytest.mark.parametrize(
+  "name,gather,scatter,sync_rs,sync_ar,param_sync",
+  [
+    # name, per-layer gather, per-layer grad RS, boundary RS, boundary AR, param sync
     ("NNN", (), (), (), ("intra", "inter"), ()),
     ("NNG", (), (), ("intra", "inter"), (), ("intra", "inter")),
     ("NGG", (), ("intra", "inter"), (), (), ("intra", "inter")),
@@ -45,7 +57,8 @@ def test_refused_with_rule_and_valid_names(bad):
     ("ING", ("intra",), (), ("intra", "inter"), (), ("inter",)),
     ("NIG", (), ("intra",), ("inter",), (), ("intra", "inter")),
     ("NNI", (), (), ("intra",), ("inter",), ("intra",)),
-])
+  ],
+)
 def test_schedule_derived_from_letters(name, gather, scatter, sync_rs, sync_ar, param_sync):
   s = parse_strategy(name)
   assert s.param_gather_axes == gather

@@ -9,8 +9,9 @@ PROGRAM = "import jax, jax.numpy as jnp; print(float(jnp.ones(3).sum()))"
 
 def start_jax(xla_flags: str) -> subprocess.CompletedProcess:
   env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
-  return subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True,
-                        text=True, timeout=120)
+  return subprocess.run(
+    [sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=120
+  )
 
 
 def test_gpu_overlap_flags_exist_in_pinned_xla():

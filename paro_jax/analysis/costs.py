@@ -13,14 +13,22 @@ from paro_jax.core.names import INTER, INTRA
 from paro_jax.core.strategy import Strategy
 
 
-def model_state_bytes(strategy: Strategy, params: int, trainable: int, inter: int, intra: int,
-                      param_bytes: int = 2, grad_bytes: int = 2, opt_bytes: int = 12) -> dict:
+def model_state_bytes(
+  strategy: Strategy,
+  params: int,
+  trainable: int,
+  inter: int,
+  intra: int,
+  param_bytes: int = 2,
+  grad_bytes: int = 2,
+  opt_bytes: int = 12,
+) -> dict:
   """Per-device bytes: params at P, gradients at Gr, fp32 master + Adam moments at OS."""
   f = lambda placement: placement.shard_count(inter, intra)
   out = {
-      "params": param_bytes * params // f(strategy.params),
-      "grads": grad_bytes * trainable // f(strategy.grads),
-      "opt": opt_bytes * trainable // f(strategy.opt),
+    "params": param_bytes * params // f(strategy.params),
+    "grads": grad_bytes * trainable // f(strategy.grads),
+    "opt": opt_bytes * trainable // f(strategy.opt),
   }
   out["total"] = sum(out.values())
   return out
@@ -54,9 +62,17 @@ def _ring(nbytes: float, k: int) -> float:
   return (k - 1) / k * nbytes
 
 
-def step_traffic(strategy: Strategy, params: int, trainable: int, inter: int, intra: int,
-                 micro_batches: int, param_bytes: int = 2, grad_bytes: int = 2,
-                 regathered: int | None = None) -> Traffic:
+def step_traffic(
+  strategy: Strategy,
+  params: int,
+  trainable: int,
+  inter: int,
+  intra: int,
+  micro_batches: int,
+  param_bytes: int = 2,
+  grad_bytes: int = 2,
+  regathered: int | None = None,
+) -> Traffic:
   """Expected per-device traffic of one optimizer step of `strategy`, by the schedule's phases.
 
   `regathered` is how many parameters are gathered a second time in backward (rematerialised);
@@ -68,13 +84,18 @@ def step_traffic(strategy: Strategy, params: int, trainable: int, inter: int, in
   full_p, full_g = param_bytes * params, grad_bytes * trainable
   regathered = params if regathered is None else regathered
   # Per micro-batch: parameters gathered over S(P) in forward and again (remat) in backward.
-  t.add("forward params", s.param_gather_axes,
-        micro_batches * _ring(full_p, k(s.param_gather_axes)))
-  t.add("backward params (remat)", s.param_gather_axes,
-        micro_batches * _ring(param_bytes * regathered, k(s.param_gather_axes)))
+  t.add(
+    "forward params", s.param_gather_axes, micro_batches * _ring(full_p, k(s.param_gather_axes))
+  )
+  t.add(
+    "backward params (remat)",
+    s.param_gather_axes,
+    micro_batches * _ring(param_bytes * regathered, k(s.param_gather_axes)),
+  )
   # Per micro-batch: gradients reduce-scattered over S(Gr) as they leave backward.
-  t.add("backward grads", s.grad_scatter_axes,
-        micro_batches * _ring(full_g, k(s.grad_scatter_axes)))
+  t.add(
+    "backward grads", s.grad_scatter_axes, micro_batches * _ring(full_g, k(s.grad_scatter_axes))
+  )
   # Boundary: from the Gr shard, reduce-scatter to the OS shard, then all-reduce across replicas.
   at_gr = full_g / k(s.grads.axes)
   t.add("grad sync", s.sync_scatter_axes, _ring(at_gr, k(s.sync_scatter_axes)))
@@ -82,6 +103,9 @@ def step_traffic(strategy: Strategy, params: int, trainable: int, inter: int, in
   t.add("grad sync", s.sync_reduce_axes, 2 * _ring(at_os, k(s.sync_reduce_axes)))
   # Parameter sync: all-gather the updated OS shard to the P placement (trained parameters only:
   # frozen ones never change and are held at P already).
-  t.add("param sync", s.param_sync_axes,
-        _ring(param_bytes * trainable / k(s.params.axes), k(s.param_sync_axes)))
+  t.add(
+    "param sync",
+    s.param_sync_axes,
+    _ring(param_bytes * trainable / k(s.params.axes), k(s.param_sync_axes)),
+  )
   return t

@@ -13,15 +13,15 @@ from paro_jax.core.units import GB
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, matched against
 # jax's `device_kind` by substring, most specific first.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM
-    ("A100", 312e12),
-    ("A10G", 125e12),  # AWS's A10; NVIDIA publishes no separate figure: taken as the A10's
-    ("A10", 125e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("V100", 125e12),  # no bf16: its fp16 tensor-core peak
+  ("H200", 989e12),
+  ("H100 PCIe", 756e12),
+  ("H100", 989e12),  # SXM
+  ("A100", 312e12),
+  ("A10G", 125e12),  # AWS's A10; NVIDIA publishes no separate figure: taken as the A10's
+  ("A10", 125e12),
+  ("L40S", 362e12),
+  ("L4", 121e12),
+  ("V100", 125e12),  # no bf16: its fp16 tensor-core peak
 )
 
 
@@ -33,8 +33,7 @@ def peak_flops(device_kind: str) -> float | None:
   return None
 
 
-def mfu(flops_per_step: float, step_time_s: float, devices: int,
-        device_kind: str) -> float | None:
+def mfu(flops_per_step: float, step_time_s: float, devices: int, device_kind: str) -> float | None:
   """Model FLOPs per second over the devices' summed peak; None when the peak is unknown."""
   peak = peak_flops(device_kind)
   if peak is None or step_time_s <= 0:
@@ -58,14 +57,14 @@ class Gpu:
 # Nominal capacities in 10^9 bytes: a little below the real 2^30-byte GB of most cards, which
 # errs on the safe side.
 GPUS: dict[str, Gpu] = {
-    "a100-40gb": Gpu("A100 40GB", "A100", 40 * GB),
-    "a100-80gb": Gpu("A100 80GB", "A100", 80 * GB),
-    "h100": Gpu("H100 SXM 80GB", "H100", 80 * GB),
-    "h100-pcie": Gpu("H100 PCIe 80GB", "H100 PCIe", 80 * GB),
-    "h200": Gpu("H200 141GB", "H200", 141 * GB),
-    "l40s": Gpu("L40S 48GB", "L40S", 48 * GB),
-    "l4": Gpu("L4 24GB", "L4", 24 * GB),
-    "a10g": Gpu("A10G 24GB", "A10G", 24 * GB),
-    "v100-16gb": Gpu("V100 16GB", "V100", 16 * GB),
-    "v100-32gb": Gpu("V100 32GB", "V100", 32 * GB),
+  "a100-40gb": Gpu("A100 40GB", "A100", 40 * GB),
+  "a100-80gb": Gpu("A100 80GB", "A100", 80 * GB),
+  "h100": Gpu("H100 SXM 80GB", "H100", 80 * GB),
+  "h100-pcie": Gpu("H100 PCIe 80GB", "H100 PCIe", 80 * GB),
+  "h200": Gpu("H200 141GB", "H200", 141 * GB),
+  "l40s": Gpu("L40S 48GB", "L40S", 48 * GB),
+  "l4": Gpu("L4 24GB", "L4", 24 * GB),
+  "a10g": Gpu("A10G 24GB", "A10G", 24 * GB),
+  "v100-16gb": Gpu("V100 16GB", "V100", 16 * GB),
+  "v100-32gb": Gpu("V100 32GB", "V100", 32 * GB),
 }

@@ -16,15 +16,38 @@ from collections import defaultdict
 
 import numpy as np
 
-HLO_COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+HLO_COLLECTIVE_OPS = (
+  "all-gather",
+  "reduce-scatter",
+  "all-reduce",
+  "collective-permute",
+  "all-to-all",
+)
+DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+}
 
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-_CALLEE_RE = re.compile(r"\b(condition|body|calls|to_apply|true_computation|false_computation)"
-                        r"=%?([\w.\-]+)")
+_CALLEE_RE = re.compile(
+  r"\b(condition|body|calls|to_apply|true_computation|false_computation)"
+  r"=%?([\w.\-]+)"
+)
 _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OPNAME_RE = re.compile(r'op_name="([^"]*)"')
@@ -33,14 +56,14 @@ _OPNAME_RE = re.compile(r'op_name="([^"]*)"')
 @dataclasses.dataclass
 class Collective:
   name: str
-  kind: str            # all-gather, reduce-scatter, all-reduce, collective-permute, all-to-all
+  kind: str  # all-gather, reduce-scatter, all-reduce, collective-permute, all-to-all
   computation: str
-  out_bytes: int       # bytes of the (local) result
+  out_bytes: int  # bytes of the (local) result
   dtypes: tuple[str, ...]
-  groups: list[list[int]] | None     # replica groups (None: all devices)
+  groups: list[list[int]] | None  # replica groups (None: all devices)
   pairs: list[tuple[int, int]] | None  # source-target pairs of a permute
   op_name: str
-  count: int = 1       # executions per step (product of enclosing trip counts)
+  count: int = 1  # executions per step (product of enclosing trip counts)
 
 
 def _array_bytes(type_text: str) -> tuple[int, tuple[str, ...]]:
@@ -85,13 +108,16 @@ def _result_type(kind: str, type_text: str) -> str:
 
 
 def _parse_groups(attrs: str) -> list[list[int]] | None:
-  m = re.search(r"replica_groups=(\{\{[\d,{}\s]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)",
-                attrs)
+  m = re.search(
+    r"replica_groups=(\{\{[\d,{}\s]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", attrs
+  )
   if not m or m.group(1) == "{}":
     return None
   text = m.group(1)
   if text.startswith("{"):
-    return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]+)\}", text)]
+    return [
+      [int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]+)\}", text)
+    ]
   # Iota form: [G,S]<=[dims]T(perm): arange(prod(dims)).reshape(dims).transpose(perm).reshape(G,S)
   shape, rest = text.split("<=")
   out_shape = [int(x) for x in shape.strip("[]").split(",")]
@@ -135,9 +161,18 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     if base in HLO_COLLECTIVE_OPS and not op.endswith("-done"):
       nbytes, dtypes = _array_bytes(_result_type(op, type_text))
       opname = _OPNAME_RE.search(rest)
-      found.append(Collective(name, base, comp, nbytes, dtypes, _parse_groups(rest),
-                              _parse_pairs(rest) if base == "collective-permute" else None,
-                              opname.group(1) if opname else ""))
+      found.append(
+        Collective(
+          name,
+          base,
+          comp,
+          nbytes,
+          dtypes,
+          _parse_groups(rest),
+          _parse_pairs(rest) if base == "collective-permute" else None,
+          opname.group(1) if opname else "",
+        )
+      )
   # Multiplicity of each computation: sum over call sites of caller multiplicity x trip count.
   mult = defaultdict(int)
 
@@ -185,10 +220,12 @@ def device_bytes(c: Collective, n_devices: int) -> dict[int, float]:
     k = len(g)
     if k <= 1:
       continue
-    per = {"all-gather": (k - 1) / k * c.out_bytes,
-           "reduce-scatter": (k - 1) * c.out_bytes,
-           "all-reduce": 2 * (k - 1) / k * c.out_bytes,
-           "all-to-all": (k - 1) / k * c.out_bytes}[c.kind]
+    per = {
+      "all-gather": (k - 1) / k * c.out_bytes,
+      "reduce-scatter": (k - 1) * c.out_bytes,
+      "all-reduce": 2 * (k - 1) / k * c.out_bytes,
+      "all-to-all": (k - 1) / k * c.out_bytes,
+    }[c.kind]
     for d in g:
       out[d] = per
   return out
@@ -199,8 +236,9 @@ def level_of(c: Collective, intra: int) -> str:
   if c.kind == "collective-permute":
     pairs = [(s, t) for s, t in (c.pairs or ()) if s != t]
     crosses = {s // intra != t // intra for s, t in pairs}
-    return {frozenset({False}): "intra", frozenset({True}): "inter"}.get(frozenset(crosses),
-                                                                         "mixed")
+    return {frozenset({False}): "intra", frozenset({True}): "inter"}.get(
+      frozenset(crosses), "mixed"
+    )
   groups = c.groups
   if groups is None:
     return "global"

@@ -2,8 +2,8 @@
 
 Nothing is allocated: the state and batch are `ShapeDtypeStruct`s with their shardings, so
 models far larger than this machine's memory compile (XLA's compile time is then the limit).
-Measured traffic is read from the compiled HLO (paro_jax/analysis/hlo.py) and set beside the analytic
-formulas of docs/design.md (paro_jax/analysis/costs.py).
+Measured traffic is read from the compiled HLO (paro_jax/analysis/hlo.py) and set beside the
+analytic formulas of docs/design.md (paro_jax/analysis/costs.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,14 @@ def abstract_inputs(engine: Engine, batch_size: int, seq_len: int):
   """Abstract (state, batch) for engine.train_step, with shardings and no memory behind them."""
   engine.check_batch_size(batch_size)
   shapes = jax.eval_shape(lambda: engine.init_state(jax.random.key(0)))
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                       engine.state_shardings)
-  batch = jax.ShapeDtypeStruct((engine.micro_batches, batch_size, seq_len + 1), jnp.int32,
-                               sharding=engine.batch_sharding)
+  state = jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+    shapes,
+    engine.state_shardings,
+  )
+  batch = jax.ShapeDtypeStruct(
+    (engine.micro_batches, batch_size, seq_len + 1), jnp.int32, sharding=engine.batch_sharding
+  )
   return state, batch
 
 
@@ -39,8 +43,17 @@ def expected_traffic(engine: Engine):
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
   # Only the layer stack is gathered again in backward (models/llama.py: Llama.apply).
   regathered = engine.model.layer_param_count() if engine.model.remat != "none" else 0
-  return step_traffic(engine.strategy, psi, trained, engine.inter, engine.intra,
-                      engine.micro_batches, itemsize, itemsize, regathered=regathered)
+  return step_traffic(
+    engine.strategy,
+    psi,
+    trained,
+    engine.inter,
+    engine.intra,
+    engine.micro_batches,
+    itemsize,
+    itemsize,
+    regathered=regathered,
+  )
 
 
 def report(engine: Engine, compiled) -> dict:
@@ -55,15 +68,24 @@ def report(engine: Engine, compiled) -> dict:
       level = "inter" if hlo.crosses_groups(c, device, intra) else "intra"
       per_device[device][level] += c.count * nbytes
     key = (c.kind, hlo.phase_of(c.op_name), hlo.level_of(c, intra), c.dtypes)
-    row = rows.setdefault(key, {"kind": c.kind, "phase": key[1], "level": key[2],
-                                "dtype": ",".join(sorted(set(c.dtypes))), "ops": 0,
-                                "count_per_step": 0, "bytes_per_device": 0.0})
+    row = rows.setdefault(
+      key,
+      {
+        "kind": c.kind,
+        "phase": key[1],
+        "level": key[2],
+        "dtype": ",".join(sorted(set(c.dtypes))),
+        "ops": 0,
+        "count_per_step": 0,
+        "bytes_per_device": 0.0,
+      },
+    )
     row["ops"] += 1
     row["count_per_step"] += c.count
     row["bytes_per_device"] += c.count * max(sent.values(), default=0.0)
   measured = {
-      "inter_bytes": max((d["inter"] for d in per_device.values()), default=0.0),
-      "intra_bytes": max((d["intra"] for d in per_device.values()), default=0.0),
+    "inter_bytes": max((d["inter"] for d in per_device.values()), default=0.0),
+    "intra_bytes": max((d["intra"] for d in per_device.values()), default=0.0),
   }
   exp = expected_traffic(engine)
   expected = {"inter_bytes": exp.inter, "intra_bytes": exp.intra, "phases": exp.phases}
@@ -73,69 +95,100 @@ def report(engine: Engine, compiled) -> dict:
   notes = []
   wire = {dt for c in collectives for dt in c.dtypes}
   if engine.compute_dtype == jnp.bfloat16 and "f32" in wire and "bf16" not in wire:
-    notes.append("the compiled collectives are f32 although the compute dtype is bf16: XLA:CPU "
-                 "runs bf16 collectives in f32, so measured bytes are about 2x the formula here; "
-                 "GPU backends keep them bf16")
+    notes.append(
+      "the compiled collectives are f32 although the compute dtype is bf16: XLA:CPU "
+      "runs bf16 collectives in f32, so measured bytes are about 2x the formula here; "
+      "GPU backends keep them bf16"
+    )
   return {
-      "strategy": engine.strategy.name,
-      "mesh": {"inter": engine.inter, "intra": engine.intra},
-      "micro_batches": engine.micro_batches,
-      "collectives_impl": engine.collectives,
-      "params": psi,
-      "trainable_params": trained,
-      "dtype": jnp.dtype(engine.compute_dtype).name,
-      "remat": engine.model.remat,
-      "measured": measured,
-      "expected": expected,
-      "difference": {k: measured[k] - expected[k] for k in ("inter_bytes", "intra_bytes")},
-      "collectives": list(rows.values()),
-      "memory": {
-          "model_states": model_state_bytes(engine.strategy, psi, trained, engine.inter,
-                                            engine.intra, itemsize, itemsize),
-          "compiled": {
-              "argument_bytes": mem.argument_size_in_bytes,
-              "output_bytes": mem.output_size_in_bytes,
-              "alias_bytes": mem.alias_size_in_bytes,
-              "temp_bytes": mem.temp_size_in_bytes,
-              "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                             - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
-          },
+    "strategy": engine.strategy.name,
+    "mesh": {"inter": engine.inter, "intra": engine.intra},
+    "micro_batches": engine.micro_batches,
+    "collectives_impl": engine.collectives,
+    "params": psi,
+    "trainable_params": trained,
+    "dtype": jnp.dtype(engine.compute_dtype).name,
+    "remat": engine.model.remat,
+    "measured": measured,
+    "expected": expected,
+    "difference": {k: measured[k] - expected[k] for k in ("inter_bytes", "intra_bytes")},
+    "collectives": list(rows.values()),
+    "memory": {
+      "model_states": model_state_bytes(
+        engine.strategy, psi, trained, engine.inter, engine.intra, itemsize, itemsize
+      ),
+      "compiled": {
+        "argument_bytes": mem.argument_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes,
+        "alias_bytes": mem.alias_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "peak_bytes": (
+          mem.argument_size_in_bytes
+          + mem.output_size_in_bytes
+          - mem.alias_size_in_bytes
+          + mem.temp_size_in_bytes
+        ),
       },
-      "notes": notes,
+    },
+    "notes": notes,
   }
 
 
 def format_report(r: dict) -> str:
   mib = 2**20
-  lines = [f"strategy {r['strategy']} on mesh {r['mesh']['inter']}x{r['mesh']['intra']}, "
-           f"A={r['micro_batches']}, {r['params'] / 1e6:.2f}M params"
-           + (f" ({r['trainable_params'] / 1e6:.3f}M trained)"
-              if r["trainable_params"] != r["params"] else "") + f", {r['dtype']}, "
-           f"remat={r['remat']}, "
-           f"collectives={r['collectives_impl']}", "",
-           f"{'kind':20s}{'phase':20s}{'level':8s}{'dtype':7s}{'ops':>5s}{'count/step':>12s}"
-           f"{'MiB/device/step':>17s}"]
+  lines = [
+    f"strategy {r['strategy']} on mesh {r['mesh']['inter']}x{r['mesh']['intra']}, "
+    f"A={r['micro_batches']}, {r['params'] / 1e6:.2f}M params"
+    + (
+      f" ({r['trainable_params'] / 1e6:.3f}M trained)"
+      if r["trainable_params"] != r["params"]
+      else ""
+    )
+    + f", {r['dtype']}, "
+    f"remat={r['remat']}, "
+    f"collectives={r['collectives_impl']}",
+    "",
+    f"{'kind':20s}{'phase':20s}{'level':8s}{'dtype':7s}{'ops':>5s}{'count/step':>12s}"
+    f"{'MiB/device/step':>17s}",
+  ]
   for c in r["collectives"]:
-    lines.append(f"{c['kind']:20s}{c['phase']:20s}{c['level']:8s}{c['dtype']:7s}{c['ops']:5d}"
-                 f"{c['count_per_step']:12d}{c['bytes_per_device'] / mib:17.3f}")
-  lines += ["", f"{'per device and step':24s}{'measured MiB':>14s}{'expected MiB':>14s}"
-                f"{'difference':>12s}"]
+    lines.append(
+      f"{c['kind']:20s}{c['phase']:20s}{c['level']:8s}{c['dtype']:7s}{c['ops']:5d}"
+      f"{c['count_per_step']:12d}{c['bytes_per_device'] / mib:17.3f}"
+    )
+  lines += [
+    "",
+    f"{'per device and step':24s}{'measured MiB':>14s}{'expected MiB':>14s}{'difference':>12s}",
+  ]
   for k in ("inter_bytes", "intra_bytes"):
     m, e = r["measured"][k], r["expected"][k]
     rel = f"{(m - e) / e * 100:+.2f}%" if e else ("0" if not m else "n/a")
     lines.append(f"{k:24s}{m / mib:14.3f}{e / mib:14.3f}{rel:>12s}")
   ms, comp = r["memory"]["model_states"], r["memory"]["compiled"]
-  lines += ["", f"model states per device: {ms['total'] / mib:.2f} MiB (params {ms['params'] / mib:.2f}"
-                f", grads {ms['grads'] / mib:.2f}, optimizer {ms['opt'] / mib:.2f})",
-            f"compiled per device: peak {comp['peak_bytes'] / mib:.2f} MiB (arguments "
-            f"{comp['argument_bytes'] / mib:.2f}, temporaries {comp['temp_bytes'] / mib:.2f})"]
+  lines += [
+    "",
+    f"model states per device: {ms['total'] / mib:.2f} MiB (params {ms['params'] / mib:.2f}"
+    f", grads {ms['grads'] / mib:.2f}, optimizer {ms['opt'] / mib:.2f})",
+    f"compiled per device: peak {comp['peak_bytes'] / mib:.2f} MiB (arguments "
+    f"{comp['argument_bytes'] / mib:.2f}, temporaries {comp['temp_bytes'] / mib:.2f})",
+  ]
   lines += [f"note: {note}" for note in r["notes"]]
   return "\n".join(lines)
 
 
-def inspect(model: str, strategy: str, mesh: tuple[int, int] | None, micro_batches: int,
-            batch_size: int, seq_len: int, dtype: str, collectives: str, as_json: bool,
-            remat: str = "full", lora=None) -> dict:
+def inspect(
+  model: str,
+  strategy: str,
+  mesh: tuple[int, int] | None,
+  micro_batches: int,
+  batch_size: int,
+  seq_len: int,
+  dtype: str,
+  collectives: str,
+  as_json: bool,
+  remat: str = "full",
+  lora=None,
+) -> dict:
   """Build the engine for a configuration, compile its step and print the report."""
   import json
 
@@ -144,14 +197,21 @@ def inspect(model: str, strategy: str, mesh: tuple[int, int] | None, micro_batch
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.strategy import parse_strategy
 
-  engine = Engine(Llama(get_config(model), DTYPES[dtype], remat, lora), parse_strategy(strategy),
-                  make_mesh(*mesh) if mesh else make_mesh(), OptimConfig(),
-                  micro_batches=micro_batches, collectives=collectives)
+  engine = Engine(
+    Llama(get_config(model), DTYPES[dtype], remat, lora),
+    parse_strategy(strategy),
+    make_mesh(*mesh) if mesh else make_mesh(),
+    OptimConfig(),
+    micro_batches=micro_batches,
+    collectives=collectives,
+  )
   try:
     compiled = compile_step(engine, batch_size, seq_len)
   except Exception as e:  # XLA's own limits (e.g. out of host memory while compiling)
-    raise RuntimeError(f"XLA could not compile the {model} step for {strategy} on this machine: "
-                       f"{type(e).__name__}: {str(e)[:500]}") from e
+    raise RuntimeError(
+      f"XLA could not compile the {model} step for {strategy} on this machine: "
+      f"{type(e).__name__}: {str(e)[:500]}"
+    ) from e
   r = report(engine, compiled)
   print(json.dumps(r, indent=2) if as_json else format_report(r), flush=True)
   return r

@@ -7,9 +7,9 @@ Pure Python (no jax), so a laptop can plan a 128-GPU run. For every strategy:
 - time of a phase: bytes / bandwidth of its level + latency x collectives. A collective over
   `intra` runs at the intra bandwidth; one over `inter` at each device's share of its node's
   link (node bandwidth / devices per node: all devices of a node send at once). One over both
-  axes (global) is modelled by `global_collectives`: "flat" (docs/design.md: every device's ring bytes
-  cross the node link at its share; what XLA:CPU over gloo does, checked on the wire by tc in the
-  strategy benchmark), "hierarchical" (an intra part, then an inter part carrying 1/m of the
+  axes (global) is modelled by `global_collectives`: "flat" (docs/design.md: every device's ring
+  bytes cross the node link at its share; what XLA:CPU over gloo does, checked on the wire by tc
+  in the strategy benchmark), "hierarchical" (an intra part, then an inter part carrying 1/m of the
   payload: NCCL's node-ordered rings, paro_jax's hring) or "overlapped" (the two parts at once:
   horing). A probe profile replaces any of these by measured (bandwidth, latency) per
   (collective, level);
@@ -37,11 +37,22 @@ from typing import TYPE_CHECKING
 
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
 from paro_jax.analysis.hardware import GPUS
-from paro_jax.core.names import (ALL_GATHER, ALL_REDUCE, INTER, LEVELS, REDUCE_SCATTER,
-                                  SCHEDULE_COLLECTIVES)
+from paro_jax.core.names import (
+  ALL_GATHER,
+  ALL_REDUCE,
+  INTER,
+  LEVELS,
+  REDUCE_SCATTER,
+  SCHEDULE_COLLECTIVES,
+)
 from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, Strategy, parse_strategy
-from paro_jax.core.units import (COMPUTE_DTYPE_BYTES, human_bytes, parse_bandwidth, parse_latency,
-                                 parse_size)
+from paro_jax.core.units import (
+  COMPUTE_DTYPE_BYTES,
+  human_bytes,
+  parse_bandwidth,
+  parse_latency,
+  parse_size,
+)
 
 if TYPE_CHECKING:  # models/llama.py imports jax; the planner needs only the config's numbers
   from models.llama import LlamaConfig
@@ -50,8 +61,12 @@ GLOBAL_MODELS = ("flat", "hierarchical", "overlapped")
 # How each --collectives implementation runs a collective over both axes. xla on GPUs is NCCL,
 # whose rings visit the devices node by node, so a node's link carries about 1/m of the payload
 # per device, as hring does; on CPU (gloo) it is flat (validate_planner.py passes "flat").
-GLOBAL_MODEL_OF = {"xla": "hierarchical", "ring": "flat", "hring": "hierarchical",
-                   "horing": "overlapped"}
+GLOBAL_MODEL_OF = {
+  "xla": "hierarchical",
+  "ring": "flat",
+  "hring": "hierarchical",
+  "horing": "overlapped",
+}
 TIE = 0.01
 USABLE_MEMORY = 0.9
 DEFAULT_MFU = 0.5  # compute alone; AMSP reports 51-52% end to end for LLaMA-7B/13B on A800s
@@ -76,8 +91,10 @@ class Links:
 
   def __post_init__(self):
     if self.global_collectives not in GLOBAL_MODELS:
-      raise ValueError(f"unknown global collective model {self.global_collectives!r}; choose "
-                       f"one of {GLOBAL_MODELS}")
+      raise ValueError(
+        f"unknown global collective model {self.global_collectives!r}; choose "
+        f"one of {GLOBAL_MODELS}"
+      )
     if min(self.inter_bandwidth, self.intra_bandwidth) <= 0:
       raise ValueError("bandwidths must be positive")
 
@@ -95,8 +112,9 @@ class Cluster:
 
   def __post_init__(self):
     if self.nodes < 1 or self.devices_per_node < 1:
-      raise ValueError(f"nodes ({self.nodes}) and devices per node ({self.devices_per_node}) "
-                       f"must be >= 1")
+      raise ValueError(
+        f"nodes ({self.nodes}) and devices per node ({self.devices_per_node}) must be >= 1"
+      )
     if not 0 < self.mfu <= 1:
       raise ValueError(f"MFU must be in (0, 1], got {self.mfu}")
     if not 0 <= self.overlap <= 1:
@@ -162,24 +180,28 @@ def schedule(strategy: Strategy, w: Workload) -> dict[str, tuple[str, tuple[str,
   s, a, layers = strategy, w.micro_batches, w.model.layers
   per_mb = a * (LEAVES_PER_LAYER * layers + OTHER_LEAVES)
   stacked = LEAVES_PER_LAYER + OTHER_LEAVES
-  items = [("forward params", s.param_gather_axes, ALL_GATHER, per_mb),
-           ("backward params (remat)", s.param_gather_axes, ALL_GATHER,
-            a * LEAVES_PER_LAYER * layers),
-           ("backward grads", s.grad_scatter_axes, REDUCE_SCATTER, per_mb),
-           ("grad sync", s.sync_scatter_axes, REDUCE_SCATTER, stacked),
-           ("grad sync", s.sync_reduce_axes, ALL_REDUCE, stacked),
-           ("param sync", s.param_sync_axes, ALL_GATHER, stacked)]
+  items = [
+    ("forward params", s.param_gather_axes, ALL_GATHER, per_mb),
+    ("backward params (remat)", s.param_gather_axes, ALL_GATHER, a * LEAVES_PER_LAYER * layers),
+    ("backward grads", s.grad_scatter_axes, REDUCE_SCATTER, per_mb),
+    ("grad sync", s.sync_scatter_axes, REDUCE_SCATTER, stacked),
+    ("grad sync", s.sync_reduce_axes, ALL_REDUCE, stacked),
+    ("param sync", s.param_sync_axes, ALL_GATHER, stacked),
+  ]
   out = {}
   for phase, axes, kind, count in items:
     if axes:
       key = f"{phase}/{'inter' if INTER in axes else 'intra'}"
-      assert key not in out, f"two collectives in phase {key} of {s}"  # see docs/design.md's schedule
+      assert key not in out, (
+        f"two collectives in phase {key} of {s}"
+      )  # see docs/design.md's schedule
       out[key] = (kind, axes, count)
   return out
 
 
-def collective_seconds(kind: str, axes: tuple[str, ...], nbytes: float, count: int,
-                       cluster: Cluster) -> float:
+def collective_seconds(
+  kind: str, axes: tuple[str, ...], nbytes: float, count: int, cluster: Cluster
+) -> float:
   """Time of `count` collectives over `axes` that send `nbytes` per device in all (ring bytes,
   as costs.step_traffic counts them)."""
   net, m, g = cluster.network, cluster.devices_per_node, cluster.nodes
@@ -231,12 +253,15 @@ def activation_bytes(strategy: Strategy, w: Workload) -> dict:
   q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
   layer_w = w.layer_params // c.layers
   out = {
-      "boundary": c.layers * b * s * c.dim * item,
-      "layer": 2 * (b * s * (2 * q + 2 * kv + 3 * c.mlp + 2 * c.dim) * item
-                    + b * c.heads * s * s * (4 + item)),
-      "logits": 2 * b * s * c.vocab * 4,
-      "gathered": item * ((strategy.params.name != "N") * (layer_w + c.vocab * c.dim)
-                          + (strategy.grads.name != "N") * layer_w * w.psi_trained // w.psi),
+    "boundary": c.layers * b * s * c.dim * item,
+    "layer": 2
+    * (b * s * (2 * q + 2 * kv + 3 * c.mlp + 2 * c.dim) * item + b * c.heads * s * s * (4 + item)),
+    "logits": 2 * b * s * c.vocab * 4,
+    "gathered": item
+    * (
+      (strategy.params.name != "N") * (layer_w + c.vocab * c.dim)
+      + (strategy.grads.name != "N") * layer_w * w.psi_trained // w.psi
+    ),
   }
   out["total"] = sum(out.values())
   return out
@@ -262,54 +287,94 @@ class Estimate:
     return self.memory["total"]
 
   def as_dict(self) -> dict:
-    return {"strategy": self.strategy, "known_as": KNOWN_NAMES.get(self.strategy),
-            "fits": self.fits, "feasible": self.feasible, "memory_bytes": self.memory_bytes,
-            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-            "times": self.times, "memory": self.memory, "traffic": self.traffic,
-            "collectives": self.collectives, "note": self.note}
+    return {
+      "strategy": self.strategy,
+      "known_as": KNOWN_NAMES.get(self.strategy),
+      "fits": self.fits,
+      "feasible": self.feasible,
+      "memory_bytes": self.memory_bytes,
+      "step_time_s": self.step_time_s,
+      "tokens_per_s": self.tokens_per_s,
+      "times": self.times,
+      "memory": self.memory,
+      "traffic": self.traffic,
+      "collectives": self.collectives,
+      "note": self.note,
+    }
 
 
-PHASE_GROUPS = {"forward params": "param_gathers", "backward params (remat)": "param_gathers",
-                "backward grads": "grad_traffic", "grad sync": "grad_sync",
-                "param sync": "param_sync"}
+PHASE_GROUPS = {
+  "forward params": "param_gathers",
+  "backward params (remat)": "param_gathers",
+  "backward grads": "grad_traffic",
+  "grad sync": "grad_sync",
+  "param sync": "param_sync",
+}
 
 
 def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster):
   """costs.step_traffic for the workload on the cluster (the bytes every estimate uses)."""
-  return step_traffic(strategy, w.psi, w.psi_trained, cluster.nodes, cluster.devices_per_node,
-                      w.micro_batches, w.itemsize, w.itemsize,
-                      regathered=w.layer_params if w.remat else 0)
+  return step_traffic(
+    strategy,
+    w.psi,
+    w.psi_trained,
+    cluster.nodes,
+    cluster.devices_per_node,
+    w.micro_batches,
+    w.itemsize,
+    w.itemsize,
+    regathered=w.layer_params if w.remat else 0,
+  )
 
 
 def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
   traffic = traffic_of(strategy, w, cluster)
   sched = schedule(strategy, w)
-  times = {"compute": compute_seconds(w, cluster), "param_gathers": 0.0, "grad_traffic": 0.0,
-           "grad_sync": 0.0, "param_sync": 0.0}
+  times = {
+    "compute": compute_seconds(w, cluster),
+    "param_gathers": 0.0,
+    "grad_traffic": 0.0,
+    "grad_sync": 0.0,
+    "param_sync": 0.0,
+  }
   collectives = 0
   for key, nbytes in traffic.phases.items():
     kind, axes, count = sched[key]
-    times[PHASE_GROUPS[key.split("/")[0]]] += collective_seconds(kind, axes, nbytes, count,
-                                                                 cluster)
+    times[PHASE_GROUPS[key.split("/")[0]]] += collective_seconds(kind, axes, nbytes, count, cluster)
     collectives += count
   per_mb = times["param_gathers"] + times["grad_traffic"]
   hidden = cluster.overlap * min(per_mb, times["compute"])
   step = times["compute"] + per_mb - hidden + times["grad_sync"] + times["param_sync"]
-  states = model_state_bytes(strategy, w.psi, w.psi_trained, cluster.nodes,
-                             cluster.devices_per_node, w.itemsize, w.itemsize)
+  states = model_state_bytes(
+    strategy, w.psi, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.itemsize, w.itemsize
+  )
   acts = activation_bytes(strategy, w)
   memory = {"model_states": states, "activations": acts, "total": states["total"] + acts["total"]}
   ways = strategy.opt.shard_count(cluster.nodes, cluster.devices_per_node)
   feasible = w.model.dim % ways == 0
   usable = cluster.usable_bytes
   fits = feasible and (usable is None or memory["total"] <= usable)
-  note = "" if feasible else (f"the model dimension {w.model.dim} does not split {ways} ways "
-                              f"(paro_jax shards every leaf along it)")
+  note = (
+    ""
+    if feasible
+    else (
+      f"the model dimension {w.model.dim} does not split {ways} ways "
+      f"(paro_jax shards every leaf along it)"
+    )
+  )
   tokens = w.tokens_per_device * cluster.devices
-  return Estimate(strategy.name, memory, fits, feasible, times, step,
-                  tokens / step if step > 0 else 0.0,
-                  {"inter_bytes": traffic.inter, "intra_bytes": traffic.intra,
-                   "phases": dict(traffic.phases)}, collectives, note)
+  return Estimate(
+    strategy.name,
+    memory,
+    fits,
+    feasible,
+    times,
+    step,
+    tokens / step if step > 0 else 0.0,
+    {"inter_bytes": traffic.inter, "intra_bytes": traffic.intra, "phases": dict(traffic.phases)},
+    collectives,
+    note,
+  )
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -328,52 +393,77 @@ class Plan:
     return next(e for e in self.ranking if e.strategy == name)
 
   def as_dict(self) -> dict:
-    return {"pick": self.pick, "explain": self.explain, "inputs": self.inputs,
-            "ranking": [e.as_dict() for e in self.ranking]}
+    return {
+      "pick": self.pick,
+      "explain": self.explain,
+      "inputs": self.inputs,
+      "ranking": [e.as_dict() for e in self.ranking],
+    }
 
   def format(self) -> str:
-    lines = [f"{'#':>3s} {'strategy':9s}{'known as':13s}{'fits':>5s}{'memory':>11s}"
-             f"{'states':>11s}{'step s':>9s}{'compute':>9s}{'gathers':>9s}{'grads':>9s}"
-             f"{'grad sync':>10s}{'par sync':>9s}{'tokens/s':>11s}"]
+    lines = [
+      f"{'#':>3s} {'strategy':9s}{'known as':13s}{'fits':>5s}{'memory':>11s}"
+      f"{'states':>11s}{'step s':>9s}{'compute':>9s}{'gathers':>9s}{'grads':>9s}"
+      f"{'grad sync':>10s}{'par sync':>9s}{'tokens/s':>11s}"
+    ]
     for i, e in enumerate(self.ranking, 1):
       t = e.times
       fits = "yes" if e.fits else ("n/a" if not e.feasible else "no")
       lines.append(
-          f"{i:3d} {e.strategy:9s}{KNOWN_NAMES.get(e.strategy, ''):13s}{fits:>5s}"
-          f"{human_bytes(e.memory_bytes):>11s}{human_bytes(e.memory['model_states']['total']):>11s}"
-          f"{e.step_time_s:9.3f}{t['compute']:9.3f}{t['param_gathers']:9.3f}"
-          f"{t['grad_traffic']:9.3f}{t['grad_sync']:10.3f}{t['param_sync']:9.3f}"
-          f"{e.tokens_per_s:11,.0f}")
+        f"{i:3d} {e.strategy:9s}{KNOWN_NAMES.get(e.strategy, ''):13s}{fits:>5s}"
+        f"{human_bytes(e.memory_bytes):>11s}{human_bytes(e.memory['model_states']['total']):>11s}"
+        f"{e.step_time_s:9.3f}{t['compute']:9.3f}{t['param_gathers']:9.3f}"
+        f"{t['grad_traffic']:9.3f}{t['grad_sync']:10.3f}{t['param_sync']:9.3f}"
+        f"{e.tokens_per_s:11,.0f}"
+      )
     return "\n".join(lines + ["", self.explain])
 
 
-def _explain(pick: Estimate | None, fastest: Estimate | None, fitting: list[Estimate],
-             all_: list[Estimate], cluster: Cluster) -> str:
+def _explain(
+  pick: Estimate | None,
+  fastest: Estimate | None,
+  fitting: list[Estimate],
+  all_: list[Estimate],
+  cluster: Cluster,
+) -> str:
   usable = cluster.usable_bytes
-  room = ("" if usable is None else f" in {human_bytes(usable)} usable per device "
-          f"({cluster.usable_memory:.0%} of {human_bytes(cluster.device_memory)})")
+  room = (
+    ""
+    if usable is None
+    else f" in {human_bytes(usable)} usable per device "
+    f"({cluster.usable_memory:.0%} of {human_bytes(cluster.device_memory)})"
+  )
   if pick is None:
     lean = min((e for e in all_ if e.feasible), key=lambda e: e.memory_bytes, default=None)
     if lean is None:
       return "nothing fits: no strategy can shard this model on this mesh"
-    return (f"nothing fits{room}: the leanest, {_named(lean.strategy)}, needs "
-            f"{human_bytes(lean.memory_bytes)} per device; use more devices, a smaller "
-            f"micro-batch or sequence, or train fewer parameters (LoRA)")
+    return (
+      f"nothing fits{room}: the leanest, {_named(lean.strategy)}, needs "
+      f"{human_bytes(lean.memory_bytes)} per device; use more devices, a smaller "
+      f"micro-batch or sequence, or train fewer parameters (LoRA)"
+    )
   if len(fitting) == len(all_):
     head = f"all {len(all_)} strategies fit{room}"
   elif all("N" not in e.strategy for e in fitting):
-    head = (f"memory is tight: only fully sharded strategies (no replicated state) fit{room}: "
-            f"{', '.join(e.strategy for e in fitting)}")
+    head = (
+      f"memory is tight: only fully sharded strategies (no replicated state) fit{room}: "
+      f"{', '.join(e.strategy for e in fitting)}"
+    )
   else:
     out = [e.strategy for e in all_ if not e.fits]
-    head = (f"{len(fitting)} of {len(all_)} strategies fit{room} ({', '.join(out)} "
-            f"{'does' if len(out) == 1 else 'do'} not)")
-  why = (f"pick {_named(pick.strategy)}: {pick.step_time_s:.3f} s/step, "
-         f"{pick.tokens_per_s:,.0f} tokens/s, {human_bytes(pick.memory_bytes)} per device")
+    head = (
+      f"{len(fitting)} of {len(all_)} strategies fit{room} ({', '.join(out)} "
+      f"{'does' if len(out) == 1 else 'do'} not)"
+    )
+  why = (
+    f"pick {_named(pick.strategy)}: {pick.step_time_s:.3f} s/step, "
+    f"{pick.tokens_per_s:,.0f} tokens/s, {human_bytes(pick.memory_bytes)} per device"
+  )
   if fastest is not pick:
     fewer = fastest.collectives - pick.collectives
-    why += (f" (within {TIE:.0%} of {fastest.strategy}'s {fastest.step_time_s:.3f} s, with "
-            + (f"{fewer:,} fewer collectives per step)" if fewer > 0 else "less memory)"))
+    why += f" (within {TIE:.0%} of {fastest.strategy}'s {fastest.step_time_s:.3f} s, with " + (
+      f"{fewer:,} fewer collectives per step)" if fewer > 0 else "less memory)"
+    )
   tail = []
   rest = [e for e in fitting if e is not pick and e is not fastest]
   if rest:
@@ -406,8 +496,12 @@ def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
     pick = tie_break(fitting)
   others = sorted((e for e in all_ if not e.fits), key=lambda e: (not e.feasible, e.step_time_s))
   ranking = ([pick] if pick else []) + [e for e in fitting if e is not pick] + others
-  return Plan(pick.strategy if pick else None, _explain(pick, fastest, fitting, all_, cluster),
-              ranking, inputs or {})
+  return Plan(
+    pick.strategy if pick else None,
+    _explain(pick, fastest, fitting, all_, cluster),
+    ranking,
+    inputs or {},
+  )
 
 
 # --- profiles ------------------------------------------------------------------------------------
@@ -417,11 +511,13 @@ def load_profile(path: str) -> dict:
     with open(path) as f:
       profile = json.load(f)
   except FileNotFoundError:
-    raise ValueError(f"profile {path!r} does not exist: write one with `paro-jax probe --out "
-                     f"{path}`") from None
+    raise ValueError(
+      f"profile {path!r} does not exist: write one with `paro-jax probe --out {path}`"
+    ) from None
   except json.JSONDecodeError as e:
-    raise ValueError(f"profile {path!r} is not JSON ({e}); write it with `paro-jax probe`"
-                     ) from None
+    raise ValueError(
+      f"profile {path!r} is not JSON ({e}); write it with `paro-jax probe`"
+    ) from None
   if not isinstance(profile, dict) or not isinstance(profile.get("collectives"), dict):
     raise ValueError(f"profile {path!r} has no 'collectives' table; write it with `paro-jax probe`")
   return profile
@@ -437,21 +533,41 @@ def measured_links(profile: dict) -> dict:
   return out
 
 
-def choose_strategy(model, inter: int, intra: int, micro_batch: int, micro_batches: int,
-                    seq_len: int, itemsize: int, profile: dict, params: int | None = None,
-                    trainable: int | None = None, device_memory: float | None = None,
-                    collectives: str = "xla", remat: bool = True) -> tuple[str, str]:
+def choose_strategy(
+  model,
+  inter: int,
+  intra: int,
+  micro_batch: int,
+  micro_batches: int,
+  seq_len: int,
+  itemsize: int,
+  profile: dict,
+  params: int | None = None,
+  trainable: int | None = None,
+  device_memory: float | None = None,
+  collectives: str = "xla",
+  remat: bool = True,
+) -> tuple[str, str]:
   """`train --strategy auto`: the planner's pick for this run, from a probe of its own mesh.
 
   Everything the profile measured on this mesh is used; what it lacks (a level of size 1 moves
   nothing) takes the defaults. Raises ValueError when nothing fits.
   """
   measured = measured_links(profile)
-  network = Links(inter_bandwidth=12.5e9, intra_bandwidth=300e9,
-                    global_collectives=GLOBAL_MODEL_OF.get(collectives, "flat"),
-                    measured=measured)
-  cluster = Cluster(inter, intra, network, flop_per_s=profile.get("flop_per_s"), mfu=DEFAULT_MFU,
-                    device_memory=device_memory)
+  network = Links(
+    inter_bandwidth=12.5e9,
+    intra_bandwidth=300e9,
+    global_collectives=GLOBAL_MODEL_OF.get(collectives, "flat"),
+    measured=measured,
+  )
+  cluster = Cluster(
+    inter,
+    intra,
+    network,
+    flop_per_s=profile.get("flop_per_s"),
+    mfu=DEFAULT_MFU,
+    device_memory=device_memory,
+  )
   w = Workload(model, micro_batch, micro_batches, seq_len, params, trainable, itemsize, remat)
   p = plan(w, cluster)
   if p.pick is None:
@@ -459,24 +575,42 @@ def choose_strategy(model, inter: int, intra: int, micro_batch: int, micro_batch
   return p.pick, p.explain
 
 
-def run_plan(model: str, nodes: int, devices_per_node: int, gpu: str = "a100-80gb",
-             device_memory: str | None = None, peak_tflops: float | None = None,
-             mfu: float = DEFAULT_MFU, inter_bandwidth: str = "100gbit",
-             intra_bandwidth: str = "300GB/s", inter_latency: str = "50us",
-             intra_latency: str = "10us", micro_batch: int = 1, micro_batches: int = 8,
-             seq_len: int = 2048, trainable_fraction: float = 1.0, dtype: str = "bf16",
-             collectives: str = "xla", overlap: float = 0.0,
-             usable_memory: float = USABLE_MEMORY, profile: str | None = None,
-             as_json: bool = False) -> Plan:
+def run_plan(
+  model: str,
+  nodes: int,
+  devices_per_node: int,
+  gpu: str = "a100-80gb",
+  device_memory: str | None = None,
+  peak_tflops: float | None = None,
+  mfu: float = DEFAULT_MFU,
+  inter_bandwidth: str = "100gbit",
+  intra_bandwidth: str = "300GB/s",
+  inter_latency: str = "50us",
+  intra_latency: str = "10us",
+  micro_batch: int = 1,
+  micro_batches: int = 8,
+  seq_len: int = 2048,
+  trainable_fraction: float = 1.0,
+  dtype: str = "bf16",
+  collectives: str = "xla",
+  overlap: float = 0.0,
+  usable_memory: float = USABLE_MEMORY,
+  profile: str | None = None,
+  as_json: bool = False,
+) -> Plan:
   """`paro-jax plan`: build the inputs from the command line's strings, plan, print."""
   from models.llama import get_config  # imports jax (no devices are touched)
 
   if gpu not in GPUS:
-    raise ValueError(f"unknown --gpu {gpu!r}; choose one of {', '.join(GPUS)} (or give "
-                     f"--device-memory and --peak-tflops)")
+    raise ValueError(
+      f"unknown --gpu {gpu!r}; choose one of {', '.join(GPUS)} (or give "
+      f"--device-memory and --peak-tflops)"
+    )
   if not 0 < trainable_fraction <= 1:
-    raise ValueError(f"--trainable-fraction must be in (0, 1] (1: full training, e.g. 0.003 for "
-                     f"LoRA), got {trainable_fraction}")
+    raise ValueError(
+      f"--trainable-fraction must be in (0, 1] (1: full training, e.g. 0.003 for "
+      f"LoRA), got {trainable_fraction}"
+    )
   itemsize = COMPUTE_DTYPE_BYTES.get(dtype)
   if itemsize is None:
     raise ValueError(f"unknown --dtype {dtype!r}; choose bf16 or fp32")
@@ -489,40 +623,59 @@ def run_plan(model: str, nodes: int, devices_per_node: int, gpu: str = "a100-80g
   prof = load_profile(profile) if profile else {}
   if prof.get("flop_per_s") and not peak_tflops:
     flops = prof["flop_per_s"]
-  network = Links(parse_bandwidth(inter_bandwidth, "--inter-bandwidth"),
-                    parse_bandwidth(intra_bandwidth, "--intra-bandwidth"),
-                    parse_latency(inter_latency, "--inter-latency"),
-                    parse_latency(intra_latency, "--intra-latency"),
-                    GLOBAL_MODEL_OF[collectives], measured_links(prof))
+  network = Links(
+    parse_bandwidth(inter_bandwidth, "--inter-bandwidth"),
+    parse_bandwidth(intra_bandwidth, "--intra-bandwidth"),
+    parse_latency(inter_latency, "--inter-latency"),
+    parse_latency(intra_latency, "--intra-latency"),
+    GLOBAL_MODEL_OF[collectives],
+    measured_links(prof),
+  )
   cluster = Cluster(nodes, devices_per_node, network, flops, mfu, memory, usable_memory, overlap)
   psi = cfg.param_count()
-  w = Workload(cfg, micro_batch, micro_batches, seq_len, psi,
-               max(1, round(trainable_fraction * psi)), itemsize)
-  inputs = {"model": model, "params": psi, "trainable": w.psi_trained, "nodes": nodes,
-            "devices_per_node": devices_per_node, "gpu": card.name,
-            "device_memory_bytes": memory, "usable_memory": usable_memory,
-            "flop_per_s": flops, "mfu": mfu,
-            "inter_bandwidth_bytes_per_s": network.inter_bandwidth,
-            "intra_bandwidth_bytes_per_s": network.intra_bandwidth,
-            "inter_latency_s": network.inter_latency, "intra_latency_s": network.intra_latency,
-            "collectives": collectives, "global_collectives": network.global_collectives,
-            "micro_batch": micro_batch, "micro_batches": micro_batches, "seq_len": seq_len,
-            "dtype": dtype, "overlap": overlap, "profile": profile,
-            "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured)}
+  w = Workload(
+    cfg, micro_batch, micro_batches, seq_len, psi, max(1, round(trainable_fraction * psi)), itemsize
+  )
+  inputs = {
+    "model": model,
+    "params": psi,
+    "trainable": w.psi_trained,
+    "nodes": nodes,
+    "devices_per_node": devices_per_node,
+    "gpu": card.name,
+    "device_memory_bytes": memory,
+    "usable_memory": usable_memory,
+    "flop_per_s": flops,
+    "mfu": mfu,
+    "inter_bandwidth_bytes_per_s": network.inter_bandwidth,
+    "intra_bandwidth_bytes_per_s": network.intra_bandwidth,
+    "inter_latency_s": network.inter_latency,
+    "intra_latency_s": network.intra_latency,
+    "collectives": collectives,
+    "global_collectives": network.global_collectives,
+    "micro_batch": micro_batch,
+    "micro_batches": micro_batches,
+    "seq_len": seq_len,
+    "dtype": dtype,
+    "overlap": overlap,
+    "profile": profile,
+    "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),
+  }
   p = plan(w, cluster, inputs)
   if as_json:
     print(json.dumps(p.as_dict(), indent=2))
   else:
     frac = "" if trainable_fraction == 1 else f", {w.psi_trained / 1e6:,.1f}M trainable"
-    src = ("--peak-tflops" if peak_tflops else "profile" if prof.get("flop_per_s") else card.name)
-    print(f"{model} ({psi / 1e9:.2f}B params{frac}) on {nodes} nodes x {devices_per_node} devices "
-          f"of {human_bytes(memory)}, {flops / 1e12:.3g} TFLOP/s peak ({src}) x MFU {mfu:g}; inter "
-          f"{network.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
-          f"{network.intra_bandwidth / 1e9:g} GB/s per device, global collectives "
-          f"{network.global_collectives} (--collectives {collectives}); A={micro_batches} "
-          f"micro-batches of {micro_batch} x {seq_len} tokens per device"
-          + (f"; measured links from {profile}: {', '.join(inputs['measured'])}" if profile
-             else ""))
+    src = "--peak-tflops" if peak_tflops else "profile" if prof.get("flop_per_s") else card.name
+    print(
+      f"{model} ({psi / 1e9:.2f}B params{frac}) on {nodes} nodes x {devices_per_node} devices "
+      f"of {human_bytes(memory)}, {flops / 1e12:.3g} TFLOP/s peak ({src}) x MFU {mfu:g}; inter "
+      f"{network.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
+      f"{network.intra_bandwidth / 1e9:g} GB/s per device, global collectives "
+      f"{network.global_collectives} (--collectives {collectives}); A={micro_batches} "
+      f"micro-batches of {micro_batch} x {seq_len} tokens per device"
+      + (f"; measured links from {profile}: {', '.join(inputs['measured'])}" if profile else "")
+    )
     print("memory = model states + activations per device; times in seconds per optimizer step\n")
     print(p.format())
   return p

@@ -28,8 +28,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paro_jax.core.mesh import mesh_shape
-from paro_jax.core.names import (ALL_GATHER, ALL_REDUCE, LEVEL_AXES, LEVELS, MESH_AXES,
-                                  REDUCE_SCATTER, SCHEDULE_COLLECTIVES)
+from paro_jax.core.names import (
+  ALL_GATHER,
+  ALL_REDUCE,
+  LEVEL_AXES,
+  LEVELS,
+  MESH_AXES,
+  REDUCE_SCATTER,
+  SCHEDULE_COLLECTIVES,
+)
 
 DEFAULT_SIZES = (2**16, 2**20, 2**22)  # per-device buffer bytes: 64 KiB, 1 MiB, 4 MiB
 QUICK_SIZES = (2**16, 2**20)  # train --strategy auto
@@ -62,7 +69,8 @@ def _ones(mesh: Mesh, elems_per_device: int, dtype) -> jax.Array:
   n = mesh.devices.size
   sharding = NamedSharding(mesh, P(MESH_AXES))
   return jax.make_array_from_callback(
-      (n * elems_per_device,), sharding, lambda idx: np.ones((elems_per_device,), dtype))
+    (n * elems_per_device,), sharding, lambda idx: np.ones((elems_per_device,), dtype)
+  )
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -86,10 +94,18 @@ def measure_flops(mesh: Mesh, repeats: int = 5) -> float:
   cpu = mesh.devices.flat[0].platform == "cpu"
   size, dtype = (512, jnp.float32) if cpu else (4096, jnp.bfloat16)
   a = _ones(mesh, size * size, np.float32)
-  mm = jax.jit(jax.shard_map(
-      lambda x: (x.reshape(size, size).astype(dtype) @ x.reshape(size, size).astype(dtype)
-                 ).astype(jnp.float32).reshape(-1),
-      mesh=mesh, in_specs=P(MESH_AXES), out_specs=P(MESH_AXES)))
+  mm = jax.jit(
+    jax.shard_map(
+      lambda x: (
+        (x.reshape(size, size).astype(dtype) @ x.reshape(size, size).astype(dtype))
+        .astype(jnp.float32)
+        .reshape(-1)
+      ),
+      mesh=mesh,
+      in_specs=P(MESH_AXES),
+      out_specs=P(MESH_AXES),
+    )
+  )
   return 2 * size**3 / _timed(mm, a, repeats)
 
 
@@ -105,10 +121,17 @@ def probe(mesh: Mesh, sizes=DEFAULT_SIZES, repeats: int = 5, flops: bool = True)
         continue
       points = []
       # check_vma off: a psum or all-gather result is replicated over the level's axes, but the
-      # probe hands every device's copy back (out_specs P(MESH_AXES)) only to time it; with check_vma
-      # on, the output spec would have to drop those axes for each level.
-      fn = jax.jit(jax.shard_map(_body(kind, LEVEL_AXES[level]), mesh=mesh, in_specs=P(MESH_AXES),
-                                 out_specs=P(MESH_AXES), check_vma=False))
+      # probe hands every device's copy back (out_specs P(MESH_AXES)) only to time it; with
+      # check_vma on, the output spec would have to drop those axes for each level.
+      fn = jax.jit(
+        jax.shard_map(
+          _body(kind, LEVEL_AXES[level]),
+          mesh=mesh,
+          in_specs=P(MESH_AXES),
+          out_specs=P(MESH_AXES),
+          check_vma=False,
+        )
+      )
       for size in sizes:
         elems = max(k, int(size) // 4 // k * k)  # f32, divisible by the group
         local = elems // k if kind == ALL_GATHER else elems  # all-gather: the shard grows k-fold
@@ -121,8 +144,9 @@ def probe(mesh: Mesh, sizes=DEFAULT_SIZES, repeats: int = 5, flops: bool = True)
   if jax.process_count() > 1:  # every process plans with process 0's numbers
     from jax.experimental import multihost_utils
 
-    values = [float(v) for v in multihost_utils.broadcast_one_to_all(
-        np.asarray(values, np.float32))]
+    values = [
+      float(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32))
+    ]
   it = iter(values)
   for levels in table.values():
     for fit in levels.values():
@@ -131,15 +155,18 @@ def probe(mesh: Mesh, sizes=DEFAULT_SIZES, repeats: int = 5, flops: bool = True)
   flop_per_s = next(it)
   device = mesh.devices.flat[0]
   return {
-      "version": 1,
-      "mesh": {"inter": inter, "intra": intra},
-      "platform": device.platform, "device_kind": device.device_kind,
-      "processes": jax.process_count(), "jax": jax.__version__,
-      "sizes": [int(s) for s in sizes], "repeats": repeats,
-      "bytes": "ring bytes per device: (k-1)/k x buffer for all_gather / reduce_scatter over k "
-               "devices, 2(k-1)/k x buffer for all_reduce; bandwidth in those bytes per second",
-      "collectives": table,
-      "flop_per_s": flop_per_s or None,
+    "version": 1,
+    "mesh": {"inter": inter, "intra": intra},
+    "platform": device.platform,
+    "device_kind": device.device_kind,
+    "processes": jax.process_count(),
+    "jax": jax.__version__,
+    "sizes": [int(s) for s in sizes],
+    "repeats": repeats,
+    "bytes": "ring bytes per device: (k-1)/k x buffer for all_gather / reduce_scatter over k "
+    "devices, 2(k-1)/k x buffer for all_reduce; bandwidth in those bytes per second",
+    "collectives": table,
+    "flop_per_s": flop_per_s or None,
   }
 
 
@@ -153,22 +180,35 @@ def write_profile(profile: dict, path: str) -> None:
 
 
 def format_profile(profile: dict) -> str:
-  lines = [f"mesh {profile['mesh']['inter']}x{profile['mesh']['intra']}, {profile['platform']} "
-           f"({profile['device_kind']}), {profile['processes']} process(es)", "",
-           f"{'collective':16s}{'level':8s}{'devices':>8s}{'GB/s per device':>17s}"
-           f"{'latency us':>12s}"]
+  lines = [
+    f"mesh {profile['mesh']['inter']}x{profile['mesh']['intra']}, {profile['platform']} "
+    f"({profile['device_kind']}), {profile['processes']} process(es)",
+    "",
+    f"{'collective':16s}{'level':8s}{'devices':>8s}{'GB/s per device':>17s}{'latency us':>12s}",
+  ]
   for kind, levels in profile["collectives"].items():
     for level, fit in levels.items():
-      lines.append(f"{kind:16s}{level:8s}{fit['group']:8d}{fit['bandwidth'] / 1e9:17.3f}"
-                   f"{fit['latency'] * 1e6:12.1f}")
+      lines.append(
+        f"{kind:16s}{level:8s}{fit['group']:8d}{fit['bandwidth'] / 1e9:17.3f}"
+        f"{fit['latency'] * 1e6:12.1f}"
+      )
   if profile.get("flop_per_s"):
     lines += ["", f"matmul: {profile['flop_per_s'] / 1e12:.3f} TFLOP/s per device"]
   return "\n".join(lines)
 
 
-def auto_strategy(mesh: Mesh, model, micro_batches: int, batch_size: int, seq_len: int,
-                  itemsize: int, params: int, trainable: int, collectives: str = "xla",
-                  remat: bool = True) -> tuple[str, str]:
+def auto_strategy(
+  mesh: Mesh,
+  model,
+  micro_batches: int,
+  batch_size: int,
+  seq_len: int,
+  itemsize: int,
+  params: int,
+  trainable: int,
+  collectives: str = "xla",
+  remat: bool = True,
+) -> tuple[str, str]:
   """`train --strategy auto`: probe `mesh` briefly and return the planner's (pick, why)."""
   from paro_jax.analysis.planner import choose_strategy
 
@@ -178,14 +218,26 @@ def auto_strategy(mesh: Mesh, model, micro_batches: int, batch_size: int, seq_le
   # What the allocator may use (on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION of the card); a CPU's
   # host memory is not planned for.
   stats = (device.memory_stats() or {}) if device.platform != "cpu" else {}
-  return choose_strategy(model, inter, intra, max(1, batch_size // (inter * intra)), micro_batches,
-                         seq_len, itemsize, profile, params=params, trainable=trainable,
-                         device_memory=stats.get("bytes_limit"), collectives=collectives,
-                         remat=remat)
+  return choose_strategy(
+    model,
+    inter,
+    intra,
+    max(1, batch_size // (inter * intra)),
+    micro_batches,
+    seq_len,
+    itemsize,
+    profile,
+    params=params,
+    trainable=trainable,
+    device_memory=stats.get("bytes_limit"),
+    collectives=collectives,
+    remat=remat,
+  )
 
 
-def run_probe(mesh_shape_: tuple[int, int] | None, sizes: str, repeats: int, flops: bool,
-              out: str) -> dict:
+def run_probe(
+  mesh_shape_: tuple[int, int] | None, sizes: str, repeats: int, flops: bool, out: str
+) -> dict:
   """`paro-jax probe`: probe the mesh, print the fits, write the profile (process 0)."""
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.units import parse_size

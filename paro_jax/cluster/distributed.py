@@ -11,8 +11,13 @@ from __future__ import annotations
 import os
 
 # The variables JAX's SlurmCluster / OmpiCluster need (jax/_src/clusters/*.py, jax 0.10.2).
-_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-               "SLURM_LOCALID")
+_SLURM_VARS = (
+  "SLURM_JOB_ID",
+  "SLURM_STEP_NODELIST",
+  "SLURM_NTASKS",
+  "SLURM_PROCID",
+  "SLURM_LOCALID",
+)
 _OMPI_URI = "OMPI_MCA_orte_hnp_uri"
 
 
@@ -39,20 +44,26 @@ def one_process_per_node(environ=None) -> bool:
 
 def _check_flags(coordinator, num_processes, process_id) -> bool:
   """True when explicit flags ask for a multi-process run; loud errors for incomplete ones."""
-  given = {"--coordinator": coordinator, "--num-processes": num_processes,
-           "--process-id": process_id}
+  given = {
+    "--coordinator": coordinator,
+    "--num-processes": num_processes,
+    "--process-id": process_id,
+  }
   if all(v is None for v in given.values()):
     return False
   missing = [k for k, v in given.items() if v is None]
   if missing:
-    raise ValueError(f"multi-process training needs --coordinator HOST:PORT, --num-processes N and "
-                     f"--process-id I together; missing {', '.join(missing)}")
+    raise ValueError(
+      f"multi-process training needs --coordinator HOST:PORT, --num-processes N and "
+      f"--process-id I together; missing {', '.join(missing)}"
+    )
   host, _, port = coordinator.rpartition(":")
   if not host or not port.isdigit():
     raise ValueError(f"bad --coordinator {coordinator!r}: write HOST:PORT, e.g. 10.0.0.1:12355")
   if num_processes < 1 or not 0 <= process_id < num_processes:
-    raise ValueError(f"--process-id must be in [0, --num-processes={num_processes}), "
-                     f"got {process_id}")
+    raise ValueError(
+      f"--process-id must be in [0, --num-processes={num_processes}), got {process_id}"
+    )
   return True
 
 
@@ -87,8 +98,12 @@ def maybe_initialize(coordinator=None, num_processes=None, process_id=None) -> b
   if "JAX_LOCAL_DEVICE_IDS" not in os.environ and (explicit or one_process_per_node()):
     local = []
   if explicit:
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id, local_device_ids=local)
+    jax.distributed.initialize(
+      coordinator_address=coordinator,
+      num_processes=num_processes,
+      process_id=process_id,
+      local_device_ids=local,
+    )
   else:
     jax.distributed.initialize(local_device_ids=local)  # JAX's own SLURM / Open MPI detection
   return True

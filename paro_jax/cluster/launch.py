@@ -39,16 +39,33 @@ from paro_jax.core.names import parse_mesh_shape
 from paro_jax.core.units import parse_delay, parse_rate
 from paro_jax.core.xla_flags import DEVICE_COUNT_FLAG
 
-NS_PREFIX = "paro"          # namespaces: paro<pid>n<k>, paro<pid>br (bridge)
-IF_PREFIX = "pj"            # interfaces: pj<pid>v<k> (node side), pj<pid>p<k> (bridge side)
-SUBNET = "10.77.0"          # node k has 10.77.0.(k+1), only inside our own namespaces
-COORD_PORT = 29500          # free: each namespace is fresh
+NS_PREFIX = "paro"  # namespaces: paro<pid>n<k>, paro<pid>br (bridge)
+IF_PREFIX = "pj"  # interfaces: pj<pid>v<k> (node side), pj<pid>p<k> (bridge side)
+SUBNET = "10.77.0"  # node k has 10.77.0.(k+1), only inside our own namespaces
+COORD_PORT = 29500  # free: each namespace is fresh
 RESERVED = ("--coordinator", "--num-processes", "--process-id")
 _NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)(?:n\d+|br)$")
+
+
 def _tbf(dev: str, rate: str, latency: str) -> list[str]:
   burst = max(32 * 1024, int(parse_rate(rate) / 8 / 500))  # >= 2 ms of traffic at the rate
-  return ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate,
-          "burst", str(burst), "latency", latency]
+  return [
+    "tc",
+    "qdisc",
+    "add",
+    "dev",
+    dev,
+    "root",
+    "handle",
+    "1:",
+    "tbf",
+    "rate",
+    rate,
+    "burst",
+    str(burst),
+    "latency",
+    latency,
+  ]
 
 
 def _run(cmd: list[str]) -> None:
@@ -91,8 +108,14 @@ def remove_stale_namespaces() -> list[str]:
 class NamespaceNetwork:
   """Namespaces, veths, bridge and tc shaping for one launch; `close()` removes all of it."""
 
-  def __init__(self, nodes: int, inter_bandwidth: str, inter_latency: str | None,
-               intra_bandwidth: str | None, tag: int | None = None):
+  def __init__(
+    self,
+    nodes: int,
+    inter_bandwidth: str,
+    inter_latency: str | None,
+    intra_bandwidth: str | None,
+    tag: int | None = None,
+  ):
     tag = os.getpid() if tag is None else tag
     self.nodes = nodes
     self.namespaces = [f"{NS_PREFIX}{tag}n{k}" for k in range(nodes)]
@@ -130,15 +153,45 @@ class NamespaceNetwork:
         f.write(f"127.0.0.1 localhost\n{self.addresses[k]} {hostname}\n")
       _run(["ip", "-n", ns, "link", "set", "lo", "up"])
     if self.nodes == 2:
-      _run(["ip", "link", "add", self.ifaces[0], "netns", self.namespaces[0], "type", "veth",
-            "peer", "name", self.ifaces[1], "netns", self.namespaces[1]])
+      _run(
+        [
+          "ip",
+          "link",
+          "add",
+          self.ifaces[0],
+          "netns",
+          self.namespaces[0],
+          "type",
+          "veth",
+          "peer",
+          "name",
+          self.ifaces[1],
+          "netns",
+          self.namespaces[1],
+        ]
+      )
     elif self.nodes > 2:
       br = self.bridge_ns
       _run(["ip", "-n", br, "link", "add", self.bridge, "type", "bridge"])
       _run(["ip", "-n", br, "link", "set", self.bridge, "up"])
       for k, ns in enumerate(self.namespaces):
-        _run(["ip", "link", "add", self.ifaces[k], "netns", ns, "type", "veth", "peer", "name",
-              self.peers[k], "netns", br])
+        _run(
+          [
+            "ip",
+            "link",
+            "add",
+            self.ifaces[k],
+            "netns",
+            ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.peers[k],
+            "netns",
+            br,
+          ]
+        )
         _run(["ip", "-n", br, "link", "set", self.peers[k], "master", self.bridge])
         _run(["ip", "-n", br, "link", "set", self.peers[k], "up"])
     if self.nodes >= 2:
@@ -158,20 +211,45 @@ class NamespaceNetwork:
       _run(["ip", "netns", "exec", ns, *_tbf(dev, self.inter_bandwidth, "50ms")])
       if self.delay and netem_ok:
         proc = subprocess.run(
-            ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1",
-             "handle", "10:", "netem", "delay", f"{self.delay * 1e6:.0f}us", "limit", "100000"],
-            capture_output=True, text=True)
+          [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:1",
+            "handle",
+            "10:",
+            "netem",
+            "delay",
+            f"{self.delay * 1e6:.0f}us",
+            "limit",
+            "100000",
+          ],
+          capture_output=True,
+          text=True,
+        )
         if proc.returncode:
           netem_ok = False
-          self.notes.append(f"latency {self.inter_latency} NOT emulated: tc netem is not available "
-                            f"({proc.stderr.strip()}); only the rate is shaped")
+          self.notes.append(
+            f"latency {self.inter_latency} NOT emulated: tc netem is not available "
+            f"({proc.stderr.strip()}); only the rate is shaped"
+          )
 
   def link_bytes(self) -> dict[int, int]:
     """Bytes each node has sent over its shaped link (tc's count: real inter-node traffic)."""
     sent = {}
     for k, ns in enumerate(self.namespaces if self.nodes >= 2 else []):
-      out = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev",
-                            self.ifaces[k]], capture_output=True, text=True).stdout
+      out = subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", self.ifaces[k]],
+        capture_output=True,
+        text=True,
+      ).stdout
       m = re.search(r"Sent (\d+) bytes", out)
       if m:
         sent[k] = int(m.group(1))
@@ -181,8 +259,10 @@ class NamespaceNetwork:
     if self.nodes == 1:
       return f"1 node in namespace {self.namespaces[0]}"
     link = "veth pair" if self.nodes == 2 else f"bridge in namespace {self.bridge_ns}"
-    text = (f"{self.nodes} namespaces {self.namespaces[0]}..{self.namespaces[-1]} joined by a "
-            f"{link}, {SUBNET}.1-{self.nodes}; each node's link shaped to {self.inter_bandwidth}")
+    text = (
+      f"{self.nodes} namespaces {self.namespaces[0]}..{self.namespaces[-1]} joined by a "
+      f"{link}, {SUBNET}.1-{self.nodes}; each node's link shaped to {self.inter_bandwidth}"
+    )
     if self.delay and not self.notes:
       text += f" + {self.inter_latency} delay"
     if self.intra_bandwidth:
@@ -222,9 +302,11 @@ def child_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> list
     if not train_argv:
       raise ValueError("`python` after -- needs a script, e.g. `-- python experiments/x.py`")
   elif not train_argv or (train_argv[0] != "train" and not train_argv[0].endswith(".py")):
-    raise ValueError(f"put the train command or a Python script after --, e.g. `paro-jax launch "
-                     f"--nodes 2 --devices-per-node 2 -- train --model tiny` or `... -- python "
-                     f"experiments/bench_collectives.py`; got {train_argv!r}")
+    raise ValueError(
+      f"put the train command or a Python script after --, e.g. `paro-jax launch "
+      f"--nodes 2 --devices-per-node 2 -- train --model tiny` or `... -- python "
+      f"experiments/bench_collectives.py`; got {train_argv!r}"
+    )
   if train_argv[0].endswith(".py") and not os.path.isfile(train_argv[0]):
     raise ValueError(f"no such script: {train_argv[0]}")
   for flag in RESERVED:
@@ -236,8 +318,10 @@ def child_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> list
     text = mesh[-1].split("=", 1)[-1]
     inter, intra = parse_mesh_shape(text)
     if inter * intra != nodes * devices_per_node:
-      raise ValueError(f"--mesh {text} in the train command does not have the "
-                       f"{nodes * devices_per_node} devices of {nodes} nodes x {devices_per_node}")
+      raise ValueError(
+        f"--mesh {text} in the train command does not have the "
+        f"{nodes * devices_per_node} devices of {nodes} nodes x {devices_per_node}"
+      )
   else:
     argv += ["--mesh", f"{nodes}x{devices_per_node}"]
   return argv
@@ -266,8 +350,9 @@ class _Node:
     self.index, self.proc = index, proc
     self.tail = collections.deque(maxlen=15)
     self.threads = [
-        threading.Thread(target=self._pump, args=(proc.stdout, out, lock, False), daemon=True),
-        threading.Thread(target=self._pump, args=(proc.stderr, err, lock, True), daemon=True)]
+      threading.Thread(target=self._pump, args=(proc.stdout, out, lock, False), daemon=True),
+      threading.Thread(target=self._pump, args=(proc.stderr, err, lock, True), daemon=True),
+    ]
     for t in self.threads:
       t.start()
 
@@ -329,10 +414,19 @@ class _Interrupted(Exception):
     self.signum = signum
 
 
-def launch(train_argv: list[str], nodes: int, devices_per_node: int,
-           inter_bandwidth: str = "1gbit", inter_latency: str | None = "0.5ms",
-           intra_bandwidth: str | None = None, shaped: bool = True, env: dict | None = None,
-           stdout=None, stderr=None, link_bytes: dict | None = None) -> int:
+def launch(
+  train_argv: list[str],
+  nodes: int,
+  devices_per_node: int,
+  inter_bandwidth: str = "1gbit",
+  inter_latency: str | None = "0.5ms",
+  intra_bandwidth: str | None = None,
+  shaped: bool = True,
+  env: dict | None = None,
+  stdout=None,
+  stderr=None,
+  link_bytes: dict | None = None,
+) -> int:
   """Run `train_argv` ("train ..." or a Python script) as `nodes` processes; returns the exit code.
 
   0 when every process exited 0; otherwise the failed node's exit code (128+signal when it was
@@ -342,8 +436,9 @@ def launch(train_argv: list[str], nodes: int, devices_per_node: int,
   """
   out, err = stdout or sys.stdout, stderr or sys.stderr
   if nodes < 1 or devices_per_node < 1:
-    raise ValueError(f"--nodes and --devices-per-node must be >= 1, got {nodes} and "
-                     f"{devices_per_node}")
+    raise ValueError(
+      f"--nodes and --devices-per-node must be >= 1, got {nodes} and {devices_per_node}"
+    )
   argv = child_argv(train_argv, nodes, devices_per_node)
   parse_rate(inter_bandwidth)
   parse_delay(inter_latency)
@@ -378,8 +473,10 @@ def launch(train_argv: list[str], nodes: int, devices_per_node: int,
         try:
           network.open()
         except (RuntimeError, OSError) as e:
-          say(f"could not create the network namespaces ({e}); running on 127.0.0.1 instead: "
-              f"the link is NOT shaped")
+          say(
+            f"could not create the network namespaces ({e}); running on 127.0.0.1 instead: "
+            f"the link is NOT shaped"
+          )
           network = None
     else:
       say(f"loopback mode: {nodes} plain processes on 127.0.0.1; the link is NOT shaped")
@@ -387,18 +484,37 @@ def launch(train_argv: list[str], nodes: int, devices_per_node: int,
       say(network.describe())
       for note in network.notes:
         say(note)
-    coordinator = (f"{network.addresses[0]}:{COORD_PORT}" if network and nodes > 1
-                   else f"127.0.0.1:{_free_port()}")
+    coordinator = (
+      f"{network.addresses[0]}:{COORD_PORT}"
+      if network and nodes > 1
+      else f"127.0.0.1:{_free_port()}"
+    )
     child_env = _child_env(devices_per_node, env)
-    child_env["PARO_JAX_LINK"] = (network.describe() + "".join(f"; {n}" for n in network.notes)
-                                  if network else f"{nodes} processes on 127.0.0.1, NOT shaped")
+    child_env["PARO_JAX_LINK"] = (
+      network.describe() + "".join(f"; {n}" for n in network.notes)
+      if network
+      else f"{nodes} processes on 127.0.0.1, NOT shaped"
+    )
     for k in range(nodes):
-      cmd = [*_command(argv), "--coordinator", coordinator,
-             "--num-processes", str(nodes), "--process-id", str(k)]
+      cmd = [
+        *_command(argv),
+        "--coordinator",
+        coordinator,
+        "--num-processes",
+        str(nodes),
+        "--process-id",
+        str(k),
+      ]
       if network:
         cmd = ["ip", "netns", "exec", network.namespaces[k], *cmd]
-      proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=child_env, start_new_session=True)
+      proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env,
+        start_new_session=True,
+      )
       children.append(_Node(k, proc, out, err, lock))
     while True:
       codes = [n.proc.poll() for n in children]
@@ -409,8 +525,10 @@ def launch(train_argv: list[str], nodes: int, devices_per_node: int,
         _stop(children)
         bad.join()
         tail = "\n".join(f"    {line}" for line in bad.tail) or "    (nothing)"
-        say(f"node {bad.index} (process {bad.index} of {nodes}) failed with "
-            f"{_describe_exit(code)}; stopped the other nodes. Last lines of its stderr:\n{tail}")
+        say(
+          f"node {bad.index} (process {bad.index} of {nodes}) failed with "
+          f"{_describe_exit(code)}; stopped the other nodes. Last lines of its stderr:\n{tail}"
+        )
         return code if code > 0 else 128 - code
       if all(c == 0 for c in codes):
         for n in children:
@@ -419,13 +537,17 @@ def launch(train_argv: list[str], nodes: int, devices_per_node: int,
           sent = network.link_bytes()
           if link_bytes is not None:
             link_bytes.update(sent)
-          say("bytes sent over each node's link (tc): " + ", ".join(
-              f"node {k} {b / 2**20:.1f} MiB" for k, b in sorted(sent.items())))
+          say(
+            "bytes sent over each node's link (tc): "
+            + ", ".join(f"node {k} {b / 2**20:.1f} MiB" for k, b in sorted(sent.items()))
+          )
         return 0
       time.sleep(0.1)
   except _Interrupted as e:
-    say(f"got {signal.Signals(e.signum).name}: stopping {nodes} processes (SIGINT, then SIGKILL "
-        f"after 10 s) and cleaning up")
+    say(
+      f"got {signal.Signals(e.signum).name}: stopping {nodes} processes (SIGINT, then SIGKILL "
+      f"after 10 s) and cleaning up"
+    )
     _stop(children, first=signal.SIGINT)
     return 128 + e.signum
   finally:

@@ -465,7 +465,8 @@ def reduce_scatter(x, axes, *, dim: int, impl: str = "xla"):
   a flat ring and each device adding its own copy; ``hring`` -- a ring over
   the major axis (on blocks of n_minor chunks), then one over the minor
   axis; ``horing`` -- the transpose of the all-gather schedule: intra
-  sub-rounds in reverse order, the inter ring reducing beside them. Transpose: ``all_gather`` with the same ``impl``.
+  sub-rounds in reverse order, the inter ring reducing beside them. Transpose: ``all_gather``
+  with the same ``impl``.
   """
   axes = _norm_axes(axes)
   _check_impl(impl)

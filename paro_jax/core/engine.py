@@ -34,13 +34,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.llama import Llama, next_token_loss
 from paro_jax.core import collectives as comm
 from paro_jax.core.mesh import mesh_shape
-from paro_jax.core.sharding import (ShardingRules, StateSpecs, local_shape, named, shard_dims,
-                               state_specs)
+from paro_jax.core.sharding import (
+  ShardingRules,
+  StateSpecs,
+  local_shape,
+  named,
+  shard_dims,
+  state_specs,
+)
 from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES
 from paro_jax.core.strategy import Strategy
 
-DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
-          "float32": jnp.float32}
+DTYPES = {
+  "bf16": jnp.bfloat16,
+  "bfloat16": jnp.bfloat16,
+  "fp32": jnp.float32,
+  "float32": jnp.float32,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,19 +67,31 @@ class OptimConfig:
 
   def __post_init__(self):
     if self.learning_rate <= 0 or self.total_steps <= 0 or self.warmup_steps < 0:
-      raise ValueError(f"OptimConfig: learning_rate and total_steps must be positive and "
-                       f"warmup_steps >= 0, got {self}")
+      raise ValueError(
+        f"OptimConfig: learning_rate and total_steps must be positive and "
+        f"warmup_steps >= 0, got {self}"
+      )
 
   def schedule(self):
     warmup = min(self.warmup_steps, self.total_steps)
     return optax.warmup_cosine_decay_schedule(
-        0.0, self.learning_rate, warmup, max(self.total_steps, warmup + 1),
-        end_value=self.learning_rate * self.min_lr_ratio)
+      0.0,
+      self.learning_rate,
+      warmup,
+      max(self.total_steps, warmup + 1),
+      end_value=self.learning_rate * self.min_lr_ratio,
+    )
 
   def adamw(self, decay_mask):
     """AdamW without clipping: the engine clips by the global norm across shards itself."""
-    return optax.adamw(self.schedule(), b1=self.b1, b2=self.b2, eps=self.eps,
-                       weight_decay=self.weight_decay, mask=decay_mask)
+    return optax.adamw(
+      self.schedule(),
+      b1=self.b1,
+      b2=self.b2,
+      eps=self.eps,
+      weight_decay=self.weight_decay,
+      mask=decay_mask,
+    )
 
   def reference_tx(self, decay_mask):
     """The same optimizer as one plain optax chain, for a single-device reference."""
@@ -78,15 +100,18 @@ class OptimConfig:
 
 def decay_mask(logical_tree):
   """Weight decay on matrices only (not on norm scales)."""
-  return jax.tree.map(lambda axes: len([a for a in axes if a != "layers"]) >= 2, logical_tree,
-                      is_leaf=lambda x: isinstance(x, tuple))
+  return jax.tree.map(
+    lambda axes: len([a for a in axes if a != "layers"]) >= 2,
+    logical_tree,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
 
 
 class TrainState(NamedTuple):
-  step: jax.Array       # scalar int32, replicated
-  master: Any           # fp32 trained parameters at the OS placement
-  opt_state: Any        # optax state; moments at the OS placement
-  frozen: Any = None    # LoRA: the frozen base weights, compute dtype, P placement
+  step: jax.Array  # scalar int32, replicated
+  master: Any  # fp32 trained parameters at the OS placement
+  opt_state: Any  # optax state; moments at the OS placement
+  frozen: Any = None  # LoRA: the frozen base weights, compute dtype, P placement
 
 
 def split_trainable(tree, mask, trained: bool = True):
@@ -115,9 +140,16 @@ def _is_shard(x) -> bool:
 class Engine:
   """Builds, for one model, strategy and mesh, the sharded state and the jitted training step."""
 
-  def __init__(self, model: Llama, strategy: Strategy, mesh: Mesh, optim: OptimConfig,
-               micro_batches: int = 1, collectives: str = "xla",
-               rules: ShardingRules = ShardingRules()):
+  def __init__(
+    self,
+    model: Llama,
+    strategy: Strategy,
+    mesh: Mesh,
+    optim: OptimConfig,
+    micro_batches: int = 1,
+    collectives: str = "xla",
+    rules: ShardingRules = ShardingRules(),
+  ):
     if micro_batches < 1:
       raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     if collectives not in comm.IMPLS:
@@ -133,19 +165,30 @@ class Engine:
     # Trained leaves (all, or the LoRA adapters) and, with LoRA, the frozen ones.
     self.mask = model.trainable_mask()
     self.lora = model.lora is not None
-    self.trained_shapes, self.trained_dims = split_trainable(self.shapes, self.mask), split_trainable(self.dims, self.mask)
-    self.trained_specs = StateSpecs(*(split_trainable(x, self.mask) for x in
-                                (self.specs.params, self.specs.grads, self.specs.opt)))
+    self.trained_shapes, self.trained_dims = (
+      split_trainable(self.shapes, self.mask),
+      split_trainable(self.dims, self.mask),
+    )
+    self.trained_specs = StateSpecs(
+      *(
+        split_trainable(x, self.mask) for x in (self.specs.params, self.specs.grads, self.specs.opt)
+      )
+    )
     self.frozen_specs = split_trainable(self.specs.params, self.mask, False) if self.lora else None
     self.tx = optim.adamw(decay_mask(split_trainable(self.logical, self.mask)))
     opt_shapes = jax.eval_shape(self.tx.init, self.trained_shapes)
     # Moments follow the master weights (OS placement); scalars (the step count) are replicated.
     self.opt_specs = optax.tree_map_params(
-        self.tx, lambda _, spec: spec, opt_shapes, self.trained_specs.opt,
-        transform_non_params=lambda _: PartitionSpec(),
-        is_leaf=lambda x: isinstance(x, PartitionSpec))
-    self.state_specs = TrainState(PartitionSpec(), self.trained_specs.opt, self.opt_specs,
-                                  self.frozen_specs)
+      self.tx,
+      lambda _, spec: spec,
+      opt_shapes,
+      self.trained_specs.opt,
+      transform_non_params=lambda _: PartitionSpec(),
+      is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    self.state_specs = TrainState(
+      PartitionSpec(), self.trained_specs.opt, self.opt_specs, self.frozen_specs
+    )
     self.state_shardings = named(mesh, self.state_specs)
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
     self.batch_sharding = NamedSharding(mesh, self.batch_spec)
@@ -156,8 +199,9 @@ class Engine:
   def init_state(self, rng) -> TrainState:
     """Initialise the master weights and optimizer state directly into their OS shards."""
 
-    return jax.jit(lambda rng: self._fresh_state(self.model.init(rng)),
-                   out_shardings=self.state_shardings)(rng)
+    return jax.jit(
+      lambda rng: self._fresh_state(self.model.init(rng)), out_shardings=self.state_shardings
+    )(rng)
 
   def state_from_params(self, params) -> TrainState:
     """A fresh state (step 0, zero moments) from given fp32 parameters (all of them; with LoRA
@@ -168,8 +212,9 @@ class Engine:
     master = split_trainable(params, self.mask)
     frozen = None
     if self.lora:
-      frozen = jax.tree.map(lambda w: w.astype(self.compute_dtype),
-                            split_trainable(params, self.mask, False))
+      frozen = jax.tree.map(
+        lambda w: w.astype(self.compute_dtype), split_trainable(params, self.mask, False)
+      )
     return TrainState(jnp.zeros((), jnp.int32), master, self.tx.init(master), frozen)
 
   def params(self, state: TrainState):
@@ -177,12 +222,16 @@ class Engine:
 
     def sync(master):
       return jax.tree.map(
-          lambda w, d: _gather_invariant(w.astype(self.compute_dtype),
-                                         self.strategy.param_sync_axes, d),
-          master, self.trained_dims)
+        lambda w, d: _gather_invariant(
+          w.astype(self.compute_dtype), self.strategy.param_sync_axes, d
+        ),
+        master,
+        self.trained_dims,
+      )
 
-    fn = jax.shard_map(sync, mesh=self.mesh, in_specs=(self.trained_specs.opt,),
-                       out_specs=self.trained_specs.params)
+    fn = jax.shard_map(
+      sync, mesh=self.mesh, in_specs=(self.trained_specs.opt,), out_specs=self.trained_specs.params
+    )
     trained = jax.jit(fn)(state.master)
     return join_trainable(self.mask, trained, state.frozen) if self.lora else trained
 
@@ -191,33 +240,40 @@ class Engine:
     (trained leaves only)."""
     shardings = named(self.mesh, self.trained_specs.grads)
     return jax.jit(
-        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.compute_dtype), self.trained_shapes),
-        out_shardings=shardings)()
+      lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.compute_dtype), self.trained_shapes),
+      out_shardings=shardings,
+    )()
 
   def check_batch_size(self, batch_size: int) -> None:
     n = self.inter * self.intra
     if batch_size % n:
-      raise ValueError(f"micro-batch size {batch_size} is not divisible by the {n} devices of the "
-                       f"mesh {self.inter}x{self.intra}: use a batch size that is a multiple of {n}")
+      raise ValueError(
+        f"micro-batch size {batch_size} is not divisible by the {n} devices of the "
+        f"mesh {self.inter}x{self.intra}: use a batch size that is a multiple of {n}"
+      )
 
   def shard_batch(self, tokens_AxBxL1) -> jax.Array:
     """Place a global (A, B, L+1) token array (identical on every process) on the mesh."""
     A, B, _ = tokens_AxBxL1.shape
     if A != self.micro_batches:
-      raise ValueError(f"batch has {A} micro-batches, the engine was built for "
-                       f"{self.micro_batches}")
+      raise ValueError(
+        f"batch has {A} micro-batches, the engine was built for {self.micro_batches}"
+      )
     self.check_batch_size(B)
-    return jax.make_array_from_callback(tokens_AxBxL1.shape, self.batch_sharding,
-                                        lambda idx: tokens_AxBxL1[idx])
+    return jax.make_array_from_callback(
+      tokens_AxBxL1.shape, self.batch_sharding, lambda idx: tokens_AxBxL1[idx]
+    )
 
   def shard_local_batch(self, local_tokens, global_shape) -> jax.Array:
     """Place this process's rows of the global (A, B, L+1) batch (`Batches.process_rows`)."""
     if global_shape[0] != self.micro_batches:
-      raise ValueError(f"batch has {global_shape[0]} micro-batches, the engine was built for "
-                       f"{self.micro_batches}")
+      raise ValueError(
+        f"batch has {global_shape[0]} micro-batches, the engine was built for {self.micro_batches}"
+      )
     self.check_batch_size(global_shape[1])
-    return jax.make_array_from_process_local_data(self.batch_sharding, local_tokens,
-                                                  tuple(global_shape))
+    return jax.make_array_from_process_local_data(
+      self.batch_sharding, local_tokens, tuple(global_shape)
+    )
 
   # --- evaluation --------------------------------------------------------------------------
   def eval_loss(self, state: TrainState, tokens_AxBxL1) -> jax.Array:
@@ -240,9 +296,13 @@ class Engine:
       # Every device holds the same number of rows: the mean of the local means is the mean.
       return lax.psum(jnp.mean(losses), GLOBAL_AXES) / (self.inter * self.intra)
 
-    return jax.shard_map(local_loss, mesh=self.mesh, in_specs=(self.specs.params, self.batch_spec),
-                         out_specs=PartitionSpec(),
-                         check_vma=self.collectives == "xla")(params, tokens_AxBxL1)
+    return jax.shard_map(
+      local_loss,
+      mesh=self.mesh,
+      in_specs=(self.specs.params, self.batch_spec),
+      out_specs=PartitionSpec(),
+      check_vma=self.collectives == "xla",
+    )(params, tokens_AxBxL1)
 
   # --- the step ----------------------------------------------------------------------------
   def _materializer(self):
@@ -252,13 +312,16 @@ class Engine:
     gather = _make_gather(s.param_gather_axes, s.grad_scatter_axes, self.collectives)
 
     def frozen(param, dim):  # a frozen LoRA base weight: gathered, no gradient
-      full = comm.all_gather(lax.stop_gradient(param), s.param_gather_axes, dim=dim % param.ndim,
-                             impl=self.collectives)
+      full = comm.all_gather(
+        lax.stop_gradient(param), s.param_gather_axes, dim=dim % param.ndim, impl=self.collectives
+      )
       return comm.to_varying(full, GLOBAL_AXES)
 
     return lambda tree: jax.tree.map(
-        lambda sh: frozen(sh.param, sh.dim) if sh.sink is None else
-        gather(sh.param, sh.sink, sh.dim), tree, is_leaf=_is_shard)
+      lambda sh: frozen(sh.param, sh.dim) if sh.sink is None else gather(sh.param, sh.sink, sh.dim),
+      tree,
+      is_leaf=_is_shard,
+    )
 
   def _train_step(self, state: TrainState, tokens_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no
@@ -266,13 +329,15 @@ class Engine:
     # collectives keep check_vma on, and the tests check the rings against them.
     check_vma = self.collectives == "xla"
     step_fn = jax.shard_map(
-        functools.partial(self._local_step, tokens_per_step=tokens_AxBxL1[..., 1:].size),
-        mesh=self.mesh,
-        in_specs=(self.trained_specs.opt, self.opt_specs, self.frozen_specs, self.batch_spec),
-        out_specs=(self.trained_specs.opt, self.opt_specs, PartitionSpec(), PartitionSpec()),
-        check_vma=check_vma)
-    master, opt_state, loss, grad_norm = step_fn(state.master, state.opt_state, state.frozen,
-                                                 tokens_AxBxL1)
+      functools.partial(self._local_step, tokens_per_step=tokens_AxBxL1[..., 1:].size),
+      mesh=self.mesh,
+      in_specs=(self.trained_specs.opt, self.opt_specs, self.frozen_specs, self.batch_spec),
+      out_specs=(self.trained_specs.opt, self.opt_specs, PartitionSpec(), PartitionSpec()),
+      check_vma=check_vma,
+    )
+    master, opt_state, loss, grad_norm = step_fn(
+      state.master, state.opt_state, state.frozen, tokens_AxBxL1
+    )
     metrics = {"loss": loss, "grad_norm": grad_norm}
     return TrainState(state.step + 1, master, opt_state, state.frozen), metrics
 
@@ -282,8 +347,12 @@ class Engine:
 
     with jax.named_scope("param_sync"):
       params = jax.tree.map(
-          lambda w, d: comm.all_gather(w.astype(compute_dtype), s.param_sync_axes, dim=d % w.ndim,
-                                       impl=impl), master, self.trained_dims)
+        lambda w, d: comm.all_gather(
+          w.astype(compute_dtype), s.param_sync_axes, dim=d % w.ndim, impl=impl
+        ),
+        master,
+        self.trained_dims,
+      )
       if self.lora:  # the frozen base is already at P, in the compute dtype
         params = join_trainable(self.mask, params, frozen)
 
@@ -302,13 +371,15 @@ class Engine:
 
       def loss_fn(sinks):
         # Frozen leaves get no sink (None): the materializer gathers them without a gradient.
-        shards = jax.tree.map(lambda m, p, k, d: Shard(p, k if m else None, d), self.mask,
-                              params_mb, sinks, self.dims)
+        shards = jax.tree.map(
+          lambda m, p, k, d: Shard(p, k if m else None, d), self.mask, params_mb, sinks, self.dims
+        )
         logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize)
         # Each device's share of the step's mean loss: summed over devices and micro-batches
         # it is the mean over all tokens of the step.
-        return next_token_loss(logits, tokens_BxL1[:, 1:]) * (tokens_BxL1[:, 1:].size /
-                                                               tokens_per_step)
+        return next_token_loss(logits, tokens_BxL1[:, 1:]) * (
+          tokens_BxL1[:, 1:].size / tokens_per_step
+        )
 
       loss, grads = jax.value_and_grad(loss_fn)(sinks)
       return jax.tree.map(jnp.add, acc, grads), loss
@@ -318,10 +389,13 @@ class Engine:
 
     with jax.named_scope("grad_sync"):
       grads = jax.tree.map(
-          lambda g, d: comm.reduce_scatter(g, s.sync_scatter_axes, dim=d % g.ndim, impl=impl),
-          acc, self.trained_dims)
+        lambda g, d: comm.reduce_scatter(g, s.sync_scatter_axes, dim=d % g.ndim, impl=impl),
+        acc,
+        self.trained_dims,
+      )
       grads = jax.tree.map(
-          lambda g: comm.all_reduce(g, s.sync_reduce_axes, impl=impl).astype(jnp.float32), grads)
+        lambda g: comm.all_reduce(g, s.sync_reduce_axes, impl=impl).astype(jnp.float32), grads
+      )
 
     with jax.named_scope("optimizer"):
       # Each OS shard is held by every device outside S(OS): sum squares over S(OS) only.

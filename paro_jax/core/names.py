@@ -29,6 +29,8 @@ def parse_mesh_shape(text: str) -> tuple[int, int]:
   """'2x4' -> (inter=2, intra=4)."""
   parts = text.lower().split("x")
   if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-    raise ValueError(f"bad --mesh {text!r}: write GROUPSxDEVICES_PER_GROUP, e.g. 2x4 "
-                     f"(2 groups, i.e. nodes, of 4 devices each)")
+    raise ValueError(
+      f"bad --mesh {text!r}: write GROUPSxDEVICES_PER_GROUP, e.g. 2x4 "
+      f"(2 groups, i.e. nodes, of 4 devices each)"
+    )
   return int(parts[0]), int(parts[1])

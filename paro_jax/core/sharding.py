@@ -43,9 +43,11 @@ def shard_dims(logical_tree, rules: ShardingRules = ShardingRules()):
     for name in rules.shard_axes:
       if name in axes:
         return axes.index(name) - len(axes)
-    raise ValueError(f"parameter {_path_name(path)} with logical axes {axes} has none of the "
-                     f"shardable axes {rules.shard_axes}: add one of its axes to "
-                     f"ShardingRules.shard_axes")
+    raise ValueError(
+      f"parameter {_path_name(path)} with logical axes {axes} has none of the "
+      f"shardable axes {rules.shard_axes}: add one of its axes to "
+      f"ShardingRules.shard_axes"
+    )
 
   return jax.tree_util.tree_map_with_path(pick, logical_tree, is_leaf=_is_axes)
 
@@ -54,8 +56,9 @@ def _is_axes(x) -> bool:
   return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
-def placement_spec(name: str, shape: tuple[int, ...], dim: int, placement: Placement,
-                   mesh: Mesh) -> PartitionSpec:
+def placement_spec(
+  name: str, shape: tuple[int, ...], dim: int, placement: Placement, mesh: Mesh
+) -> PartitionSpec:
   """PartitionSpec that splits dimension `dim` of a leaf as `placement` says, or an error."""
   if placement is Placement.N:
     return PartitionSpec()
@@ -63,10 +66,11 @@ def placement_spec(name: str, shape: tuple[int, ...], dim: int, placement: Place
   ways = placement.shard_count(inter, intra)
   if shape[dim] % ways:
     raise ValueError(
-        f"cannot shard {name} (shape {tuple(shape)}) with placement {placement.name}: its dimension "
-        f"{dim % len(shape)} has size {shape[dim]}, not divisible by {ways} "
-        f"(mesh inter={inter} x intra={intra}). Choose a mesh or model size that divides it, or a "
-        f"coarser placement.")
+      f"cannot shard {name} (shape {tuple(shape)}) with placement {placement.name}: its dimension "
+      f"{dim % len(shape)} has size {shape[dim]}, not divisible by {ways} "
+      f"(mesh inter={inter} x intra={intra}). Choose a mesh or model size that divides it, or a "
+      f"coarser placement."
+    )
   spec = [None] * len(shape)
   axes = placement.axes
   spec[dim % len(shape)] = axes[0] if len(axes) == 1 else axes
@@ -76,8 +80,10 @@ def placement_spec(name: str, shape: tuple[int, ...], dim: int, placement: Place
 def tree_specs(shapes_tree, dims_tree, placement: Placement, mesh: Mesh):
   """PartitionSpecs for a whole tree (leaves of shapes_tree need a .shape)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x, d: placement_spec(_path_name(path), x.shape, d, placement, mesh),
-      shapes_tree, dims_tree)
+    lambda path, x, d: placement_spec(_path_name(path), x.shape, d, placement, mesh),
+    shapes_tree,
+    dims_tree,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +97,9 @@ class StateSpecs:
 
 def state_specs(shapes_tree, dims_tree, strategy: Strategy, mesh: Mesh) -> StateSpecs:
   return StateSpecs(
-      params=tree_specs(shapes_tree, dims_tree, strategy.params, mesh),
-      grads=tree_specs(shapes_tree, dims_tree, strategy.grads, mesh),
-      opt=tree_specs(shapes_tree, dims_tree, strategy.opt, mesh),
+    params=tree_specs(shapes_tree, dims_tree, strategy.params, mesh),
+    grads=tree_specs(shapes_tree, dims_tree, strategy.grads, mesh),
+    opt=tree_specs(shapes_tree, dims_tree, strategy.opt, mesh),
   )
 
 

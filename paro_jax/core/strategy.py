@@ -34,23 +34,23 @@ class Placement(enum.Enum):
 
 
 ALIASES = {
-    "ddp": "NNN",
-    "zero1": "NNG",
-    "zero2": "NGG",
-    "zero3": "GGG",
-    "mics": "III",
-    "hsdp": "III",
-    "hsdp-zero2": "NII",
+  "ddp": "NNN",
+  "zero1": "NNG",
+  "zero2": "NGG",
+  "zero3": "GGG",
+  "mics": "III",
+  "hsdp": "III",
+  "hsdp-zero2": "NII",
 }
 
 # Well-known names for the README and error messages (several aliases may map to one strategy).
 KNOWN_NAMES = {
-    "NNN": "DDP",
-    "NNG": "ZeRO-1",
-    "NGG": "ZeRO-2",
-    "GGG": "ZeRO-3",
-    "III": "MiCS / HSDP",
-    "NII": "HSDP-ZeRO2",
+  "NNN": "DDP",
+  "NNG": "ZeRO-1",
+  "NGG": "ZeRO-2",
+  "GGG": "ZeRO-3",
+  "III": "MiCS / HSDP",
+  "NII": "HSDP-ZeRO2",
 }
 
 
@@ -69,10 +69,11 @@ class Strategy:
   def __post_init__(self):
     if self.params.value > self.opt.value or self.grads.value > self.opt.value:
       raise ValueError(
-          f"invalid strategy {self.name!r}: the optimizer-state placement must be at least as fine "
-          f"as both the parameter and the gradient placement (P <= OS and G <= OS, with "
-          f"granularity N < I < G). Valid strategies: {', '.join(VALID_NAMES)}; aliases: "
-          f"{', '.join(f'{k}={v}' for k, v in ALIASES.items())}.")
+        f"invalid strategy {self.name!r}: the optimizer-state placement must be at least as fine "
+        f"as both the parameter and the gradient placement (P <= OS and G <= OS, with "
+        f"granularity N < I < G). Valid strategies: {', '.join(VALID_NAMES)}; aliases: "
+        f"{', '.join(f'{k}={v}' for k, v in ALIASES.items())}."
+      )
 
   @property
   def name(self) -> str:
@@ -127,8 +128,9 @@ def parse_strategy(text: str) -> Strategy:
   letters = ALIASES.get(key.lower(), key.upper())
   if len(letters) != 3 or any(c not in "NIG" for c in letters):
     raise ValueError(
-        f"unknown strategy {text!r}: give three letters for Parameters, Gradients and Optimizer "
-        f"states, each N (replicated), I (sharded within a group) or G (sharded globally), with "
-        f"P <= OS and G <= OS in granularity N < I < G. Valid strategies: {', '.join(VALID_NAMES)}; "
-        f"aliases: {', '.join(f'{k}={v}' for k, v in ALIASES.items())}.")
+      f"unknown strategy {text!r}: give three letters for Parameters, Gradients and Optimizer "
+      f"states, each N (replicated), I (sharded within a group) or G (sharded globally), with "
+      f"P <= OS and G <= OS in granularity N < I < G. Valid strategies: {', '.join(VALID_NAMES)}; "
+      f"aliases: {', '.join(f'{k}={v}' for k, v in ALIASES.items())}."
+    )
   return Strategy(*(Placement[c] for c in letters))

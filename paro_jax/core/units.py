@@ -14,16 +14,27 @@ GB = 1e9
 # Bytes per value of each compute dtype a run may choose (`--dtype`).
 COMPUTE_DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+_RATE_UNITS = {
+  "bit": 1,
+  "kbit": 1e3,
+  "mbit": 1e6,
+  "gbit": 1e9,
+  "tbit": 1e12,
+  "bps": 8,
+  "kbps": 8e3,
+  "mbps": 8e6,
+  "gbps": 8e9,
+  "tbps": 8e12,
+}
 
 
 def parse_rate(text: str) -> float:
   """A tc rate ('1gbit', '500mbit', '100mbps') in bits per second; a clear error otherwise."""
   m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
   if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
-    raise ValueError(f"bad rate {text!r}: write a number and one of {sorted(_RATE_UNITS)}, "
-                     f"e.g. 1gbit or 500mbit")
+    raise ValueError(
+      f"bad rate {text!r}: write a number and one of {sorted(_RATE_UNITS)}, e.g. 1gbit or 500mbit"
+    )
   return float(m.group(1)) * _RATE_UNITS[m.group(2)]
 
 
@@ -35,7 +46,6 @@ def parse_delay(text: str | None) -> float:
   if not m:
     raise ValueError(f"bad latency {text!r}: write e.g. 0.5ms, 200us or 0")
   return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
-
 
 
 _SI = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
@@ -52,8 +62,10 @@ def parse_size(text: str, what: str = "memory size") -> float:
   m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*(?:([kmgtpKMGTP]i?)?[bB])?\s*", str(text))
   factor = _prefix(m.group(2) or "") if m else None
   if not m or factor is None or float(m.group(1)) <= 0:
-    raise ValueError(f"bad {what} {text!r}: write a positive number and a unit, e.g. 80GB "
-                     f"(10^9 bytes) or 80GiB (2^30 bytes)")
+    raise ValueError(
+      f"bad {what} {text!r}: write a positive number and a unit, e.g. 80GB "
+      f"(10^9 bytes) or 80GiB (2^30 bytes)"
+    )
   return float(m.group(1)) * factor
 
 
@@ -70,8 +82,10 @@ def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
   m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtTpP]i?)?(B|b|bit)/s\s*", str(text))
   factor = _prefix(m.group(2) or "") if m else None
   if not m or factor is None or float(m.group(1)) <= 0:
-    raise ValueError(f"bad {what} {text!r}: write e.g. 300GB/s (bytes per second), 100Gb/s or "
-                     f"100gbit (bits per second)")
+    raise ValueError(
+      f"bad {what} {text!r}: write e.g. 300GB/s (bytes per second), 100Gb/s or "
+      f"100gbit (bits per second)"
+    )
   return float(m.group(1)) * factor / (8 if m.group(3) != "B" else 1)
 
 

@@ -15,10 +15,10 @@ import os
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 GPU_OVERLAP_FLAGS = (
-    # Schedule asynchronous collectives around compute and around each other.
-    "--xla_gpu_enable_latency_hiding_scheduler=true",
-    # Up to two collectives in flight at once: an HO-Ring step's intra and inter permutes.
-    "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
+  # Schedule asynchronous collectives around compute and around each other.
+  "--xla_gpu_enable_latency_hiding_scheduler=true",
+  # Up to two collectives in flight at once: an HO-Ring step's intra and inter permutes.
+  "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
 )
 
 

@@ -62,8 +62,11 @@ class CheckpointError(OSError):
 def abstract_state(engine: Engine) -> TrainState:
   """The TrainState's shapes and dtypes with the engine's target shardings, for restoring."""
   shapes = jax.eval_shape(engine.state_from_params, engine.shapes)
-  return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                      shapes, engine.state_shardings)
+  return jax.tree.map(
+    lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+    shapes,
+    engine.state_shardings,
+  )
 
 
 class Checkpointer:
@@ -74,11 +77,13 @@ class Checkpointer:
       raise ValueError(f"keep must be >= 1 (checkpoints to keep), got {keep}")
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=True,
-        # Leftovers of saves that were killed halfway: never a step, removed on start.
-        cleanup_tmp_directories=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=(STATE, META))
+      max_to_keep=keep,
+      create=True,
+      enable_async_checkpointing=True,
+      # Leftovers of saves that were killed halfway: never a step, removed on start.
+      cleanup_tmp_directories=True,
+    )
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
     self._saving: int | None = None  # the step being written in the background
 
   # --- writing -----------------------------------------------------------------------------
@@ -86,8 +91,9 @@ class Checkpointer:
     """Start writing `state` as step meta.step; returns once the arrays are copied to host."""
     if int(state.step) != meta.step:
       raise ValueError(f"state is at step {int(state.step)} but the metadata says {meta.step}")
-    args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
-                                 META: ocp.args.JsonSave(meta.to_json())})
+    args = ocp.args.Composite(
+      **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta.to_json())}
+    )
     # A background save that failed raises here, at the start of the next one.
     with self._errors_as_checkpoint_error():
       self._manager.save(meta.step, args=args, force=True)
@@ -113,7 +119,9 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def read_meta(self, step: int) -> RunMeta:
-    restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+    restored = self._manager.restore(
+      step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+    )
     return RunMeta.from_json(restored[META])
 
   def restore(self, engine: Engine, model_name: str | None = None) -> tuple[TrainState, RunMeta]:
@@ -124,8 +132,10 @@ class Checkpointer:
     """
     steps = self.steps()
     if not steps:
-      raise FileNotFoundError(f"no checkpoint in {self.directory} to resume from: start the run "
-                              f"without --resume first (it saves checkpoints there)")
+      raise FileNotFoundError(
+        f"no checkpoint in {self.directory} to resume from: start the run "
+        f"without --resume first (it saves checkpoints there)"
+      )
     target = abstract_state(engine)
     failures = []
     for step in reversed(steps):
@@ -137,16 +147,21 @@ class Checkpointer:
       check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
       try:
         restored = self._manager.restore(
-            step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)}))
+          step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
+        )
       except Exception as e:  # noqa: BLE001
         failures.append((step, e))
         continue
       if failures:
-        warnings.warn(f"{_describe(failures)}; falling back to step {step}, the newest readable "
-                      f"checkpoint", stacklevel=2)
+        warnings.warn(
+          f"{_describe(failures)}; falling back to step {step}, the newest readable checkpoint",
+          stacklevel=2,
+        )
       return restored[STATE], meta
-    raise ValueError(f"no readable checkpoint in {self.directory}: {_describe(failures)}. "
-                     f"Delete the damaged step directories or start a new run with another --out")
+    raise ValueError(
+      f"no readable checkpoint in {self.directory}: {_describe(failures)}. "
+      f"Delete the damaged step directories or start a new run with another --out"
+    )
 
 
 class _ErrorsAsCheckpointError:
@@ -164,11 +179,16 @@ class _ErrorsAsCheckpointError:
     step, self.ckpt._saving = self.ckpt._saving, None
     where = os.path.join(self.ckpt.directory, f"{step}" if step is not None else "")
     previous = [s for s in self.ckpt._manager.all_steps() if s != step]
-    kept = (f"the previous checkpoint (step {max(previous)}) is intact" if previous
-            else "no earlier checkpoint exists")
+    kept = (
+      f"the previous checkpoint (step {max(previous)}) is intact"
+      if previous
+      else "no earlier checkpoint exists"
+    )
     if error.errno == errno.ENOSPC:
-      message = (f"the disk is full: could not write checkpoint {where} ({error}); {kept}. Free "
-                 f"space on the disk holding {self.ckpt.directory} or pass another --out")
+      message = (
+        f"the disk is full: could not write checkpoint {where} ({error}); {kept}. Free "
+        f"space on the disk holding {self.ckpt.directory} or pass another --out"
+      )
     else:
       message = f"could not write checkpoint {where} ({error}); {kept}"
     raise CheckpointError(error.errno, message) from error
@@ -180,29 +200,44 @@ def check_model(meta: RunMeta, engine: Engine, model_name: str | None, where: st
   lora = dataclasses.asdict(engine.model.lora) if engine.model.lora else None
   same = lambda d: None if d is None else {**d, "targets": tuple(d["targets"])}  # JSON: a list
   if same(meta.lora) != same(lora):
+
     def flags(d):
-      return ("no LoRA flags" if d is None else
-              f"--lora-rank {d['rank']} --lora-alpha {d['alpha']} "
-              f"--lora-targets {','.join(d['targets'])}")
-    raise ValueError(f"checkpoint {where} was written with {flags(meta.lora)}, this run has "
-                     f"{flags(lora)}: resume with the checkpoint's LoRA flags, or start a new run "
-                     f"with another --out")
+      return (
+        "no LoRA flags"
+        if d is None
+        else f"--lora-rank {d['rank']} --lora-alpha {d['alpha']} "
+        f"--lora-targets {','.join(d['targets'])}"
+      )
+
+    raise ValueError(
+      f"checkpoint {where} was written with {flags(meta.lora)}, this run has "
+      f"{flags(lora)}: resume with the checkpoint's LoRA flags, or start a new run "
+      f"with another --out"
+    )
   if meta.model_config == mine:
     return
-  differ = ", ".join(f"{k}: {meta.model_config.get(k)} vs {mine.get(k)}"
-                     for k in sorted(set(mine) | set(meta.model_config))
-                     if meta.model_config.get(k) != mine.get(k))
+  differ = ", ".join(
+    f"{k}: {meta.model_config.get(k)} vs {mine.get(k)}"
+    for k in sorted(set(mine) | set(meta.model_config))
+    if meta.model_config.get(k) != mine.get(k)
+  )
   raise ValueError(
-      f"checkpoint {where} is for model {meta.model_name!r} {meta.model_config}, but this run "
-      f"builds model {model_name!r} {mine} (checkpoint vs run: {differ}). Resume with "
-      f"{_model_flag(meta.model_name)}, or start a new run with another --out")
+    f"checkpoint {where} is for model {meta.model_name!r} {meta.model_config}, but this run "
+    f"builds model {model_name!r} {mine} (checkpoint vs run: {differ}). Resume with "
+    f"{_model_flag(meta.model_name)}, or start a new run with another --out"
+  )
 
 
 def _model_flag(model_name: str) -> str:
   """The train flag that rebuilds a recorded model: a preset, or HF weights (`hf:DIR`)."""
-  return f"--init-from {model_name[3:]}" if model_name.startswith("hf:") else f"--model {model_name}"
+  return (
+    f"--init-from {model_name[3:]}" if model_name.startswith("hf:") else f"--model {model_name}"
+  )
 
 
 def _describe(failures) -> str:
-  return "; ".join(f"checkpoint step {step} is unreadable ({type(e).__name__}: "
-                   f"{str(e).splitlines()[0][:200] if str(e) else ''})" for step, e in failures)
+  return "; ".join(
+    f"checkpoint step {step} is unreadable ({type(e).__name__}: "
+    f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+    for step, e in failures
+  )

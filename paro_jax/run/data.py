@@ -54,11 +54,14 @@ class HFTokenizer:
     try:
       import tokenizers
     except ImportError as e:
-      raise ValueError(f"--tokenizer {path} needs the `tokenizers` package: "
-                       f"pip install -e \".[hf]\"") from e
+      raise ValueError(
+        f'--tokenizer {path} needs the `tokenizers` package: pip install -e ".[hf]"'
+      ) from e
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"tokenizer file {path!r} does not exist: pass --tokenizer with an "
-                              f"HF tokenizer.json, or leave it out for byte-level tokens")
+      raise FileNotFoundError(
+        f"tokenizer file {path!r} does not exist: pass --tokenizer with an "
+        f"HF tokenizer.json, or leave it out for byte-level tokens"
+      )
     self.path = path
     self._tok = tokenizers.Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -73,8 +76,10 @@ def make_tokenizer(cfg: DataConfig):
 
 def check_vocab(vocab_size: int, model_vocab: int, what: str) -> None:
   if vocab_size > model_vocab:
-    raise ValueError(f"{what} has a vocabulary of {vocab_size}, more than the model's {model_vocab}:"
-                     f" use a model with vocab >= {vocab_size}, or a smaller tokenizer")
+    raise ValueError(
+      f"{what} has a vocabulary of {vocab_size}, more than the model's {model_vocab}:"
+      f" use a model with vocab >= {vocab_size}, or a smaller tokenizer"
+    )
 
 
 def bin_dtype_for(cfg: DataConfig, vocab_size: int) -> np.dtype:
@@ -95,8 +100,10 @@ def expand_paths(patterns) -> list[str]:
       raise FileNotFoundError(f"--data {pattern!r} matches no file")
     for path in matches:
       if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist: pass --data with existing "
-                                f"files, or leave --data out to train on the built-in corpus")
+        raise FileNotFoundError(
+          f"data file {path!r} does not exist: pass --data with existing "
+          f"files, or leave --data out to train on the built-in corpus"
+        )
       files.append(path)
   return files
 
@@ -104,8 +111,9 @@ def expand_paths(patterns) -> list[str]:
 def read_bin(path: str, dtype: np.dtype) -> np.ndarray:
   size = os.path.getsize(path)
   if size % dtype.itemsize:
-    raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; is "
-                     f"--bin-dtype right?")
+    raise ValueError(
+      f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; is --bin-dtype right?"
+    )
   return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
 
 
@@ -120,16 +128,21 @@ def read_jsonl(path: str, field: str):
         raise ValueError(f"{path}:{n}: not a JSON object ({e.msg})") from e
       if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{path}:{n}: the record has no {field!r} field (it has {keys}): pass "
-                         f"--text-field with the field that holds the text")
+        raise ValueError(
+          f"{path}:{n}: the record has no {field!r} field (it has {keys}): pass "
+          f"--text-field with the field that holds the text"
+        )
       yield record[field]
 
 
 def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
   """All tokens of the sources, in order; ids checked against the model's vocabulary."""
   tokenizer = make_tokenizer(cfg)
-  check_vocab(tokenizer.vocab_size, model_vocab, f"tokenizer {cfg.tokenizer}" if cfg.tokenizer
-              else "the byte-level tokenizer")
+  check_vocab(
+    tokenizer.vocab_size,
+    model_vocab,
+    f"tokenizer {cfg.tokenizer}" if cfg.tokenizer else "the byte-level tokenizer",
+  )
   if not cfg.paths:
     return default_corpus()
   dtype = bin_dtype_for(cfg, tokenizer.vocab_size if cfg.tokenizer else model_vocab)
@@ -139,8 +152,10 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
       tokens = read_bin(path, dtype)
       top = int(tokens.max()) if tokens.size else 0
       if top >= model_vocab:
-        raise ValueError(f"{path} holds token id {top}, outside the model's vocabulary of "
-                         f"{model_vocab} (read as {dtype.name}; is --bin-dtype right?)")
+        raise ValueError(
+          f"{path} holds token id {top}, outside the model's vocabulary of "
+          f"{model_vocab} (read as {dtype.name}; is --bin-dtype right?)"
+        )
     elif path.endswith(".jsonl"):
       docs = [tokenizer.encode(text) for text in read_jsonl(path, cfg.text_field)]
       tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint8)
@@ -159,7 +174,7 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
 def split_eval(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
   """(train, eval): the last `fraction` of the tokens is the eval split."""
   n_eval = int(tokens.size * fraction)
-  return tokens[:tokens.size - n_eval], tokens[tokens.size - n_eval:]
+  return tokens[: tokens.size - n_eval], tokens[tokens.size - n_eval :]
 
 
 def default_corpus(max_bytes: int = 4_000_000) -> np.ndarray:
@@ -176,8 +191,10 @@ def default_corpus(max_bytes: int = 4_000_000) -> np.ndarray:
         if total >= max_bytes:
           return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
   if not chunks:
-    raise FileNotFoundError(f"no Python source files found under {root} for the default corpus; "
-                            f"pass --data FILE with some text")
+    raise FileNotFoundError(
+      f"no Python source files found under {root} for the default corpus; "
+      f"pass --data FILE with some text"
+    )
   return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
@@ -189,11 +206,20 @@ class Batches:
   lo..hi-1 of every micro-batch, reading only their tokens (what one process feeds its devices).
   """
 
-  def __init__(self, tokens: np.ndarray, micro_batches: int, batch_size: int, seq_len: int,
-               seed: int, what: str = "the corpus"):
+  def __init__(
+    self,
+    tokens: np.ndarray,
+    micro_batches: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    what: str = "the corpus",
+  ):
     if tokens.size < seq_len + 2:
-      raise ValueError(f"{what} has {tokens.size} tokens, fewer than one sequence of "
-                       f"{seq_len + 1}: use a shorter --seq-len or more data")
+      raise ValueError(
+        f"{what} has {tokens.size} tokens, fewer than one sequence of "
+        f"{seq_len + 1}: use a shorter --seq-len or more data"
+      )
     self.tokens, self.seed = tokens, seed
     self.shape = (micro_batches, batch_size, seq_len + 1)
 

@@ -36,8 +36,9 @@ def export_run(run_dir: str, out: str) -> int:
   """Write the newest checkpoint of `run_dir` (train's --out) to `out`; returns its step."""
   directory = os.path.join(run_dir, CHECKPOINTS)
   if not os.path.isdir(directory):
-    raise FileNotFoundError(f"{run_dir} has no {CHECKPOINTS}/ directory: pass the --out of a "
-                            f"`paro-jax train` run")
+    raise FileNotFoundError(
+      f"{run_dir} has no {CHECKPOINTS}/ directory: pass the --out of a `paro-jax train` run"
+    )
   ckpt = Checkpointer(directory)
   try:
     if not ckpt.steps():
@@ -45,14 +46,21 @@ def export_run(run_dir: str, out: str) -> int:
     meta = _newest_meta(ckpt)
     cfg = LlamaConfig(**meta.model_config)
     lora = LoraConfig(**meta.lora) if meta.lora else None
-    engine = Engine(Llama(cfg, jnp.float32, lora=lora), parse_strategy("NNN"),
-                    make_mesh(1, 1, jax.devices()[:1]), OptimConfig())
+    engine = Engine(
+      Llama(cfg, jnp.float32, lora=lora),
+      parse_strategy("NNN"),
+      make_mesh(1, 1, jax.devices()[:1]),
+      OptimConfig(),
+    )
     state, meta = ckpt.restore(engine, meta.model_name)
   finally:
     ckpt.close()
   params = state.master
   if lora:
-    params = engine.model.merge_lora(join_trainable(engine.mask, state.master, jax.tree.map(
-        lambda w: w.astype(jnp.float32), state.frozen)))
+    params = engine.model.merge_lora(
+      join_trainable(
+        engine.mask, state.master, jax.tree.map(lambda w: w.astype(jnp.float32), state.frozen)
+      )
+    )
   save_hf(cfg, jax.tree.map(np.asarray, params), out)
   return meta.step

@@ -29,6 +29,7 @@ def reference_train(model: Llama, params, batches, optim: OptimConfig):
 
     def one(tokens_BxL1):
       return next_token_loss(model.apply(full, tokens_BxL1[:, :-1]), tokens_BxL1[:, 1:])
+
     return jnp.mean(jnp.stack([one(t) for t in tokens_AxBxL1]))
 
   @jax.jit

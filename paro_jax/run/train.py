@@ -66,8 +66,9 @@ class RunConfig:
       object.__setattr__(self, "data", (self.data,))
     for name in ("checkpoint_every", "eval_every"):
       if getattr(self, name) < 0:
-        raise ValueError(f"{name.replace('_', '-')} must be >= 0 (0: off), got "
-                         f"{getattr(self, name)}")
+        raise ValueError(
+          f"{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"
+        )
     self.data_config()  # its checks
     self.lora()  # its checks
 
@@ -75,14 +76,22 @@ class RunConfig:
     return LoraConfig.from_flags(self.lora_rank, self.lora_alpha, self.lora_targets)
 
   def data_config(self) -> DataConfig:
-    return DataConfig(paths=tuple(self.data), text_field=self.text_field,
-                      tokenizer=self.tokenizer, bin_dtype=self.bin_dtype,
-                      eval_fraction=self.eval_fraction)
+    return DataConfig(
+      paths=tuple(self.data),
+      text_field=self.text_field,
+      tokenizer=self.tokenizer,
+      bin_dtype=self.bin_dtype,
+      eval_fraction=self.eval_fraction,
+    )
 
   def data_position(self) -> dict:
     """Besides (seed, step), what the batch of a step depends on."""
-    return {**dataclasses.asdict(self.data_config()), "micro_batches": self.micro_batches,
-            "batch_size": self.batch_size, "seq_len": self.seq_len}
+    return {
+      **dataclasses.asdict(self.data_config()),
+      "micro_batches": self.micro_batches,
+      "batch_size": self.batch_size,
+      "seq_len": self.seq_len,
+    }
 
 
 def build(cfg: RunConfig):
@@ -95,23 +104,40 @@ def build(cfg: RunConfig):
   if auto:  # probe this mesh and take the planner's pick (paro_jax/analysis/planner.py)
     from paro_jax.analysis.probe import auto_strategy
 
-    name, why = auto_strategy(mesh, model_cfg, cfg.micro_batches, cfg.batch_size, cfg.seq_len,
-                              jnp.dtype(DTYPES[cfg.dtype]).itemsize, model.param_count(),
-                              model.trainable_count(), cfg.collectives, cfg.remat != "none")
+    name, why = auto_strategy(
+      mesh,
+      model_cfg,
+      cfg.micro_batches,
+      cfg.batch_size,
+      cfg.seq_len,
+      jnp.dtype(DTYPES[cfg.dtype]).itemsize,
+      model.param_count(),
+      model.trainable_count(),
+      cfg.collectives,
+      cfg.remat != "none",
+    )
     if jax.process_index() == 0:
       print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
     strategy = parse_strategy(name)
-  tokens, eval_tokens = split_eval(load_tokens(cfg.data_config(), model_cfg.vocab),
-                                  cfg.eval_fraction)
+  tokens, eval_tokens = split_eval(
+    load_tokens(cfg.data_config(), model_cfg.vocab), cfg.eval_fraction
+  )
   optim = OptimConfig(learning_rate=cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps)
-  engine = Engine(model, strategy, mesh, optim, micro_batches=cfg.micro_batches,
-                  collectives=cfg.collectives)
+  engine = Engine(
+    model, strategy, mesh, optim, micro_batches=cfg.micro_batches, collectives=cfg.collectives
+  )
   engine.check_batch_size(cfg.batch_size)
   batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
   eval_batches = None
   if cfg.eval_every:
-    eval_batches = Batches(eval_tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed,
-                           what=f"the eval split (the last {cfg.eval_fraction:g} of the tokens)")
+    eval_batches = Batches(
+      eval_tokens,
+      cfg.micro_batches,
+      cfg.batch_size,
+      cfg.seq_len,
+      cfg.seed,
+      what=f"the eval split (the last {cfg.eval_fraction:g} of the tokens)",
+    )
   return engine, batches, eval_batches
 
 
@@ -129,10 +155,17 @@ def model_name(cfg: RunConfig) -> str:
 
 
 def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
-  return RunMeta(step=step, seed=cfg.seed, model_name=model_name(cfg),
-                 model_config=dataclasses.asdict(engine.model.cfg), strategy=str(engine.strategy),
-                 mesh=(engine.inter, engine.intra), dtype=cfg.dtype, data=cfg.data_position(),
-                 lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None)
+  return RunMeta(
+    step=step,
+    seed=cfg.seed,
+    model_name=model_name(cfg),
+    model_config=dataclasses.asdict(engine.model.cfg),
+    strategy=str(engine.strategy),
+    mesh=(engine.inter, engine.intra),
+    dtype=cfg.dtype,
+    data=cfg.data_position(),
+    lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None,
+  )
 
 
 def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
@@ -140,8 +173,10 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
   placed for this engine."""
   if not cfg.resume:
     if ckpt.steps():
-      raise ValueError(f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}): pass "
-                       f"--resume to continue that run, or another --out to start a new one")
+      raise ValueError(
+        f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}): pass "
+        f"--resume to continue that run, or another --out to start a new one"
+      )
     if cfg.init_from:
       _, params = load_hf(cfg.init_from)  # its config is the engine's (build read it)
       # With LoRA: the HF weights are the frozen base; the adapters start fresh (B = 0).
@@ -153,11 +188,17 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
   now = json.loads(json.dumps({"seed": cfg.seed, **cfg.data_position()}))  # tuples as lists
   for key in was:
     if was[key] != now[key]:
-      warnings.warn(f"resuming with {key}={now[key]!r}, but the checkpoint was trained with "
-                    f"{was[key]!r}: the batches after step {meta.step} differ from an "
-                    f"uninterrupted run's", stacklevel=2)
-  print(f"paro-jax: resumed from {ckpt.directory}/{meta.step} (saved by strategy {meta.strategy} "
-        f"on mesh {meta.mesh[0]}x{meta.mesh[1]})", flush=True)
+      warnings.warn(
+        f"resuming with {key}={now[key]!r}, but the checkpoint was trained with "
+        f"{was[key]!r}: the batches after step {meta.step} differ from an "
+        f"uninterrupted run's",
+        stacklevel=2,
+      )
+  print(
+    f"paro-jax: resumed from {ckpt.directory}/{meta.step} (saved by strategy {meta.strategy} "
+    f"on mesh {meta.mesh[0]}x{meta.mesh[1]})",
+    flush=True,
+  )
   return state
 
 
@@ -179,13 +220,20 @@ def train(cfg: RunConfig) -> str:
   main = jax.process_index() == 0  # with several processes only process 0 logs and writes
   if main:
     lora = engine.model.lora
-    what = (f"LoRA rank {lora.rank} on {','.join(lora.targets)}: {n_trained / 1e6:.3f}M of "
-            f"{n_params / 1e6:.2f}M params trained" if lora else f"{n_params / 1e6:.2f}M params")
-    print(f"paro-jax: {model_name(cfg)} ({what}), strategy "
-          f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
-          f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
-          f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={cfg.collectives}; model "
-          f"states {mem['total'] / 2**20:.2f} MiB/device", flush=True)
+    what = (
+      f"LoRA rank {lora.rank} on {','.join(lora.targets)}: {n_trained / 1e6:.3f}M of "
+      f"{n_params / 1e6:.2f}M params trained"
+      if lora
+      else f"{n_params / 1e6:.2f}M params"
+    )
+    print(
+      f"paro-jax: {model_name(cfg)} ({what}), strategy "
+      f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
+      f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
+      f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={cfg.collectives}; model "
+      f"states {mem['total'] / 2**20:.2f} MiB/device",
+      flush=True,
+    )
 
   os.makedirs(cfg.out, exist_ok=True)
   ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.keep)
@@ -198,8 +246,14 @@ def train(cfg: RunConfig) -> str:
   device_kind = jax.devices()[0].device_kind
   # One fixed eval batch, placed once: eval losses are comparable across steps and runs.
   eval_batch = place_batch(engine, eval_batches, 0) if eval_batches else None
-  bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=str(engine.strategy),
-             unit="step", dynamic_ncols=True, disable=None if main else True)
+  bar = tqdm(
+    total=cfg.steps,
+    initial=min(start, cfg.steps),
+    desc=str(engine.strategy),
+    unit="step",
+    dynamic_ncols=True,
+    disable=None if main else True,
+  )
   last_time = time.perf_counter()
   saved = start if cfg.resume else None
 
@@ -228,10 +282,13 @@ def train(cfg: RunConfig) -> str:
       last_time = now
       log.write(json.dumps(row) + "\n")
       log.flush()
-      bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                      step=f"{row['step_time_s'] * 1e3:.0f}ms",
-                      mfu="n/a" if util is None else f"{util:.1%}",
-                      **({"eval": f"{row['eval_loss']:.3f}"} if "eval_loss" in row else {}))
+      bar.set_postfix(
+        loss=f"{row['loss']:.3f}",
+        tok_s=f"{row['tokens_per_s']:.0f}",
+        step=f"{row['step_time_s'] * 1e3:.0f}ms",
+        mfu="n/a" if util is None else f"{util:.1%}",
+        **({"eval": f"{row['eval_loss']:.3f}"} if "eval_loss" in row else {}),
+      )
       bar.update(1)
       if bar.disable and main:  # no terminal: one line per step instead of a bar
         print(json.dumps(row), flush=True)
@@ -263,11 +320,15 @@ def train(cfg: RunConfig) -> str:
       ckpt.close()
       bar.close()
       if main and saved is not None:
-        print(f"\nparo-jax: stopped; checkpoint step {saved} is in {ckpt.directory}: continue "
-              f"with the same command and --resume", flush=True)
+        print(
+          f"\nparo-jax: stopped; checkpoint step {saved} is in {ckpt.directory}: continue "
+          f"with the same command and --resume",
+          flush=True,
+        )
       raise
   bar.close()
   if main:
-    print(f"paro-jax: wrote {metrics_path} and checkpoint step {saved} in {ckpt.directory}",
-          flush=True)
+    print(
+      f"paro-jax: wrote {metrics_path} and checkpoint step {saved} in {ckpt.directory}", flush=True
+    )
   return metrics_path
