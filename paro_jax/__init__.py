@@ -1,3 +1,57 @@
-"""paro_jax: PaRO partial-redundancy sharding strategies and HO-Ring collectives in JAX."""
+"""paro_jax: PaRO partial-redundancy sharding strategies and HO-Ring collectives in JAX.
+
+What a training script needs, importable from the top level:
+
+  from paro_jax import Engine, Llama, OptimConfig, get_config, make_mesh, parse_strategy
+
+Names resolve on first use, so `import paro_jax` alone does not start jax: a script (or the CLI)
+can still set XLA flags, e.g. `provide_cpu_devices(8)`, before touching a device.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it
+_EXPORTS = {
+  # strategies and the mesh
+  "Strategy": "paro_jax.core.strategy",
+  "Placement": "paro_jax.core.strategy",
+  "parse_strategy": "paro_jax.core.strategy",
+  "VALID_NAMES": "paro_jax.core.strategy",
+  "make_mesh": "paro_jax.core.mesh",
+  "provide_cpu_devices": "paro_jax.core.xla_flags",
+  # the training step
+  "Engine": "paro_jax.core.engine",
+  "OptimConfig": "paro_jax.core.engine",
+  "TrainState": "paro_jax.core.engine",
+  # the model
+  "Llama": "models.llama",
+  "LlamaConfig": "models.llama",
+  "LoraConfig": "models.llama",
+  "get_config": "models.llama",
+  # data and checkpoints
+  "Batches": "paro_jax.run.data",
+  "DataConfig": "paro_jax.run.data",
+  "load_tokens": "paro_jax.run.data",
+  "default_corpus": "paro_jax.run.data",
+  "Checkpointer": "paro_jax.run.checkpoint",
+  "RunMeta": "paro_jax.run.checkpoint",
+  # the whole run, as `paro-jax train` does it
+  "RunConfig": "paro_jax.run.train",
+  "train": "paro_jax.run.train",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'paro_jax' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value  # resolve once
+  return value
+
+
+def __dir__():
+  return sorted([*globals(), *_EXPORTS])

@@ -1,6 +1,5 @@
 """The strategy benchmark's pieces that need no cluster: link-rate mapping and its compile child."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,19 +7,13 @@ import sys
 
 import pytest
 
+from experiments import bench_strategies as bench
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "experiments", "bench_strategies.py")
 
 
-@pytest.fixture(scope="module")
-def bench():
-  spec = importlib.util.spec_from_file_location("bench_strategies", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def test_regime_link_rates(bench):
+def test_regime_link_rates():
   # 5 GFLOP/s per device, 4 devices a node; paper cloud = 21,000 FLOP per (bf16) byte. With fp32
   # on the wire (4 bytes a value) the link is twice as fast: the same FLOP per value moved.
   regimes = {g["regime"]: g for g in bench.regimes_table(["paper_cloud", "1gbit"], 5e9, 4)}

@@ -1,0 +1,86 @@
+"""The package's layers import only downward (the contract the folder layout shows).
+
+models/ knows nothing of paro_jax; core/ imports only core/ and models/; analysis/ never imports
+cluster/ or run/; run/ never imports cluster/; nothing in the library imports experiments/.
+core/names.py and core/units.py import no jax (the CLI reads them before jax starts).
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LAYERS = ("core", "analysis", "run", "cluster")
+# What each folder may import from this repository (besides itself).
+ALLOWED = {
+  "models": {"models"},
+  "paro_jax.core": {"models", "paro_jax.core"},
+  "paro_jax.analysis": {"models", "paro_jax.core", "paro_jax.analysis"},
+  "paro_jax.run": {"models", "paro_jax.core", "paro_jax.analysis", "paro_jax.run"},
+  "paro_jax.cluster": {"paro_jax.core", "paro_jax.cluster"},
+}
+JAX_FREE = ("paro_jax/core/names.py", "paro_jax/core/units.py", "paro_jax/core/xla_flags.py")
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+  """Every module name the file imports, at any depth (function-level imports included)."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      names.add(node.module)
+      names.update(f"{node.module}.{a.name}" for a in node.names)
+  return names
+
+
+def _layer(module: str) -> str | None:
+  parts = module.split(".")
+  if parts[0] == "models":
+    return "models"
+  if parts[0] == "paro_jax" and len(parts) > 1 and parts[1] in LAYERS:
+    return f"paro_jax.{parts[1]}"
+  if parts[0] in ("paro_jax", "experiments"):
+    return ".".join(parts[:2]) if parts[0] == "experiments" else "paro_jax"
+  return None
+
+
+def _files(layer: str):
+  return sorted((REPO / layer.replace(".", "/")).glob("*.py"))
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_layer_imports_only_downward(layer):
+  assert _files(layer), f"no modules found for {layer}"
+  bad = []
+  for path in _files(layer):
+    for module in _imports(path):
+      target = _layer(module)
+      # `from paro_jax import X` names the layer X: judge the layer, not the bare package.
+      if target == "paro_jax" and module.count(".") == 1 and module.split(".")[1] in LAYERS:
+        target = module
+      if target is not None and target not in ALLOWED[layer]:
+        bad.append(f"{path.relative_to(REPO)} imports {module}")
+  assert not bad, "imports against the layer contract:\n" + "\n".join(bad)
+
+
+def test_the_library_never_imports_experiments():
+  for path in [*REPO.glob("paro_jax/**/*.py"), *REPO.glob("models/*.py")]:
+    assert not any(m.split(".")[0] == "experiments" for m in _imports(path)), path
+
+
+@pytest.mark.parametrize("name", JAX_FREE)
+def test_jax_free_modules(name):
+  assert not any(
+    m.split(".")[0] in ("jax", "jaxlib", "flax", "optax") for m in _imports(REPO / name)
+  )
+
+
+def test_contract_catches_a_violation(tmp_path, monkeypatch):
+  """The checker itself: a core module importing the run layer is reported."""
+  (tmp_path / "paro_jax" / "core").mkdir(parents=True)
+  (tmp_path / "paro_jax" / "core" / "bad.py").write_text("from paro_jax.run import train\n")
+  monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+  with pytest.raises(AssertionError, match="paro_jax/core/bad.py imports paro_jax.run"):
+    test_layer_imports_only_downward("paro_jax.core")
