@@ -158,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
   )
   _add_common(inspect)
   inspect.add_argument("--json", action="store_true", help="print one JSON object")
+  inspect.add_argument(
+    "--target",
+    default=None,
+    help="compile for a cluster of these GPUs, no GPU needed: h100, h200, a100-80gb, a100-40gb "
+    "(--mesh NODESxGPUS); reports async collectives, streams, overlap and memory vs the plan",
+  )
+  inspect.add_argument(
+    "--hlo-out", default=None, metavar="FILE", help="write the compiled (scheduled) HLO text here"
+  )
   plot = sub.add_parser("plot", help="PNG of loss (train, eval) and throughput of runs")
   plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (--out of train)")
   plot.add_argument("--out", default="runs/plot.png", help="the PNG to write")
@@ -337,9 +346,18 @@ def main(argv=None) -> None:
 
       run_plan(**_by_name(args, run_plan, as_json=args.json))
       return
+    mesh = parse_mesh_shape(args.mesh) if args.mesh else None
+    if getattr(args, "target", None):  # a compile for GPUs described, not present: no devices
+      from paro_jax.analysis import gpu
+
+      args.target = gpu.check_target(args.target)
+      gpu.prepare_environment()
+      from paro_jax.analysis.inspector import inspect
+
+      inspect(**_by_name(args, inspect, mesh=mesh, lora=_lora_config(args), as_json=args.json))
+      return
     from paro_jax.cluster import distributed
 
-    mesh = parse_mesh_shape(args.mesh) if args.mesh else None
     multi = (
       getattr(args, "coordinator", None),
       getattr(args, "num_processes", None),

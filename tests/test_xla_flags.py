@@ -24,7 +24,7 @@ def test_gpu_overlap_flags_exist_in_pinned_xla():
 
 def test_add_xla_flags_keeps_user_settings(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=4")
-  added = add_xla_flags()
-  assert added == ["--xla_gpu_enable_latency_hiding_scheduler=true"]
+  added = add_xla_flags(("--xla_gpu_experimental_parallel_collective_overlap_limit=2", "--xla_b=1"))
+  assert added == ["--xla_b=1"]
   assert "overlap_limit=4" in os.environ["XLA_FLAGS"]
   assert "overlap_limit=2" not in os.environ["XLA_FLAGS"]

@@ -176,6 +176,81 @@ def format_report(r: dict) -> str:
   return "\n".join(lines)
 
 
+def gpu_report(engine: Engine, compiled, target: str, batch_size: int, seq_len: int, dump: str):
+  """report() plus what the GPU compile shows: async collectives, streams, overlap, memory."""
+  from paro_jax.analysis import gpu, schedule
+  from paro_jax.analysis.planner import Workload, activation_bytes
+
+  r = report(engine, compiled)
+  text = compiled.as_text()
+  r["target"] = target
+  r["overlap"] = schedule.overlap(
+    text, engine.inter * engine.intra, engine.intra, schedule.thunk_streams(dump)
+  )
+  workload = Workload(
+    engine.model.cfg,
+    micro_batch=batch_size // (engine.inter * engine.intra),
+    micro_batches=engine.micro_batches,
+    seq_len=seq_len,
+    params=engine.model.param_count(),
+    trainable=engine.model.trainable_count(),
+    itemsize=jnp.dtype(engine.compute_dtype).itemsize,
+    remat=engine.model.remat != "none",
+  )
+  planned = r["memory"]["model_states"]["total"]
+  planned += activation_bytes(engine.strategy, workload)["total"]
+  device = gpu.target_gpu(target).memory_bytes
+  compiled_bytes = r["memory"]["compiled"]["peak_bytes"]
+  r["memory"].update(
+    compiled_bytes=compiled_bytes,
+    planned_bytes=planned,
+    device_bytes=device,
+    fits=compiled_bytes <= device,
+  )
+  return r
+
+
+def format_gpu_report(r: dict) -> str:
+  o, mem, gb = r["overlap"], r["memory"], 1e9
+  rows = {}
+  for c in o["collectives"]:
+    key = (c["kind"], c["phase"], c["level"], c["stream"], c["compute_in_window"] > 0)
+    row = rows.setdefault(key, [0, 0.0])
+    row[0] += c["count_per_step"]
+    row[1] += c["bytes_per_device"]
+  lines = [
+    f"GPU program for {r['target']} ({r['mesh']['inter']} nodes x {r['mesh']['intra']} GPUs), "
+    f"compiled without a GPU: nothing ran, nothing is timed",
+    "",
+    f"{'kind':20s}{'phase':18s}{'level':8s}{'runs on':26s}{'compute inside':>15s}"
+    f"{'count/step':>11s}{'MB/device':>11s}",
+  ]
+  for (kind, phase, level, stream, hidden), (count, nbytes) in rows.items():
+    lines.append(
+      f"{kind:20s}{phase:18s}{level:8s}{stream or '?':26s}{'yes' if hidden else 'no':>15s}"
+      f"{count:11d}{nbytes / 1e6:11.1f}"
+    )
+  frac = o["collective_bytes_fraction"]
+  lines += [
+    "",
+    "per-micro-batch collective bytes with compute in their window: "
+    + ("n/a" if frac is None else f"{frac:.1%}"),
+    f"async collectives {o['async_collectives']}, synchronous {o['sync_collectives']}; "
+    f"streams: {', '.join(o['streams']) or 'none'}",
+  ]
+  if o["horing_steps"]:
+    lines.append(
+      f"HO-Ring steps with both levels in flight on different streams: "
+      f"{o['horing_steps_concurrent']} of {o['horing_steps']}"
+    )
+  lines.append(
+    f"memory per device: compiled {mem['compiled_bytes'] / gb:.2f} GB, planned "
+    f"{mem['planned_bytes'] / gb:.2f} GB, device {mem['device_bytes'] / gb:.1f} GB "
+    f"({'fits' if mem['fits'] else 'does NOT fit'})"
+  )
+  return "\n".join(lines)
+
+
 def inspect(
   model: str,
   strategy: str,
@@ -188,30 +263,69 @@ def inspect(
   as_json: bool,
   remat: str = "full",
   lora=None,
+  target: str | None = None,
+  hlo_out: str | None = None,
 ) -> dict:
-  """Build the engine for a configuration, compile its step and print the report."""
+  """Build the engine for a configuration, compile its step and print the report.
+
+  With `target` (a GPU name), the step is compiled for a cluster of those GPUs (`mesh` nodes x
+  GPUs per node) without one, and the report adds the GPU schedule and memory against the plan.
+  """
   import json
+  import tempfile
 
   from models.llama import Llama, get_config
   from paro_jax.core.engine import DTYPES, OptimConfig
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.strategy import parse_strategy
 
+  if target is not None:
+    from paro_jax.analysis import gpu
+    from paro_jax.core.xla_flags import GPU_FLAGS
+
+    if mesh is None:
+      raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
+    devices = gpu.devices(target, *mesh)
   engine = Engine(
     Llama(get_config(model), DTYPES[dtype], remat, lora),
     parse_strategy(strategy),
-    make_mesh(*mesh) if mesh else make_mesh(),
+    make_mesh(*mesh, devices=devices) if target else make_mesh(*mesh) if mesh else make_mesh(),
     OptimConfig(),
     micro_batches=micro_batches,
     collectives=collectives,
   )
-  try:
-    compiled = compile_step(engine, batch_size, seq_len)
-  except Exception as e:  # XLA's own limits (e.g. out of host memory while compiling)
-    raise RuntimeError(
-      f"XLA could not compile the {model} step for {strategy} on this machine: "
-      f"{type(e).__name__}: {str(e)[:500]}"
-    ) from e
-  r = report(engine, compiled)
-  print(json.dumps(r, indent=2) if as_json else format_report(r), flush=True)
+  with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
+    try:
+      if target is None:
+        compiled = compile_step(engine, batch_size, seq_len)
+      else:
+        compiled = gpu.compile_step(engine, batch_size, seq_len, GPU_FLAGS, dump)
+    except Exception as e:  # XLA's own limits (e.g. out of host memory while compiling)
+      raise RuntimeError(
+        f"XLA could not compile the {model} step for {strategy} "
+        f"{'for ' + target if target else 'on this machine'}: {type(e).__name__}: {str(e)[:500]}"
+      ) from e
+    if target is None:
+      r = report(engine, compiled)
+    else:
+      r = gpu_report(engine, compiled, target, batch_size, seq_len, dump)
+    if hlo_out:
+      _write_hlo(compiled.as_text(), dump, hlo_out)
+  if as_json:
+    print(json.dumps(r, indent=2), flush=True)
+  else:
+    print(format_report(r), flush=True)
+    if target is not None:
+      print("\n" + format_gpu_report(r), flush=True)
   return r
+
+
+def _write_hlo(text: str, dump: str, path: str) -> None:
+  """The scheduled HLO at `path` and, for GPU compiles, the thunk sequence beside it."""
+  import glob
+  import shutil
+
+  with open(path, "w") as f:
+    f.write(text)
+  for seq in glob.glob(f"{dump}/*.thunk_sequence.txt"):
+    shutil.copy(seq, f"{path}.thunk_sequence.txt")

@@ -1,11 +1,12 @@
-"""XLA flags that let GPUs overlap collectives, HO-Ring's two directions in particular.
+"""XLA flags that shape the GPU program, and the XLA_FLAGS helpers that set them before jax starts.
 
-HO-Ring sends one chunk on the intra ring and one on the inter ring in every step; the two
-`collective-permute`s do not depend on each other (tests/test_collectives.py checks the HLO), but
-XLA:GPU runs them concurrently only if its scheduler may keep more than one collective in
-flight (openxla/xla#10640 reports ppermutes in two directions serialised on one stream).
-Names checked against the pinned jaxlib 0.10.2: XLA aborts at start-up on an unknown flag, and
-tests/test_xla_flags.py starts jax with these set.
+Every flag here changes the compiled GPU step; `paro-jax inspect --target` shows what each one
+does, and tests/test_gpu_program.py checks that each changes the program. Names are checked
+against the pinned jaxlib 0.10.2: XLA aborts at start-up on an unknown flag
+(tests/test_xla_flags.py starts jax with them set).
+
+The latency-hiding scheduler already runs by default in this XLA, so its enabling flag is not
+set: it would change nothing.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import os
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
-GPU_OVERLAP_FLAGS = (
-  # Schedule asynchronous collectives around compute and around each other.
-  "--xla_gpu_enable_latency_hiding_scheduler=true",
-  # Up to two collectives in flight at once: an HO-Ring step's intra and inter permutes.
-  "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
-)
+# name -> value. The same settings go to XLA_FLAGS for real GPU runs (`paro-jax train`) and to
+# `compile(compiler_options=...)` for compiles against a GPU target (`paro-jax inspect --target`).
+GPU_FLAGS = {
+  # Two collectives in flight at once, not one: an HO-Ring step's intra and inter permutes (each
+  # pinned to its own communication stream by collectives.py), or a layer's prefetched gather
+  # beside the previous layer's gradient reduce-scatter.
+  "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+}
+GPU_OVERLAP_FLAGS = tuple(f"--{name}={str(v).lower()}" for name, v in GPU_FLAGS.items())
 
 
 def add_xla_flags(flags=GPU_OVERLAP_FLAGS) -> list[str]:
