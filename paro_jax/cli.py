@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from paro_jax.core.names import COLLECTIVE_IMPLS, parse_mesh_shape
-from paro_jax.core.xla_flags import add_xla_flags, provide_cpu_devices
+from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
 
 
 def _lora_config(args):
@@ -14,6 +14,12 @@ def _lora_config(args):
   from models.llama import LoraConfig  # imports jax: only once the device flags are set
 
   return LoraConfig.from_flags(args.lora_rank, args.lora_alpha, args.lora_targets)
+
+
+def _note_cpu_platform() -> None:
+  """Before jax starts: with the CUDA plugin but no GPU driver, run on the CPU and say so."""
+  if note := cpu_without_gpu_driver():
+    print(f"paro-jax: {note}", file=sys.stderr, flush=True)
 
 
 def _by_name(args, target, **given):
@@ -336,6 +342,7 @@ def main(argv=None) -> None:
       print(f"paro-jax: wrote {plot_runs(args.runs, args.out)}")
       return
     if args.command == "export":
+      _note_cpu_platform()
       from paro_jax.run.export import export_run  # one device: no device flags needed
 
       step = export_run(args.run, args.out)
@@ -356,6 +363,7 @@ def main(argv=None) -> None:
 
       inspect(**_by_name(args, inspect, mesh=mesh, lora=_lora_config(args), as_json=args.json))
       return
+    _note_cpu_platform()
     from paro_jax.cluster import distributed
 
     multi = (

@@ -11,6 +11,7 @@ set: it would change nothing.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -42,3 +43,24 @@ def provide_cpu_devices(count: int) -> None:
   A count the user already set in XLA_FLAGS is left alone.
   """
   add_xla_flags([f"{DEVICE_COUNT_FLAG}={count}"])
+
+
+def cpu_without_gpu_driver() -> str | None:
+  """Keep jax on the CPU where JAX's CUDA plugin is installed but no NVIDIA driver is.
+
+  Without this, jax tries the plugin at start-up, logs a traceback ("Unable to load CUDA") and
+  then runs on the CPU anyway. Returns the line to tell the user, or None when nothing changed
+  (a platform chosen in JAX_PLATFORMS, no plugin, or a driver present).
+  """
+  if "JAX_PLATFORMS" in os.environ:
+    return None
+  try:
+    plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:
+    plugin = False
+  if not plugin or any(
+    os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl")
+  ):
+    return None
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  return "no NVIDIA driver on this machine: running on the CPU (set JAX_PLATFORMS to choose)"

@@ -1,0 +1,76 @@
+"""One collective for many arrays: a layer's weights gathered, and its gradients reduce-scattered,
+as a single flat buffer (a bucket), as FSDP's flat parameters are.
+
+Each array is split along its own dimension over the same mesh axes; device r holds chunk r of
+every one. Packing each device's chunks one after the other makes a buffer whose chunk r is
+device r's: one all-gather of the buffers, unpacked, is the all-gather of every array. For the
+hand-written rings this turns a layer's nine chains of ring steps into one, so each HO-Ring step
+is one intra and one inter transfer that the GPU scheduler can run side by side.
+
+Reference semantics: `all_gather_bucket(xs, axes, dims)[i] == collectives.all_gather(xs[i],
+axes, dim=dims[i])` and likewise for `reduce_scatter_bucket`; both are differentiable (their
+transposes are each other).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from paro_jax.core import collectives as comm
+
+
+def _ways(axes: tuple) -> int:
+  return math.prod(lax.axis_size(a) for a in axes)
+
+
+def all_gather_bucket(xs: list, axes, dims: list[int], impl: str = "xla") -> list:
+  """All-gather each of `xs` along its dim in `dims` over `axes` (major first), as one collective.
+
+  The arrays must share a dtype (a bucket is one buffer).
+  """
+  axes = tuple(axes) if not isinstance(axes, str) else (axes,)
+  if not axes or not xs:
+    return list(xs)
+  if len({x.dtype for x in xs}) > 1:
+    raise ValueError(f"a bucket holds one dtype; got {sorted({str(x.dtype) for x in xs})}")
+  k = _ways(axes)
+  moved = [jnp.moveaxis(x, d % x.ndim, 0) for x, d in zip(xs, dims)]
+  sizes = [m.size for m in moved]
+  local = jnp.concatenate([m.reshape(-1) for m in moved])
+  full = comm.all_gather(local, axes, dim=0, impl=impl).reshape(k, local.size)
+  out, offset = [], 0
+  for x, d, m, n in zip(xs, dims, moved, sizes):
+    part = full[:, offset : offset + n].reshape((k * m.shape[0],) + m.shape[1:])
+    out.append(jnp.moveaxis(part, 0, d % x.ndim))
+    offset += n
+  return out
+
+
+def reduce_scatter_bucket(xs: list, axes, dims: list[int], impl: str = "xla") -> list:
+  """Reduce-scatter (sum) each of `xs` along its dim over `axes`, as one collective."""
+  axes = tuple(axes) if not isinstance(axes, str) else (axes,)
+  if not axes or not xs:
+    return list(xs)
+  if len({x.dtype for x in xs}) > 1:
+    raise ValueError(f"a bucket holds one dtype; got {sorted({str(x.dtype) for x in xs})}")
+  k = _ways(axes)
+  moved = [jnp.moveaxis(x, d % x.ndim, 0) for x, d in zip(xs, dims)]
+  for x, d, m in zip(xs, dims, moved):
+    if m.shape[0] % k:
+      raise ValueError(
+        f"reduce_scatter_bucket: dimension {d} of shape {x.shape} does not split into the {k} "
+        f"devices of axes {axes}"
+      )
+  # Row r of each (k, -1) view is chunk r of that array: concatenated, row r is device r's.
+  rows = jnp.concatenate([m.reshape(k, -1) for m in moved], axis=1)
+  local = comm.reduce_scatter(rows.reshape(-1), axes, dim=0, impl=impl)
+  out, offset = [], 0
+  for x, d, m in zip(xs, dims, moved):
+    chunk = (m.shape[0] // k,) + m.shape[1:]
+    n = math.prod(chunk)
+    out.append(jnp.moveaxis(local[offset : offset + n].reshape(chunk), 0, d % x.ndim))
+    offset += n
+  return out
