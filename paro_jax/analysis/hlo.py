@@ -100,9 +100,8 @@ def _result_type(kind: str, type_text: str) -> str:
     return type_text
   parts = _split_top_level(type_text)
   base = kind[: -len("-start")]
-  if base == "collective-permute":
-    return parts[1] if len(parts) > 1 else parts[0]
-  if base == "all-gather" and len(parts) >= 2:
+  # (operands, results, ...): XLA:GPU's starts of permutes, all-gathers and reduce-scatters.
+  if base in ("collective-permute", "all-gather", "reduce-scatter") and len(parts) >= 2:
     return parts[1]
   return type_text
 
@@ -151,7 +150,8 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
       continue
     name, type_text, op, rest = m.groups()
     trip = _TRIP_RE.search(rest)
-    for role, callee in _CALLEE_RE.findall(rest):
+    # An async-done names the computation its async-start already called: count it once.
+    for role, callee in [] if op.endswith("-done") else _CALLEE_RE.findall(rest):
       factor = int(trip.group(1)) if (op == "while" and role == "body" and trip) else 1
       calls[comp].append((callee, factor if role != "condition" else 0))
     for b in _BRANCHES_RE.findall(rest):
