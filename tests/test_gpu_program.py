@@ -1,0 +1,140 @@
+"""The GPU program: the step compiled for 2 nodes x 4 H100 without a GPU, read structurally.
+
+A compile shows which collectives are asynchronous, what compute the scheduler put inside each
+one's window and which communication stream each runs on (the thunk sequence of the dump). It
+shows nothing about time: these tests assert structure only. The model is the hidden `test`
+preset (2 layers), so every compile takes seconds.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from paro_jax.analysis import gpu
+
+pytestmark = pytest.mark.skipif(
+  not gpu.plugin_available(),
+  reason=f"compiling for a GPU target needs JAX's CUDA plugin: {gpu.INSTALL_HINT}",
+)
+
+from paro_jax.core.strategy import VALID_NAMES  # noqa: E402
+from paro_jax.core.xla_flags import GPU_FLAGS  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL, MESH, A, BATCH, SEQ = "test", (2, 4), 1, 8, 32
+_CACHE = {}
+
+
+def gpu_report(strategy: str, impl: str, flags: dict = GPU_FLAGS) -> dict:
+  """inspector.gpu_report of the step compiled for h100 on 2x4 (cached per configuration)."""
+  key = (strategy, impl, tuple(sorted(flags.items())))
+  if key not in _CACHE:
+    import tempfile
+
+    from models.llama import Llama, get_config
+    from paro_jax.analysis.inspector import gpu_report as report
+    from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+    from paro_jax.core.mesh import make_mesh
+    from paro_jax.core.strategy import parse_strategy
+
+    mesh = make_mesh(*MESH, devices=gpu.devices("h100", *MESH))
+    engine = Engine(
+      Llama(get_config(MODEL), DTYPES["bf16"]),
+      parse_strategy(strategy),
+      mesh,
+      OptimConfig(),
+      micro_batches=A,
+      collectives=impl,
+    )
+    with tempfile.TemporaryDirectory() as dump:
+      compiled = gpu.compile_step(engine, BATCH, SEQ, flags, dump)
+      _CACHE[key] = report(engine, compiled, "h100", BATCH, SEQ, dump)
+  return _CACHE[key]
+
+
+@pytest.mark.parametrize("impl", ["xla", "horing"])
+@pytest.mark.parametrize("strategy", VALID_NAMES)
+def test_every_strategy_compiles_for_h100(strategy, impl):
+  r = gpu_report(strategy, impl)
+  assert r["target"] == "h100" and r["overlap"]["streams"], "no async collective on a stream"
+  if impl == "xla":
+    # XLA:GPU keeps bf16 on the wire (XLA:CPU widens to f32): the compiled traffic is the formula.
+    for level in ("inter_bytes", "intra_bytes"):
+      assert r["measured"][level] == pytest.approx(r["expected"][level], rel=0.01, abs=1), level
+  assert r["memory"]["compiled_bytes"] >= r["memory"]["model_states"]["total"]
+  assert r["memory"]["fits"] and r["memory"]["device_bytes"] == 80e9
+
+
+def test_hring_runs_one_level_after_the_other():
+  """The contrast to HO-Ring: hring's inter permutes never share their window with an intra one
+  on another stream."""
+  o = gpu_report("GGG", "hring")["overlap"]
+  assert o["horing_steps"] == 0
+  inter = [
+    c for c in o["collectives"] if c["kind"] == "collective-permute" and c["level"] == "inter"
+  ]
+  assert inter and not any(c["horing"] for c in o["collectives"])
+
+
+def test_horing_permutes_run_on_two_streams():
+  o = gpu_report("GGG", "horing")["overlap"]
+  permutes = [c for c in o["collectives"] if c["horing"] and c["async"]]
+  streams = {c["level"]: set() for c in permutes}
+  for c in permutes:
+    streams[c["level"]].add(c["stream"])
+  assert streams["intra"] == {"communication_stream[0]"}
+  assert streams["inter"] == {"communication_stream[1]"}
+  assert o["horing_steps"] > 0 and o["horing_steps_concurrent"] > 0
+
+
+def test_overlap_limit_flag_matters():
+  """Without a second collective in flight, no HO-Ring step has both levels in flight."""
+  one = {**GPU_FLAGS, "xla_gpu_experimental_parallel_collective_overlap_limit": 1}
+  o = gpu_report("GGG", "horing", one)["overlap"]
+  assert o["horing_steps"] > 0 and o["horing_steps_concurrent"] == 0
+
+
+def _cli(*args):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  return subprocess.run(
+    [sys.executable, "-m", "paro_jax", "inspect", *args],
+    capture_output=True,
+    text=True,
+    env={**env, "PYTHONPATH": REPO},
+    cwd=REPO,
+    timeout=600,
+  )
+
+
+def test_inspect_target_json_and_hlo_out(tmp_path):
+  hlo = tmp_path / "step.hlo"
+  proc = _cli(
+    "--target", "H100", "--mesh", "2x4", "--model", MODEL, "--strategy", "IIG",
+    "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--json", "--hlo-out", str(hlo),
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(proc.stdout)
+  assert r["target"] == "h100"
+  for key in ("collective_bytes_fraction", "horing_steps", "horing_steps_concurrent"):
+    assert key in r["overlap"]
+  for key in ("compiled_bytes", "planned_bytes", "device_bytes"):
+    assert r["memory"][key] > 0
+  text = hlo.read_text()
+  assert "ENTRY" in text and "all-gather-start" in text  # the scheduled GPU program
+  assert "kAsyncStart" in (tmp_path / "step.hlo.thunk_sequence.txt").read_text()
+
+
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    (["--target", "tpu-v5", "--mesh", "2x4"], "unknown --target 'tpu-v5'; choose one of h100"),
+    (["--target", "h100"], "--target needs --mesh NODESxGPUS"),
+  ],
+)
+def test_inspect_target_bad_input(args, message):
+  proc = _cli(*args, "--model", MODEL)
+  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
