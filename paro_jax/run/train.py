@@ -371,11 +371,13 @@ def train(cfg: RunConfig) -> str:
     )
 
   os.makedirs(cfg.out, exist_ok=True)
-  with RunLock(cfg.out, main):
-    return _train_locked(cfg, engine, batches, eval_batches, main)
+  # Signals are taken over before anything is read or compiled: a stop before the first step
+  # finishes leaves no checkpoint (and an empty metrics.jsonl).
+  with RunLock(cfg.out, main), StopSignals() as stop:
+    return _train_locked(cfg, engine, batches, eval_batches, main, stop)
 
 
-def _train_locked(cfg, engine, batches, eval_batches, main) -> str:
+def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   model_cfg = engine.model.cfg
   metrics_path = os.path.join(cfg.out, METRICS)
   ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.keep)
@@ -468,9 +470,8 @@ def _train_locked(cfg, engine, batches, eval_batches, main) -> str:
         f"Lower --lr or check the data"
       )
 
-  stop = StopSignals()
   pending = None
-  with open(metrics_path if main else os.devnull, "w") as log, stop:
+  with open(metrics_path if main else os.devnull, "w") as log:
     log.writelines(rows)
     log.flush()
     try:
