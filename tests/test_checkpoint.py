@@ -450,10 +450,15 @@ def test_resume_with_another_schedule_says_so(straight, tmp_path):
   [
     ({"lr": float("nan")}, "--lr must be a positive finite number, got nan"),
     ({"lr": float("inf")}, "--lr must be a positive finite number, got inf"),
-    ({"warmup": 7}, "--warmup 7 must be between 0 and --steps 6"),
+    ({"warmup": -1}, "--warmup must be >= 0, got -1"),
     ({"max_bad_steps": 0}, "max-bad-steps must be >= 1"),
   ],
 )
 def test_bad_schedule_is_refused(change, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     RunConfig(**{**RUN, **change})
+
+
+def test_warmup_longer_than_the_run_is_said():
+  with pytest.warns(UserWarning, match=r"--warmup 7 is more than --steps 6: .* all 6 steps"):
+    RunConfig(**{**RUN, "warmup": 7})

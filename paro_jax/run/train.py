@@ -21,6 +21,7 @@ from models.hf import load_hf, read_config
 from models.llama import Llama, LoraConfig, get_config
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
 from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.run.metrics import dump_row, read_rows
 from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
 from paro_jax.core.mesh import make_mesh
@@ -68,10 +69,14 @@ class RunConfig:
       raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
     if not (math.isfinite(self.lr) and self.lr > 0):
       raise ValueError(f"--lr must be a positive finite number, got {self.lr}")
-    if self.warmup < 0 or self.warmup > self.steps:
-      raise ValueError(
-        f"--warmup {self.warmup} must be between 0 and --steps {self.steps} (the learning rate "
-        f"rises for --warmup steps, then decays until --steps): lower --warmup"
+    if self.warmup < 0:
+      raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+    if self.warmup > self.steps:
+      warnings.warn(
+        f"--warmup {self.warmup} is more than --steps {self.steps}: the learning rate warms up "
+        f"over all {self.steps} steps instead and reaches --lr only at the last one (pass "
+        f"--warmup {self.steps} or less to silence this)",
+        stacklevel=3,
       )
     for name in ("micro_batches", "batch_size", "seq_len", "steps", "keep", "max_bad_steps"):
       if getattr(self, name) < 1:
@@ -231,38 +236,11 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
   return state
 
 
-def read_rows(metrics_path: str) -> list[dict]:
-  """The rows of a metrics.jsonl; a truncated last line (a run killed while writing) is
-  dropped with a warning, any other bad line is an error naming the file and line."""
-  with open(metrics_path) as f:
-    lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
-  rows = []
-  for i, (n, line) in enumerate(lines):
-    try:
-      rows.append(json.loads(line))
-    except json.JSONDecodeError as e:
-      if i == len(lines) - 1 and not line.endswith("\n"):
-        warnings.warn(f"{metrics_path}:{n}: ignoring a truncated last line", stacklevel=2)
-        continue
-      raise ValueError(
-        f"{metrics_path}:{n} is not a JSON object ({e}): fix or delete that line"
-      ) from e
-    if not isinstance(rows[-1], dict) or "step" not in rows[-1]:
-      raise ValueError(f"{metrics_path}:{n} is not a metrics row (no step): fix or delete it")
-  return rows
-
-
 def kept_rows(metrics_path: str, upto: int) -> list[str]:
   """The metrics rows of steps <= upto: a resumed run redoes (and rewrites) the later ones."""
   if not os.path.exists(metrics_path):
     return []
   return [dump_row(r) for r in read_rows(metrics_path) if r["step"] <= upto]
-
-
-def dump_row(row: dict) -> str:
-  """One metrics.jsonl line; strict JSON: NaN and Inf are written as null."""
-  clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-  return json.dumps(clean, allow_nan=False) + "\n"
 
 
 class NonFiniteSteps(ValueError):
