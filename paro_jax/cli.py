@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from paro_jax.core.names import COLLECTIVE_IMPLS, parse_mesh_shape
+from paro_jax.core.strategy import ALIASES
 from paro_jax.core.xla_flags import add_xla_flags, provide_cpu_devices
 
 
@@ -29,8 +30,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--strategy",
     default="IIG",
-    help="three letters P,G,OS from {N,I,G} (e.g. IIG) or ddp/zero1/zero2/zero3/mics; "
-    "train also takes auto (probe the mesh, take the planner's pick)",
+    help="three letters P,G,OS from {N,I,G} (e.g. IIG, any case) or an alias: "
+    + ", ".join(f"{k}={v}" for k, v in ALIASES.items())
+    + "; train also takes auto (probe the mesh, take the planner's pick) (default IIG)",
   )
   p.add_argument(
     "--mesh", default=None, help="GROUPSxDEVICES, e.g. 2x4 (default: one group per process)"
