@@ -257,8 +257,10 @@ def expected_shapes(cfg: LlamaConfig) -> dict:
   return shapes
 
 
-def save_hf(cfg: LlamaConfig, params: dict, directory: str) -> str:
-  """Write `params` (our tree, any array type) as an fp32 HF LlamaForCausalLM directory."""
+def save_hf(cfg: LlamaConfig, params: dict, directory: str, base_config: dict | None = None) -> str:
+  """Write `params` (our tree, any array type) as an fp32 HF LlamaForCausalLM directory.
+  `base_config`: the config.json the model came from; the fields we do not set
+  (bos_token_id, eos_token_id, max_position_embeddings, ...) are kept."""
   tensors, shapes = {}, expected_shapes(cfg)
 
   def fetch(path):
@@ -281,7 +283,10 @@ def save_hf(cfg: LlamaConfig, params: dict, directory: str) -> str:
       tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stack[i]))
   os.makedirs(directory, exist_ok=True)
   with open(os.path.join(directory, CONFIG), "w") as f:
-    json.dump(config_to_hf(cfg), f, indent=2)
+    config = {**(base_config or {}), **config_to_hf(cfg)}
+    if "dtype" in config:  # newer transformers' name for torch_dtype
+      config["dtype"] = config["torch_dtype"]
+    json.dump(config, f, indent=2)
     f.write("\n")
   save_file(tensors, os.path.join(directory, WEIGHTS), metadata={"format": "pt"})
   return directory

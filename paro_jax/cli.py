@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from paro_jax.core.names import COLLECTIVE_IMPLS, parse_mesh_shape
+from paro_jax.core.strategy import ALIASES
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
 
 
@@ -35,8 +36,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--strategy",
     default="IIG",
-    help="three letters P,G,OS from {N,I,G} (e.g. IIG) or ddp/zero1/zero2/zero3/mics; "
-    "train also takes auto (probe the mesh, take the planner's pick)",
+    help="three letters P,G,OS from {N,I,G} (e.g. IIG, any case) or an alias: "
+    + ", ".join(f"{k}={v}" for k, v in ALIASES.items())
+    + "; train also takes auto (probe the mesh, take the planner's pick) (default IIG)",
   )
   p.add_argument(
     "--mesh", default=None, help="GROUPSxDEVICES, e.g. 2x4 (default: one group per process)"
@@ -126,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     "--out", default="runs/latest", help="run directory: metrics.jsonl and checkpoints/"
   )
   ckpt = train.add_argument_group(
-    "checkpoints", "saved asynchronously into OUT/checkpoints/, also at the end and on Ctrl-C"
+    "checkpoints",
+    "saved asynchronously into OUT/checkpoints/, also at the end and on Ctrl-C or SIGTERM "
+    "(then the run stops after the current step; a second signal stops at once)",
   )
   ckpt.add_argument(
     "--checkpoint-every",
@@ -137,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
   )
   ckpt.add_argument(
     "--keep", type=int, default=3, metavar="K", help="keep the newest K (default 3)"
+  )
+  ckpt.add_argument(
+    "--max-bad-steps",
+    type=int,
+    default=3,
+    metavar="N",
+    help="a step whose loss or gradient norm is NaN/Inf leaves the weights as they were; stop "
+    "after N such steps in a row (default 3)",
   )
   ckpt.add_argument(
     "--resume",
@@ -185,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     required=True,
     metavar="HF_DIR",
     help="directory to write config.json and model.safetensors (fp32) into",
+  )
+  export.add_argument(
+    "--overwrite", action="store_true", help="replace the files of an existing, non-empty --out"
   )
   launch = sub.add_parser(
     "launch",
@@ -345,7 +360,7 @@ def main(argv=None) -> None:
       _note_cpu_platform()
       from paro_jax.run.export import export_run  # one device: no device flags needed
 
-      step = export_run(args.run, args.out)
+      step = export_run(args.run, args.out, overwrite=args.overwrite)
       print(f"paro-jax: wrote checkpoint step {step} of {args.run} to {args.out}")
       return
     if args.command == "plan":
@@ -396,5 +411,5 @@ def main(argv=None) -> None:
   except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
     print(f"paro-jax: error: {e}", file=sys.stderr)
     sys.exit(2)
-  except KeyboardInterrupt:
-    sys.exit(130)
+  except KeyboardInterrupt as e:  # 128 + the signal: 130 for SIGINT, 143 for SIGTERM
+    sys.exit(128 + getattr(e, "signum", 2))

@@ -2,10 +2,14 @@
 
 import dataclasses
 import errno
+import fcntl
 import json
 import os
+import re
 import shutil
+import subprocess
 import tempfile
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +23,8 @@ from paro_jax.run.data import Batches, default_corpus
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
-from paro_jax.run.train import RunConfig, train
+from paro_jax import cli
+from paro_jax.run.train import LOCK, NonFiniteSteps, RunConfig, train
 
 RUN = dict(
   model="test",
@@ -195,7 +200,7 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(saved_iig, tmp_path
   manifest = os.path.join(directory, "3", "state", "manifest.ocdbt")
   with open(manifest, "r+b") as f:
     f.truncate(os.path.getsize(manifest) // 2)
-  with pytest.warns(UserWarning, match=r"checkpoint step 3 is unreadable .*falling back to step 2"):
+  with pytest.warns(UserWarning, match=r"checkpoint step 3 is damaged .*falling back to step 2"):
     state, meta = Checkpointer(directory).restore(engine)
   assert meta.step == 2
   np.testing.assert_array_equal(
@@ -204,32 +209,256 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(saved_iig, tmp_path
   # Every step damaged: an error that says so, no silent fresh start.
   with open(os.path.join(directory, "2", "meta", "metadata"), "w") as f:
     f.write("{garbled")
-  with pytest.raises(ValueError, match="no readable checkpoint in .*step 3.*step 2"):
+  with pytest.raises(ValueError, match="no intact checkpoint in .*step 3.*step 2"):
     Checkpointer(directory).restore(engine)
 
 
-def test_full_disk_keeps_the_previous_checkpoint(saved_iig, tmp_path, monkeypatch):
-  directory, master = str(tmp_path / "ckpt"), saved_iig[1]
+# --- damage, full disk, locks, non-finite steps, schedule changes ------------------------------
+def _data_files(step_dir):
+  """The OCDBT data files of a checkpoint's state, largest first."""
+  found = []
+  for root, _, files in os.walk(os.path.join(step_dir, "state")):
+    found += [os.path.join(root, f) for f in files if os.sep + "d" + os.sep in root + os.sep]
+  return sorted(found, key=os.path.getsize, reverse=True)
+
+
+def _damage(path, how):
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:
+    if how == "truncated":
+      f.truncate(size // 2)
+    else:  # garbled: 2,000 bytes overwritten in the middle, size unchanged
+      f.seek(size // 2)
+      f.write(np.random.default_rng(0).integers(0, 256, 2000, dtype=np.uint8).tobytes())
+  return size
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("how", ["truncated", "garbled"])
+def test_damaged_newest_checkpoint_is_set_aside_and_the_run_goes_on(straight, tmp_path, how):
+  """The newest checkpoint's largest data file damaged: --resume falls back to step 4, redoes 5
+  and 6 with the uninterrupted run's losses and saves step 6 again (no "already exists"); the
+  damaged step is kept aside as damaged-6. The same command again resumes cleanly from 6."""
+  out = tmp_path / "run"
+  shutil.copytree(straight, out)
+  size = _damage(_data_files(out / "checkpoints" / "6")[0], how)
+  assert how == "truncated" or os.path.getsize(_data_files(out / "checkpoints" / "6")[0]) == size
+  with pytest.warns(UserWarning, match=r"step 6 is damaged .*falling back to step 4.*damaged-6"):
+    train(RunConfig(**RUN, out=str(out), checkpoint_every=2, resume=True))
+  steps, resumed = losses(out)
+  assert steps == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose(resumed, losses(straight)[1], rtol=0, atol=1e-6)
+  assert Checkpointer(out / "checkpoints").steps() == [2, 4, 6]
+  assert (out / "checkpoints" / "damaged-6").is_dir()
+  engine = make_engine("IIG", make_mesh(2, 4))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)  # step 6 is intact now: no fallback
+    _, meta = Checkpointer(out / "checkpoints").restore(engine)
+  assert meta.step == 6
+
+
+def test_checksums_catch_any_changed_array(saved_iig, tmp_path):
+  """A checkpoint whose arrays read back fine but differ from what was saved is never loaded:
+  here the recorded checksum of one array is changed instead of the array."""
+  directory = str(tmp_path / "ckpt")
+  shutil.copytree(saved_iig[0], directory)
+  meta_file = os.path.join(directory, "2", "meta", "metadata")
+  with open(meta_file) as f:
+    meta = json.load(f)
+  key = sorted(meta["checksums"])[3]
+  meta["checksums"][key][0] ^= 1
+  with open(meta_file, "w") as f:
+    json.dump(meta, f)
+  engine = make_engine("IIG", make_mesh(2, 4))
+  with pytest.raises(ValueError, match=r"step 2 is damaged .*checksum mismatch in 1 of"):
+    Checkpointer(directory).restore(engine)
+
+
+def test_checksum_depends_on_every_element_and_not_on_sharding():
+  from paro_jax.run.checkpoint import state_checksums
+
+  x = np.arange(64, dtype=np.float32).reshape(8, 8)
+  mesh = make_mesh(2, 4)
+  spread = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P(("intra", "inter"))))
+  base, finite = state_checksums({"w": jnp.asarray(x)})
+  assert finite and state_checksums({"w": spread})[0] == base
+  swapped = x.copy()
+  swapped[0, 0], swapped[0, 1] = x[0, 1], x[0, 0]
+  assert state_checksums({"w": jnp.asarray(swapped)})[0] != base
+  x[3, 3] = np.nan
+  assert not state_checksums({"w": jnp.asarray(x)})[1]
+
+
+def _tmpfs(path, size):
+  path.mkdir()
+  proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)])
+  if proc.returncode:
+    pytest.skip("cannot mount a tmpfs here (needs root): the full-disk test needs a real disk")
+  return path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  disk = _tmpfs(tmp_path / "disk", "2m")
+  yield disk
+  subprocess.run(["umount", str(disk)])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_full_disk_keeps_the_previous_checkpoint(saved_iig, small_disk):
+  """A real full filesystem (a 2 MiB tmpfs): orbax's writer fails with a ValueError; the user
+  gets the CheckpointError, and the previous checkpoint restores."""
+  directory, master = str(small_disk / "ckpt"), saved_iig[1]
   engine = make_engine("IIG", make_mesh(2, 4))
   state, _ = Checkpointer(saved_iig[0]).restore(engine)
   ckpt = Checkpointer(directory)
   ckpt.save(state, meta_for(engine, 2))
   ckpt.wait()
-
-  async def no_space(self, *args, **kwargs):
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", no_space)
+  free = shutil.disk_usage(small_disk).free
+  (small_disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))
   state3 = state.__class__(state.step + 1, state.master, state.opt_state)
   with pytest.raises(CheckpointError) as e:
     ckpt.save(state3, meta_for(engine, 3))
     ckpt.wait()
   assert e.value.errno == errno.ENOSPC
-  assert "the disk is full" in str(e.value) and os.path.join(directory, "3") in str(e.value)
+  assert str(e.value).startswith("the disk is full") and os.path.join(directory, "3") in str(
+    e.value
+  )
   assert "previous checkpoint (step 2) is intact" in str(e.value)
-  monkeypatch.undo()
   restored, meta = Checkpointer(directory).restore(engine)
   assert meta.step == 2
   np.testing.assert_array_equal(
     jax.device_get(restored.master)["head"]["kernel"], master["head"]["kernel"]
   )
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_full_disk_is_one_line(small_disk, capfd):
+  """Through the CLI: exit 2 and one line naming the full disk and the intact step, no
+  traceback (orbax logs one per writer thread)."""
+  argv = ["train", "--model", "test", "--mesh", "2x4", "--micro-batches", "2", "--batch-size"]
+  argv += ["8", "--seq-len", "16", "--dtype", "fp32", "--steps", "6", "--warmup", "2"]
+  argv += ["--checkpoint-every", "2", "--out", str(small_disk / "run")]
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  assert e.value.code == 2
+  err = capfd.readouterr().err
+  assert "Traceback" not in err
+  lines = [line for line in err.splitlines() if "disk is full" in line]
+  assert len(lines) == 1, err[-3000:]
+  assert re.match(
+    r"paro-jax: error: the disk is full: could not write checkpoint .*/run/checkpoints/\d+; the "
+    r"previous checkpoint \(step \d+\) is intact\. Free space",
+    lines[0],
+  ), lines[0]
+
+
+def test_a_run_directory_is_locked(tmp_path):
+  (tmp_path / LOCK).write_text("pid 4242 on elsewhere")
+  fd = os.open(tmp_path / LOCK, os.O_RDWR)
+  fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  try:
+    with pytest.raises(ValueError, match=r"is in use by another run \(pid 4242 on elsewhere\)"):
+      train(RunConfig(**RUN, out=str(tmp_path)))
+  finally:
+    os.close(fd)
+  assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_fresh_run_does_not_overwrite_metrics(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+  with pytest.raises(ValueError, match="already holds metrics.jsonl of an earlier run"):
+    train(RunConfig(**RUN, out=str(tmp_path)))
+  assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+MAGIC = 255  # a batch whose first token is this gets a NaN loss (and NaN gradients)
+
+
+@pytest.fixture
+def nan_batches(monkeypatch):
+  """Steps listed in the returned set get a NaN loss and NaN gradients, inside the jitted step."""
+  import paro_jax.core.engine as engine_module
+
+  real_loss, real_call, poisoned = engine_module.next_token_loss, Batches.__call__, set()
+
+  def loss(logits, targets):
+    return real_loss(logits, targets) * jnp.where(targets[0, 0] == MAGIC, jnp.nan, 1.0)
+
+  def call(self, step, *args):
+    tokens = real_call(self, step, *args)
+    if step in poisoned:
+      tokens = tokens.copy()
+      tokens[:, :, 1] = MAGIC  # the first target of every micro-batch
+    return tokens
+
+  monkeypatch.setattr(engine_module, "next_token_loss", loss)
+  monkeypatch.setattr(Batches, "__call__", call)
+  return poisoned
+
+
+def test_a_non_finite_step_changes_nothing(nan_batches):
+  nan_batches.add(1)
+  engine = make_engine("IIG", make_mesh(2, 4))
+  state = engine.init_state(jax.random.key(0))
+  state, _ = engine.train_step(state, engine.shard_batch(BATCHES(0)))
+  before = jax.device_get((state.master, state.opt_state))
+  state, metrics = engine.train_step(state, engine.shard_batch(BATCHES(1)))
+  assert np.isnan(float(metrics["loss"])) and np.isnan(float(metrics["grad_norm"]))
+  assert int(state.step) == 2
+  after = jax.device_get((state.master, state.opt_state))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+def test_non_finite_steps_are_skipped_logged_and_stop_the_run(nan_batches, tmp_path):
+  """One NaN step is skipped (logged as null, "skipped"); the run goes on. Then
+  --max-bad-steps in a row stop it naming the step, and the newest checkpoint is the last
+  good one (step 4's was not written: step 4 was non-finite)."""
+  nan_batches.update({2, 5, 6})  # steps 3, 6 and 7
+  out = tmp_path / "run"
+  with pytest.raises(NonFiniteSteps, match=r"step 7: loss nan.* 2 non-finite steps in a row"):
+    train(RunConfig(**{**RUN, "steps": 10}, out=str(out), checkpoint_every=2, max_bad_steps=2))
+
+  def strict(name):
+    raise ValueError(f"not strict JSON: {name}")
+
+  rows = [json.loads(line, parse_constant=strict) for line in open(out / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
+  bad = [False, False, True, False, False, True, True]
+  assert [r.get("skipped", False) for r in rows] == bad
+  assert [r["loss"] is None and r["grad_norm"] is None for r in rows] == bad
+  assert Checkpointer(out / "checkpoints").steps() == [2, 4]
+  state, meta = Checkpointer(out / "checkpoints").restore(make_engine("IIG", make_mesh(2, 4)))
+  assert meta.step == 4
+
+
+def test_resume_with_another_schedule_says_so(straight, tmp_path):
+  out = tmp_path / "run"
+  shutil.copytree(straight, out)
+  with pytest.warns(
+    UserWarning,
+    match=r"resuming with --steps 7 --lr 0.001, but the checkpoint \(step 6\) was trained with "
+    r"--steps 6 --lr 0.003: the learning-rate schedule changed",
+  ):
+    train(RunConfig(**{**RUN, "steps": 7, "lr": 1e-3}, out=str(out), resume=True))
+  assert losses(out)[0] == [1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(
+  "change,message",
+  [
+    ({"lr": float("nan")}, "--lr must be a positive finite number, got nan"),
+    ({"lr": float("inf")}, "--lr must be a positive finite number, got inf"),
+    ({"warmup": -1}, "--warmup must be >= 0, got -1"),
+    ({"max_bad_steps": 0}, "max-bad-steps must be >= 1"),
+  ],
+)
+def test_bad_schedule_is_refused(change, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    RunConfig(**{**RUN, **change})
+
+
+def test_warmup_longer_than_the_run_is_said():
+  with pytest.warns(UserWarning, match=r"--warmup 7 is more than --steps 6: .* all 6 steps"):
+    RunConfig(**{**RUN, "warmup": 7})

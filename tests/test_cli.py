@@ -66,3 +66,15 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):
     main(["train", "--steps", "1", "--out", str(tmp_path), "--mesh", "2x4", *argv])
   assert e.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_help_lists_every_alias_and_names_ignore_case(capsys):
+  from paro_jax.core.strategy import ALIASES
+
+  with pytest.raises(SystemExit):
+    main(["train", "--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert all(f"{k}={v}" in text for k, v in ALIASES.items())
+  assert "--max-bad-steps N" in text and "(default 3)" in text
+  main(["plan", "--nodes", "2", "--devices-per-node", "8", "--gpu", "H100", "--json"])
+  assert json.loads(capsys.readouterr().out)["inputs"]["gpu"] == "H100 SXM 80GB"

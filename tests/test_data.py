@@ -188,3 +188,38 @@ def test_plot_writes_a_png(jsonl_run, tmp_path):
   assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
   with pytest.raises(SystemExit):
     main(["plot", str(tmp_path / "nope"), "--out", str(png)])
+
+
+def test_plot_marks_non_finite_steps_and_writes_the_file_named(tmp_path, monkeypatch):
+  """null (and an older run's NaN) losses are marked, not dropped; a truncated last line is
+  ignored with a warning naming the file; --out without a suffix is written as named."""
+  pytest.importorskip("matplotlib", reason="paro-jax plot needs matplotlib (the plots extra)")
+  import matplotlib.axes
+
+  from paro_jax.cli import main
+
+  run = tmp_path / "run"
+  run.mkdir()
+  lines = [
+    '{"step": 1, "loss": 5.0, "tokens_per_s": 10.0}',
+    '{"step": 2, "loss": null, "tokens_per_s": 10.0, "skipped": true}',
+    '{"step": 3, "loss": NaN, "tokens_per_s": 10.0}',
+    '{"step": 4, "loss": 4.0, "tokens_per_s": 10.0}',
+    '{"step": 5, "lo',
+  ]
+  (run / "metrics.jsonl").write_text("\n".join(lines))
+  labels, real_plot = [], matplotlib.axes.Axes.plot
+
+  def plot(self, *args, **kwargs):
+    labels.append((kwargs.get("label"), list(args[0])))
+    return real_plot(self, *args, **kwargs)
+
+  monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+  out = tmp_path / "curves"
+  with pytest.warns(UserWarning, match=r"metrics.jsonl:5: ignoring a truncated last line"):
+    main(["plot", str(run), "--out", str(out)])
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert ("run: 2 non-finite steps", [2, 3]) in labels
+  (run / "metrics.jsonl").write_text("\n".join(lines[:2] + ["{oops", *lines[3:4]]) + "\n")
+  with pytest.raises(SystemExit):
+    main(["plot", str(run), "--out", str(out)])

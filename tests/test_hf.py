@@ -246,3 +246,31 @@ def test_init_from_fixture_trains(tmp_path):
 
 def our_logits_jnp(cfg, params, ids):
   return Llama(cfg, jnp.float32).apply(jax.tree.map(jnp.asarray, params), jnp.asarray(ids))
+
+
+def test_export_of_an_init_from_run_keeps_the_source_and_its_config(tmp_path, capsys):
+  run = tmp_path / "run"
+  train(RunConfig(model="tiny", init_from=FIXTURE, steps=1, out=str(run), **RUN))
+  before = {name: os.path.getmtime(os.path.join(FIXTURE, name)) for name in os.listdir(FIXTURE)}
+  # The directory the run started from is never overwritten, not even with --overwrite.
+  with pytest.raises(SystemExit) as e:
+    cli.main(["export", "--run", str(run), "--out", FIXTURE, "--overwrite"])
+  assert e.value.code == 2 and "the HF directory the run started from" in capsys.readouterr().err
+  assert before == {n: os.path.getmtime(os.path.join(FIXTURE, n)) for n in os.listdir(FIXTURE)}
+  # Another non-empty directory needs --overwrite.
+  out = tmp_path / "hf"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  with pytest.raises(SystemExit) as e:
+    cli.main(["export", "--run", str(run), "--out", str(out)])
+  assert e.value.code == 2 and "already exists and is not empty" in capsys.readouterr().err
+  assert not (out / "config.json").exists()
+  cli.main(["export", "--run", str(run), "--out", str(out), "--overwrite"])
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    source = json.load(f)
+  with open(out / "config.json") as f:
+    written = json.load(f)
+  for key in ("bos_token_id", "eos_token_id", "max_position_embeddings"):
+    assert written[key] == source[key], key
+  assert written["dtype"] == written["torch_dtype"] == "float32"
+  load_hf(out)  # and it loads

@@ -601,6 +601,7 @@ def run_plan(
   """`paro-jax plan`: build the inputs from the command line's strings, plan, print."""
   from models.llama import get_config  # imports jax (no devices are touched)
 
+  gpu = gpu.strip().lower()  # names compare case-insensitively (--gpu H100)
   if gpu not in GPUS:
     raise ValueError(
       f"unknown --gpu {gpu!r}; choose one of {', '.join(GPUS)} (or give "

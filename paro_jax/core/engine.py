@@ -397,17 +397,24 @@ class Engine:
         lambda g: comm.all_reduce(g, s.sync_reduce_axes, impl=impl).astype(jnp.float32), grads
       )
 
+    # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
+    loss = lax.psum(jnp.sum(losses), GLOBAL_AXES)
+
     with jax.named_scope("optimizer"):
       # Each OS shard is held by every device outside S(OS): sum squares over S(OS) only.
       local_sq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
       grad_norm = jnp.sqrt(lax.psum(local_sq, s.opt.axes) if s.opt.axes else local_sq)
       scale = jnp.where(grad_norm < self.optim.clip_norm, 1.0, self.optim.clip_norm / grad_norm)
-      grads = jax.tree.map(lambda g: g * scale, grads)
-      updates, opt_state = self.tx.update(grads, opt_state, master)
-      master = optax.apply_updates(master, updates)
+      updates, new_opt_state = self.tx.update(
+        jax.tree.map(lambda g: g * scale, grads), opt_state, master
+      )
+      # A step whose loss or gradient norm is NaN/Inf changes nothing (not even Adam's count).
+      # Both are the same on every device (psum results), so every shard skips alike.
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      keep = lambda new, old: jnp.where(finite, new, old)
+      master = jax.tree.map(keep, optax.apply_updates(master, updates), master)
+      opt_state = jax.tree.map(keep, new_opt_state, opt_state)
 
-    # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
-    loss = lax.psum(jnp.sum(losses), GLOBAL_AXES)
     return master, opt_state, loss, grad_norm
 
 

@@ -9,17 +9,26 @@ engine resumes it (another strategy, another mesh, fewer devices).
 Atomicity: orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it only once every
 item is complete; directories with that suffix are never listed as steps. A save killed halfway,
 or one that runs out of disk, leaves the previous checkpoint as it was.
+
+Integrity: `meta` records two 32-bit checksums of every array of the state (computed on the
+devices from the arrays' bits and logical positions, so independent of sharding), and a save
+refuses a state with non-finite values. A restore recomputes the checksums: a checkpoint whose
+files were truncated or garbled is never loaded. Training falls back to the newest intact step and
+moves the damaged newer ones aside (`damaged-<step>`), so the run saves those steps again normally.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import warnings
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax import lax
 
 from paro_jax.core.engine import Engine, TrainState
 
@@ -42,6 +51,8 @@ class RunMeta:
   data: dict  # what batch `step` is a function of, besides (seed, step)
   format: int = FORMAT
   lora: dict | None = None  # dataclasses.asdict(LoraConfig) of a LoRA run
+  checksums: dict | None = None  # leaf path -> [h1, h2] (state_checksums); set by save
+  train: dict | None = None  # what the learning-rate schedule depends on: steps, lr, warmup
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -57,6 +68,45 @@ class RunMeta:
 
 class CheckpointError(OSError):
   """A checkpoint could not be written; the previous one is intact."""
+
+  def __str__(self) -> str:
+    return self.strerror or super().__str__()
+
+
+class NonFiniteStateError(ValueError):
+  """A state holding NaN or Inf: never saved, never exported."""
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """Two wrapping 32-bit sums of the bits of `x`, weighted by logical position: any change of
+  one element changes the first; the order of summation (the sharding) changes neither."""
+  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  words = lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
+  index, stride = jnp.zeros(words.shape, jnp.uint32), 1
+  for d in reversed(range(words.ndim)):  # the flat position, without a (sharded) reshape
+    index = index + lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= words.shape[d]
+  h1 = jnp.sum(words * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+  mixed = (words ^ (words >> jnp.uint32(15))) * jnp.uint32(0x2C1B3C6D)
+  h2 = jnp.sum(mixed ^ (index * jnp.uint32(0x9E3779B1)), dtype=jnp.uint32)
+  return jnp.stack([h1, h2])
+
+
+@jax.jit
+def _integrity(state):
+  """(checksum of every leaf, whether every floating-point leaf is finite)."""
+  sums = jax.tree.map(_leaf_checksum, state)
+  finite = [
+    jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+  return sums, jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)
+
+
+def state_checksums(state) -> tuple[dict, bool]:
+  """{leaf path: [h1, h2]} of a state's arrays, and whether all its floats are finite."""
+  sums, finite = _integrity(state)
+  paths = jax.tree_util.tree_leaves_with_path(jax.device_get(sums))
+  return {jax.tree_util.keystr(p): [int(v) for v in h] for p, h in paths}, bool(finite)
 
 
 def abstract_state(engine: Engine) -> TrainState:
@@ -85,12 +135,23 @@ class Checkpointer:
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
     self._saving: int | None = None  # the step being written in the background
+    for name in ("absl", ""):  # orbax logs through absl's logger (or the root one)
+      logging.getLogger(name).addFilter(_QUIET)
+      for handler in logging.getLogger(name).handlers:
+        handler.addFilter(_QUIET)
 
   # --- writing -----------------------------------------------------------------------------
   def save(self, state: TrainState, meta: RunMeta) -> None:
     """Start writing `state` as step meta.step; returns once the arrays are copied to host."""
     if int(state.step) != meta.step:
       raise ValueError(f"state is at step {int(state.step)} but the metadata says {meta.step}")
+    sums, finite = state_checksums(state)
+    if not finite:
+      raise NonFiniteStateError(
+        f"the weights or optimizer state of step {meta.step} hold NaN or Inf values: not saved "
+        f"as a checkpoint in {self.directory} (its newest checkpoint is kept). Lower --lr"
+      )
+    meta = dataclasses.replace(meta, checksums=sums)
     args = ocp.args.Composite(
       **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta.to_json())}
     )
@@ -124,11 +185,15 @@ class Checkpointer:
     )
     return RunMeta.from_json(restored[META])
 
-  def restore(self, engine: Engine, model_name: str | None = None) -> tuple[TrainState, RunMeta]:
-    """The newest readable checkpoint, placed with `engine`'s shardings, and its metadata.
+  def restore(
+    self, engine: Engine, model_name: str | None = None, set_aside: bool = False
+  ) -> tuple[TrainState, RunMeta]:
+    """The newest intact checkpoint, placed with `engine`'s shardings, and its metadata.
 
-    A checkpoint for another model config is an error. One that cannot be read (a truncated or
-    garbled file) is skipped with a warning, falling back to the previous step.
+    A checkpoint for another model config is an error. One that cannot be read or whose arrays
+    do not match their checksums (a truncated or garbled file) is skipped with a warning, falling
+    back to the previous step; with `set_aside` the damaged steps are then renamed to
+    `damaged-<step>` (no longer steps), so that training can save those steps again.
     """
     steps = self.steps()
     if not steps:
@@ -148,24 +213,92 @@ class Checkpointer:
       try:
         restored = self._manager.restore(
           step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
-        )
+        )[STATE]
+        _verify(restored, meta)
       except Exception as e:  # noqa: BLE001
         failures.append((step, e))
         continue
       if failures:
+        moved = self._set_aside([s for s, _ in failures]) if set_aside else ""
         warnings.warn(
-          f"{_describe(failures)}; falling back to step {step}, the newest readable checkpoint",
+          f"{_describe(failures)}; falling back to step {step}, the newest intact "
+          f"checkpoint{moved}",
           stacklevel=2,
         )
-      return restored[STATE], meta
+      return restored, meta
     raise ValueError(
-      f"no readable checkpoint in {self.directory}: {_describe(failures)}. "
+      f"no intact checkpoint in {self.directory}: {_describe(failures)}. "
       f"Delete the damaged step directories or start a new run with another --out"
     )
 
+  def _set_aside(self, steps: list[int]) -> str:
+    """Rename damaged step directories to `damaged-<step>` (process 0; the others wait)."""
+    names = []
+    for step in steps:
+      name, n = f"damaged-{step}", 1
+      while os.path.exists(os.path.join(self.directory, name)):
+        n += 1
+        name = f"damaged-{step}-{n}"
+      names.append(name)
+      if jax.process_index() == 0:
+        os.rename(os.path.join(self.directory, str(step)), os.path.join(self.directory, name))
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+
+      multihost_utils.sync_global_devices("paro-jax: damaged checkpoints set aside")
+    self._manager.reload()
+    return f" (the damaged ones are kept as {', '.join(names)} in {self.directory})"
+
+
+def _verify(state: TrainState, meta: RunMeta) -> None:
+  """Raise if the restored arrays are not those that were saved (or hold NaN/Inf)."""
+  sums, finite = state_checksums(state)
+  if meta.checksums is not None:
+    bad = [k for k in meta.checksums if sums.get(k) != meta.checksums[k]]
+    if bad or set(sums) != set(meta.checksums):
+      raise ValueError(
+        f"checksum mismatch in {len(bad)} of {len(meta.checksums)} arrays (first: "
+        f"{(bad or sorted(set(sums) ^ set(meta.checksums)))[0]}): its files are damaged"
+      )
+  if not finite:
+    raise NonFiniteStateError("it holds NaN or Inf values")
+
+
+def _no_space(error: BaseException) -> bool:
+  """Whether `error` (or what caused it) is a full disk; orbax's tensorstore writer raises a
+  ValueError that only says so in its message."""
+  while error is not None:
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+      return True
+    text = str(error)
+    if "No space left on device" in text or "os_error_code='28'" in text:
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+class _QuietOrbaxErrors(logging.Filter):
+  """Orbax logs each failure of a background write with its traceback, once per thread; the
+  Checkpointer raises it once, as a CheckpointError. Keep one line per record, none for a full
+  disk (the CheckpointError says it all)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if "orbax" not in record.pathname or record.levelno < logging.ERROR:
+      return True
+    if _no_space(record.exc_info[1] if record.exc_info else None) or "No space left" in str(
+      record.msg
+    ):
+      return False
+    record.exc_info, record.exc_text = None, None
+    return True
+
+
+_QUIET = _QuietOrbaxErrors()
+
 
 class _ErrorsAsCheckpointError:
-  """Turn an OSError from orbax's writer into a CheckpointError that says what and where."""
+  """Turn a failed write (an OSError, or orbax's ValueError for a full disk) into a
+  CheckpointError that says what and where."""
 
   def __init__(self, ckpt: Checkpointer):
     self.ckpt = ckpt
@@ -174,7 +307,10 @@ class _ErrorsAsCheckpointError:
     return self
 
   def __exit__(self, kind, error, tb):
-    if error is None or not isinstance(error, OSError) or isinstance(error, CheckpointError):
+    if error is None or isinstance(error, CheckpointError):
+      return False
+    full = _no_space(error)
+    if not (full or isinstance(error, OSError)):
       return False
     step, self.ckpt._saving = self.ckpt._saving, None
     where = os.path.join(self.ckpt.directory, f"{step}" if step is not None else "")
@@ -184,13 +320,13 @@ class _ErrorsAsCheckpointError:
       if previous
       else "no earlier checkpoint exists"
     )
-    if error.errno == errno.ENOSPC:
+    if full:
       message = (
-        f"the disk is full: could not write checkpoint {where} ({error}); {kept}. Free "
-        f"space on the disk holding {self.ckpt.directory} or pass another --out"
+        f"the disk is full: could not write checkpoint {where}; {kept}. Free space on the "
+        f"disk holding {self.ckpt.directory} or pass another --out"
       )
-    else:
-      message = f"could not write checkpoint {where} ({error}); {kept}"
+      raise CheckpointError(errno.ENOSPC, message) from error
+    message = f"could not write checkpoint {where} ({error}); {kept}"
     raise CheckpointError(error.errno, message) from error
 
 
@@ -237,7 +373,7 @@ def _model_flag(model_name: str) -> str:
 
 def _describe(failures) -> str:
   return "; ".join(
-    f"checkpoint step {step} is unreadable ({type(e).__name__}: "
+    f"checkpoint step {step} is damaged ({type(e).__name__}: "
     f"{str(e).splitlines()[0][:200] if str(e) else ''})"
     for step, e in failures
   )

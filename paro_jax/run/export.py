@@ -8,13 +8,14 @@ the export is a plain LLaMA.
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.hf import save_hf
+from models.hf import CONFIG, save_hf
 from models.llama import Llama, LlamaConfig, LoraConfig
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.core.engine import Engine, OptimConfig, join_trainable
@@ -32,8 +33,21 @@ def _newest_meta(ckpt: Checkpointer):
   raise ValueError(f"no readable checkpoint in {ckpt.directory}")
 
 
-def export_run(run_dir: str, out: str) -> int:
-  """Write the newest checkpoint of `run_dir` (train's --out) to `out`; returns its step."""
+def _check_out(out: str, overwrite: bool) -> None:
+  if os.path.isfile(out):
+    raise ValueError(f"--out {out} is a file: pass a directory to write the HF model into")
+  if os.path.isdir(out) and os.listdir(out) and not overwrite:
+    raise ValueError(
+      f"--out {out} already exists and is not empty: pass another --out, or --overwrite to "
+      f"replace its config.json and model.safetensors"
+    )
+
+
+def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
+  """Write the newest intact checkpoint of `run_dir` (train's --out) to `out`; returns its step.
+  An existing non-empty `out` needs `overwrite`; the HF directory the run started from (its
+  --init-from) is never overwritten, and its config.json fields are kept."""
+  _check_out(out, overwrite)
   directory = os.path.join(run_dir, CHECKPOINTS)
   if not os.path.isdir(directory):
     raise FileNotFoundError(
@@ -44,6 +58,19 @@ def export_run(run_dir: str, out: str) -> int:
     if not ckpt.steps():
       raise FileNotFoundError(f"no checkpoint in {directory} to export")
     meta = _newest_meta(ckpt)
+    base = None
+    if meta.model_name.startswith("hf:"):
+      source = meta.model_name[3:]
+      if os.path.isdir(source) and os.path.isdir(out) and os.path.samefile(source, out):
+        raise ValueError(
+          f"--out {out} is the HF directory the run started from (--init-from): pass another "
+          f"--out; overwriting it would lose the original weights"
+        )
+      try:
+        with open(os.path.join(source, CONFIG)) as f:
+          base = json.load(f)
+      except (OSError, ValueError):
+        base = None  # the source is gone or unreadable: write our fields only
     cfg = LlamaConfig(**meta.model_config)
     lora = LoraConfig(**meta.lora) if meta.lora else None
     engine = Engine(
@@ -52,6 +79,7 @@ def export_run(run_dir: str, out: str) -> int:
       make_mesh(1, 1, jax.devices()[:1]),
       OptimConfig(),
     )
+    # restore() verifies the checksums and never returns NaN/Inf weights.
     state, meta = ckpt.restore(engine, meta.model_name)
   finally:
     ckpt.close()
@@ -62,5 +90,10 @@ def export_run(run_dir: str, out: str) -> int:
         engine.mask, state.master, jax.tree.map(lambda w: w.astype(jnp.float32), state.frozen)
       )
     )
-  save_hf(cfg, jax.tree.map(np.asarray, params), out)
+  params = jax.tree.map(np.asarray, params)
+  if not all(np.isfinite(w).all() for w in jax.tree.leaves(params)):
+    raise ValueError(
+      f"checkpoint step {meta.step} of {run_dir} holds NaN or Inf weights: not exported"
+    )
+  save_hf(cfg, params, out, base_config=base)
   return meta.step

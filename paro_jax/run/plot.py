@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import json
+import math
 import os
+
+from paro_jax.run.metrics import read_rows
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -12,11 +14,15 @@ def read_metrics(run_dir: str) -> list[dict]:
     raise FileNotFoundError(
       f"{path} does not exist: give run directories written by `paro-jax train --out DIR`"
     )
-  with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  rows = read_rows(path)
   if not rows:
     raise ValueError(f"{path} has no rows yet")
   return rows
+
+
+def _finite(value):
+  """None (a gap) for null, NaN and Inf; older runs wrote NaN into metrics.jsonl."""
+  return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def plot_runs(run_dirs: list[str], out: str) -> str:
@@ -33,13 +39,27 @@ def plot_runs(run_dirs: list[str], out: str) -> str:
   for i, (name, rows) in enumerate(runs):
     color = f"C{i % 10}"
     ax_loss.plot(
-      [r["step"] for r in rows], [r["loss"] for r in rows], color=color, label=f"{name} train"
+      [r["step"] for r in rows],
+      [_finite(r["loss"]) for r in rows],  # a gap at a non-finite step...
+      color=color,
+      label=f"{name} train",
     )
+    bad = [r["step"] for r in rows if _finite(r["loss"]) is None or r.get("skipped")]
+    if bad:  # ... and a red cross on the axis, so a NaN run never looks healthy
+      ax_loss.plot(
+        bad,
+        [0] * len(bad),
+        "x",
+        color="red",
+        transform=ax_loss.get_xaxis_transform(),
+        clip_on=False,
+        label=f"{name}: {len(bad)} non-finite steps",
+      )
     evals = [r for r in rows if "eval_loss" in r]
     if evals:
       ax_loss.plot(
         [r["step"] for r in evals],
-        [r["eval_loss"] for r in evals],
+        [_finite(r["eval_loss"]) for r in evals],
         "o--",
         color=color,
         markersize=3,
@@ -57,6 +77,9 @@ def plot_runs(run_dirs: list[str], out: str) -> str:
     ax.legend(fontsize=8)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fig.savefig(out, dpi=100)
+  # The file named: its suffix picks the format if matplotlib knows it, else PNG.
+  suffix = os.path.splitext(out)[1][1:].lower()
+  fmt = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"
+  fig.savefig(out, dpi=100, format=fmt)
   plt.close(fig)
   return out

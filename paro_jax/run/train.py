@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import math
 import os
+import signal
+import statistics
+import threading
 import time
 import warnings
 
@@ -16,6 +21,7 @@ from models.hf import load_hf, read_config
 from models.llama import Llama, LoraConfig, get_config
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
 from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.run.metrics import dump_row, read_rows
 from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
 from paro_jax.core.mesh import make_mesh
@@ -23,6 +29,7 @@ from paro_jax.analysis.hardware import mfu
 from paro_jax.core.strategy import parse_strategy
 
 METRICS = "metrics.jsonl"
+LOCK = ".paro-jax.lock"  # held (flock) by the process-0 of the run using the directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +54,7 @@ class RunConfig:
   eval_fraction: float = 0.01
   eval_every: int = 0  # 0: no eval
   out: str = "runs/latest"
-  checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C)
+  checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C or SIGTERM)
   keep: int = 3  # checkpoints kept
   resume: bool = False  # continue from the newest checkpoint in out/checkpoints
   init_from: str | None = None  # an HF LLaMA directory: the model (`model` is ignored) and,
@@ -55,11 +62,23 @@ class RunConfig:
   lora_rank: int = 0  # > 0: train LoRA adapters of this rank only (models/llama.py LoraConfig)
   lora_alpha: float = 16.0
   lora_targets: str = "wq,wv"
+  max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss/grad
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
       raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
-    for name in ("micro_batches", "batch_size", "seq_len", "steps", "keep"):
+    if not (math.isfinite(self.lr) and self.lr > 0):
+      raise ValueError(f"--lr must be a positive finite number, got {self.lr}")
+    if self.warmup < 0:
+      raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+    if self.warmup > self.steps:
+      warnings.warn(
+        f"--warmup {self.warmup} is more than --steps {self.steps}: the learning rate warms up "
+        f"over all {self.steps} steps instead and reaches --lr only at the last one (pass "
+        f"--warmup {self.steps} or less to silence this)",
+        stacklevel=3,
+      )
+    for name in ("micro_batches", "batch_size", "seq_len", "steps", "keep", "max_bad_steps"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if isinstance(self.data, str):
@@ -165,12 +184,18 @@ def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
     dtype=cfg.dtype,
     data=cfg.data_position(),
     lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None,
+    train=schedule_of(cfg),
   )
 
 
+def schedule_of(cfg: RunConfig) -> dict:
+  """What the learning-rate schedule depends on."""
+  return {"steps": cfg.steps, "lr": cfg.lr, "warmup": cfg.warmup}
+
+
 def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
-  """A fresh state (random, or --init-from's weights), or with --resume the newest checkpoint
-  placed for this engine."""
+  """A fresh state (random, or --init-from's weights), or with --resume the newest intact
+  checkpoint placed for this engine."""
   if not cfg.resume:
     if ckpt.steps():
       raise ValueError(
@@ -183,7 +208,7 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
       params = engine.model.with_adapters(params, jax.random.key(cfg.seed))
       return engine.state_from_params(params)
     return engine.init_state(jax.random.key(cfg.seed))
-  state, meta = ckpt.restore(engine, model_name(cfg))
+  state, meta = ckpt.restore(engine, model_name(cfg), set_aside=True)
   was = {"seed": meta.seed, **meta.data}
   now = json.loads(json.dumps({"seed": cfg.seed, **cfg.data_position()}))  # tuples as lists
   for key in was:
@@ -194,6 +219,15 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
         f"uninterrupted run's",
         stacklevel=2,
       )
+  if meta.train is not None and meta.train != schedule_of(cfg):
+    changed = [k for k in ("steps", "lr", "warmup") if meta.train.get(k) != schedule_of(cfg)[k]]
+    warnings.warn(
+      f"resuming with {' '.join(f'--{k} {schedule_of(cfg)[k]:g}' for k in changed)}, but the "
+      f"checkpoint (step {meta.step}) was trained with "
+      f"{' '.join(f'--{k} {meta.train[k]:g}' for k in changed)}: the learning-rate schedule "
+      f"changed from step {meta.step} on",
+      stacklevel=2,
+    )
   print(
     f"paro-jax: resumed from {ckpt.directory}/{meta.step} (saved by strategy {meta.strategy} "
     f"on mesh {meta.mesh[0]}x{meta.mesh[1]})",
@@ -206,14 +240,93 @@ def kept_rows(metrics_path: str, upto: int) -> list[str]:
   """The metrics rows of steps <= upto: a resumed run redoes (and rewrites) the later ones."""
   if not os.path.exists(metrics_path):
     return []
-  with open(metrics_path) as f:
-    return [line for line in f if line.strip() and json.loads(line)["step"] <= upto]
+  return [dump_row(r) for r in read_rows(metrics_path) if r["step"] <= upto]
+
+
+class NonFiniteSteps(ValueError):
+  """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+class Interrupted(KeyboardInterrupt):
+  """The run was stopped by a signal (SIGINT, SIGTERM) after checkpointing."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+class StopSignals:
+  """The first SIGINT or SIGTERM asks the loop to stop at the next step boundary (it then logs
+  and checkpoints the finished step and exits); a second one exits at once, without waiting for
+  the checkpoint (a checkpoint is only ever listed once complete).
+
+  Only in the main thread of a single-process run: with several processes, each would stop at
+  its own step and the checkpoint's collective save would never meet."""
+
+  def __init__(self):
+    self.signum: int | None = None
+    self.dispatched = 0  # train_step calls returned (the first one includes the compile)
+    self.dispatched_at_signal = 0
+    self._old = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+  def _handle(self, signum, frame):
+    if self.signum is not None:
+      os.write(2, b"\nparo-jax: stopped at once; the checkpoint being written is not kept\n")
+      os._exit(128 + signum)
+    self.signum, self.dispatched_at_signal = signum, self.dispatched
+    what = (
+      "stopping before the first step (no checkpoint)"
+      if self.dispatched == 0
+      else "stopping after this step and checkpointing it"
+    )
+    name = signal.Signals(signum).name
+    os.write(2, f"\nparo-jax: {name}: {what}; send it again to stop at once\n".encode())
+
+
+class RunLock:
+  """An exclusive lock on a run directory while a run writes it (process 0 only)."""
+
+  def __init__(self, out: str, main: bool):
+    self.path, self.main, self.fd = os.path.join(out, LOCK), main, None
+
+  def __enter__(self):
+    if not self.main:
+      return self
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.read(fd, 100).decode(errors="replace").strip() or "another process"
+      os.close(fd)
+      raise ValueError(
+        f"{os.path.dirname(self.path)} is in use by another run ({holder}): wait for it to "
+        f"finish, stop it, or pass another --out"
+      ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
+    self.fd = fd
+    return self
+
+  def __exit__(self, *exc):
+    if self.fd is not None:
+      os.close(self.fd)  # releases the lock
+      self.fd = None
 
 
 def train(cfg: RunConfig) -> str:
   """Train and write RUN/metrics.jsonl and RUN/checkpoints; returns the metrics path."""
   engine, batches, eval_batches = build(cfg)
-  model_cfg, inter, intra = engine.model.cfg, engine.inter, engine.intra
+  inter, intra = engine.inter, engine.intra
   n_params, n_trained = engine.model.param_count(), engine.model.trainable_count()
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
   mem = model_state_bytes(engine.strategy, n_params, n_trained, inter, intra, itemsize, itemsize)
@@ -236,10 +349,27 @@ def train(cfg: RunConfig) -> str:
     )
 
   os.makedirs(cfg.out, exist_ok=True)
-  ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.keep)
-  state = start_state(cfg, engine, ckpt)
-  start = int(state.step)
+  # Signals are taken over before anything is read or compiled: a stop before the first step
+  # finishes leaves no checkpoint (and an empty metrics.jsonl).
+  with RunLock(cfg.out, main), StopSignals() as stop:
+    return _train_locked(cfg, engine, batches, eval_batches, main, stop)
+
+
+def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
+  model_cfg = engine.model.cfg
   metrics_path = os.path.join(cfg.out, METRICS)
+  ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.keep)
+  try:
+    state = start_state(cfg, engine, ckpt)
+    if main and not cfg.resume and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
+      raise ValueError(
+        f"{cfg.out} already holds {METRICS} of an earlier run (and no checkpoint): pass "
+        f"another --out, or delete {metrics_path} to start over there"
+      )
+  except BaseException:
+    ckpt.close()
+    raise
+  start = int(state.step)
   rows = kept_rows(metrics_path, start) if main else []
   tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
   flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
@@ -256,47 +386,79 @@ def train(cfg: RunConfig) -> str:
   )
   last_time = time.perf_counter()
   saved = start if cfg.resume else None
+  bad = {"total": 0, "streak": 0}  # steps with a non-finite loss or gradient norm (skipped)
+  done = []  # this process's rows (for the summary)
 
-  def save(state):
+  def save(state, why=""):
     nonlocal saved
     step = int(state.step)
-    if step != saved:
-      ckpt.save(state, run_meta(cfg, engine, step))
-      saved = step
+    if step == saved:
+      return
+    if bad["streak"]:  # the weights did not take this step: keep the newest good checkpoint
+      if main:
+        bar.write(f"paro-jax: step {step} was non-finite (skipped): no checkpoint of it{why}")
+      return
+    ckpt.save(state, run_meta(cfg, engine, step))
+    saved = step
 
+  def record(step, metrics):
+    nonlocal last_time
+    jax.block_until_ready(metrics)
+    now = time.perf_counter()
+    row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+    # The first step of a process includes compilation; later ones are pure step time.
+    row["step_time_s"] = now - last_time
+    row["tokens_per_s"] = tokens_per_step / row["step_time_s"]
+    util = mfu(flops_per_step, row["step_time_s"], jax.device_count(), device_kind)
+    if util is not None:
+      row["mfu"] = util
+    last_time = now
+    skipped = not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]))
+    bad["streak"] = bad["streak"] + 1 if skipped else 0
+    bad["total"] += skipped
+    if skipped:
+      row["skipped"] = True  # the weights and optimizer state were left as they were
+    done.append(row)
+    line = dump_row(row)
+    log.write(line)
+    log.flush()
+    fmt = lambda v, spec: "nan" if not math.isfinite(v) else format(v, spec)  # noqa: E731
+    bar.set_postfix(
+      loss=fmt(row["loss"], ".3f"),
+      tok_s=f"{row['tokens_per_s']:.0f}",
+      step=f"{row['step_time_s'] * 1e3:.0f}ms",
+      mfu="n/a" if util is None else f"{util:.1%}",
+      **({"eval": fmt(row["eval_loss"], ".3f")} if "eval_loss" in row else {}),
+      **({"skipped": bad["total"]} if bad["total"] else {}),
+    )
+    bar.update(1)
+    if bar.disable and main:  # no terminal: one line per step instead of a bar
+      print(line, end="", flush=True)
+    if bad["streak"] >= cfg.max_bad_steps:
+      newest = (
+        f"the newest checkpoint is step {saved} in {ckpt.directory}: continue from it with "
+        f"--resume (and a lower --lr)"
+        if saved is not None
+        else "no checkpoint was written"
+      )
+      raise NonFiniteSteps(
+        f"step {step}: loss {row['loss']}, gradient norm {row['grad_norm']}: "
+        f"{bad['streak']} non-finite steps in a row (steps {step - bad['streak'] + 1}-{step}; "
+        f"--max-bad-steps {cfg.max_bad_steps}). They did not change the weights; {newest}. "
+        f"Lower --lr or check the data"
+      )
+
+  pending = None
   with open(metrics_path if main else os.devnull, "w") as log:
     log.writelines(rows)
     log.flush()
-
-    def record(step, metrics):
-      nonlocal last_time
-      jax.block_until_ready(metrics)
-      now = time.perf_counter()
-      row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-      # The first step of a process includes compilation; later ones are pure step time.
-      row["step_time_s"] = now - last_time
-      row["tokens_per_s"] = tokens_per_step / row["step_time_s"]
-      util = mfu(flops_per_step, row["step_time_s"], jax.device_count(), device_kind)
-      if util is not None:
-        row["mfu"] = util
-      last_time = now
-      log.write(json.dumps(row) + "\n")
-      log.flush()
-      bar.set_postfix(
-        loss=f"{row['loss']:.3f}",
-        tok_s=f"{row['tokens_per_s']:.0f}",
-        step=f"{row['step_time_s'] * 1e3:.0f}ms",
-        mfu="n/a" if util is None else f"{util:.1%}",
-        **({"eval": f"{row['eval_loss']:.3f}"} if "eval_loss" in row else {}),
-      )
-      bar.update(1)
-      if bar.disable and main:  # no terminal: one line per step instead of a bar
-        print(json.dumps(row), flush=True)
-
-    pending = None
     try:
+      bar.set_postfix_str("compiling the training step", refresh=True)
       for step in range(start, cfg.steps):
+        if stop.signum is not None:
+          break
         state, metrics = engine.train_step(state, place_batch(engine, batches, step))
+        stop.dispatched += 1
         # Read the previous step's metrics only after the next step is dispatched, so the host
         # never stalls the device.
         if pending is not None:
@@ -306,29 +468,71 @@ def train(cfg: RunConfig) -> str:
           metrics = {**metrics, "eval_loss": engine.eval_loss(state, eval_batch)}
         pending = (step + 1, metrics)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+          record(*pending)  # every checkpointed step has its metrics row, and is finite
+          pending = None
           save(state)  # asynchronous: returns once the arrays are copied off the device
+      if stop.signum is not None and stop.dispatched_at_signal == 0:
+        pending = None  # stopped during the first compile: nothing was asked for
       if pending is not None:
         record(*pending)
-      save(state)
+        pending = None
+      if stop.signum is None or stop.dispatched_at_signal:
+        save(state, why=": stopping" if stop.signum is not None else "")
       ckpt.close()
     except KeyboardInterrupt:
-      # Stop cleanly: log the finished step, checkpoint it, let the writes complete.
+      # Raised where the signal handler is not installed (another thread, several processes):
+      # log the finished step, checkpoint it (unless it is the start), let the writes complete.
       if pending is not None:
         record(*pending)
-      if not any(x.is_deleted() for x in jax.tree.leaves(state)):
+      if not any(x.is_deleted() for x in jax.tree.leaves(state)) and int(state.step) > start:
         save(state)
       ckpt.close()
       bar.close()
-      if main and saved is not None:
-        print(
-          f"\nparo-jax: stopped; checkpoint step {saved} is in {ckpt.directory}: continue "
-          f"with the same command and --resume",
-          flush=True,
-        )
+      _stopped(main, saved, ckpt)
+      raise
+    except BaseException:
+      try:
+        ckpt.close()  # lets a save in flight complete; the newest checkpoint stays as it is
+      finally:
+        bar.close()
       raise
   bar.close()
+  if stop.signum is not None:
+    _stopped(main, saved, ckpt)
+    raise Interrupted(stop.signum)
   if main:
-    print(
-      f"paro-jax: wrote {metrics_path} and checkpoint step {saved} in {ckpt.directory}", flush=True
-    )
+    print(_summary(done, bad["total"], metrics_path, saved, ckpt.directory), flush=True)
   return metrics_path
+
+
+def _stopped(main: bool, saved: int | None, ckpt: Checkpointer) -> None:
+  if not main:
+    return
+  if saved is None:
+    print("\nparo-jax: stopped before any step finished; nothing was saved", flush=True)
+  else:
+    print(
+      f"\nparo-jax: stopped; checkpoint step {saved} is in {ckpt.directory}: continue "
+      f"with the same command and --resume",
+      flush=True,
+    )
+
+
+def _summary(rows, skipped, metrics_path, saved, directory) -> str:
+  """The last line of a run: final loss, eval loss, median tokens/s, where things are."""
+  if not rows:
+    return f"paro-jax: nothing to do; checkpoint step {saved} is in {directory}"
+  last = rows[-1]
+  evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+  timed = [r["tokens_per_s"] for r in rows[1:]] or [last["tokens_per_s"]]  # the first: compile
+  parts = [
+    f"step {last['step']}: loss {last['loss']:.4f}",
+    f"eval loss {evals[-1]:.4f}" if evals else "no eval (--eval-every)",
+    f"median {statistics.median(timed):.0f} tokens/s",
+  ]
+  if skipped:
+    parts.append(f"{skipped} non-finite steps skipped")
+  return (
+    f"paro-jax: done, {', '.join(parts)}; wrote {metrics_path} and checkpoint step {saved} in "
+    f"{directory}"
+  )

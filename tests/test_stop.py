@@ -1,0 +1,105 @@
+"""Stopping `paro-jax train` with signals, in a real process: SIGTERM (preemption) and Ctrl-C
+checkpoint the last finished step with its metrics row; a stop during the first compile leaves
+nothing; a stop during an asynchronous save neither saves twice nor hangs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = tempfile.mkdtemp(prefix="paro-jax-jit-")  # later processes hit the first one's compile
+
+
+def _start(out, *extra, steps=2000):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_COMPILATION_CACHE_DIR"] = CACHE
+  cmd = [sys.executable, "-m", "paro_jax", "train", "--model", "test", "--mesh", "2x4"]
+  cmd += ["--batch-size", "8", "--seq-len", "16", "--dtype", "fp32", "--warmup", "1"]
+  cmd += ["--steps", str(steps), "--out", str(out), *extra]
+  return subprocess.Popen(
+    cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+
+
+def _wait_for_row(proc, step):
+  """Read stdout (one JSON row per step without a terminal) until `step` is logged."""
+  for line in proc.stdout:
+    if line.startswith("{") and json.loads(line)["step"] >= step:
+      return
+  pytest.fail(f"the run ended before step {step}: {proc.stderr.read()[-3000:]}")
+
+
+def _finish(proc, timeout=120):
+  out, err = proc.communicate(timeout=timeout)
+  return proc.returncode, err
+
+
+def _rows(out):
+  if not (out / "metrics.jsonl").exists():
+    return []
+  return [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+
+
+def _steps(out):
+  d = out / "checkpoints"
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if d.exists() else []
+
+
+def test_sigterm_checkpoints_the_last_finished_step(tmp_path):
+  out = tmp_path / "run"
+  proc = _start(out)
+  _wait_for_row(proc, 3)
+  proc.send_signal(signal.SIGTERM)
+  code, err = _finish(proc)
+  assert code == 128 + signal.SIGTERM, err[-3000:]
+  assert "SIGTERM: stopping after this step" in err and "Traceback" not in err
+  rows = _rows(out)
+  assert _steps(out) == [rows[-1]] and rows == list(range(1, rows[-1] + 1))
+  # ... and the same command with --resume continues from it
+  proc = _start(out, "--resume", steps=rows[-1] + 2)
+  code, err = _finish(proc)
+  assert code == 0, err[-3000:]
+  assert _rows(out) == list(range(1, rows[-1] + 3))
+
+
+def test_a_stop_during_the_first_compile_leaves_nothing(tmp_path):
+  out = tmp_path / "run"
+  proc = _start(out)
+  for line in proc.stdout:  # the banner: the step is about to be compiled
+    if line.startswith("paro-jax: test"):
+      break
+  proc.send_signal(signal.SIGINT)
+  code, err = _finish(proc)
+  assert code == 128 + signal.SIGINT, err[-3000:]
+  assert _steps(out) == [] and _rows(out) == []
+  # The same command (no --resume) is not refused.
+  proc = _start(out, steps=2)
+  assert _finish(proc)[0] == 0
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_ctrl_c_during_asynchronous_saves(tmp_path, second):
+  """A checkpoint every step: Ctrl-C lands while one is being written. The stop saves no step
+  twice; every checkpoint has its metrics row; a second Ctrl-C right after exits at once."""
+  out = tmp_path / "run"
+  proc = _start(out, "--checkpoint-every", "1", "--keep", "100")
+  _wait_for_row(proc, 4)
+  proc.send_signal(signal.SIGINT)
+  if second:
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+  code, err = _finish(proc, timeout=60)  # no hang
+  assert code == 128 + signal.SIGINT, err[-3000:]
+  assert "already exists" not in err and "Traceback" not in err
+  steps, rows = _steps(out), _rows(out)
+  assert steps and set(steps) <= set(rows)
+  assert steps == list(range(1, steps[-1] + 1))
+  proc = _start(out, "--resume", "--checkpoint-every", "1", steps=steps[-1] + 1)
+  code, err = _finish(proc)
+  assert code == 0, err[-3000:]
