@@ -47,9 +47,7 @@ def row(r: dict) -> str:
     return f"| {r['strategy']} | {r['impl']} | error: {r['error'][:80]} | | | | | |"
   o, m = r["overlap"], r["memory"]
   frac = o["collective_bytes_fraction"]
-  steps = (
-    f"{o['horing_steps_concurrent']} / {o['horing_steps']}" if o["horing_steps"] else "-"
-  )
+  steps = f"{o['horing_steps_concurrent']} / {o['horing_steps']}" if o["horing_steps"] else "-"
   return (
     f"| {r['strategy']} | {r['collectives_impl']} | "
     + ("-" if frac is None else f"{frac:.1%}")
