@@ -4,9 +4,10 @@ The step is a `shard_map` over the (inter, intra) mesh. Per optimizer step (docs
   0. parameter sync: cast the fp32 master shard (OS placement) to the compute dtype and all-gather
      it over S(OS) minus S(P) to the P placement;
   1. for each of the A micro-batches (a `lax.scan`), forward and backward through the layer scan;
-     each layer's weights are all-gathered over S(P) just before use and rematerialised in
-     backward; each layer's gradient leaves backward reduce-scattered over S(Gr) (a `custom_vjp`
-     on the gather routes it into a zero "gradient sink" of the Gr shape) and is accumulated;
+     each layer's weights are all-gathered over S(P) (with full remat, one layer ahead:
+     `_make_prefetch_stack`) and gathered again in backward; each layer's gradient leaves
+     backward reduce-scattered over S(Gr) (a `custom_vjp` routes it into a zero "gradient sink"
+     of the Gr shape) and is accumulated;
   2. boundary sync: reduce-scatter over S(OS) minus S(Gr), all-reduce over the axes OS replicates;
   3. clip by the true global norm and apply optax AdamW to the OS shard.
 Step 0 is the parameter sync of the previous step moved to the start of this one: the same traffic
