@@ -458,8 +458,23 @@ class Llama:
       params["layers"] = {**params["layers"], owners[t]: mod}
     return params
 
-  def apply(self, params, tokens_BxL, materialize: Callable = _identity):
-    """Logits (fp32) for the tokens. `materialize(subtree)` returns full weights for a subtree."""
+  def apply(
+    self,
+    params,
+    tokens_BxL,
+    materialize: Callable = _identity,
+    run_layers: Callable | None = None,
+  ):
+    """Logits (fp32) for the tokens. `materialize(subtree)` returns full weights for a subtree.
+
+    `run_layers(block_fn, x_BxLxD, stacked_layer_params) -> x_BxLxD`, if given, runs the whole
+    layer stack instead of the default scan: `block_fn(x_BxLxD, full_layer_weights)` is one
+    layer whose weights are already full, and `stacked_layer_params` is `params["layers"]` as
+    stored (leading `layers` axis, not materialized). The caller then owns the gathering,
+    rematerialisation and gradient routing of the stack (the engine uses it to prefetch the
+    next layer's weights, paro_jax/core/engine.py). Without it: `lax.scan` over the layers, each
+    under `jax.checkpoint` with the model's remat policy, weights through `materialize`.
+    """
     sin, cos = rope_tables(tokens_BxL.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
 
     def embed(embed_params, tokens_BxL):
@@ -479,7 +494,15 @@ class Llama:
       # the token ids.
       layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
     x_BxLxD = embed(params["embed"], tokens_BxL)
-    x_BxLxD, _ = lax.scan(layer, x_BxLxD, params["layers"])
+    if run_layers is None:
+      x_BxLxD, _ = lax.scan(layer, x_BxLxD, params["layers"])
+    else:
+
+      def block_fn(x_BxLxD, layer_weights):
+        with jax.named_scope("layer"):
+          return self.block.apply({"params": layer_weights}, x_BxLxD, sin, cos)
+
+      x_BxLxD = run_layers(block_fn, x_BxLxD, params["layers"])
     return head(params["head"], x_BxLxD)
 
 

@@ -197,6 +197,11 @@ def phase_of(op_name: str) -> str:
   if "grad_sync" in op_name:
     return "gradient sync"
   if "micro_batches" in op_name:
+    # The prefetching layer stack (engine.py: _make_prefetch_stack) names its collectives.
+    if "layer_regather" in op_name:
+      return "backward (remat)"
+    if "layer_grad_scatter" in op_name:
+      return "backward"
     if "transpose(" not in op_name:
       return "forward"
     return "backward (remat)" if "rematted_computation" in op_name else "backward"

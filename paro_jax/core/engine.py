@@ -4,9 +4,10 @@ The step is a `shard_map` over the (inter, intra) mesh. Per optimizer step (docs
   0. parameter sync: cast the fp32 master shard (OS placement) to the compute dtype and all-gather
      it over S(OS) minus S(P) to the P placement;
   1. for each of the A micro-batches (a `lax.scan`), forward and backward through the layer scan;
-     each layer's weights are all-gathered over S(P) just before use and rematerialised in
-     backward; each layer's gradient leaves backward reduce-scattered over S(Gr) (a `custom_vjp`
-     on the gather routes it into a zero "gradient sink" of the Gr shape) and is accumulated;
+     each layer's weights are all-gathered over S(P) (with full remat, one layer ahead:
+     `_make_prefetch_stack`) and gathered again in backward; each layer's gradient leaves
+     backward reduce-scattered over S(Gr) (a `custom_vjp` routes it into a zero "gradient sink"
+     of the Gr shape) and is accumulated;
   2. boundary sync: reduce-scatter over S(OS) minus S(Gr), all-reduce over the axes OS replicates;
   3. clip by the true global norm and apply optax AdamW to the OS shard.
 Step 0 is the parameter sync of the previous step moved to the start of this one: the same traffic
@@ -149,6 +150,7 @@ class Engine:
     micro_batches: int = 1,
     collectives: str = "xla",
     rules: ShardingRules = ShardingRules(),
+    prefetch: bool = True,
   ):
     if micro_batches < 1:
       raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
@@ -156,6 +158,8 @@ class Engine:
       raise ValueError(f"unknown collectives {collectives!r}; choose one of {comm.IMPLS}")
     self.model, self.strategy, self.mesh, self.optim = model, strategy, mesh, optim
     self.micro_batches, self.collectives = micro_batches, collectives
+    # Prefetching layer stack (`_make_prefetch_stack`): only with full remat, the default.
+    self.prefetch = prefetch and model.remat == "full"
     self.compute_dtype = model.dtype
     self.inter, self.intra = mesh_shape(mesh)
     self.logical = model.logical_axes()
@@ -323,6 +327,15 @@ class Engine:
       is_leaf=_is_shard,
     )
 
+  def _layer_runner(self):
+    """The model's `run_layers` hook: the prefetching layer stack with full remat (see
+    `_make_prefetch_stack`), or None for the model's own scan (remat "layer" or "none", or
+    `prefetch=False`), where each layer gathers its weights through `_materializer` as it runs."""
+    if not self.prefetch:
+      return None
+    s = self.strategy
+    return _make_prefetch_stack(s.param_gather_axes, s.grad_scatter_axes, self.collectives)
+
   def _train_step(self, state: TrainState, tokens_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no
     # varying->invariant cast, so the replication of their outputs cannot be checked. The lax
@@ -341,9 +354,29 @@ class Engine:
     metrics = {"loss": loss, "grad_norm": grad_norm}
     return TrainState(state.step + 1, master, opt_state, state.frozen), metrics
 
+  def _sinks(self):
+    """Zero gradient sinks at the Gr placement, trained leaves only (inside the shard_map)."""
+    ways = self.strategy.grads.shard_count(self.inter, self.intra)
+
+    def sink_like(shape_struct, dim):
+      zeros = jnp.zeros(local_shape(shape_struct.shape, dim, ways), self.compute_dtype)
+      return comm.to_varying(zeros, GLOBAL_AXES)
+
+    return jax.tree.map(sink_like, self.trained_shapes, self.trained_dims)
+
+  def _micro_loss(self, params, sinks, tokens_BxL1, materialize, run_layers):
+    """This device's mean next-token loss on its rows of a micro-batch, from the P-placed
+    parameters; differentiated with respect to the sinks, it gives the gradients at Gr."""
+    # Frozen leaves get no sink (None): they are gathered without a gradient.
+    shards = jax.tree.map(
+      lambda m, p, k, d: Shard(p, k if m else None, d), self.mask, params, sinks, self.dims
+    )
+    logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize, run_layers)
+    return next_token_loss(logits, tokens_BxL1[:, 1:])
+
   def _local_step(self, master, opt_state, frozen, tokens_AxBxL1, *, tokens_per_step):
     s, impl, compute_dtype = self.strategy, self.collectives, self.compute_dtype
-    materialize = self._materializer()
+    materialize, run_layers = self._materializer(), self._layer_runner()
 
     with jax.named_scope("param_sync"):
       params = jax.tree.map(
@@ -356,12 +389,7 @@ class Engine:
       if self.lora:  # the frozen base is already at P, in the compute dtype
         params = join_trainable(self.mask, params, frozen)
 
-    def sink_like(shape_struct, dim):
-      ways = s.grads.shard_count(self.inter, self.intra)
-      zeros = jnp.zeros(local_shape(shape_struct.shape, dim, ways), compute_dtype)
-      return comm.to_varying(zeros, GLOBAL_AXES)
-
-    sinks = jax.tree.map(sink_like, self.trained_shapes, self.trained_dims)
+    sinks = self._sinks()
 
     def micro_step(acc, tokens_BxL1):
       # Tie the parameters to this micro-batch: otherwise XLA hoists the loop-invariant gathers
@@ -370,14 +398,9 @@ class Engine:
       params_mb, _ = lax.optimization_barrier((params, tokens_BxL1))
 
       def loss_fn(sinks):
-        # Frozen leaves get no sink (None): the materializer gathers them without a gradient.
-        shards = jax.tree.map(
-          lambda m, p, k, d: Shard(p, k if m else None, d), self.mask, params_mb, sinks, self.dims
-        )
-        logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize)
         # Each device's share of the step's mean loss: summed over devices and micro-batches
         # it is the mean over all tokens of the step.
-        return next_token_loss(logits, tokens_BxL1[:, 1:]) * (
+        return self._micro_loss(params_mb, sinks, tokens_BxL1, materialize, run_layers) * (
           tokens_BxL1[:, 1:].size / tokens_per_step
         )
 
@@ -440,3 +463,160 @@ def _make_gather(gather_axes, scatter_axes, impl):
 
   gather.defvjp(fwd, bwd)
   return gather
+
+
+def _make_prefetch_stack(gather_axes, scatter_axes, impl):
+  """The layer stack as one `custom_vjp` that prefetches, as FSDP does (the model's `run_layers`).
+
+  Per layer the traffic is today's: its weights all-gathered over S(P) in forward and again in
+  backward (full remat), its gradient reduce-scattered over S(Gr) into the sink. What changes is
+  *when* they are issued, so that XLA's latency-hiding scheduler can run them beside compute:
+
+  * forward: the gather of layer i+1 is issued in the iteration that computes layer i (its result
+    is only carried to the next iteration, so it does not wait for layer i and layer i does not
+    wait for it);
+  * backward, iteration i (layers in reverse): the re-gather of layer i-1 (prefetch) and the
+    reduce-scatter of layer i+1's gradient (deferred one iteration) are issued beside the
+    recompute and backward of layer i.
+
+  The first and last iterations are peeled out of the loops, so no collective is issued twice or
+  for nothing: the bytes per step are exactly the formula's. The price is memory: two layers of
+  full weights alive in forward (this one and the next), and in backward two layers of weights
+  plus one full layer gradient waiting for its reduce-scatter. A per-layer `custom_vjp` gather
+  under `jax.checkpoint` (the model's own scan) cannot express this: its collectives are tied to
+  the layer whose iteration uses them, so XLA can only run them before or after that layer's
+  compute, never beside it.
+
+  Residuals are what full remat keeps: each layer's input activation, plus the P-placed shards
+  (inputs anyway). Gradients: the sinks' are the reduce-scattered per-layer gradients at
+  placement Gr; the P-placed parameters get none. Frozen (LoRA base) leaves, the Shards with no
+  sink, are gathered but never differentiated nor reduce-scattered: backward takes the vjp with
+  respect to the activation and the trained leaves only.
+  """
+
+  def gather(tree, dims):
+    return jax.tree.map(
+      lambda p, d: comm.to_varying(
+        comm.all_gather(p, gather_axes, dim=d % p.ndim, impl=impl), GLOBAL_AXES
+      ),
+      tree,
+      dims,
+    )
+
+  def scatter(tree, dims):
+    return jax.tree.map(
+      lambda g, d: comm.reduce_scatter(g, scatter_axes, dim=d % g.ndim, impl=impl), tree, dims
+    )
+
+  def run_layers(block_fn, x, shards):
+    fields = lambda f: jax.tree.map(f, shards, is_leaf=_is_shard)
+    mask = fields(lambda sh: sh.sink is not None)
+    params, dims = fields(lambda sh: sh.param), fields(lambda sh: sh.dim)
+    sinks = split_trainable(fields(lambda sh: sh.sink), mask)
+    dims_t, dims_f = split_trainable(dims, mask), split_trainable(dims, mask, False)
+    sink_types = jax.tree.map(lambda k: jax.ShapeDtypeStruct(k.shape, k.dtype), sinks)
+    n = jax.tree.leaves(params)[0].shape[0]
+
+    def layer(tree, i):  # layer i of a stacked tree; i static or traced
+      return jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, i, keepdims=False), tree)
+
+    def gather_layer(trained, frozen, i):
+      return gather(layer(trained, i), dims_t), gather(layer(frozen, i), dims_f)
+
+    def block(x, w):
+      return block_fn(x, join_trainable(mask, *w))
+
+    def forward(x, trained, frozen):
+      # The input of every layer, saved for backward (as full remat saves it), written in place.
+      # One buffer of n rows rather than the scan's n-1 outputs and the last input apart: a
+      # row of it is then picked with an index XLA cannot fold (`after` in backward).
+      xs = lax.dynamic_update_index_in_dim(jnp.zeros((n, *x.shape), x.dtype), x, 0, 0)
+      with jax.named_scope("layer_gather"):
+        w = gather_layer(trained, frozen, 0)
+      if n > 1:
+
+        def body(carry, i):
+          x, w, xs = carry
+          with jax.named_scope("layer_gather"):  # prefetch: used by the next iteration
+            w_next = gather_layer(trained, frozen, i + 1)
+          x = block(x, w)
+          return (x, w_next, lax.dynamic_update_index_in_dim(xs, x, i + 1, 0)), None
+
+        (x, w, xs), _ = lax.scan(body, (x, w, xs), jnp.arange(n - 1))
+      return block(x, w), xs
+
+    def backward(xs, trained, frozen, ct):
+      def after(i, ct):
+        """i, as an index XLA cannot constant-fold: it depends on the cotangent `ct` at run time
+        (and is i whatever ct holds). What is indexed with it is computed after `ct`, as
+        jax.checkpoint ties its recomputation to backward (with an optimization barrier, which
+        XLA:CPU expands before its last CSE pass and its scheduler, so it does not hold here).
+
+        Used for each layer's re-gather: where the index would be a constant (the peeled
+        iterations; a loop of one trip, which XLA inlines), the gather would be the same
+        instruction on the same operand as forward's gather of that layer, and XLA would merge
+        them (CSE): one gather fewer than the schedule, the full weights alive from forward to
+        backward. And for each layer's saved input: otherwise XLA may recompute a peeled layer
+        beside the backward of the layer above it, with both layers' activations alive."""
+        x = ct.reshape(-1)[0]
+        return jnp.minimum(i, n - 1 + (x != x).astype(jnp.int32))  # x != x: only for NaN
+
+      def regather(i, ct):
+        with jax.named_scope("layer_regather"):
+          return gather_layer(trained, frozen, after(i, ct))
+
+      def saved_input(i, ct):
+        return lax.dynamic_index_in_dim(xs, after(i, ct), keepdims=False)
+
+      def scatter_into(gbuf, i, g):
+        with jax.named_scope("layer_grad_scatter"):
+          g = scatter(g, dims_t)
+        return jax.tree.map(lambda b, g: lax.dynamic_update_index_in_dim(b, g, i, 0), gbuf, g)
+
+      def layer_vjp(x, w, ct):  # recompute layer forward, then its backward
+        w_t, w_f = w
+        _, vjp = jax.vjp(lambda x, w_t: block(x, (w_t, w_f)), x, w_t)
+        return vjp(ct)
+
+      gbuf = jax.tree.map(
+        lambda t: comm.to_varying(jnp.zeros(t.shape, t.dtype), GLOBAL_AXES), sink_types
+      )
+      w = regather(n - 1, ct)
+      if n == 1:
+        ct, g = layer_vjp(saved_input(0, ct), w, ct)
+        return ct, scatter_into(gbuf, 0, g)
+      w_prev = regather(n - 2, ct)
+      ct, g = layer_vjp(saved_input(n - 1, ct), w, ct)
+      carry = (ct, w_prev, g, gbuf)  # g: the full gradient of layer i+1, not yet scattered
+      if n > 2:
+
+        def body(carry, i):  # layer i, from n-2 down to 1
+          ct, w, g_next, gbuf = carry
+          w_prev = regather(i - 1, ct)
+          gbuf = scatter_into(gbuf, i + 1, g_next)
+          ct, g = layer_vjp(saved_input(i, ct), w, ct)
+          return (ct, w_prev, g, gbuf), None
+
+        carry, _ = lax.scan(body, carry, jnp.arange(1, n - 1), reverse=True)
+      ct, w, g_next, gbuf = carry
+      gbuf = scatter_into(gbuf, 1, g_next)
+      ct, g = layer_vjp(saved_input(0, ct), w, ct)
+      return ct, scatter_into(gbuf, 0, g)
+
+    @jax.custom_vjp
+    def stack(x, trained, frozen, sinks):
+      del sinks  # only receive the gradients
+      return forward(x, trained, frozen)[0]
+
+    def stack_fwd(x, trained, frozen, sinks):
+      y, xs = forward(x, trained, frozen)
+      return y, (xs, trained, frozen)
+
+    def stack_bwd(res, ct_y):
+      ct_x, grads = backward(*res, ct_y)
+      return ct_x, None, None, grads
+
+    stack.defvjp(stack_fwd, stack_bwd)
+    return stack(x, split_trainable(params, mask), split_trainable(params, mask, False), sinks)
+
+  return run_layers
