@@ -18,14 +18,14 @@ import dataclasses
 import glob
 import os
 import re
-from collections import defaultdict
-
 from paro_jax.analysis import hlo
 
 # Compute worth hiding communication behind: matrix multiplications (and attention, made of them
 # or of cuDNN kernels). Elementwise fusions are not counted.
 _COMPUTE_CALL_RE = re.compile(r'custom_call_target="[^"]*(gemm|matmul|cublas|cudnn)', re.I)
-_GEMM_FUSION_RE = re.compile(r"__triton_gemm|gemm_fusion|\"kind\":\"__cub", re.I)
+# A fusion XLA turned into a GEMM kernel says so in its backend config (operand names, which may
+# contain "gemm", do not count).
+_GEMM_FUSION_RE = re.compile(r'"kind":"__(triton_gemm|triton_nested_gemm_fusion|cub)', re.I)
 _CALLS_RE = re.compile(r"\b(?:calls|body|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _SYNC_RE = re.compile(r'"is_sync":\s*true')
 
@@ -189,10 +189,10 @@ def overlap(hlo_text: str, n_devices: int, intra: int, streams: dict[str, str] |
         "stream": (streams or {}).get(w.start_name) if w.is_async else "compute (sync)",
         "compute_in_window": w.compute_ops,
         "horing": "horing" in c.op_name,
+        "op_name": c.op_name,
       }
     )
   steps = concurrent = 0
-  by_name = {c.name: c for c in found}
   intra_ring = [
     r for r in rows if r["horing"] and r["kind"] == "collective-permute" and r["level"] == "intra"
   ]
@@ -209,7 +209,6 @@ def overlap(hlo_text: str, n_devices: int, intra: int, streams: dict[str, str] |
       for q in intra_ring
     ):
       concurrent += r["count_per_step"]
-  del by_name
   return {
     "collective_bytes_fraction": mb_hidden / mb_total if mb_total else None,
     "step_collective_bytes_fraction": all_hidden / all_total if all_total else None,
@@ -220,10 +219,3 @@ def overlap(hlo_text: str, n_devices: int, intra: int, streams: dict[str, str] |
     "horing_steps_concurrent": concurrent if streams else None,
     "collectives": rows,
   }
-
-
-def stream_counts(rows: list[dict]) -> dict[str, int]:
-  counts = defaultdict(int)
-  for r in rows:
-    counts[r["stream"] or "unknown"] += 1
-  return dict(counts)

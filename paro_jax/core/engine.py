@@ -33,6 +33,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.llama import Llama, next_token_loss
+from paro_jax.core import buckets
 from paro_jax.core import collectives as comm
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.sharding import (
@@ -494,19 +495,35 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl):
   respect to the activation and the trained leaves only.
   """
 
-  def gather(tree, dims):
-    return jax.tree.map(
-      lambda p, d: comm.to_varying(
-        comm.all_gather(p, gather_axes, dim=d % p.ndim, impl=impl), GLOBAL_AXES
-      ),
-      tree,
-      dims,
-    )
+  # With the hand-written rings a layer's leaves travel as one bucket (core/buckets.py): one chain
+  # of ring steps per layer rather than one per leaf, so that every HO-Ring step is a single
+  # intra and a single inter transfer, which the GPU scheduler can run side by side and beside
+  # the layer's matmuls. XLA's own collectives are combined by XLA already.
+  bucketed = impl != "xla"
+
+  def gather(trees, dims):
+    """All-gather the leaves of several trees over S(P), as one bucket with the rings."""
+    leaves = [jax.tree.leaves(t) for t in trees]
+    flat, flat_dims = sum(leaves, []), sum((jax.tree.leaves(d) for d in dims), [])
+    if bucketed:
+      full = buckets.all_gather_bucket(flat, gather_axes, flat_dims, impl)
+    else:
+      full = [
+        comm.all_gather(p, gather_axes, dim=d % p.ndim, impl=impl) for p, d in zip(flat, flat_dims)
+      ]
+    full = iter([comm.to_varying(w, GLOBAL_AXES) for w in full])
+    return tuple(jax.tree.map(lambda _: next(full), t) for t in trees)
 
   def scatter(tree, dims):
-    return jax.tree.map(
-      lambda g, d: comm.reduce_scatter(g, scatter_axes, dim=d % g.ndim, impl=impl), tree, dims
-    )
+    flat, flat_dims = jax.tree.leaves(tree), jax.tree.leaves(dims)
+    if bucketed:
+      out = iter(buckets.reduce_scatter_bucket(flat, scatter_axes, flat_dims, impl))
+    else:
+      out = iter(
+        comm.reduce_scatter(g, scatter_axes, dim=d % g.ndim, impl=impl)
+        for g, d in zip(flat, flat_dims)
+      )
+    return jax.tree.map(lambda _: next(out), tree)
 
   def run_layers(block_fn, x, shards):
     fields = lambda f: jax.tree.map(f, shards, is_leaf=_is_shard)
@@ -521,7 +538,7 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl):
       return jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, i, keepdims=False), tree)
 
     def gather_layer(trained, frozen, i):
-      return gather(layer(trained, i), dims_t), gather(layer(frozen, i), dims_f)
+      return gather((layer(trained, i), layer(frozen, i)), (dims_t, dims_f))
 
     def block(x, w):
       return block_fn(x, join_trainable(mask, *w))
