@@ -171,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
   dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
   dist.add_argument("--num-processes", type=int, default=None)
   dist.add_argument("--process-id", type=int, default=None)
+  dist.add_argument(
+    "--progress-timeout",
+    type=float,
+    default=0.0,
+    metavar="S",
+    help="exit (code 3, naming the last step) when no step finished for S seconds, the first "
+    "compile included: for SLURM/mpirun, where a dead or hung peer otherwise blocks the others "
+    "for good; paro-jax launch watches its nodes itself (default 0: off)",
+  )
   inspect = sub.add_parser(
     "inspect", help="compile a training step (no allocation) and report its communication"
   )
@@ -219,6 +228,28 @@ def build_parser() -> argparse.ArgumentParser:
     "--intra-bandwidth",
     default=None,
     help="tc rate of each node's loopback (intra-node traffic); default unshaped",
+  )
+  launch.add_argument(
+    "--heartbeat-timeout",
+    type=float,
+    default=60.0,
+    metavar="S",
+    help="a node with no heartbeat for S s (stopped, frozen) fails the run (default 60; 0: off)",
+  )
+  launch.add_argument(
+    "--progress-timeout",
+    type=float,
+    default=900.0,
+    metavar="S",
+    help="a node that finished no step for S s (hung), the first compile included, fails the "
+    "run (default 900; 0: off)",
+  )
+  launch.add_argument(
+    "--stop-grace",
+    type=float,
+    default=120.0,
+    metavar="S",
+    help="after Ctrl-C, how long the nodes get to checkpoint and exit before SIGKILL (default 120)",
   )
   launch.add_argument(
     "--loopback",
@@ -349,6 +380,9 @@ def main(argv=None) -> None:
           inter_latency=args.inter_latency,
           intra_bandwidth=args.intra_bandwidth,
           shaped=not args.loopback,
+          heartbeat_timeout=args.heartbeat_timeout,
+          progress_timeout=args.progress_timeout,
+          stop_grace=args.stop_grace,
         )
       )
     if args.command == "plot":
@@ -378,6 +412,10 @@ def main(argv=None) -> None:
 
       inspect(**_by_name(args, inspect, mesh=mesh, lora=_lora_config(args), as_json=args.json))
       return
+    if args.command == "train":
+      from paro_jax.cluster.watch import start_heartbeat
+
+      start_heartbeat()  # when paro-jax launch asked for one (env PARO_JAX_HEARTBEAT)
     _note_cpu_platform()
     from paro_jax.cluster import distributed
 
