@@ -10,6 +10,24 @@ from paro_jax.core.strategy import ALIASES
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
 
 
+MAX_CPU_DEVICES = 1024  # virtual CPU devices per process: beyond, XLA's start-up eats memory
+
+
+def _check_shape(args, mesh) -> None:
+  """Batch and sequence flags of train / inspect, before anything compiles."""
+  for name in ("micro_batches", "batch_size", "seq_len"):
+    value = getattr(args, name, None)
+    if value is not None and value < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+  if mesh and args.command == "inspect" and args.batch_size % (mesh[0] * mesh[1]):
+    n = mesh[0] * mesh[1]
+    raise ValueError(
+      f"--batch-size {args.batch_size} is not divisible by the {n} devices of --mesh "
+      f"{mesh[0]}x{mesh[1]}: each device holds whole sequences; use a multiple of {n}, e.g. "
+      f"{max(n, args.batch_size // n * n)}"
+    )
+
+
 def _lora_config(args):
   """The LoraConfig the LoRA flags ask for, or None (full training)."""
   from models.llama import LoraConfig  # imports jax: only once the device flags are set
@@ -406,6 +424,7 @@ def main(argv=None) -> None:
     if getattr(args, "target", None):  # a compile for GPUs described, not present: no devices
       from paro_jax.analysis import gpu
 
+      _check_shape(args, mesh)
       args.target = gpu.check_target(args.target)
       gpu.prepare_environment()
       from paro_jax.analysis.inspector import inspect
@@ -431,7 +450,16 @@ def main(argv=None) -> None:
           f"--mesh {args.mesh} has {mesh[0] * mesh[1]} devices, not divisible by "
           f"the {processes} processes"
         )
-      provide_cpu_devices(mesh[0] * mesh[1] // processes)  # per process
+      per_process = mesh[0] * mesh[1] // processes
+      if per_process > MAX_CPU_DEVICES:
+        raise ValueError(
+          f"--mesh {args.mesh} asks for {per_process} devices per process; at most "
+          f"{MAX_CPU_DEVICES} virtual CPU devices are emulated (each costs memory and threads). "
+          f"Use a smaller mesh, or `inspect --target h100 --mesh NODESxGPUS` to compile for a "
+          f"large GPU cluster without its devices"
+        )
+      provide_cpu_devices(per_process)
+    _check_shape(args, mesh)
     add_xla_flags()  # GPU collective overlap (HO-Ring); harmless elsewhere
     distributed.maybe_initialize(*multi)  # before anything touches devices
     if args.command == "probe":

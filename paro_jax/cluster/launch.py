@@ -50,6 +50,7 @@ NS_PREFIX = "paro"  # namespaces: paro<pid>n<k>, paro<pid>br (bridge)
 IF_PREFIX = "pj"  # interfaces: pj<pid>v<k> (node side), pj<pid>p<k> (bridge side)
 SUBNET = "10.77.0"  # node k has 10.77.0.(k+1), only inside our own namespaces
 COORD_PORT = 29500  # free: each namespace is fresh
+MAX_NODES, MAX_DEVICES_PER_NODE = 64, 1024  # processes / virtual CPU devices one machine emulates
 RESERVED = ("--coordinator", "--num-processes", "--process-id")
 _NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)(?:n\d+|br)$")
 
@@ -505,6 +506,11 @@ def launch(
   if nodes < 1 or devices_per_node < 1:
     raise ValueError(
       f"--nodes and --devices-per-node must be >= 1, got {nodes} and {devices_per_node}"
+    )
+  if nodes > MAX_NODES or devices_per_node > MAX_DEVICES_PER_NODE:
+    raise ValueError(
+      f"--nodes {nodes} --devices-per-node {devices_per_node}: one machine emulates at most "
+      f"{MAX_NODES} nodes of {MAX_DEVICES_PER_NODE} devices; use fewer"
     )
   for name, value in (
     ("heartbeat-timeout", heartbeat_timeout),

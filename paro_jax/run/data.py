@@ -63,7 +63,14 @@ class HFTokenizer:
         f"HF tokenizer.json, or leave it out for byte-level tokens"
       )
     self.path = path
-    self._tok = tokenizers.Tokenizer.from_file(path)
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises a bare Exception
+      why = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise ValueError(
+        f"--tokenizer {path} is not a valid HF tokenizer.json ({why}): pass the tokenizer.json "
+        f"of an HF model, or leave --tokenizer out for byte-level tokens"
+      ) from None
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str) -> np.ndarray:
@@ -99,6 +106,11 @@ def expand_paths(patterns) -> list[str]:
     if not matches:
       raise FileNotFoundError(f"--data {pattern!r} matches no file")
     for path in matches:
+      if os.path.isdir(path):
+        raise IsADirectoryError(
+          f"--data {path!r} is a directory: pass its files, e.g. --data "
+          f"'{os.path.join(path, '*.txt')}' (quoted: paro-jax expands the glob, in sorted order)"
+        )
       if not os.path.isfile(path):
         raise FileNotFoundError(
           f"data file {path!r} does not exist: pass --data with existing "
@@ -118,6 +130,13 @@ def read_bin(path: str, dtype: np.dtype) -> np.ndarray:
 
 
 def read_jsonl(path: str, field: str):
+  try:
+    yield from _read_jsonl(path, field)
+  except UnicodeDecodeError as e:
+    raise ValueError(_not_utf8(path, e)) from None
+
+
+def _read_jsonl(path: str, field: str):
   with open(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
@@ -132,7 +151,43 @@ def read_jsonl(path: str, field: str):
           f"{path}:{n}: the record has no {field!r} field (it has {keys}): pass "
           f"--text-field with the field that holds the text"
         )
-      yield record[field]
+      text = record[field]
+      if not isinstance(text, str):
+        raise ValueError(
+          f"{path}:{n}: the {field!r} field is {json.dumps(text)[:40]} ({type(text).__name__}), "
+          f"not text: fix or drop that record, or pass --text-field with the field that holds "
+          f"the text"
+        )
+      yield text
+
+
+TEXT_SAMPLE = 1 << 20  # bytes of a text file checked for being text
+MAX_CONTROL = 0.05  # fraction of control characters (other than tab, newlines, form feed) allowed
+
+
+def _not_utf8(path: str, e: UnicodeDecodeError) -> str:
+  return (
+    f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): pass "
+    f"text files, .jsonl, or token ids in files named *.bin"
+  )
+
+
+def check_text(path: str, head: bytes) -> None:
+  """Refuse a file that is not text: invalid UTF-8, or mostly control characters (binary data
+  trained on as bytes would run, silently, on garbage). `head` is the file's first bytes."""
+  try:
+    text = head.decode("utf-8")
+  except UnicodeDecodeError as e:
+    if not (len(head) >= TEXT_SAMPLE and e.start >= len(head) - 4):  # not a character cut off
+      raise ValueError(_not_utf8(path, e)) from None
+    text = head[: e.start].decode("utf-8")
+  control = sum(1 for c in text if ord(c) < 32 and c not in "\t\n\r\f") + text.count("\x7f")
+  if text and control / len(text) > MAX_CONTROL:
+    raise ValueError(
+      f"{path} is mostly not printable text ({control / len(text):.0%} control characters in "
+      f"its first {len(text)} characters): pass text files, .jsonl, or token ids in files named "
+      f"*.bin"
+    )
 
 
 def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
@@ -160,9 +215,16 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
       docs = [tokenizer.encode(text) for text in read_jsonl(path, cfg.text_field)]
       tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint8)
     elif cfg.tokenizer:
-      with open(path, encoding="utf-8") as f:
-        tokens = tokenizer.encode(f.read())
+      with open(path, "rb") as f:
+        raw = f.read()
+      check_text(path, raw[:TEXT_SAMPLE])
+      try:
+        tokens = tokenizer.encode(raw.decode("utf-8"))
+      except UnicodeDecodeError as e:
+        raise ValueError(_not_utf8(path, e)) from None
     else:
+      with open(path, "rb") as f:
+        check_text(path, f.read(TEXT_SAMPLE))
       tokens = np.fromfile(path, dtype=np.uint8)  # bytes as they are, no decoding
     if tokens.size == 0:
       raise ValueError(f"data file {path!r} is empty: give a file with text in it")
