@@ -1,4 +1,5 @@
 """The `paro-jax` command line: subcommands, their flags, the device set-up before jax starts."""
+# (the parser's description is DESCRIPTION below, not this docstring)
 
 from __future__ import annotations
 
@@ -8,6 +9,30 @@ import sys
 from paro_jax.core.names import COLLECTIVE_IMPLS, parse_mesh_shape
 from paro_jax.core.strategy import ALIASES
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
+
+
+DESCRIPTION = (
+  "Train Flax LLaMA models with PaRO sharding strategies in JAX, and inspect, plan, probe, "
+  "launch, export and plot such runs. `paro-jax COMMAND --help` shows each command's options "
+  "and their defaults."
+)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+  """Every option's help ends with its default, unless it says it already or there is none."""
+
+  def _get_help_string(self, action):
+    help = action.help or ""
+    if (
+      "default" in help.lower()
+      or action.required
+      or action.default is None
+      or action.default is False
+      or action.default == argparse.SUPPRESS
+      or not action.option_strings
+    ):
+      return help
+    return f"{help} (default: %(default)s)" if help else "(default: %(default)s)"
 
 
 MAX_CPU_DEVICES = 1024  # virtual CPU devices per process: beyond, XLA's start-up eats memory
@@ -50,7 +75,9 @@ def _by_name(args, target, **given):
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--model", default="tiny", help="preset: tiny, small, 7b, 13b, 65b")
+  p.add_argument(
+    "--model", default="tiny", type=str.lower, help="preset: tiny, small, 7b, 13b, 65b"
+  )
   p.add_argument(
     "--strategy",
     default="IIG",
@@ -63,12 +90,22 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument("--micro-batches", type=int, default=1, help="A: micro-batches per step")
   p.add_argument("--batch-size", type=int, default=16, help="global micro-batch size (sequences)")
-  p.add_argument("--seq-len", type=int, default=64)
-  p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
-  p.add_argument("--collectives", default="xla", choices=COLLECTIVE_IMPLS)
+  p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+  p.add_argument(
+    "--dtype", default="bf16", type=str.lower, choices=["bf16", "fp32"], help="compute dtype"
+  )
+  p.add_argument(
+    "--collectives",
+    default="xla",
+    type=str.lower,
+    choices=COLLECTIVE_IMPLS,
+    help="how collectives over all devices run: xla (XLA's own) and hring in two levels, ring "
+    "flat, horing two overlapped levels",
+  )
   p.add_argument(
     "--remat",
     default="full",
+    type=str.lower,
     choices=["full", "layer", "none"],
     help="what backward recomputes per layer: full (all, weight gather included), "
     "layer (all but matmul outputs), none (keeps every layer's weights)",
@@ -95,14 +132,16 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="paro-jax", description=__doc__)
+  parser = argparse.ArgumentParser(prog="paro-jax", description=DESCRIPTION, formatter_class=_Help)
   sub = parser.add_subparsers(dest="command", required=True)
   train = sub.add_parser("train", help="train a Flax LLaMA with a PaRO strategy")
   _add_common(train)
-  train.add_argument("--steps", type=int, default=50)
-  train.add_argument("--seed", type=int, default=0)
-  train.add_argument("--lr", type=float, default=3e-3)
-  train.add_argument("--warmup", type=int, default=10)
+  train.add_argument("--steps", type=int, default=50, help="optimizer steps of the whole run")
+  train.add_argument("--seed", type=int, default=0, help="of the initial weights and the batches")
+  train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+  train.add_argument(
+    "--warmup", type=int, default=10, help="steps of linear warmup, then cosine decay"
+  )
   data = train.add_argument_group(
     "data",
     "text, JSONL and pre-tokenized .bin files (default: "
@@ -125,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
   data.add_argument(
     "--bin-dtype",
     default=None,
+    type=str.lower,
     choices=["uint16", "uint32"],
     help=".bin token dtype (default: uint16, or uint32 when the tokenizer's "
     "vocab, else the model's, exceeds 65536)",
@@ -187,8 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     "SLURM srun / Open MPI mpirun); --mesh GxM then counts all processes' devices",
   )
   dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
-  dist.add_argument("--num-processes", type=int, default=None)
-  dist.add_argument("--process-id", type=int, default=None)
+  dist.add_argument(
+    "--num-processes", type=int, default=None, help="N: processes in all (with --coordinator)"
+  )
+  dist.add_argument(
+    "--process-id", type=int, default=None, help="I: this process, 0..N-1 (with --coordinator)"
+  )
   dist.add_argument(
     "--progress-timeout",
     type=float,
@@ -275,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     help="plain processes on 127.0.0.1, no namespaces and no shaping",
   )
   _add_planner_commands(sub)
+  for p in sub.choices.values():
+    p.formatter_class = _Help
   return parser
 
 
@@ -283,7 +329,9 @@ def _add_planner_commands(sub) -> None:
   plan = sub.add_parser(
     "plan", help="rank the 14 strategies for a cluster: memory, step time, the pick and why"
   )
-  plan.add_argument("--model", default="7b", help="preset: tiny, small, 7b, 13b, 65b")
+  plan.add_argument(
+    "--model", default="7b", type=str.lower, help="preset: tiny, small, 7b, 13b, 65b"
+  )
   plan.add_argument("--nodes", type=int, required=True, help="G: nodes (groups)")
   plan.add_argument("--devices-per-node", type=int, required=True, help="M: devices per node")
   from paro_jax.analysis.hardware import GPUS  # no jax
@@ -322,17 +370,20 @@ def _add_planner_commands(sub) -> None:
     "--micro-batch", type=int, default=1, help="sequences per device and micro-batch"
   )
   plan.add_argument("--micro-batches", type=int, default=8, help="A: micro-batches per step")
-  plan.add_argument("--seq-len", type=int, default=2048)
+  plan.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
   plan.add_argument(
     "--trainable-fraction",
     type=float,
     default=1.0,
-    help="Ψ'/Ψ: 1 for full training, e.g. 0.003 for LoRA",
+    help="trainable parameters / all parameters: 1 for full training, e.g. 0.003 for LoRA",
   )
-  plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
+  plan.add_argument(
+    "--dtype", default="bf16", type=str.lower, choices=["bf16", "fp32"], help="compute dtype"
+  )
   plan.add_argument(
     "--collectives",
     default="xla",
+    type=str.lower,
     choices=COLLECTIVE_IMPLS,
     help="how collectives over all devices run: xla (NCCL) and hring in two "
     "levels, ring flat (docs/design.md), horing two overlapped levels",
@@ -374,8 +425,12 @@ def _add_planner_commands(sub) -> None:
   probe.add_argument("--out", default="probe.json", help="the JSON profile to write")
   dist = probe.add_argument_group("multi-process", "as for train")
   dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
-  dist.add_argument("--num-processes", type=int, default=None)
-  dist.add_argument("--process-id", type=int, default=None)
+  dist.add_argument(
+    "--num-processes", type=int, default=None, help="N: processes in all (with --coordinator)"
+  )
+  dist.add_argument(
+    "--process-id", type=int, default=None, help="I: this process, 0..N-1 (with --coordinator)"
+  )
 
 
 def main(argv=None) -> None:

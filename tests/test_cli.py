@@ -164,3 +164,63 @@ def test_bad_shapes_and_meshes_are_one_line(capsys, monkeypatch):
     capsys, ["launch", "--nodes", "1000", "--devices-per-node", "2", "--", "train"]
   )
   assert "one machine emulates at most 64 nodes" in line
+
+
+def _options(parser):
+  import argparse
+
+  for action in parser._actions:
+    if action.option_strings and not isinstance(action, argparse._HelpAction):
+      yield action
+
+
+def test_help_shows_every_default_and_no_internal_remarks():
+  """`--help` of every subcommand: each option with a default states it, once; the top-level
+  description is for the user (not the module's docstring)."""
+  from paro_jax.cli import DESCRIPTION, build_parser
+
+  parser = build_parser()
+  top = parser.format_help()
+  assert DESCRIPTION.split(".")[0] in top.replace("\n", " ").replace("  ", " ")
+  assert "before jax starts" not in top
+  subs = parser._subparsers._group_actions[0].choices
+  assert set(subs) == {"train", "inspect", "plot", "export", "launch", "plan", "probe"}
+  for name, sub in subs.items():
+    text = " ".join(sub.format_help().split())
+    assert "%(default)" not in text and "Ψ" not in text
+    for action in _options(sub):
+      assert action.help, (name, action.option_strings)  # argparse shows no default without
+      if action.required or action.default is None or action.default is False:
+        continue
+      formatter = sub._get_formatter()
+      shown = formatter._get_help_string(action) % {"default": action.default}
+      assert shown.lower().count("default") == 1, (name, action.option_strings, shown)
+      assert " ".join(shown.split()) in text, (name, shown)  # it reaches --help
+  train_help = " ".join(subs["train"].format_help().split())
+  assert "--steps STEPS optimizer steps of the whole run (default: 50)" in train_help
+  assert "--seq-len SEQ_LEN tokens per sequence (default: 64)" in train_help
+  assert "--seed SEED of the initial weights and the batches (default: 0)" in train_help
+
+
+def test_names_compare_case_insensitively():
+  from paro_jax.analysis.gpu import check_target
+  from paro_jax.cli import build_parser
+
+  p = build_parser()
+  args = p.parse_args(
+    ["train", "--model", "TINY", "--dtype", "FP32", "--collectives", "HRing", "--remat", "Full"]
+    + ["--bin-dtype", "UINT32", "--strategy", "iig"]
+  )
+  assert (args.model, args.dtype, args.collectives, args.remat, args.bin_dtype) == (
+    "tiny",
+    "fp32",
+    "hring",
+    "full",
+    "uint32",
+  )
+  args = p.parse_args(["plan", "--model", "7B", "--nodes", "2", "--devices-per-node", "8"])
+  assert args.model == "7b"
+  args = p.parse_args(["plan", "--nodes", "2", "--devices-per-node", "8", "--dtype", "BF16"])
+  assert args.dtype == "bf16"
+  assert p.parse_args(["inspect", "--collectives", "XLA"]).collectives == "xla"
+  assert check_target("H100") == "h100"
