@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from paro_jax.core.names import COLLECTIVE_IMPLS, parse_mesh_shape
@@ -318,6 +319,33 @@ def build_parser() -> argparse.ArgumentParser:
     action="store_true",
     help="plain processes on 127.0.0.1, no namespaces and no shaping",
   )
+  prep = sub.add_parser(
+    "prepare-data",
+    help="tokenize text/JSONL files into .bin shards for train --data 'OUT/*.bin'",
+    description="Tokenize text and JSONL files (byte-level, or an HF tokenizer.json) into .bin "
+    "shards of token ids, a block at a time (memory stays small whatever the data's size), "
+    "with a progress bar. Train on them with --data 'OUT/*.bin': the shards are read by memory "
+    "map, each process reading only the tokens of its rows.",
+  )
+  prep.add_argument("inputs", nargs="+", metavar="PATH", help="text / .jsonl files and globs")
+  prep.add_argument("--out", required=True, metavar="DIR", help="directory for the shards")
+  prep.add_argument(
+    "--tokenizer",
+    default=None,
+    metavar="TOKENIZER_JSON",
+    help="an HF tokenizer.json (needs the hf extra; default: bytes, vocab 256)",
+  )
+  prep.add_argument("--text-field", default="text", help="the JSONL field holding the text")
+  prep.add_argument(
+    "--shard-tokens", type=int, default=100_000_000, metavar="N", help="token ids per shard"
+  )
+  prep.add_argument(
+    "--bin-dtype",
+    default=None,
+    type=str.lower,
+    choices=["uint16", "uint32"],
+    help="token dtype (default: uint16, or uint32 when the tokenizer's vocab exceeds 65536)",
+  )
   _add_planner_commands(sub)
   for p in sub.choices.values():
     p.formatter_class = _Help
@@ -458,6 +486,18 @@ def main(argv=None) -> None:
           stop_grace=args.stop_grace,
         )
       )
+    if args.command == "prepare-data":
+      from paro_jax.run.prepare import prepare_data  # no jax
+
+      meta = prepare_data(
+        args.inputs, args.out, args.tokenizer, args.text_field, args.shard_tokens, args.bin_dtype
+      )
+      print(
+        f"paro-jax: wrote {meta['tokens']} tokens ({meta['dtype']}) in {len(meta['shards'])} "
+        f"shards to {args.out}: train with --data '{os.path.join(args.out, '*.bin')}' "
+        f"--bin-dtype {meta['dtype']}"
+      )
+      return
     if args.command == "plot":
       from paro_jax.run.plot import plot_runs  # no jax needed
 
