@@ -315,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
     help="after Ctrl-C, how long the nodes get to checkpoint and exit before SIGKILL (default 120)",
   )
   launch.add_argument(
+    "--max-restarts",
+    type=int,
+    default=0,
+    metavar="K",
+    help="when a node dies, freezes or hangs, continue the run from its newest checkpoint on the "
+    "nodes left (one fewer, mesh rebuilt, global batch and data order kept), up to K times",
+  )
+  launch.add_argument(
     "--loopback",
     action="store_true",
     help="plain processes on 127.0.0.1, no namespaces and no shaping",
@@ -484,6 +492,7 @@ def main(argv=None) -> None:
           heartbeat_timeout=args.heartbeat_timeout,
           progress_timeout=args.progress_timeout,
           stop_grace=args.stop_grace,
+          max_restarts=args.max_restarts,
         )
       )
     if args.command == "prepare-data":

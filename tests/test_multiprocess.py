@@ -505,3 +505,62 @@ def test_watchdog_exits_a_process_without_progress(capsys):
   err = capsys.readouterr().err
   assert "no step finished for 11 s (--progress-timeout 10)" in err
   assert "the last step this process finished: 7" in err
+
+
+def test_restart_argv_keeps_the_batch_or_says_why(tmp_path):
+  from paro_jax.cluster.launch import restart_argv
+
+  argv = _train("IIG", tmp_path, 8, "--batch-size", "12", "--mesh", "3x2")
+  with pytest.raises(ValueError, match="holds no checkpoint to continue from: pass --checkpoint"):
+    restart_argv(argv, 2, 2)
+  (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+  new, why = restart_argv(argv, 2, 2)
+  assert "--mesh" not in new and new[-1] == "--resume"
+  assert "on 2 nodes (mesh 2x2) from checkpoint step 4" in why
+  assert "global batch stays 12 sequences" in why and "now 3 rows per device instead of 2" in why
+  with pytest.raises(ValueError, match=r"12 is not divisible by 8\): .* \(e.g. 24\)"):
+    restart_argv(_train("IIG", tmp_path, 8, "--batch-size", "12"), 2, 4)
+
+
+def test_node_loss_restarts_on_the_nodes_left(tmp_path):
+  """3 nodes x 2 devices (III: 3 does not divide the model), node 2 SIGKILLed mid-run: with
+  --max-restarts 1 the run continues from
+  its newest checkpoint on 2 nodes (mesh 2x2, batch 12: 3 rows per device instead of 2) and
+  finishes; every fp32 loss equals an uninterrupted run's on one process (mesh 3x2)."""
+  steps = 40
+  train = _train("III", tmp_path / "run", steps, "--batch-size", "12", "--checkpoint-every", "2")
+  train[train.index("tiny")] = "test"
+  ref = subprocess.run(
+    [sys.executable, "-m", "paro_jax", *train, "--out", str(tmp_path / "ref"), "--mesh", "3x2"],
+    cwd=REPO,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  cmd = [sys.executable, "-m", "paro_jax", "launch", "--nodes", "3", "--devices-per-node", "2"]
+  cmd += ["--loopback", "--max-restarts", "1", "--", *train]
+  proc = subprocess.Popen(
+    cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+  for line in proc.stdout:
+    if line.startswith('[node 0] {"step"') and json.loads(line.split(" ", 2)[2])["step"] >= 5:
+      break
+  node2 = _node(_children(proc.pid), 2)
+  os.kill(node2, signal.SIGKILL)
+  out, err = proc.communicate(timeout=400)
+  assert proc.returncode == 0, err[-4000:]
+  assert "node 2 (process 2 of 3) failed with killed by SIGKILL" in err
+  m = re.search(
+    r"restart 1 of 1 after losing node 2: continuing on 2 nodes \(mesh 2x2\) from "
+    r"checkpoint step (\d+)",
+    err,
+  )
+  assert m, err[-4000:]
+  assert "now 3 rows per device instead of 2" in err
+  assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/{m.group(1)}" in out
+  assert "mesh 2x2 (4 cpu devices)" in out
+  got = _losses(tmp_path / "run")
+  assert len(got) == steps
+  np.testing.assert_allclose(got, _losses(tmp_path / "ref"), rtol=1e-5)

@@ -30,6 +30,7 @@ exit code.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
 import shutil
@@ -476,7 +477,115 @@ class _Reaper:
       self.proc.kill()
 
 
+def _flag(argv: list[str], name: str, default: str | None) -> str | None:
+  """The last value of `--name V` / `--name=V` in argv."""
+  value = default
+  for i, a in enumerate(argv):
+    if a == name and i + 1 < len(argv):
+      value = argv[i + 1]
+    elif a.startswith(name + "="):
+      value = a.split("=", 1)[1]
+  return value
+
+
+def _without(argv: list[str], name: str) -> list[str]:
+  """argv without `--name V` / `--name=V`."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a == name:
+      skip = True
+    elif not a.startswith(name + "="):
+      out.append(a)
+  return out
+
+
+def checkpoint_steps(out: str) -> list[int]:
+  """The finished checkpoints of run directory `out` (paro_jax/run/checkpoint.py, no jax)."""
+  d = os.path.join(out, "checkpoints")
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+def restart_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> tuple[list, str]:
+  """The train command continuing a failed run on `nodes` nodes, and what changes; ValueError
+  where the run cannot continue there."""
+  if not train_argv or train_argv[0] != "train":
+    raise ValueError("only a `train` command can be restarted")
+  if nodes < 1:
+    raise ValueError("no node is left")
+  out = _flag(train_argv, "--out", "runs/latest")
+  steps = checkpoint_steps(out)
+  if not steps:
+    raise ValueError(
+      f"{out} holds no checkpoint to continue from: pass --checkpoint-every N to the train "
+      f"command so that a run can restart"
+    )
+  batch = int(_flag(train_argv, "--batch-size", "16"))
+  old = [a for i, a in enumerate(train_argv) if a == "--mesh" or a.startswith("--mesh=")]
+  was = nodes + 1
+  devices = nodes * devices_per_node
+  if batch % devices:
+    raise ValueError(
+      f"the global batch of {batch} sequences cannot be kept on {nodes} nodes x "
+      f"{devices_per_node} devices ({batch} is not divisible by {devices}): pass a --batch-size "
+      f"divisible by the device counts the run may shrink to (e.g. "
+      f"{math.lcm(devices, was * devices_per_node)})"
+    )
+  argv = _without(train_argv, "--mesh") if old else list(train_argv)
+  if "--resume" not in argv:
+    argv.append("--resume")
+  rows = (batch // (was * devices_per_node), batch // devices)
+  why = (
+    f"continuing on {nodes} nodes (mesh {nodes}x{devices_per_node}) from checkpoint step "
+    f"{steps[-1]} in {out}/checkpoints (states resharded, the steps after it redone): the global "
+    f"batch stays {batch} sequences per micro-batch, in the same order, now {rows[1]} rows per "
+    f"device instead of {rows[0]}"
+  )
+  return argv, why
+
+
 def launch(
+  train_argv: list[str],
+  nodes: int,
+  devices_per_node: int,
+  *args,
+  max_restarts: int = 0,
+  stderr=None,
+  **kwargs,
+) -> int:
+  """`_launch_once`, and with `max_restarts` K > 0: a run whose node died, froze or hung is
+  continued from its newest checkpoint on the nodes left (one fewer each time), up to K times."""
+  if max_restarts < 0:
+    raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+  err = stderr or sys.stderr
+  restarts = 0
+  while True:
+    failure: dict = {}
+    code = _launch_once(
+      train_argv, nodes, devices_per_node, *args, stderr=stderr, failure=failure, **kwargs
+    )
+    if code == 0 or not max_restarts or not failure.get("lost"):
+      return code
+    if restarts == max_restarts:
+      print(f"paro-jax launch: no restart left (--max-restarts {max_restarts})", file=err)
+      return code
+    try:
+      train_argv, why = restart_argv(train_argv, nodes - 1, devices_per_node)
+    except ValueError as e:
+      print(f"paro-jax launch: cannot restart: {e}", file=err, flush=True)
+      return code
+    restarts += 1
+    nodes -= 1
+    print(
+      f"paro-jax launch: restart {restarts} of {max_restarts} after losing node "
+      f"{failure['node']}: {why}",
+      file=err,
+      flush=True,
+    )
+
+
+def _launch_once(
   train_argv: list[str],
   nodes: int,
   devices_per_node: int,
@@ -491,6 +600,7 @@ def launch(
   heartbeat_timeout: float = 60.0,
   progress_timeout: float = 900.0,
   stop_grace: float = 120.0,
+  failure: dict | None = None,
 ) -> int:
   """Run `train_argv` ("train ..." or a Python script) as `nodes` processes; returns the exit code.
 
@@ -627,12 +737,15 @@ def launch(
         next_read = time.monotonic() + 0.5
       if failed or verdict:
         if failed:
-          bad = failed[0]
+          # The node killed by a signal, if any: its peers fail after it (broken connections).
+          bad = min(failed, key=lambda n: n.proc.returncode >= 0)
           code = bad.proc.returncode
           what = f"failed with {_describe_exit(code)}"
         else:
           bad, code = children[verdict[0]], 124
           what = verdict[1]
+        if failure is not None:  # a lost node (killed, frozen, hung), not an error of the run
+          failure.update(node=bad.index, lost=code < 0 or code == 124)
         if watch:
           watch.read()
         _stop(children)
