@@ -179,10 +179,24 @@ def _check_dir(directory: str) -> str:
   return directory
 
 
+def _load_file(path: str) -> dict[str, np.ndarray]:
+  """safetensors' load_file, with a damaged file as one clear ValueError."""
+  try:
+    return load_file(path)
+  except Exception as e:  # SafetensorError (a bad header, a short file) is no ValueError
+    if isinstance(e, OSError):
+      raise
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ValueError(
+      f"{path} is not a readable safetensors file ({why}): it is damaged or incomplete; "
+      f"download or export it again"
+    ) from None
+
+
 def _read_tensors(directory: str) -> dict[str, np.ndarray]:
   single, index = os.path.join(directory, WEIGHTS), os.path.join(directory, INDEX)
   if os.path.isfile(single):
-    return load_file(single)
+    return _load_file(single)
   if os.path.isfile(index):
     with open(index) as f:
       weight_map = json.load(f).get("weight_map")
@@ -193,7 +207,7 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
       path = os.path.join(directory, shard)
       if not os.path.isfile(path):
         raise FileNotFoundError(f"{index} lists shard {shard}, which is missing from {directory}")
-      tensors.update(load_file(path))
+      tensors.update(_load_file(path))
     return tensors
   others = [n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth"))]
   hint = (

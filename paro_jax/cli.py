@@ -1,13 +1,57 @@
 """The `paro-jax` command line: subcommands, their flags, the device set-up before jax starts."""
+# (the parser's description is DESCRIPTION below, not this docstring)
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from paro_jax.core.names import COLLECTIVE_IMPLS, parse_mesh_shape
 from paro_jax.core.strategy import ALIASES
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
+
+
+DESCRIPTION = (
+  "Train Flax LLaMA models with PaRO sharding strategies in JAX, and inspect, plan, probe, "
+  "launch, export and plot such runs. `paro-jax COMMAND --help` shows each command's options "
+  "and their defaults."
+)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+  """Every option's help ends with its default, unless it says it already or there is none."""
+
+  def _get_help_string(self, action):
+    help = action.help or ""
+    if (
+      "default" in help.lower()
+      or action.required
+      or action.default is None
+      or action.default is False
+      or action.default == argparse.SUPPRESS
+      or not action.option_strings
+    ):
+      return help
+    return f"{help} (default: %(default)s)" if help else "(default: %(default)s)"
+
+
+MAX_CPU_DEVICES = 1024  # virtual CPU devices per process: beyond, XLA's start-up eats memory
+
+
+def _check_shape(args, mesh) -> None:
+  """Batch and sequence flags of train / inspect, before anything compiles."""
+  for name in ("micro_batches", "batch_size", "seq_len"):
+    value = getattr(args, name, None)
+    if value is not None and value < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+  if mesh and args.command == "inspect" and args.batch_size % (mesh[0] * mesh[1]):
+    n = mesh[0] * mesh[1]
+    raise ValueError(
+      f"--batch-size {args.batch_size} is not divisible by the {n} devices of --mesh "
+      f"{mesh[0]}x{mesh[1]}: each device holds whole sequences; use a multiple of {n}, e.g. "
+      f"{max(n, args.batch_size // n * n)}"
+    )
 
 
 def _lora_config(args):
@@ -32,7 +76,9 @@ def _by_name(args, target, **given):
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--model", default="tiny", help="preset: tiny, small, 7b, 13b, 65b")
+  p.add_argument(
+    "--model", default="tiny", type=str.lower, help="preset: tiny, small, 7b, 13b, 65b"
+  )
   p.add_argument(
     "--strategy",
     default="IIG",
@@ -45,12 +91,22 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument("--micro-batches", type=int, default=1, help="A: micro-batches per step")
   p.add_argument("--batch-size", type=int, default=16, help="global micro-batch size (sequences)")
-  p.add_argument("--seq-len", type=int, default=64)
-  p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
-  p.add_argument("--collectives", default="xla", choices=COLLECTIVE_IMPLS)
+  p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+  p.add_argument(
+    "--dtype", default="bf16", type=str.lower, choices=["bf16", "fp32"], help="compute dtype"
+  )
+  p.add_argument(
+    "--collectives",
+    default="xla",
+    type=str.lower,
+    choices=COLLECTIVE_IMPLS,
+    help="how collectives over all devices run: xla (XLA's own) and hring in two levels, ring "
+    "flat, horing two overlapped levels",
+  )
   p.add_argument(
     "--remat",
     default="full",
+    type=str.lower,
     choices=["full", "layer", "none"],
     help="what backward recomputes per layer: full (all, weight gather included), "
     "layer (all but matmul outputs), none (keeps every layer's weights)",
@@ -77,14 +133,16 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="paro-jax", description=__doc__)
+  parser = argparse.ArgumentParser(prog="paro-jax", description=DESCRIPTION, formatter_class=_Help)
   sub = parser.add_subparsers(dest="command", required=True)
   train = sub.add_parser("train", help="train a Flax LLaMA with a PaRO strategy")
   _add_common(train)
-  train.add_argument("--steps", type=int, default=50)
-  train.add_argument("--seed", type=int, default=0)
-  train.add_argument("--lr", type=float, default=3e-3)
-  train.add_argument("--warmup", type=int, default=10)
+  train.add_argument("--steps", type=int, default=50, help="optimizer steps of the whole run")
+  train.add_argument("--seed", type=int, default=0, help="of the initial weights and the batches")
+  train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+  train.add_argument(
+    "--warmup", type=int, default=10, help="steps of linear warmup, then cosine decay"
+  )
   data = train.add_argument_group(
     "data",
     "text, JSONL and pre-tokenized .bin files (default: "
@@ -107,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
   data.add_argument(
     "--bin-dtype",
     default=None,
+    type=str.lower,
     choices=["uint16", "uint32"],
     help=".bin token dtype (default: uint16, or uint32 when the tokenizer's "
     "vocab, else the model's, exceeds 65536)",
@@ -169,8 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
     "SLURM srun / Open MPI mpirun); --mesh GxM then counts all processes' devices",
   )
   dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
-  dist.add_argument("--num-processes", type=int, default=None)
-  dist.add_argument("--process-id", type=int, default=None)
+  dist.add_argument(
+    "--num-processes", type=int, default=None, help="N: processes in all (with --coordinator)"
+  )
+  dist.add_argument(
+    "--process-id", type=int, default=None, help="I: this process, 0..N-1 (with --coordinator)"
+  )
+  dist.add_argument(
+    "--progress-timeout",
+    type=float,
+    default=0.0,
+    metavar="S",
+    help="exit (code 3, naming the last step) when no step finished for S seconds, the first "
+    "compile included: for SLURM/mpirun, where a dead or hung peer otherwise blocks the others "
+    "for good; paro-jax launch watches its nodes itself (default 0: off)",
+  )
   inspect = sub.add_parser(
     "inspect", help="compile a training step (no allocation) and report its communication"
   )
@@ -221,11 +293,70 @@ def build_parser() -> argparse.ArgumentParser:
     help="tc rate of each node's loopback (intra-node traffic); default unshaped",
   )
   launch.add_argument(
+    "--heartbeat-timeout",
+    type=float,
+    default=60.0,
+    metavar="S",
+    help="a node with no heartbeat for S s (stopped, frozen) fails the run (default 60; 0: off)",
+  )
+  launch.add_argument(
+    "--progress-timeout",
+    type=float,
+    default=900.0,
+    metavar="S",
+    help="a node that finished no step for S s (hung), the first compile included, fails the "
+    "run (default 900; 0: off)",
+  )
+  launch.add_argument(
+    "--stop-grace",
+    type=float,
+    default=120.0,
+    metavar="S",
+    help="after Ctrl-C, how long the nodes get to checkpoint and exit before SIGKILL (default 120)",
+  )
+  launch.add_argument(
+    "--max-restarts",
+    type=int,
+    default=0,
+    metavar="K",
+    help="when a node dies, freezes or hangs, continue the run from its newest checkpoint on the "
+    "nodes left (one fewer, mesh rebuilt, global batch and data order kept), up to K times",
+  )
+  launch.add_argument(
     "--loopback",
     action="store_true",
     help="plain processes on 127.0.0.1, no namespaces and no shaping",
   )
+  prep = sub.add_parser(
+    "prepare-data",
+    help="tokenize text/JSONL files into .bin shards for train --data 'OUT/*.bin'",
+    description="Tokenize text and JSONL files (byte-level, or an HF tokenizer.json) into .bin "
+    "shards of token ids, a block at a time (memory stays small whatever the data's size), "
+    "with a progress bar. Train on them with --data 'OUT/*.bin': the shards are read by memory "
+    "map, each process reading only the tokens of its rows.",
+  )
+  prep.add_argument("inputs", nargs="+", metavar="PATH", help="text / .jsonl files and globs")
+  prep.add_argument("--out", required=True, metavar="DIR", help="directory for the shards")
+  prep.add_argument(
+    "--tokenizer",
+    default=None,
+    metavar="TOKENIZER_JSON",
+    help="an HF tokenizer.json (needs the hf extra; default: bytes, vocab 256)",
+  )
+  prep.add_argument("--text-field", default="text", help="the JSONL field holding the text")
+  prep.add_argument(
+    "--shard-tokens", type=int, default=100_000_000, metavar="N", help="token ids per shard"
+  )
+  prep.add_argument(
+    "--bin-dtype",
+    default=None,
+    type=str.lower,
+    choices=["uint16", "uint32"],
+    help="token dtype (default: uint16, or uint32 when the tokenizer's vocab exceeds 65536)",
+  )
   _add_planner_commands(sub)
+  for p in sub.choices.values():
+    p.formatter_class = _Help
   return parser
 
 
@@ -234,7 +365,9 @@ def _add_planner_commands(sub) -> None:
   plan = sub.add_parser(
     "plan", help="rank the 14 strategies for a cluster: memory, step time, the pick and why"
   )
-  plan.add_argument("--model", default="7b", help="preset: tiny, small, 7b, 13b, 65b")
+  plan.add_argument(
+    "--model", default="7b", type=str.lower, help="preset: tiny, small, 7b, 13b, 65b"
+  )
   plan.add_argument("--nodes", type=int, required=True, help="G: nodes (groups)")
   plan.add_argument("--devices-per-node", type=int, required=True, help="M: devices per node")
   from paro_jax.analysis.hardware import GPUS  # no jax
@@ -273,17 +406,20 @@ def _add_planner_commands(sub) -> None:
     "--micro-batch", type=int, default=1, help="sequences per device and micro-batch"
   )
   plan.add_argument("--micro-batches", type=int, default=8, help="A: micro-batches per step")
-  plan.add_argument("--seq-len", type=int, default=2048)
+  plan.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
   plan.add_argument(
     "--trainable-fraction",
     type=float,
     default=1.0,
-    help="Ψ'/Ψ: 1 for full training, e.g. 0.003 for LoRA",
+    help="trainable parameters / all parameters: 1 for full training, e.g. 0.003 for LoRA",
   )
-  plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
+  plan.add_argument(
+    "--dtype", default="bf16", type=str.lower, choices=["bf16", "fp32"], help="compute dtype"
+  )
   plan.add_argument(
     "--collectives",
     default="xla",
+    type=str.lower,
     choices=COLLECTIVE_IMPLS,
     help="how collectives over all devices run: xla (NCCL) and hring in two "
     "levels, ring flat (docs/design.md), horing two overlapped levels",
@@ -325,8 +461,12 @@ def _add_planner_commands(sub) -> None:
   probe.add_argument("--out", default="probe.json", help="the JSON profile to write")
   dist = probe.add_argument_group("multi-process", "as for train")
   dist.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
-  dist.add_argument("--num-processes", type=int, default=None)
-  dist.add_argument("--process-id", type=int, default=None)
+  dist.add_argument(
+    "--num-processes", type=int, default=None, help="N: processes in all (with --coordinator)"
+  )
+  dist.add_argument(
+    "--process-id", type=int, default=None, help="I: this process, 0..N-1 (with --coordinator)"
+  )
 
 
 def main(argv=None) -> None:
@@ -349,8 +489,24 @@ def main(argv=None) -> None:
           inter_latency=args.inter_latency,
           intra_bandwidth=args.intra_bandwidth,
           shaped=not args.loopback,
+          heartbeat_timeout=args.heartbeat_timeout,
+          progress_timeout=args.progress_timeout,
+          stop_grace=args.stop_grace,
+          max_restarts=args.max_restarts,
         )
       )
+    if args.command == "prepare-data":
+      from paro_jax.run.prepare import prepare_data  # no jax
+
+      meta = prepare_data(
+        args.inputs, args.out, args.tokenizer, args.text_field, args.shard_tokens, args.bin_dtype
+      )
+      print(
+        f"paro-jax: wrote {meta['tokens']} tokens ({meta['dtype']}) in {len(meta['shards'])} "
+        f"shards to {args.out}: train with --data '{os.path.join(args.out, '*.bin')}' "
+        f"--bin-dtype {meta['dtype']}"
+      )
+      return
     if args.command == "plot":
       from paro_jax.run.plot import plot_runs  # no jax needed
 
@@ -372,12 +528,17 @@ def main(argv=None) -> None:
     if getattr(args, "target", None):  # a compile for GPUs described, not present: no devices
       from paro_jax.analysis import gpu
 
+      _check_shape(args, mesh)
       args.target = gpu.check_target(args.target)
       gpu.prepare_environment()
       from paro_jax.analysis.inspector import inspect
 
       inspect(**_by_name(args, inspect, mesh=mesh, lora=_lora_config(args), as_json=args.json))
       return
+    if args.command == "train":
+      from paro_jax.cluster.watch import start_heartbeat
+
+      start_heartbeat()  # when paro-jax launch asked for one (env PARO_JAX_HEARTBEAT)
     _note_cpu_platform()
     from paro_jax.cluster import distributed
 
@@ -393,7 +554,16 @@ def main(argv=None) -> None:
           f"--mesh {args.mesh} has {mesh[0] * mesh[1]} devices, not divisible by "
           f"the {processes} processes"
         )
-      provide_cpu_devices(mesh[0] * mesh[1] // processes)  # per process
+      per_process = mesh[0] * mesh[1] // processes
+      if per_process > MAX_CPU_DEVICES:
+        raise ValueError(
+          f"--mesh {args.mesh} asks for {per_process} devices per process; at most "
+          f"{MAX_CPU_DEVICES} virtual CPU devices are emulated (each costs memory and threads). "
+          f"Use a smaller mesh, or `inspect --target h100 --mesh NODESxGPUS` to compile for a "
+          f"large GPU cluster without its devices"
+        )
+      provide_cpu_devices(per_process)
+    _check_shape(args, mesh)
     add_xla_flags()  # GPU collective overlap (HO-Ring); harmless elsewhere
     distributed.maybe_initialize(*multi)  # before anything touches devices
     if args.command == "probe":

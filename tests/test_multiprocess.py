@@ -8,10 +8,12 @@ same flag on both sides of each comparison.
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -218,30 +220,109 @@ def _start_cli_launch(tmp_path, *launch_args):
     cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
   )
   deadline = time.monotonic() + 60
-  kids = []
-  while len(kids) < 2 and time.monotonic() < deadline:
+  kids, nodes = [], []
+  while len(nodes) < 2 and time.monotonic() < deadline:
     time.sleep(0.2)
-    kids = _children(proc.pid)
-  assert len(kids) == 2, "the launcher did not start 2 processes"
+    kids = _children(proc.pid)  # the 2 nodes and the reaper
+    nodes = [k for k in kids if "--process-id" in _cmdline(k)]
+  assert len(nodes) == 2, "the launcher did not start 2 processes"
   return proc, kids
+
+
+def _cmdline(pid):
+  try:
+    with open(f"/proc/{pid}/cmdline") as f:
+      return f.read()
+  except OSError:
+    return ""
+
+
+def _node(kids, k):
+  found = [p for p in kids if f"--process-id\x00{k}" in _cmdline(p)]
+  assert len(found) == 1
+  return found[0]
+
+
+def _wait_for_step(proc):
+  """Read the launcher's stdout until node 0 logs a step (so every node has heartbeats)."""
+  for line in proc.stdout:
+    if line.startswith('[node 0] {"step"'):
+      time.sleep(2.5)  # a heartbeat (every second) carries the step to the launcher
+      return
+  pytest.fail(f"the run ended before its first step: {proc.stderr.read()[-3000:]}")
 
 
 def test_killed_process_fails_the_launch_and_cleans_up(tmp_path):
   """SIGKILL node 1 mid-run: the launcher stops node 0, names node 1, exits non-zero, and
   leaves no process (and, when it used them, no namespace) behind."""
   proc, kids = _start_cli_launch(tmp_path)
-  time.sleep(4)  # both are importing jax / joining / compiling by now
-  node1 = [k for k in kids if "--process-id\x001" in open(f"/proc/{k}/cmdline").read()]
-  assert len(node1) == 1
-  os.kill(node1[0], signal.SIGKILL)
+  _wait_for_step(proc)
+  os.kill(_node(kids, 1), signal.SIGKILL)
   start = time.monotonic()
   _, err = proc.communicate(timeout=60)
   assert time.monotonic() - start < 60
-  assert proc.returncode != 0
+  assert proc.returncode == 128 + signal.SIGKILL
   assert "node 1 (process 1 of 2) failed with killed by SIGKILL" in err, err[-3000:]
+  assert re.search(r"Last step finished: node 0: step \d+, node 1: step \d+", err), err[-3000:]
   assert not any(_alive(k) for k in kids)
   assert _namespaces_of(proc.pid) == []
   assert not any(os.path.exists(f"/etc/netns/{NS_PREFIX}{proc.pid}n{k}") for k in range(2))
+
+
+def test_stopped_process_is_noticed_by_its_heartbeat(tmp_path):
+  """SIGSTOP node 1 mid-run: no heartbeat for --heartbeat-timeout s, so the launcher names it
+  (exit 124) with each node's last step, kills both (also the stopped one) and cleans up."""
+  proc, kids = _start_cli_launch(tmp_path, "--heartbeat-timeout", "6")
+  _wait_for_step(proc)
+  os.kill(_node(kids, 1), signal.SIGSTOP)
+  start = time.monotonic()
+  _, err = proc.communicate(timeout=60)
+  assert time.monotonic() - start < 6 + 15, err[-3000:]
+  assert proc.returncode == 124, err[-3000:]
+  assert "node 1 (process 1 of 2) sent no heartbeat for" in err, err[-3000:]
+  assert "it is stopped (SIGSTOP) or frozen" in err
+  assert re.search(r"Last step finished: node 0: step \d+, node 1: step \d+", err), err[-3000:]
+  assert not any(_alive(k) for k in kids)
+  assert _namespaces_of(proc.pid) == []
+
+
+def test_sigkilled_launcher_leaves_nothing_behind(tmp_path):
+  """kill -9 of the launcher: its reaper sees the pipe close, kills the nodes and deletes the
+  namespaces and the heartbeat directory within seconds."""
+  proc, kids = _start_cli_launch(tmp_path)
+  _wait_for_step(proc)
+  beats = [
+    d for d in os.listdir(tempfile.gettempdir()) if d.startswith(f"paro-jax-launch-{proc.pid}-")
+  ]
+  assert len(beats) == 1
+  proc.kill()
+  proc.wait()
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline and (any(_alive(k) for k in kids) or _namespaces_of(proc.pid)):
+    time.sleep(0.2)
+  assert not any(_alive(k) for k in kids)
+  assert _namespaces_of(proc.pid) == []
+  assert not os.path.exists(os.path.join(tempfile.gettempdir(), beats[0]))
+
+
+def test_ctrl_c_on_the_launcher_checkpoints_an_agreed_step(tmp_path):
+  """SIGINT to the launcher is passed on; the nodes agree on one step (an all-reduce of the stop
+  flag each step), checkpoint it together and exit 130; --resume continues from it."""
+  proc, kids = _start_cli_launch(tmp_path)
+  _wait_for_step(proc)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-3000:]
+  assert "passing SIGINT on to the 2 nodes" in err
+  assert "[node 1] paro-jax: SIGINT: stopping at a step all processes agree on" in err
+  m = re.search(r"Last step finished: node 0: step (\d+), node 1: step (\d+)", err)
+  assert m and m.group(1) == m.group(2), err[-3000:]
+  step = int(m.group(1))
+  assert f"stopped; checkpoint step {step} is in" in out
+  assert sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == [step]
+  assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step
+  assert not any(_alive(k) for k in kids)
+  assert _namespaces_of(proc.pid) == []
 
 
 def test_sigterm_to_the_launcher_stops_everything(tmp_path):
@@ -369,3 +450,117 @@ def test_slurm_srun_is_auto_detected():
   outs = [p.communicate(timeout=120) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs
   assert [o[0].split() for o in outs] == [["0", "2", "4"], ["1", "2", "4"]]
+
+
+def test_watch_names_frozen_and_stuck_nodes(tmp_path):
+  """The launcher's verdict from heartbeat files (fake clock): a node whose heartbeat is old is
+  frozen; a node whose step has not advanced for the progress timeout is stuck (the one behind
+  is named); before its first heartbeat a node gets the startup allowance."""
+  from paro_jax.cluster.watch import Watch
+
+  now = [1000.0]
+  paths = [str(tmp_path / f"node{k}.json") for k in range(2)]
+  w = Watch(paths, heartbeat_timeout=5, progress_timeout=30, startup=20, clock=lambda: now[0])
+
+  def beat(k, step, t):
+    with open(paths[k], "w") as f:
+      json.dump({"pid": 1, "step": step, "time": t}, f)
+
+  now[0] = 1010.0
+  w.read()
+  assert w.verdict() is None  # no heartbeat yet, within the startup allowance
+  now[0] = 1021.0
+  assert w.verdict()[0] == 0 and "since it started" in w.verdict()[1]
+  beat(0, 3, 1021.0)
+  beat(1, 2, 1021.0)
+  w.read()
+  assert w.verdict() is None and w.last_steps() == "node 0: step 3, node 1: step 2"
+  now[0] = 1027.0
+  beat(0, 4, 1027.0)
+  w.read()
+  k, why = w.verdict()
+  assert k == 1 and "no heartbeat for 6 s" in why and "stopped (SIGSTOP) or frozen" in why
+  now[0] = 1052.0
+  beat(0, 4, 1052.0)
+  beat(1, 2, 1052.0)
+  w.read()
+  k, why = w.verdict()
+  assert k == 1 and "finished no step for 31 s (--progress-timeout 30): it is hung" in why
+
+
+def test_watchdog_exits_a_process_without_progress(capsys):
+  """`train --progress-timeout S` (SLURM): no step for S s -> exit 3, naming the last step."""
+  from paro_jax.cluster import watch
+
+  now, codes = [0.0], []
+  watch.PROGRESS.since = 0.0
+  watch.finished(7)
+  dog = watch.Watchdog(10, exit=codes.append, clock=lambda: now[0], poll=0.01)
+  dog.start()
+  time.sleep(0.1)
+  assert codes == []
+  now[0] = 11.0 + watch.PROGRESS.since
+  dog.join(5)
+  assert codes == [3]
+  err = capsys.readouterr().err
+  assert "no step finished for 11 s (--progress-timeout 10)" in err
+  assert "the last step this process finished: 7" in err
+
+
+def test_restart_argv_keeps_the_batch_or_says_why(tmp_path):
+  from paro_jax.cluster.launch import restart_argv
+
+  argv = _train("IIG", tmp_path, 8, "--batch-size", "12", "--mesh", "3x2")
+  with pytest.raises(ValueError, match="holds no checkpoint to continue from: pass --checkpoint"):
+    restart_argv(argv, 2, 2)
+  (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+  new, why = restart_argv(argv, 2, 2)
+  assert "--mesh" not in new and new[-1] == "--resume"
+  assert "on 2 nodes (mesh 2x2) from checkpoint step 4" in why
+  assert "global batch stays 12 sequences" in why and "now 3 rows per device instead of 2" in why
+  with pytest.raises(ValueError, match=r"12 is not divisible by 8\): .* \(e.g. 24\)"):
+    restart_argv(_train("IIG", tmp_path, 8, "--batch-size", "12"), 2, 4)
+
+
+def test_node_loss_restarts_on_the_nodes_left(tmp_path):
+  """3 nodes x 2 devices (III: 3 does not divide the model), node 2 SIGKILLed mid-run: with
+  --max-restarts 1 the run continues from
+  its newest checkpoint on 2 nodes (mesh 2x2, batch 12: 3 rows per device instead of 2) and
+  finishes; every fp32 loss equals an uninterrupted run's on one process (mesh 3x2)."""
+  steps = 40
+  train = _train("III", tmp_path / "run", steps, "--batch-size", "12", "--checkpoint-every", "2")
+  train[train.index("tiny")] = "test"
+  ref = subprocess.run(
+    [sys.executable, "-m", "paro_jax", *train, "--out", str(tmp_path / "ref"), "--mesh", "3x2"],
+    cwd=REPO,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  cmd = [sys.executable, "-m", "paro_jax", "launch", "--nodes", "3", "--devices-per-node", "2"]
+  cmd += ["--loopback", "--max-restarts", "1", "--", *train]
+  proc = subprocess.Popen(
+    cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+  for line in proc.stdout:
+    if line.startswith('[node 0] {"step"') and json.loads(line.split(" ", 2)[2])["step"] >= 5:
+      break
+  node2 = _node(_children(proc.pid), 2)
+  os.kill(node2, signal.SIGKILL)
+  out, err = proc.communicate(timeout=400)
+  assert proc.returncode == 0, err[-4000:]
+  assert "node 2 (process 2 of 3) failed with killed by SIGKILL" in err
+  m = re.search(
+    r"restart 1 of 1 after losing node 2: continuing on 2 nodes \(mesh 2x2\) from "
+    r"checkpoint step (\d+)",
+    err,
+  )
+  assert m, err[-4000:]
+  assert "now 3 rows per device instead of 2" in err
+  assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/{m.group(1)}" in out
+  assert "mesh 2x2 (4 cpu devices)" in out
+  got = _losses(tmp_path / "run")
+  assert len(got) == steps
+  np.testing.assert_allclose(got, _losses(tmp_path / "ref"), rtol=1e-5)

@@ -10,8 +10,13 @@ own devices' collectives cross. Without root or without `ip`/`tc`, the processes
 
 All names carry the launcher's PID, so launches running side by side do not collide, and
 everything is removed on exit, on SIGINT/SIGTERM and when a process fails: the launcher then
-stops the other processes and returns non-zero, naming the failed node. Namespaces left by a
-launcher that was itself SIGKILLed are removed by the next launch (their PID is dead).
+stops the other processes and returns non-zero, naming the failed node and the last step each node
+finished. A node that is frozen (no heartbeat for --heartbeat-timeout s: SIGSTOP, a stalled
+machine) or stuck (no step finished for --progress-timeout s: a hang in a collective) counts as
+failed (paro_jax/cluster/watch.py). Ctrl-C (or SIGTERM) on the launcher is passed on to the nodes
+as SIGINT: they agree on a step, checkpoint it together and exit (a second Ctrl-C stops them at
+once). A launcher that is itself SIGKILLed leaves nothing running: a reaper process
+(paro_jax/cluster/reaper.py) sees its pipe close and kills the nodes and deletes the namespaces.
 
 The per-node command is `train ...` (run as `python -m paro_jax train ...`) or a Python script,
 `python SCRIPT [args]` or `SCRIPT.py [args]` (run with this interpreter, e.g.
@@ -25,6 +30,7 @@ exit code.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
 import shutil
@@ -32,9 +38,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+from paro_jax.cluster.watch import HEARTBEAT_ENV, Watch
 from paro_jax.core.names import parse_mesh_shape
 from paro_jax.core.units import parse_delay, parse_rate
 from paro_jax.core.xla_flags import DEVICE_COUNT_FLAG
@@ -43,6 +51,7 @@ NS_PREFIX = "paro"  # namespaces: paro<pid>n<k>, paro<pid>br (bridge)
 IF_PREFIX = "pj"  # interfaces: pj<pid>v<k> (node side), pj<pid>p<k> (bridge side)
 SUBNET = "10.77.0"  # node k has 10.77.0.(k+1), only inside our own namespaces
 COORD_PORT = 29500  # free: each namespace is fresh
+MAX_NODES, MAX_DEVICES_PER_NODE = 64, 1024  # processes / virtual CPU devices one machine emulates
 RESERVED = ("--coordinator", "--num-processes", "--process-id")
 _NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)(?:n\d+|br)$")
 
@@ -381,6 +390,15 @@ def _describe_exit(code: int) -> str:
   return f"exit code {code}"
 
 
+def _signal_all(nodes: list[_Node], sig: signal.Signals) -> None:
+  for n in nodes:
+    if n.proc.poll() is None:
+      try:
+        os.killpg(n.proc.pid, sig)  # its own session: the group id is its pid
+      except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _stop(nodes: list[_Node], first: signal.Signals = signal.SIGKILL, grace: float = 10.0) -> None:
   """Send `first` to each live child's process group; SIGKILL what is left after `grace` s.
 
@@ -390,11 +408,7 @@ def _stop(nodes: list[_Node], first: signal.Signals = signal.SIGKILL, grace: flo
   """
   live = [n for n in nodes if n.proc.poll() is None]
   for sig in dict.fromkeys((first, signal.SIGKILL)):
-    for n in live:
-      try:
-        os.killpg(n.proc.pid, sig)  # its own session: the group id is its pid
-      except (ProcessLookupError, PermissionError):
-        pass
+    _signal_all(live, sig)
     deadline = time.monotonic() + grace
     while live and time.monotonic() < deadline:
       live = [n for n in live if n.proc.poll() is None]
@@ -408,13 +422,170 @@ def _stop(nodes: list[_Node], first: signal.Signals = signal.SIGKILL, grace: flo
       pass
 
 
+def _stop_together(nodes: list[_Node], grace: float, straggle: float = 30.0) -> None:
+  """After Ctrl-C: SIGINT to every node; they checkpoint an agreed step and exit together. Who is
+  still running `grace` s later, or `straggle` s after the first node exited (a node that got the
+  signal before its handler was in place exits alone, and its peers then hang), gets SIGKILL."""
+  _signal_all(nodes, signal.SIGINT)
+  deadline = time.monotonic() + grace
+  while time.monotonic() < deadline:
+    codes = [n.proc.poll() for n in nodes]
+    if all(c is not None for c in codes):
+      return
+    if any(c is not None for c in codes):
+      deadline = min(deadline, time.monotonic() + straggle)
+      straggle = float("inf")  # set the deadline once
+    time.sleep(0.05)
+  _stop(nodes)
+
+
 class _Interrupted(Exception):
   def __init__(self, signum):
     super().__init__(signum)
     self.signum = signum
 
 
+class _Reaper:
+  """The process that cleans up if this launcher is SIGKILLed (paro_jax/cluster/reaper.py)."""
+
+  def __init__(self, env: dict):
+    self.proc = subprocess.Popen(
+      [sys.executable, "-m", "paro_jax.cluster.reaper"],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.DEVNULL,
+      env=env,
+      start_new_session=True,  # Ctrl-C on the terminal is not for it
+      text=True,
+    )
+
+  def tell(self, kind: str, value) -> None:
+    try:
+      self.proc.stdin.write(f"{kind} {value}\n")
+      self.proc.stdin.flush()
+    except (BrokenPipeError, OSError):
+      pass
+
+  def done(self) -> None:
+    try:
+      self.proc.stdin.write("done\n")
+      self.proc.stdin.close()
+    except (BrokenPipeError, OSError):
+      pass
+    try:
+      self.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+
+
+def _flag(argv: list[str], name: str, default: str | None) -> str | None:
+  """The last value of `--name V` / `--name=V` in argv."""
+  value = default
+  for i, a in enumerate(argv):
+    if a == name and i + 1 < len(argv):
+      value = argv[i + 1]
+    elif a.startswith(name + "="):
+      value = a.split("=", 1)[1]
+  return value
+
+
+def _without(argv: list[str], name: str) -> list[str]:
+  """argv without `--name V` / `--name=V`."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a == name:
+      skip = True
+    elif not a.startswith(name + "="):
+      out.append(a)
+  return out
+
+
+def checkpoint_steps(out: str) -> list[int]:
+  """The finished checkpoints of run directory `out` (paro_jax/run/checkpoint.py, no jax)."""
+  d = os.path.join(out, "checkpoints")
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+def restart_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> tuple[list, str]:
+  """The train command continuing a failed run on `nodes` nodes, and what changes; ValueError
+  where the run cannot continue there."""
+  if not train_argv or train_argv[0] != "train":
+    raise ValueError("only a `train` command can be restarted")
+  if nodes < 1:
+    raise ValueError("no node is left")
+  out = _flag(train_argv, "--out", "runs/latest")
+  steps = checkpoint_steps(out)
+  if not steps:
+    raise ValueError(
+      f"{out} holds no checkpoint to continue from: pass --checkpoint-every N to the train "
+      f"command so that a run can restart"
+    )
+  batch = int(_flag(train_argv, "--batch-size", "16"))
+  old = [a for i, a in enumerate(train_argv) if a == "--mesh" or a.startswith("--mesh=")]
+  was = nodes + 1
+  devices = nodes * devices_per_node
+  if batch % devices:
+    raise ValueError(
+      f"the global batch of {batch} sequences cannot be kept on {nodes} nodes x "
+      f"{devices_per_node} devices ({batch} is not divisible by {devices}): pass a --batch-size "
+      f"divisible by the device counts the run may shrink to (e.g. "
+      f"{math.lcm(devices, was * devices_per_node)})"
+    )
+  argv = _without(train_argv, "--mesh") if old else list(train_argv)
+  if "--resume" not in argv:
+    argv.append("--resume")
+  rows = (batch // (was * devices_per_node), batch // devices)
+  why = (
+    f"continuing on {nodes} nodes (mesh {nodes}x{devices_per_node}) from checkpoint step "
+    f"{steps[-1]} in {out}/checkpoints (states resharded, the steps after it redone): the global "
+    f"batch stays {batch} sequences per micro-batch, in the same order, now {rows[1]} rows per "
+    f"device instead of {rows[0]}"
+  )
+  return argv, why
+
+
 def launch(
+  train_argv: list[str],
+  nodes: int,
+  devices_per_node: int,
+  *args,
+  max_restarts: int = 0,
+  stderr=None,
+  **kwargs,
+) -> int:
+  """`_launch_once`, and with `max_restarts` K > 0: a run whose node died, froze or hung is
+  continued from its newest checkpoint on the nodes left (one fewer each time), up to K times."""
+  if max_restarts < 0:
+    raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+  err = stderr or sys.stderr
+  restarts = 0
+  while True:
+    failure: dict = {}
+    code = _launch_once(
+      train_argv, nodes, devices_per_node, *args, stderr=stderr, failure=failure, **kwargs
+    )
+    if code == 0 or not max_restarts or not failure.get("lost"):
+      return code
+    if restarts == max_restarts:
+      print(f"paro-jax launch: no restart left (--max-restarts {max_restarts})", file=err)
+      return code
+    try:
+      train_argv, why = restart_argv(train_argv, nodes - 1, devices_per_node)
+    except ValueError as e:
+      print(f"paro-jax launch: cannot restart: {e}", file=err, flush=True)
+      return code
+    restarts += 1
+    nodes -= 1
+    print(
+      f"paro-jax launch: restart {restarts} of {max_restarts} after losing node "
+      f"{failure['node']}: {why}",
+      file=err,
+      flush=True,
+    )
+
+
+def _launch_once(
   train_argv: list[str],
   nodes: int,
   devices_per_node: int,
@@ -426,19 +597,38 @@ def launch(
   stdout=None,
   stderr=None,
   link_bytes: dict | None = None,
+  heartbeat_timeout: float = 60.0,
+  progress_timeout: float = 900.0,
+  stop_grace: float = 120.0,
+  failure: dict | None = None,
 ) -> int:
   """Run `train_argv` ("train ..." or a Python script) as `nodes` processes; returns the exit code.
 
   0 when every process exited 0; otherwise the failed node's exit code (128+signal when it was
-  killed), 128+signal when the launcher itself got SIGINT/SIGTERM. Raises ValueError for bad
-  arguments before anything is started. With namespaces, `link_bytes` (a dict) receives the bytes
-  each node sent over its link, as `tc` counted them.
+  killed; 124 when it was frozen or stuck), 128+signal when the launcher itself got
+  SIGINT/SIGTERM. Raises ValueError for bad arguments before anything is started. With
+  namespaces, `link_bytes` (a dict) receives the bytes each node sent over its link, as `tc`
+  counted them. `heartbeat_timeout` / `progress_timeout` (s, 0: off) apply to `train` nodes
+  (paro_jax/cluster/watch.py); `stop_grace` is how long the nodes get to checkpoint after a
+  Ctrl-C before they are killed.
   """
   out, err = stdout or sys.stdout, stderr or sys.stderr
   if nodes < 1 or devices_per_node < 1:
     raise ValueError(
       f"--nodes and --devices-per-node must be >= 1, got {nodes} and {devices_per_node}"
     )
+  if nodes > MAX_NODES or devices_per_node > MAX_DEVICES_PER_NODE:
+    raise ValueError(
+      f"--nodes {nodes} --devices-per-node {devices_per_node}: one machine emulates at most "
+      f"{MAX_NODES} nodes of {MAX_DEVICES_PER_NODE} devices; use fewer"
+    )
+  for name, value in (
+    ("heartbeat-timeout", heartbeat_timeout),
+    ("progress-timeout", progress_timeout),
+    ("stop-grace", stop_grace),
+  ):
+    if not value >= 0:
+      raise ValueError(f"--{name} must be >= 0 seconds (0: off), got {value}")
   argv = child_argv(train_argv, nodes, devices_per_node)
   parse_rate(inter_bandwidth)
   parse_delay(inter_latency)
@@ -453,14 +643,27 @@ def launch(
   old_handlers, interrupted = {}, []
 
   def on_signal(signum, _frame):
-    if not interrupted:  # a second Ctrl-C must not break off the cleanup
+    if not interrupted:
       interrupted.append(signum)
       raise _Interrupted(signum)
+    # A second Ctrl-C: the nodes stop at once (their own second-signal rule); the cleanup goes on.
+    _signal_all(children, signal.SIGINT)
 
   if threading.current_thread() is threading.main_thread():
     for sig in (signal.SIGINT, signal.SIGTERM):
       old_handlers[sig] = signal.signal(sig, on_signal)
   network = None
+  child_env = _child_env(devices_per_node, env)
+  beats = tempfile.mkdtemp(prefix=f"paro-jax-launch-{os.getpid()}-")
+  reaper = _Reaper(child_env)
+  reaper.tell("dir", beats)
+  watch = None
+  if argv[0] == "train":
+    watch = Watch(
+      [os.path.join(beats, f"node{k}.json") for k in range(nodes)],
+      heartbeat_timeout,
+      progress_timeout,
+    )
   try:
     if shaped:
       missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
@@ -470,6 +673,8 @@ def launch(
       else:
         remove_stale_namespaces()
         network = NamespaceNetwork(nodes, inter_bandwidth, inter_latency, intra_bandwidth)
+        for ns in network.all_namespaces():
+          reaper.tell("ns", ns)
         try:
           network.open()
         except (RuntimeError, OSError) as e:
@@ -489,7 +694,6 @@ def launch(
       if network and nodes > 1
       else f"127.0.0.1:{_free_port()}"
     )
-    child_env = _child_env(devices_per_node, env)
     child_env["PARO_JAX_LINK"] = (
       network.describe() + "".join(f"; {n}" for n in network.notes)
       if network
@@ -507,27 +711,50 @@ def launch(
       ]
       if network:
         cmd = ["ip", "netns", "exec", network.namespaces[k], *cmd]
+      node_env = dict(child_env)
+      if watch:
+        node_env[HEARTBEAT_ENV] = watch.paths[k]
       proc = subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=child_env,
+        env=node_env,
         start_new_session=True,
       )
+      reaper.tell("group", proc.pid)
       children.append(_Node(k, proc, out, err, lock))
+    if watch:
+      watch.started = watch.clock()
+    next_read = 0.0
     while True:
       codes = [n.proc.poll() for n in children]
       failed = [n for n, c in zip(children, codes) if c not in (None, 0)]
-      if failed:
-        bad = failed[0]
-        code = bad.proc.returncode
+      verdict = None
+      if watch and not failed and time.monotonic() >= next_read:
+        watch.read()
+        verdict = watch.verdict()
+        next_read = time.monotonic() + 0.5
+      if failed or verdict:
+        if failed:
+          # The node killed by a signal, if any: its peers fail after it (broken connections).
+          bad = min(failed, key=lambda n: n.proc.returncode >= 0)
+          code = bad.proc.returncode
+          what = f"failed with {_describe_exit(code)}"
+        else:
+          bad, code = children[verdict[0]], 124
+          what = verdict[1]
+        if failure is not None:  # a lost node (killed, frozen, hung), not an error of the run
+          failure.update(node=bad.index, lost=code < 0 or code == 124)
+        if watch:
+          watch.read()
         _stop(children)
         bad.join()
         tail = "\n".join(f"    {line}" for line in bad.tail) or "    (nothing)"
+        steps = f" Last step finished: {watch.last_steps()}." if watch else ""
         say(
-          f"node {bad.index} (process {bad.index} of {nodes}) failed with "
-          f"{_describe_exit(code)}; stopped the other nodes. Last lines of its stderr:\n{tail}"
+          f"node {bad.index} (process {bad.index} of {nodes}) {what}; stopped the other "
+          f"nodes.{steps} Last lines of its stderr:\n{tail}"
         )
         return code if code > 0 else 128 - code
       if all(c == 0 for c in codes):
@@ -545,10 +772,14 @@ def launch(
       time.sleep(0.1)
   except _Interrupted as e:
     say(
-      f"got {signal.Signals(e.signum).name}: stopping {nodes} processes (SIGINT, then SIGKILL "
-      f"after 10 s) and cleaning up"
+      f"got {signal.Signals(e.signum).name}: passing SIGINT on to the {nodes} nodes (they "
+      f"checkpoint an agreed step and stop; SIGKILL after {stop_grace:g} s; Ctrl-C again to "
+      f"stop them at once), then cleaning up"
     )
-    _stop(children, first=signal.SIGINT)
+    _stop_together(children, stop_grace)
+    if watch:
+      watch.read()
+      say(f"stopped. Last step finished: {watch.last_steps()}")
     return 128 + e.signum
   finally:
     _stop(children)
@@ -556,3 +787,5 @@ def launch(
       signal.signal(sig, handler)
     if network:
       network.close()
+    shutil.rmtree(beats, ignore_errors=True)
+    reaper.done()

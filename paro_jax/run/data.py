@@ -2,9 +2,11 @@
 
 Sources (`--data`, any number of paths and globs, in sorted order): text files; JSONL files whose
 records carry the text in one field (`--text-field`); pre-tokenized `.bin` files of uint16 or
-uint32 ids (read with np.memmap, never loaded whole when there is one). Text is tokenized at byte
-level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, needs the `tokenizers`
-package: `pip install -e ".[hf]"`).
+uint32 ids (read with np.memmap: never loaded whole, any number of them, e.g. the shards of
+`paro-jax prepare-data`, paro_jax/run/prepare.py). Several sources are read as one stream
+(`TokenStream`) without being joined in memory. Text is tokenized at byte level (vocabulary 256)
+or by an HF `tokenizer.json` (`--tokenizer`, needs the `tokenizers` package:
+`pip install -e ".[hf]"`).
 
 The default corpus is real text that every Python installation carries: the source files of
 the Python standard library, so a training run needs no download.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import mmap
 import os
 import sysconfig
 
@@ -63,7 +66,14 @@ class HFTokenizer:
         f"HF tokenizer.json, or leave it out for byte-level tokens"
       )
     self.path = path
-    self._tok = tokenizers.Tokenizer.from_file(path)
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises a bare Exception
+      why = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise ValueError(
+        f"--tokenizer {path} is not a valid HF tokenizer.json ({why}): pass the tokenizer.json "
+        f"of an HF model, or leave --tokenizer out for byte-level tokens"
+      ) from None
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str) -> np.ndarray:
@@ -99,6 +109,11 @@ def expand_paths(patterns) -> list[str]:
     if not matches:
       raise FileNotFoundError(f"--data {pattern!r} matches no file")
     for path in matches:
+      if os.path.isdir(path):
+        raise IsADirectoryError(
+          f"--data {path!r} is a directory: pass its files, e.g. --data "
+          f"'{os.path.join(path, '*.txt')}' (quoted: paro-jax expands the glob, in sorted order)"
+        )
       if not os.path.isfile(path):
         raise FileNotFoundError(
           f"data file {path!r} does not exist: pass --data with existing "
@@ -108,18 +123,46 @@ def expand_paths(patterns) -> list[str]:
   return files
 
 
+def bin_max(path: str, dtype: np.dtype, chunk: int = 1 << 22) -> int:
+  """The largest id of a .bin file, read in chunks by plain reads (not the memmap: pages of a
+  mapping stay in the process's resident memory)."""
+  top = 0
+  with open(path, "rb") as f:
+    while block := f.read(chunk * dtype.itemsize):
+      top = max(top, int(np.frombuffer(block, dtype).max()))
+  return top
+
+
 def read_bin(path: str, dtype: np.dtype) -> np.ndarray:
   size = os.path.getsize(path)
   if size % dtype.itemsize:
     raise ValueError(
       f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; is --bin-dtype right?"
     )
-  return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+  if not size:
+    return np.zeros(0, dtype)
+  tokens = np.memmap(path, dtype=dtype, mode="r")
+  # Batches read random windows: without this the kernel reads ahead (megabytes per window)
+  # and a long run ends up with all of the file resident.
+  if hasattr(mmap, "MADV_RANDOM") and getattr(tokens, "_mmap", None) is not None:
+    tokens._mmap.madvise(mmap.MADV_RANDOM)
+  return tokens
 
 
-def read_jsonl(path: str, field: str):
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
+def read_jsonl(path: str, field: str, progress=None):
+  """The `field` text of each record; `progress(n)` is called with the bytes of each line."""
+  try:
+    yield from _read_jsonl(path, field, progress)
+  except UnicodeDecodeError as e:
+    raise ValueError(_not_utf8(path, e)) from None
+
+
+def _read_jsonl(path: str, field: str, progress):
+  with open(path, "rb") as f:
+    for n, raw in enumerate(f, 1):
+      if progress:
+        progress(len(raw))
+      line = raw.decode("utf-8")
       if not line.strip():
         continue
       try:
@@ -132,7 +175,43 @@ def read_jsonl(path: str, field: str):
           f"{path}:{n}: the record has no {field!r} field (it has {keys}): pass "
           f"--text-field with the field that holds the text"
         )
-      yield record[field]
+      text = record[field]
+      if not isinstance(text, str):
+        raise ValueError(
+          f"{path}:{n}: the {field!r} field is {json.dumps(text)[:40]} ({type(text).__name__}), "
+          f"not text: fix or drop that record, or pass --text-field with the field that holds "
+          f"the text"
+        )
+      yield text
+
+
+TEXT_SAMPLE = 1 << 20  # bytes of a text file checked for being text
+MAX_CONTROL = 0.05  # fraction of control characters (other than tab, newlines, form feed) allowed
+
+
+def _not_utf8(path: str, e: UnicodeDecodeError, base: int = 0) -> str:
+  return (
+    f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {base + e.start}): pass "
+    f"text files, .jsonl, or token ids in files named *.bin"
+  )
+
+
+def check_text(path: str, head: bytes) -> None:
+  """Refuse a file that is not text: invalid UTF-8, or mostly control characters (binary data
+  trained on as bytes would run, silently, on garbage). `head` is the file's first bytes."""
+  try:
+    text = head.decode("utf-8")
+  except UnicodeDecodeError as e:
+    if not (len(head) >= TEXT_SAMPLE and e.start >= len(head) - 4):  # not a character cut off
+      raise ValueError(_not_utf8(path, e)) from None
+    text = head[: e.start].decode("utf-8")
+  control = sum(1 for c in text if ord(c) < 32 and c not in "\t\n\r\f") + text.count("\x7f")
+  if text and control / len(text) > MAX_CONTROL:
+    raise ValueError(
+      f"{path} is mostly not printable text ({control / len(text):.0%} control characters in "
+      f"its first {len(text)} characters): pass text files, .jsonl, or token ids in files named "
+      f"*.bin"
+    )
 
 
 def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
@@ -150,7 +229,7 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
   for path in expand_paths(cfg.paths):
     if path.endswith(".bin"):
       tokens = read_bin(path, dtype)
-      top = int(tokens.max()) if tokens.size else 0
+      top = bin_max(path, dtype) if tokens.size else 0
       if top >= model_vocab:
         raise ValueError(
           f"{path} holds token id {top}, outside the model's vocabulary of "
@@ -160,15 +239,58 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
       docs = [tokenizer.encode(text) for text in read_jsonl(path, cfg.text_field)]
       tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint8)
     elif cfg.tokenizer:
-      with open(path, encoding="utf-8") as f:
-        tokens = tokenizer.encode(f.read())
+      with open(path, "rb") as f:
+        raw = f.read()
+      check_text(path, raw[:TEXT_SAMPLE])
+      try:
+        tokens = tokenizer.encode(raw.decode("utf-8"))
+      except UnicodeDecodeError as e:
+        raise ValueError(_not_utf8(path, e)) from None
     else:
+      with open(path, "rb") as f:
+        check_text(path, f.read(TEXT_SAMPLE))
       tokens = np.fromfile(path, dtype=np.uint8)  # bytes as they are, no decoding
     if tokens.size == 0:
       raise ValueError(f"data file {path!r} is empty: give a file with text in it")
     parts.append(tokens)
-  # One file stays a memmap; several are joined (in memory) into one stream.
-  return parts[0] if len(parts) == 1 else np.concatenate(parts)
+  # One file stays as it is (a memmap for .bin); several are read as one stream, not joined.
+  return parts[0] if len(parts) == 1 else TokenStream(parts)
+
+
+class TokenStream:
+  """Several 1-D token arrays (memmaps of .bin shards) read as their concatenation, which is never
+  built: `stream[idx]` (integer arrays) gathers from the parts the indices fall in (a window may
+  span two), `stream[lo:hi]` is a stream over views. Only the tokens asked for are read."""
+
+  def __init__(self, parts):
+    self.parts = [p for p in parts if p.size]
+    self.offsets = np.cumsum([0] + [p.size for p in self.parts])
+    self.size = int(self.offsets[-1])
+    self.dtype = np.result_type(*[p.dtype for p in self.parts]) if self.parts else np.uint8
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      lo, hi, step = index.indices(self.size)
+      if step != 1:
+        raise IndexError("a TokenStream slice must have step 1")
+      parts = []
+      for k, part in enumerate(self.parts):
+        a, b = max(lo, self.offsets[k]), min(hi, self.offsets[k + 1])
+        if a < b:
+          parts.append(part[a - self.offsets[k] : b - self.offsets[k]])
+      return TokenStream(parts)
+    idx = np.asarray(index)
+    if idx.size and (idx.min() < 0 or idx.max() >= self.size):
+      raise IndexError(f"token index out of range [0, {self.size})")
+    which = np.searchsorted(self.offsets, idx, side="right") - 1
+    out = np.empty(idx.shape, self.dtype)
+    for k in np.unique(which):
+      sel = which == k
+      out[sel] = self.parts[k][idx[sel] - self.offsets[k]]
+    return out
 
 
 def split_eval(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:

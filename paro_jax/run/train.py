@@ -15,10 +15,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
 from models.hf import load_hf, read_config
 from models.llama import Llama, LoraConfig, get_config
+from paro_jax.cluster import watch
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
 from paro_jax.analysis.costs import model_state_bytes
 from paro_jax.run.metrics import dump_row, read_rows
@@ -63,6 +65,7 @@ class RunConfig:
   lora_alpha: float = 16.0
   lora_targets: str = "wq,wv"
   max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss/grad
+  progress_timeout: float = 0.0  # > 0: exit when no step finished for this many s (SLURM)
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -83,7 +86,7 @@ class RunConfig:
         raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if isinstance(self.data, str):
       object.__setattr__(self, "data", (self.data,))
-    for name in ("checkpoint_every", "eval_every"):
+    for name in ("checkpoint_every", "eval_every", "progress_timeout"):
       if getattr(self, name) < 0:
         raise ValueError(
           f"{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"
@@ -260,8 +263,9 @@ class StopSignals:
   and checkpoints the finished step and exits); a second one exits at once, without waiting for
   the checkpoint (a checkpoint is only ever listed once complete).
 
-  Only in the main thread of a single-process run: with several processes, each would stop at
-  its own step and the checkpoint's collective save would never meet."""
+  Only in the main thread. With several processes, the processes agree each step on whether any
+  of them was asked to stop (`StopVote`), so they all stop after the same step and save it
+  together."""
 
   def __init__(self):
     self.signum: int | None = None
@@ -270,7 +274,7 @@ class StopSignals:
     self._old = {}
 
   def __enter__(self):
-    if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+    if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGINT, signal.SIGTERM):
         self._old[sig] = signal.signal(sig, self._handle)
     return self
@@ -285,12 +289,33 @@ class StopSignals:
       os._exit(128 + signum)
     self.signum, self.dispatched_at_signal = signum, self.dispatched
     what = (
-      "stopping before the first step (no checkpoint)"
+      "stopping at a step all processes agree on and checkpointing it"
+      if jax.process_count() > 1
+      else "stopping before the first step (no checkpoint)"
       if self.dispatched == 0
       else "stopping after this step and checkpointing it"
     )
     name = signal.Signals(signum).name
     os.write(2, f"\nparo-jax: {name}: {what}; send it again to stop at once\n".encode())
+
+
+class StopVote:
+  """With several processes: whether any process was asked to stop, the same answer on all.
+
+  A one-int all-reduce (max) over every device, dispatched at each step like the step itself; its
+  result is read after the previous step's metrics were, so the host waits for nothing new."""
+
+  def __init__(self):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("all",))
+    self.sharding = NamedSharding(mesh, PartitionSpec("all"))
+    self.local = jax.local_device_count()
+    self.reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+  def __call__(self, flag: bool) -> jax.Array:
+    local = np.full((self.local,), int(flag), np.int32)
+    return self.reduce(jax.make_array_from_process_local_data(self.sharding, local))
 
 
 class RunLock:
@@ -348,6 +373,8 @@ def train(cfg: RunConfig) -> str:
       flush=True,
     )
 
+  if cfg.progress_timeout:
+    watch.Watchdog(cfg.progress_timeout).start()
   os.makedirs(cfg.out, exist_ok=True)
   # Signals are taken over before anything is read or compiled: a stop before the first step
   # finishes leaves no checkpoint (and an empty metrics.jsonl).
@@ -406,6 +433,7 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
     jax.block_until_ready(metrics)
     now = time.perf_counter()
     row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+    watch.finished(step)
     # The first step of a process includes compilation; later ones are pure step time.
     row["step_time_s"] = now - last_time
     row["tokens_per_s"] = tokens_per_step / row["step_time_s"]
@@ -449,20 +477,25 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
       )
 
   pending = None
+  vote = StopVote() if jax.process_count() > 1 else None
   with open(metrics_path if main else os.devnull, "w") as log:
     log.writelines(rows)
     log.flush()
     try:
       bar.set_postfix_str("compiling the training step", refresh=True)
       for step in range(start, cfg.steps):
-        if stop.signum is not None:
+        if vote is None and stop.signum is not None:
           break
+        asked = vote(stop.signum is not None) if vote else None
         state, metrics = engine.train_step(state, place_batch(engine, batches, step))
         stop.dispatched += 1
         # Read the previous step's metrics only after the next step is dispatched, so the host
         # never stalls the device.
         if pending is not None:
           record(*pending)
+        if asked is not None and int(asked):  # some process was asked to stop: all stop here
+          stop.signum = stop.signum or signal.SIGINT
+          stop.dispatched_at_signal = stop.dispatched
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
           # Dispatched before the next step takes (donates) the state; read with the metrics.
           metrics = {**metrics, "eval_loss": engine.eval_loss(state, eval_batch)}
@@ -471,7 +504,9 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
           record(*pending)  # every checkpointed step has its metrics row, and is finite
           pending = None
           save(state)  # asynchronous: returns once the arrays are copied off the device
-      if stop.signum is not None and stop.dispatched_at_signal == 0:
+        if asked is not None and int(asked):
+          break
+      if vote is None and stop.signum is not None and stop.dispatched_at_signal == 0:
         pending = None  # stopped during the first compile: nothing was asked for
       if pending is not None:
         record(*pending)

@@ -1,0 +1,177 @@
+"""`paro-jax prepare-data` and training on many .bin shards: shards are read by memory map as one
+stream (never joined), batches equal those of the joined tokens (so the resume position is
+exact), and both preparing and reading stay within a memory budget smaller than the data."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from paro_jax.run.data import Batches, DataConfig, TokenStream, load_tokens, split_eval
+from paro_jax.run.prepare import prepare_data
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _text(path, size, seed):
+  rng = np.random.default_rng(seed)
+  data = rng.integers(32, 127, size, dtype=np.uint8)
+  data[rng.integers(0, size, size // 60)] = 10  # lines
+  data.tofile(path)
+  return data
+
+
+def test_shards_read_as_one_stream(tmp_path):
+  """Byte-level shards equal the files' bytes; windows that span shards, per-process rows, the
+  eval split and every step's batch equal those of the joined tokens."""
+  texts = [_text(tmp_path / f"t{k}.txt", 30_000 + 777 * k, k) for k in range(3)]
+  joined = np.concatenate(texts)
+  meta = prepare_data(
+    [str(tmp_path / "t*.txt")], str(tmp_path / "shards"), shard_tokens=7_000, progress=False
+  )
+  assert meta["tokens"] == joined.size and meta["dtype"] == "uint16"
+  assert [s["tokens"] for s in meta["shards"]][:-1] == [7_000] * (len(meta["shards"]) - 1)
+  stream = load_tokens(DataConfig(paths=(str(tmp_path / "shards" / "*.bin"),)), 256)
+  assert isinstance(stream, TokenStream) and len(stream.parts) == len(meta["shards"])
+  assert all(isinstance(p, np.memmap) for p in stream.parts)
+  np.testing.assert_array_equal(stream[np.arange(stream.size)], joined)
+  train_s, eval_s = split_eval(stream, 0.05)
+  train_j, eval_j = split_eval(joined, 0.05)
+  np.testing.assert_array_equal(eval_s[np.arange(eval_s.size)], eval_j)
+  a, b = Batches(train_s, 2, 8, 64, seed=3), Batches(train_j, 2, 8, 64, seed=3)
+  for step in (0, 1, 17, 1000):
+    np.testing.assert_array_equal(a(step), b(step))
+    np.testing.assert_array_equal(a(step, rows=(4, 6)), b(step, rows=(4, 6)))
+  # several text files (no shards) are a stream too, equal to their bytes
+  direct = load_tokens(DataConfig(paths=(str(tmp_path / "t*.txt"),)), 256)
+  assert isinstance(direct, TokenStream)
+  np.testing.assert_array_equal(direct[np.arange(direct.size)], joined)
+
+
+def test_prepare_data_jsonl_errors_and_cli(tmp_path, capsys):
+  from paro_jax.cli import main
+
+  with open(tmp_path / "d.jsonl", "w") as f:
+    for i in range(50):
+      f.write(json.dumps({"text": f"record {i}\n"}) + "\n")
+  main(["prepare-data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s")])
+  out = capsys.readouterr().out
+  assert "train with --data '" in out and "s/*.bin' --bin-dtype uint16" in out
+  want = np.frombuffer("".join(f"record {i}\n" for i in range(50)).encode(), np.uint8)
+  got = load_tokens(DataConfig(paths=(str(tmp_path / "s" / "*.bin"),)), 256)
+  np.testing.assert_array_equal(got, want)
+  # again into the same directory: refused, nothing overwritten
+  with pytest.raises(SystemExit):
+    main(["prepare-data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s")])
+  assert "already holds 1 shards" in capsys.readouterr().err
+  (tmp_path / "bad.txt").write_bytes(b"ok line\n" * 10 + b"\xff\xfe rest\n")
+  with pytest.raises(ValueError, match=r"bad.txt is not UTF-8 text \(byte 0xff at offset 80\)"):
+    prepare_data([str(tmp_path / "bad.txt")], str(tmp_path / "b"), progress=False)
+  assert glob.glob(str(tmp_path / "b" / "*.bin")) == []  # no partial shards left
+
+
+BUDGET_MB = 120  # peak RSS allowed to preparing and to reading; the shards are 2x that
+
+# The peak resident memory of this process since its exec (VmHWM; ru_maxrss would carry the
+# forking pytest's peak over the exec).
+PEAK = "int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) // 1024"
+
+# The reader's own memory is its anonymous resident memory (RssAnon), sampled every step: pages
+# of the memory-mapped shards it touched also count as resident (RssFile), but they are the page
+# cache's, shared and dropped under pressure, not memory the run holds.
+READER = """
+import sys
+import numpy as np
+from paro_jax.run.data import Batches, DataConfig, TokenStream, load_tokens, split_eval
+def rss(kind):
+  return int(open("/proc/self/status").read().split(kind + ":")[1].split()[0]) // 1024
+tokens = load_tokens(DataConfig(paths=(sys.argv[1],)), 256)
+assert isinstance(tokens, TokenStream), type(tokens)
+train, _ = split_eval(tokens, 0.01)
+batches = Batches(train, 2, 16, 256, seed=0)
+peak = rss("RssAnon")
+for step in range(200):
+  batches(step, rows=(4, 8))  # one process's rows of 2 processes
+  peak = max(peak, rss("RssAnon"))
+print(tokens.size, peak, rss("RssFile"))
+"""
+
+
+def test_larger_than_memory_budget(tmp_path):
+  """240 MB of shards from 120 MB of generated text: prepare-data (peak RSS) and a reader of 200
+  steps' batches (the vocab check over every shard included; peak anonymous RSS) each stay
+  below the 120 MB budget."""
+  size = BUDGET_MB * 2**20
+  for k in range(2):
+    _text(tmp_path / f"big{k}.txt", size // 2, k)
+  prep = subprocess.run(
+    [
+      sys.executable,
+      "-c",
+      f"import sys; from paro_jax.cli import main; main(sys.argv[1:]); print({PEAK})",
+      "prepare-data",
+      str(tmp_path / "big*.txt"),
+      "--out",
+      str(tmp_path / "shards"),
+      "--shard-tokens",
+      str(20 * 2**20),
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert prep.returncode == 0, prep.stderr[-3000:]
+  for k in range(2):
+    os.remove(tmp_path / f"big{k}.txt")
+  shards = sorted(glob.glob(str(tmp_path / "shards" / "*.bin")))
+  on_disk = sum(os.path.getsize(p) for p in shards)
+  assert len(shards) == 6 and on_disk == 2 * size > BUDGET_MB * 2**20
+  assert "100%" in prep.stderr  # the progress bar
+  assert int(prep.stdout.split()[-1]) < BUDGET_MB, prep.stdout
+  read = subprocess.run(
+    [sys.executable, "-c", READER, str(tmp_path / "shards" / "*.bin")],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert read.returncode == 0, read.stderr[-3000:]
+  tokens, peak, mapped = map(int, read.stdout.split())
+  assert tokens == size
+  assert peak < BUDGET_MB, f"reader peaked at {peak} MB (and {mapped} MB of mapped file pages)"
+
+
+def test_training_on_shards_equals_training_on_the_joined_file(tmp_path):
+  """train --data 'shards/*.bin' (a TokenStream, eval split included) logs the very losses of a
+  run on one .bin file holding the same tokens."""
+  from paro_jax.run.train import RunConfig, train
+
+  texts = [_text(tmp_path / f"t{k}.txt", 20_000, k) for k in range(2)]
+  prepare_data([str(tmp_path / "t*.txt")], str(tmp_path / "s"), shard_tokens=3_000, progress=False)
+  np.concatenate(texts).astype(np.uint16).tofile(tmp_path / "joined.bin")
+  losses = []
+  for name, data in (
+    ("shards", str(tmp_path / "s" / "*.bin")),
+    ("one", str(tmp_path / "joined.bin")),
+  ):
+    cfg = RunConfig(
+      model="test",
+      mesh=(2, 4),
+      batch_size=8,
+      seq_len=32,
+      steps=3,
+      warmup=1,
+      dtype="fp32",
+      data=(data,),
+      eval_every=3,
+      eval_fraction=0.1,
+      out=str(tmp_path / name),
+    )
+    rows = [json.loads(line) for line in open(train(cfg))]
+    losses.append([(r["loss"], r.get("eval_loss")) for r in rows])
+  assert losses[0] == losses[1] and len(losses[0]) == 3 and losses[0][-1][1] is not None
