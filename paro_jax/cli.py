@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paro_jax.core.names import COLLECTIVE_IMPLS, parse_mesh_shape
+from paro_jax.core.names import (
+  COLLECTIVE_IMPLS,
+  DEFAULT_INT8_BLOCK,
+  GRAD_DTYPES,
+  WIRE_FORMATS,
+  parse_mesh_shape,
+)
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
 
 
@@ -30,6 +36,30 @@ def _by_name(args, target, **given):
   return {**{k: v for k, v in vars(args).items() if k in names}, **given}
 
 
+def _add_wire(p: argparse.ArgumentParser) -> None:
+  """--inter-params, --inter-grads, --int8-block, --grad-dtype (train, inspect, plan)."""
+  w = p.add_argument_group(
+    "communication precision",
+    "what the parameter gathers and gradient reductions carry across nodes (the inter level, "
+    "also of a collective over all devices); intra-node traffic keeps the compute / "
+    "accumulation dtype (docs/collectives.md)",
+  )
+  w.add_argument("--inter-params", default="same", choices=WIRE_FORMATS)
+  w.add_argument("--inter-grads", default="same", choices=WIRE_FORMATS)
+  w.add_argument(
+    "--int8-block",
+    type=int,
+    default=DEFAULT_INT8_BLOCK,
+    help=f"elements per fp32 scale of the int8 format (default {DEFAULT_INT8_BLOCK})",
+  )
+  w.add_argument(
+    "--grad-dtype",
+    default="compute",
+    choices=GRAD_DTYPES,
+    help="gradient accumulation and boundary reduction dtype (default: the compute dtype)",
+  )
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="tiny", help="preset: tiny, small, 7b, 13b, 65b")
   p.add_argument(
@@ -46,6 +76,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
   p.add_argument("--collectives", default="xla", choices=COLLECTIVE_IMPLS)
+  _add_wire(p)
   p.add_argument(
     "--remat",
     default="full",

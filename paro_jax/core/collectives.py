@@ -462,7 +462,7 @@ def _ring_ag_one(x, axes):
 
 def _plain_ag_stacked(x, axes, impl):  # [*S] -> [k, *S] over the uncompressed axes
   if impl == "xla":
-    return lax.all_gather(x, _lax_axes(axes), axis=0, tiled=False)
+    return lax.all_gather(x, _lax_axes(axes), axis=0, tiled=False, to="invarying")
   return _ag_stacked(x, axes, impl)
 
 

@@ -27,11 +27,13 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-FORMATS = ("same", "bf16", "int8")
+from paro_jax.core.names import DEFAULT_INT8_BLOCK, WIRE_FORMATS
+
+FORMATS = WIRE_FORMATS
 # Elements per int8 scale. 256 costs 4/256 = 1.6% of the int8 payload in scales; the relative
 # error is set by each block's largest element, so smaller blocks are more accurate and cost
 # more bytes (docs/collectives.md has the measurement).
-DEFAULT_BLOCK = 256
+DEFAULT_BLOCK = DEFAULT_INT8_BLOCK
 SCALE_BYTES = 4  # one fp32 scale per block
 
 
@@ -48,13 +50,13 @@ class Codec:
     if not isinstance(self.block, int) or self.block < 1:
       raise ValueError(f"the int8 block size must be a positive integer, got {self.block!r}")
 
+  def compresses(self, itemsize: int) -> bool:
+    """Whether this codec changes what a floating operand of `itemsize` bytes sends."""
+    return self.fmt == "int8" or (self.fmt == "bf16" and itemsize > 2)
+
   def active_for(self, dtype) -> bool:
     """Whether this codec changes what a `dtype` operand sends (bf16 on bf16 does not)."""
-    if self.fmt == "same":
-      return False
-    if self.fmt == "bf16":
-      return jnp.dtype(dtype).itemsize > 2 and jnp.issubdtype(dtype, jnp.floating)
-    return jnp.issubdtype(dtype, jnp.floating)
+    return jnp.issubdtype(dtype, jnp.floating) and self.compresses(jnp.dtype(dtype).itemsize)
 
   def wire_bytes(self, elements: int, itemsize: int) -> int:
     """Bytes on the wire for one chunk of `elements` elements of an `itemsize`-byte dtype."""
@@ -159,7 +161,8 @@ def gather_axis(x, axis: str, codec: Codec, impl: str, ring_ag, permute):
   del permute
   payload = quantize(x, codec)
   if impl == "xla":
-    gathered = tuple(lax.all_gather(p, axis, axis=0, tiled=False) for p in payload)
+    # typed replicated over `axis` (as lax.psum is): an all-reduce built from it stays so
+    gathered = tuple(lax.all_gather(p, axis, axis=0, tiled=False, to="invarying") for p in payload)
   else:
     gathered = tuple(ring_ag(p, (axis,)) for p in payload)
   k = gathered[0].shape[0]
