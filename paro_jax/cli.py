@@ -323,6 +323,7 @@ def _add_planner_commands(sub) -> None:
     help="a `paro-jax probe` JSON: its measured links (and FLOP/s) override",
   )
   plan.add_argument("--json", action="store_true", help="print one JSON object")
+  _add_wire(plan)
   probe = sub.add_parser(
     "probe",
     help="measure collectives (per level) and FLOP/s of this mesh "
