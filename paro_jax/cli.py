@@ -7,7 +7,13 @@ import argparse
 import os
 import sys
 
-from paro_jax.core.names import COLLECTIVE_IMPLS, parse_mesh_shape
+from paro_jax.core.names import (
+  COLLECTIVE_IMPLS,
+  DEFAULT_INT8_BLOCK,
+  GRAD_DTYPES,
+  WIRE_FORMATS,
+  parse_mesh_shape,
+)
 from paro_jax.core.strategy import ALIASES
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
 
@@ -75,6 +81,30 @@ def _by_name(args, target, **given):
   return {**{k: v for k, v in vars(args).items() if k in names}, **given}
 
 
+def _add_wire(p: argparse.ArgumentParser) -> None:
+  """--inter-params, --inter-grads, --int8-block, --grad-dtype (train, inspect, plan)."""
+  w = p.add_argument_group(
+    "communication precision",
+    "what the parameter gathers and gradient reductions carry across nodes (the inter level, "
+    "also of a collective over all devices); intra-node traffic keeps the compute / "
+    "accumulation dtype (docs/collectives.md)",
+  )
+  w.add_argument("--inter-params", default="same", choices=WIRE_FORMATS)
+  w.add_argument("--inter-grads", default="same", choices=WIRE_FORMATS)
+  w.add_argument(
+    "--int8-block",
+    type=int,
+    default=DEFAULT_INT8_BLOCK,
+    help=f"elements per fp32 scale of the int8 format (default {DEFAULT_INT8_BLOCK})",
+  )
+  w.add_argument(
+    "--grad-dtype",
+    default="compute",
+    choices=GRAD_DTYPES,
+    help="gradient accumulation and boundary reduction dtype (default: the compute dtype)",
+  )
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--model", default="tiny", type=str.lower, help="preset: tiny, small, 7b, 13b, 65b"
@@ -103,6 +133,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     help="how collectives over all devices run: xla (XLA's own) and hring in two levels, ring "
     "flat, horing two overlapped levels",
   )
+  _add_wire(p)
   p.add_argument(
     "--remat",
     default="full",
@@ -443,6 +474,7 @@ def _add_planner_commands(sub) -> None:
     help="a `paro-jax probe` JSON: its measured links (and FLOP/s) override",
   )
   plan.add_argument("--json", action="store_true", help="print one JSON object")
+  _add_wire(plan)
   probe = sub.add_parser(
     "probe",
     help="measure collectives (per level) and FLOP/s of this mesh "

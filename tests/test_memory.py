@@ -47,6 +47,18 @@ def test_state_bytes_match_formula(params0, strategy):
   assert bytes_per_device((state.master, state.opt_state)) == expected["opt"]
 
 
+@pytest.mark.parametrize("strategy", VALID_NAMES)
+def test_fp32_grads_bytes_match_formula(strategy):
+  """--grad-dtype fp32: 4 bytes per gradient element at its Gr placement (the step's accumulator
+  is this one: tests/test_engine_compress.py reads its dtype from the step)."""
+  s = parse_strategy(strategy)
+  engine = Engine(Llama(CFG, jnp.bfloat16), s, make_mesh(2, 4), OptimConfig(), grad_dtype="fp32")
+  psi = CFG.param_count()
+  expected = model_state_bytes(s, psi, psi, inter=2, intra=4, param_bytes=2, grad_bytes=4)
+  assert bytes_per_device(engine.zero_grads()) == expected["grads"]
+  assert expected["grads"] == 2 * model_state_bytes(s, psi, psi, 2, 4)["grads"]
+
+
 def test_params_view_is_the_master_weights_in_compute_dtype(params0):
   engine = Engine(Llama(CFG, jnp.bfloat16), parse_strategy("IIG"), make_mesh(2, 4), OptimConfig())
   view = jax.device_get(engine.params(engine.state_from_params(params0)))

@@ -62,6 +62,23 @@ def _ring(nbytes: float, k: int) -> float:
   return (k - 1) / k * nbytes
 
 
+def _add_collective(t, phase, axes, elements, itemsize, codec, inter, intra, times=1.0):
+  """Ring bytes of all-gathers / reduce-scatters (times=2: all-reduces) of `elements` full
+  elements over `axes`. With a compressing `codec` (core/compress.py) the inter level carries
+  `codec.bytes_per_element` per element of its 1/k_rest share and the other axis, first (a
+  reduce-scatter) or last (an all-gather), the full payload at `itemsize`: two levels."""
+  k = _group_size(axes, inter, intra)
+  if codec is None or INTER not in axes or not codec.compresses(itemsize):
+    t.add(phase, axes, times * _ring(elements * itemsize, k))
+    return
+  rest = tuple(a for a in axes if a != INTER)
+  k_rest = _group_size(rest, inter, intra)
+  if rest:
+    t.add(phase, rest, times * _ring(elements * itemsize, k_rest))
+  wire = codec.bytes_per_element(itemsize)
+  t.add(phase, (INTER,), times * _ring(elements / k_rest * wire, inter))
+
+
 def step_traffic(
   strategy: Strategy,
   params: int,
@@ -72,13 +89,49 @@ def step_traffic(
   param_bytes: int = 2,
   grad_bytes: int = 2,
   regathered: int | None = None,
+  wire=None,
+  acc_bytes: int | None = None,
 ) -> Traffic:
   """Expected per-device traffic of one optimizer step of `strategy`, by the schedule's phases.
 
   `regathered` is how many parameters are gathered a second time in backward (rematerialised);
   docs/design.md's formula assumes all of them (the default); paro_jax's LLaMA recomputes only its
   layer stack (Llama.layer_param_count), not the embedding and head.
+  `wire` (a compress.WireConfig): the inter level's precision of parameter gathers and gradient
+  reductions; `acc_bytes`: the gradient accumulator's element size (--grad-dtype; default
+  `grad_bytes`), what the boundary sync reduces. Per-micro-batch gradients are reduce-scattered
+  at `grad_bytes` (the compute dtype).
   """
+  if wire is not None:
+    return _step_traffic_wire(
+      strategy,
+      params,
+      trainable,
+      inter,
+      intra,
+      micro_batches,
+      param_bytes,
+      grad_bytes,
+      regathered,
+      wire,
+      acc_bytes,
+    )
+  if acc_bytes is not None and acc_bytes != grad_bytes:
+    from paro_jax.core.compress import WireConfig
+
+    return _step_traffic_wire(
+      strategy,
+      params,
+      trainable,
+      inter,
+      intra,
+      micro_batches,
+      param_bytes,
+      grad_bytes,
+      regathered,
+      WireConfig(),
+      acc_bytes,
+    )
   s, t = strategy, Traffic()
   k = lambda axes: _group_size(axes, inter, intra)
   full_p, full_g = param_bytes * params, grad_bytes * trainable
@@ -108,4 +161,37 @@ def step_traffic(
     s.param_sync_axes,
     _ring(param_bytes * trainable / k(s.params.axes), k(s.param_sync_axes)),
   )
+  return t
+
+
+def _step_traffic_wire(
+  s,
+  params,
+  trainable,
+  inter,
+  intra,
+  micro_batches,
+  param_bytes,
+  grad_bytes,
+  regathered,
+  wire,
+  acc_bytes,
+) -> Traffic:
+  """step_traffic with compressed inter levels (docs/design.md, "Compressed inter-node
+  traffic"); with `same` everywhere it equals the uncompressed formula."""
+  t = Traffic()
+  k = lambda axes: _group_size(axes, inter, intra)
+  pc, gc = wire.params_codec, wire.grads_codec
+  acc_bytes = grad_bytes if acc_bytes is None else acc_bytes
+  regathered = params if regathered is None else regathered
+  add = lambda phase, axes, n, item, codec, times=1.0: _add_collective(
+    t, phase, axes, n, item, codec, inter, intra, times
+  )
+  a = micro_batches
+  add("forward params", s.param_gather_axes, params, param_bytes, pc, a)
+  add("backward params (remat)", s.param_gather_axes, regathered, param_bytes, pc, a)
+  add("backward grads", s.grad_scatter_axes, trainable, grad_bytes, gc, a)
+  add("grad sync", s.sync_scatter_axes, trainable / k(s.grads.axes), acc_bytes, gc)
+  add("grad sync", s.sync_reduce_axes, trainable / k(s.opt.axes), acc_bytes, gc, 2)
+  add("param sync", s.param_sync_axes, trainable / k(s.params.axes), param_bytes, pc)
   return t

@@ -53,6 +53,8 @@ def expected_traffic(engine: Engine):
     itemsize,
     itemsize,
     regathered=regathered,
+    wire=engine.wire,
+    acc_bytes=jnp.dtype(engine.grad_dtype).itemsize,
   )
 
 
@@ -94,17 +96,24 @@ def report(engine: Engine, compiled) -> dict:
   mem = compiled.memory_analysis()
   notes = []
   wire = {dt for c in collectives for dt in c.dtypes}
-  if engine.compute_dtype == jnp.bfloat16 and "f32" in wire and "bf16" not in wire:
+  bf16_wire = "bf16" in (engine.wire.params, engine.wire.grads)
+  if (engine.compute_dtype == jnp.bfloat16 or bf16_wire) and "f32" in wire and "bf16" not in wire:
     notes.append(
-      "the compiled collectives are f32 although the compute dtype is bf16: XLA:CPU "
-      "runs bf16 collectives in f32, so measured bytes are about 2x the formula here; "
-      "GPU backends keep them bf16"
+      "the compiled collectives are f32 although the compute dtype or the inter wire is "
+      "bf16: XLA:CPU runs bf16 collectives in f32, so measured bytes of bf16 traffic are "
+      "2x the formula here (int8 stays int8); GPU backends keep them bf16"
     )
   return {
     "strategy": engine.strategy.name,
     "mesh": {"inter": engine.inter, "intra": engine.intra},
     "micro_batches": engine.micro_batches,
     "collectives_impl": engine.collectives,
+    "wire": {
+      "inter_params": engine.wire.params,
+      "inter_grads": engine.wire.grads,
+      "int8_block": engine.wire.block,
+    },
+    "grad_dtype": jnp.dtype(engine.grad_dtype).name,
     "params": psi,
     "trainable_params": trained,
     "dtype": jnp.dtype(engine.compute_dtype).name,
@@ -115,7 +124,13 @@ def report(engine: Engine, compiled) -> dict:
     "collectives": list(rows.values()),
     "memory": {
       "model_states": model_state_bytes(
-        engine.strategy, psi, trained, engine.inter, engine.intra, itemsize, itemsize
+        engine.strategy,
+        psi,
+        trained,
+        engine.inter,
+        engine.intra,
+        itemsize,
+        jnp.dtype(engine.grad_dtype).itemsize,
       ),
       "compiled": {
         "argument_bytes": mem.argument_size_in_bytes,
@@ -146,7 +161,10 @@ def format_report(r: dict) -> str:
     )
     + f", {r['dtype']}, "
     f"remat={r['remat']}, "
-    f"collectives={r['collectives_impl']}",
+    f"collectives={r['collectives_impl']}, inter wire params={r['wire']['inter_params']} "
+    f"grads={r['wire']['inter_grads']}"
+    + (f" (int8 block {r['wire']['int8_block']})" if "int8" in r["wire"].values() else "")
+    + f", grads in {r['grad_dtype']}",
     "",
     f"{'kind':20s}{'phase':20s}{'level':8s}{'dtype':7s}{'ops':>5s}{'count/step':>12s}"
     f"{'MiB/device/step':>17s}",
@@ -265,6 +283,10 @@ def inspect(
   lora=None,
   target: str | None = None,
   hlo_out: str | None = None,
+  inter_params: str = "same",
+  inter_grads: str = "same",
+  int8_block: int = 256,
+  grad_dtype: str = "compute",
 ) -> dict:
   """Build the engine for a configuration, compile its step and print the report.
 
@@ -275,6 +297,7 @@ def inspect(
   import tempfile
 
   from models.llama import Llama, get_config
+  from paro_jax.core.compress import WireConfig
   from paro_jax.core.engine import DTYPES, OptimConfig
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.strategy import parse_strategy
@@ -293,6 +316,8 @@ def inspect(
     OptimConfig(),
     micro_batches=micro_batches,
     collectives=collectives,
+    wire=WireConfig(inter_params, inter_grads, int8_block),
+    grad_dtype=grad_dtype,
   )
   with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
     try:

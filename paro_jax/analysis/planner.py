@@ -36,6 +36,7 @@ import json
 from typing import TYPE_CHECKING
 
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
+from paro_jax.core.compress import WireConfig
 from paro_jax.analysis.hardware import GPUS
 from paro_jax.core.names import (
   ALL_GATHER,
@@ -143,6 +144,8 @@ class Workload:
   trainable: int | None = None  # Ψ'; default Ψ (full training)
   itemsize: int = 2  # bytes of a compute-dtype value (parameters, gradients, activations)
   remat: bool = True  # the layer stack is recomputed (and regathered) in backward
+  wire: WireConfig = WireConfig()  # inter-node wire precision (--inter-params, --inter-grads)
+  grad_itemsize: int | None = None  # the gradient accumulator's (--grad-dtype); None: itemsize
 
   def __post_init__(self):
     for name in ("micro_batch", "micro_batches", "seq_len"):
@@ -150,6 +153,10 @@ class Workload:
         raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if self.trainable is not None and not 0 < self.trainable <= self.psi:
       raise ValueError(f"trainable parameters ({self.trainable}) must be in (0, {self.psi}]")
+
+  @property
+  def acc_itemsize(self) -> int:
+    return self.itemsize if self.grad_itemsize is None else self.grad_itemsize
 
   @property
   def psi(self) -> int:
@@ -190,6 +197,15 @@ def schedule(strategy: Strategy, w: Workload) -> dict[str, tuple[str, tuple[str,
   ]
   out = {}
   for phase, axes, kind, count in items:
+    # A compressed collective spanning both axes runs as two levels (costs._add_collective).
+    codec = w.wire.params_codec if "params" in phase else w.wire.grads_codec
+    item = w.acc_itemsize if phase == "grad sync" else w.itemsize
+    if INTER in axes and len(axes) == 2 and codec.compresses(item):
+      for level in axes:
+        key = f"{phase}/{level}"
+        assert key not in out, f"two collectives in phase {key} of {s}"
+        out[key] = (kind, (level,), count)
+      continue
     if axes:
       key = f"{phase}/{'inter' if INTER in axes else 'intra'}"
       assert key not in out, (
@@ -324,6 +340,8 @@ def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster):
     w.itemsize,
     w.itemsize,
     regathered=w.layer_params if w.remat else 0,
+    wire=w.wire,
+    acc_bytes=w.acc_itemsize,
   )
 
 
@@ -346,7 +364,13 @@ def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
   hidden = cluster.overlap * min(per_mb, times["compute"])
   step = times["compute"] + per_mb - hidden + times["grad_sync"] + times["param_sync"]
   states = model_state_bytes(
-    strategy, w.psi, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.itemsize, w.itemsize
+    strategy,
+    w.psi,
+    w.psi_trained,
+    cluster.nodes,
+    cluster.devices_per_node,
+    w.itemsize,
+    w.acc_itemsize,
   )
   acts = activation_bytes(strategy, w)
   memory = {"model_states": states, "activations": acts, "total": states["total"] + acts["total"]}
@@ -597,6 +621,10 @@ def run_plan(
   usable_memory: float = USABLE_MEMORY,
   profile: str | None = None,
   as_json: bool = False,
+  inter_params: str = "same",
+  inter_grads: str = "same",
+  int8_block: int = 256,
+  grad_dtype: str = "compute",
 ) -> Plan:
   """`paro-jax plan`: build the inputs from the command line's strings, plan, print."""
   from models.llama import get_config  # imports jax (no devices are touched)
@@ -634,8 +662,18 @@ def run_plan(
   )
   cluster = Cluster(nodes, devices_per_node, network, flops, mfu, memory, usable_memory, overlap)
   psi = cfg.param_count()
+  if grad_dtype not in ("compute", "fp32"):
+    raise ValueError(f"unknown --grad-dtype {grad_dtype!r}; choose compute or fp32")
   w = Workload(
-    cfg, micro_batch, micro_batches, seq_len, psi, max(1, round(trainable_fraction * psi)), itemsize
+    cfg,
+    micro_batch,
+    micro_batches,
+    seq_len,
+    psi,
+    max(1, round(trainable_fraction * psi)),
+    itemsize,
+    wire=WireConfig(inter_params, inter_grads, int8_block),
+    grad_itemsize=4 if grad_dtype == "fp32" else itemsize,
   )
   inputs = {
     "model": model,
@@ -658,6 +696,10 @@ def run_plan(
     "micro_batches": micro_batches,
     "seq_len": seq_len,
     "dtype": dtype,
+    "inter_params": inter_params,
+    "inter_grads": inter_grads,
+    "int8_block": int8_block,
+    "grad_dtype": grad_dtype,
     "overlap": overlap,
     "profile": profile,
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),

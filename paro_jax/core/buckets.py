@@ -26,10 +26,11 @@ def _ways(axes: tuple) -> int:
   return math.prod(lax.axis_size(a) for a in axes)
 
 
-def all_gather_bucket(xs: list, axes, dims: list[int], impl: str = "xla") -> list:
+def all_gather_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wire=None) -> list:
   """All-gather each of `xs` along its dim in `dims` over `axes` (major first), as one collective.
 
-  The arrays must share a dtype (a bucket is one buffer).
+  The arrays must share a dtype (a bucket is one buffer). `wire`: the inter level's precision
+  (collectives.all_gather); the bucket is quantized as one buffer, per-block scales included.
   """
   axes = tuple(axes) if not isinstance(axes, str) else (axes,)
   if not axes or not xs:
@@ -40,7 +41,7 @@ def all_gather_bucket(xs: list, axes, dims: list[int], impl: str = "xla") -> lis
   moved = [jnp.moveaxis(x, d % x.ndim, 0) for x, d in zip(xs, dims)]
   sizes = [m.size for m in moved]
   local = jnp.concatenate([m.reshape(-1) for m in moved])
-  full = comm.all_gather(local, axes, dim=0, impl=impl).reshape(k, local.size)
+  full = comm.all_gather(local, axes, dim=0, impl=impl, wire=wire).reshape(k, local.size)
   out, offset = [], 0
   for x, d, m, n in zip(xs, dims, moved, sizes):
     part = full[:, offset : offset + n].reshape((k * m.shape[0],) + m.shape[1:])
@@ -49,8 +50,9 @@ def all_gather_bucket(xs: list, axes, dims: list[int], impl: str = "xla") -> lis
   return out
 
 
-def reduce_scatter_bucket(xs: list, axes, dims: list[int], impl: str = "xla") -> list:
-  """Reduce-scatter (sum) each of `xs` along its dim over `axes`, as one collective."""
+def reduce_scatter_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wire=None) -> list:
+  """Reduce-scatter (sum) each of `xs` along its dim over `axes`, as one collective (`wire`: as
+  collectives.reduce_scatter)."""
   axes = tuple(axes) if not isinstance(axes, str) else (axes,)
   if not axes or not xs:
     return list(xs)
@@ -66,7 +68,7 @@ def reduce_scatter_bucket(xs: list, axes, dims: list[int], impl: str = "xla") ->
       )
   # Row r of each (k, -1) view is chunk r of that array: concatenated, row r is device r's.
   rows = jnp.concatenate([m.reshape(k, -1) for m in moved], axis=1)
-  local = comm.reduce_scatter(rows.reshape(-1), axes, dim=0, impl=impl)
+  local = comm.reduce_scatter(rows.reshape(-1), axes, dim=0, impl=impl, wire=wire)
   out, offset = [], 0
   for x, d, m in zip(xs, dims, moved):
     chunk = (m.shape[0] // k,) + m.shape[1:]

@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from paro_jax.core.names import COLLECTIVE_IMPLS
+from paro_jax.core import compress
+from paro_jax.core.names import COLLECTIVE_IMPLS, INTER
 
 __all__ = ["IMPLS", "all_gather", "reduce_scatter", "all_reduce", "to_varying"]
 
@@ -446,11 +447,112 @@ _ar = _with_transpose(_ar_impl, _ar_impl, 2)  # (axes, impl)
 
 
 # --------------------------------------------------------------------------
+# compressed inter level (paro_jax/core/compress.py): the `inter` axis carries the codec's
+# payload, the other axis the operand's dtype; two levels, one after the other
+# --------------------------------------------------------------------------
+
+
+def _inter_permute(x, axis, perm):
+  return _ppermute_on(x, axis, perm, INTER_STREAM)
+
+
+def _ring_ag_one(x, axes):
+  return _run(_ring_ag_gen(x, axes))
+
+
+def _plain_ag_stacked(x, axes, impl):  # [*S] -> [k, *S] over the uncompressed axes
+  if impl == "xla":
+    return lax.all_gather(x, _lax_axes(axes), axis=0, tiled=False, to="invarying")
+  return _ag_stacked(x, axes, impl)
+
+
+def _plain_rs_stacked(x, axes, impl):  # [k, *S] -> S over the uncompressed axes
+  if impl == "xla":
+    return lax.psum_scatter(x, _lax_axes(axes), scatter_dimension=0, tiled=False)
+  return _rs_stacked(x, axes, impl)
+
+
+def _split_inter(axes: tuple):
+  if len(axes) > 2:
+    raise ValueError(f"compressed collectives span at most two axes, got {axes}")
+  rest = tuple(a for a in axes if a != INTER)
+  return rest, bool(rest) and axes.index(INTER) == 0  # inter major?
+
+
+def _ag_c_stacked(x, axes, impl, codec):
+  """[*S] -> [k, *S] in combined axes order; the inter level carries `codec`'s payload."""
+  rest, inter_major = _split_inter(axes)
+  out = compress.gather_axis(x, INTER, codec, impl, _ring_ag_one, _inter_permute)  # [g, *S]
+  if rest:
+    out = _plain_ag_stacked(out, rest, impl)  # [k_rest, g, *S]
+    if inter_major:
+      out = jnp.swapaxes(out, 0, 1)
+    out = out.reshape((-1,) + x.shape)
+  return out
+
+
+def _rs_c_stacked(x, axes, impl, codec):
+  """[k, *S] (combined axes order) -> S; the inter level is compress.scatter_axis."""
+  rest, inter_major = _split_inter(axes)
+  g = lax.axis_size(INTER)
+  S = x.shape[1:]
+  if rest:
+    kr = x.shape[0] // g
+    x = x.reshape(((g, kr) if inter_major else (kr, g)) + S)
+    if inter_major:
+      x = jnp.swapaxes(x, 0, 1)
+    x = _plain_rs_stacked(x, rest, impl)  # [g, *S], summed over the node
+  return compress.scatter_axis(x, INTER, codec, impl, _inter_permute)
+
+
+def _ag_c_impl(x, axes, dim, impl, codec):
+  k = math.prod(_sizes(axes))
+  xm = jnp.moveaxis(x, dim, 0)
+  out = _ag_c_stacked(xm, axes, impl, codec).reshape((k * xm.shape[0],) + xm.shape[1:])
+  return jnp.moveaxis(out, 0, dim)
+
+
+def _rs_c_impl(x, axes, dim, impl, codec):
+  k = math.prod(_sizes(axes))
+  xm = jnp.moveaxis(x, dim, 0)
+  if xm.shape[0] % k:
+    raise ValueError(
+      f"reduce_scatter: dimension {dim} of size {xm.shape[0]} is not "
+      f"divisible by the {k} devices of axes {axes}"
+    )
+  xs = xm.reshape((k, xm.shape[0] // k) + xm.shape[1:])
+  return jnp.moveaxis(_rs_c_stacked(xs, axes, impl, codec), 0, dim)
+
+
+def _ar_c_impl(x, axes, impl, codec):
+  k = math.prod(_sizes(axes))
+  n = x.size
+  flat = x.reshape(-1)
+  pad = (-n) % k
+  if pad:
+    flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
+  part = _rs_c_stacked(flat.reshape(k, -1), axes, impl, codec)
+  full = _ag_c_stacked(part, axes, impl, codec).reshape(-1)
+  return full[:n].reshape(x.shape)
+
+
+_ag_c = _with_transpose(_ag_c_impl, _rs_c_impl, 4)  # (axes, dim, impl, codec)
+_rs_c = _with_transpose(_rs_c_impl, _ag_c_impl, 4)
+_ar_c = _with_transpose(_ar_c_impl, _ar_c_impl, 3)  # (axes, impl, codec)
+
+
+def _compressed(x, axes: tuple, wire) -> bool:
+  """Whether `wire` (a compress.Codec or None) changes this collective: it spans `inter` and the
+  codec changes what `x`'s dtype sends."""
+  return wire is not None and INTER in axes and wire.active_for(x.dtype)
+
+
+# --------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------
 
 
-def all_gather(x, axes, *, dim: int, impl: str = "xla"):
+def all_gather(x, axes, *, dim: int, impl: str = "xla", wire=None):
   """Tiled all-gather of ``x`` along ``dim`` over mesh ``axes`` (major first).
 
   Equals ``lax.all_gather(x, axes, axis=dim, tiled=True)``: the output
@@ -462,18 +564,24 @@ def all_gather(x, axes, *, dim: int, impl: str = "xla"):
   intra sub-rounds (one per column chunk), an intra and an independent inter
   ppermute per step, hring's bytes on each level.
   Transpose: ``reduce_scatter`` with the same ``impl``.
+
+  ``wire`` (a ``compress.Codec``): the precision of the ``inter`` level. When it compresses,
+  each chunk is quantized once and dequantized (into ``x.dtype``) by every device, its owner
+  included; over two axes the inter level runs first, then the other axis in ``x.dtype``.
   """
   axes = _norm_axes(axes)
   _check_impl(impl)
   if not axes:
     return x
   dim = dim % x.ndim
+  if _compressed(x, axes, wire):
+    return _ag_c(to_varying(x, axes), axes, dim, impl, wire)
   if impl == "xla":
     return lax.all_gather(x, _lax_axes(axes), axis=dim, tiled=True)
   return _ag(to_varying(x, axes), axes, dim, impl)
 
 
-def reduce_scatter(x, axes, *, dim: int, impl: str = "xla"):
+def reduce_scatter(x, axes, *, dim: int, impl: str = "xla", wire=None):
   """Tiled reduce-scatter (sum) of ``x`` along ``dim`` over mesh ``axes``.
 
   Equals ``lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)``:
@@ -485,28 +593,39 @@ def reduce_scatter(x, axes, *, dim: int, impl: str = "xla"):
   axis; ``horing`` -- the transpose of the all-gather schedule: intra
   sub-rounds in reverse order, the inter ring reducing beside them. Transpose: ``all_gather``
   with the same ``impl``.
+
+  ``wire`` (a ``compress.Codec``): the precision of the ``inter`` level. When it compresses, the
+  other axis is reduced first in ``x.dtype``; then each device quantizes its chunks once and
+  sends each straight to its owner (an all-to-all), which sums them in fp32.
   """
   axes = _norm_axes(axes)
   _check_impl(impl)
   if not axes:
     return x
   dim = dim % x.ndim
+  if _compressed(x, axes, wire):
+    return _rs_c(to_varying(x, axes), axes, dim, impl, wire)
   if impl == "xla":
     return lax.psum_scatter(x, _lax_axes(axes), scatter_dimension=dim, tiled=True)
   return _rs(to_varying(x, axes), axes, dim, impl)
 
 
-def all_reduce(x, axes, *, impl: str = "xla"):
+def all_reduce(x, axes, *, impl: str = "xla", wire=None):
   """Sum of ``x`` over mesh ``axes``; equals ``lax.psum(x, axes)``.
 
   Non-xla impls run ``reduce_scatter`` then ``all_gather`` (same impl
   schedule) on a flattened view padded to a multiple of the device count.
   Transpose: ``all_reduce`` with the same ``impl``.
+
+  ``wire``: as for ``reduce_scatter`` then ``all_gather`` (the reduced chunk is quantized once
+  more, and every replica dequantizes the same payload).
   """
   axes = _norm_axes(axes)
   _check_impl(impl)
   if not axes:
     return x
+  if _compressed(x, axes, wire):
+    return _ar_c(to_varying(x, axes), axes, impl, wire)
   if impl == "xla":
     return lax.psum(x, _lax_axes(axes))
   return _ar(to_varying(x, axes), axes, impl)

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.llama import Llama, next_token_loss
 from paro_jax.core import buckets
 from paro_jax.core import collectives as comm
+from paro_jax.core.compress import WireConfig
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.sharding import (
   ShardingRules,
@@ -44,7 +45,7 @@ from paro_jax.core.sharding import (
   shard_dims,
   state_specs,
 )
-from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES
+from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES, GRAD_DTYPES
 from paro_jax.core.strategy import Strategy
 
 DTYPES = {
@@ -151,8 +152,12 @@ class Engine:
     micro_batches: int = 1,
     collectives: str = "xla",
     rules: ShardingRules = ShardingRules(),
+    wire: WireConfig = WireConfig(),
+    grad_dtype: str = "compute",
     prefetch: bool = True,
   ):
+    if grad_dtype not in GRAD_DTYPES:
+      raise ValueError(f"unknown grad dtype {grad_dtype!r}; choose one of {GRAD_DTYPES}")
     if micro_batches < 1:
       raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     if collectives not in comm.IMPLS:
@@ -162,6 +167,9 @@ class Engine:
     # Prefetching layer stack (`_make_prefetch_stack`): only with full remat, the default.
     self.prefetch = prefetch and model.remat == "full"
     self.compute_dtype = model.dtype
+    # Gradient accumulator and boundary reduction: the compute dtype or fp32 (--grad-dtype).
+    self.grad_dtype = jnp.float32 if grad_dtype == "fp32" else model.dtype
+    self.wire = wire  # inter-node wire precision (paro_jax/core/compress.py)
     self.inter, self.intra = mesh_shape(mesh)
     self.logical = model.logical_axes()
     self.shapes = jax.eval_shape(model.init, jax.random.key(0))
@@ -245,7 +253,7 @@ class Engine:
     (trained leaves only)."""
     shardings = named(self.mesh, self.trained_specs.grads)
     return jax.jit(
-      lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.compute_dtype), self.trained_shapes),
+      lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.grad_dtype), self.trained_shapes),
       out_shardings=shardings,
     )()
 
@@ -314,7 +322,9 @@ class Engine:
     """The model's `materialize` hook: full weights of a subtree of Shards, each gathered over
     S(P) just before use, its gradient reduce-scattered over S(Gr) into the Shard's sink."""
     s = self.strategy
-    gather = _make_gather(s.param_gather_axes, s.grad_scatter_axes, self.collectives)
+    gather = _make_gather(
+      s.param_gather_axes, s.grad_scatter_axes, self.collectives, self.wire, self.grad_dtype
+    )
 
     def frozen(param, dim):  # a frozen LoRA base weight: gathered, no gradient
       full = comm.all_gather(
@@ -335,7 +345,9 @@ class Engine:
     if not self.prefetch:
       return None
     s = self.strategy
-    return _make_prefetch_stack(s.param_gather_axes, s.grad_scatter_axes, self.collectives)
+    return _make_prefetch_stack(
+      s.param_gather_axes, s.grad_scatter_axes, self.collectives, self.wire
+    )
 
   def _train_step(self, state: TrainState, tokens_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no
@@ -360,7 +372,7 @@ class Engine:
     ways = self.strategy.grads.shard_count(self.inter, self.intra)
 
     def sink_like(shape_struct, dim):
-      zeros = jnp.zeros(local_shape(shape_struct.shape, dim, ways), self.compute_dtype)
+      zeros = jnp.zeros(local_shape(shape_struct.shape, dim, ways), self.grad_dtype)
       return comm.to_varying(zeros, GLOBAL_AXES)
 
     return jax.tree.map(sink_like, self.trained_shapes, self.trained_dims)
@@ -382,7 +394,11 @@ class Engine:
     with jax.named_scope("param_sync"):
       params = jax.tree.map(
         lambda w, d: comm.all_gather(
-          w.astype(compute_dtype), s.param_sync_axes, dim=d % w.ndim, impl=impl
+          w.astype(compute_dtype),
+          s.param_sync_axes,
+          dim=d % w.ndim,
+          impl=impl,
+          wire=self.wire.params_codec,
         ),
         master,
         self.trained_dims,
@@ -412,13 +428,17 @@ class Engine:
       acc, losses = lax.scan(micro_step, sinks, tokens_AxBxL1)
 
     with jax.named_scope("grad_sync"):
+      wire = self.wire.grads_codec  # in the accumulator's dtype (compute or fp32)
       grads = jax.tree.map(
-        lambda g, d: comm.reduce_scatter(g, s.sync_scatter_axes, dim=d % g.ndim, impl=impl),
+        lambda g, d: comm.reduce_scatter(
+          g, s.sync_scatter_axes, dim=d % g.ndim, impl=impl, wire=wire
+        ),
         acc,
         self.trained_dims,
       )
       grads = jax.tree.map(
-        lambda g: comm.all_reduce(g, s.sync_reduce_axes, impl=impl).astype(jnp.float32), grads
+        lambda g: comm.all_reduce(g, s.sync_reduce_axes, impl=impl, wire=wire).astype(jnp.float32),
+        grads,
       )
 
     # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
@@ -447,26 +467,32 @@ def _gather_invariant(x, axes, dim):
   return lax.all_gather(x, axes, axis=dim % x.ndim, tiled=True, to="invarying") if axes else x
 
 
-def _make_gather(gather_axes, scatter_axes, impl):
-  """Per-layer weight gather over S(P) whose backward reduce-scatters over S(Gr) into the sink."""
+def _make_gather(gather_axes, scatter_axes, impl, wire=WireConfig(), grad_dtype=None):
+  """Per-layer weight gather over S(P) whose backward reduce-scatters over S(Gr) into the sink.
+
+  The reduce-scatter runs in the compute dtype; its result is cast to the sink's (`grad_dtype`),
+  where it is accumulated. Both collectives carry `wire`'s precision on their inter level."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
   def gather(param, sink, dim):
     del sink  # only receives the gradient
-    full = comm.all_gather(param, gather_axes, dim=dim % param.ndim, impl=impl)
+    full = comm.all_gather(
+      param, gather_axes, dim=dim % param.ndim, impl=impl, wire=wire.params_codec
+    )
     return comm.to_varying(full, GLOBAL_AXES)
 
   def fwd(param, sink, dim):
     return gather(param, sink, dim), None
 
   def bwd(dim, _, ct):
-    return None, comm.reduce_scatter(ct, scatter_axes, dim=dim % ct.ndim, impl=impl)
+    g = comm.reduce_scatter(ct, scatter_axes, dim=dim % ct.ndim, impl=impl, wire=wire.grads_codec)
+    return None, g.astype(grad_dtype or ct.dtype)
 
   gather.defvjp(fwd, bwd)
   return gather
 
 
-def _make_prefetch_stack(gather_axes, scatter_axes, impl):
+def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig()):
   """The layer stack as one `custom_vjp` that prefetches, as FSDP does (the model's `run_layers`).
 
   Per layer the traffic is today's: its weights all-gathered over S(P) in forward and again in
@@ -505,22 +531,25 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl):
     """All-gather the leaves of several trees over S(P), as one bucket with the rings."""
     leaves = [jax.tree.leaves(t) for t in trees]
     flat, flat_dims = sum(leaves, []), sum((jax.tree.leaves(d) for d in dims), [])
+    codec = wire.params_codec
     if bucketed:
-      full = buckets.all_gather_bucket(flat, gather_axes, flat_dims, impl)
+      full = buckets.all_gather_bucket(flat, gather_axes, flat_dims, impl, wire=codec)
     else:
       full = [
-        comm.all_gather(p, gather_axes, dim=d % p.ndim, impl=impl) for p, d in zip(flat, flat_dims)
+        comm.all_gather(p, gather_axes, dim=d % p.ndim, impl=impl, wire=codec)
+        for p, d in zip(flat, flat_dims)
       ]
     full = iter([comm.to_varying(w, GLOBAL_AXES) for w in full])
     return tuple(jax.tree.map(lambda _: next(full), t) for t in trees)
 
   def scatter(tree, dims):
     flat, flat_dims = jax.tree.leaves(tree), jax.tree.leaves(dims)
+    codec = wire.grads_codec
     if bucketed:
-      out = iter(buckets.reduce_scatter_bucket(flat, scatter_axes, flat_dims, impl))
+      out = iter(buckets.reduce_scatter_bucket(flat, scatter_axes, flat_dims, impl, wire=codec))
     else:
       out = iter(
-        comm.reduce_scatter(g, scatter_axes, dim=d % g.ndim, impl=impl)
+        comm.reduce_scatter(g, scatter_axes, dim=d % g.ndim, impl=impl, wire=codec)
         for g, d in zip(flat, flat_dims)
       )
     return jax.tree.map(lambda _: next(out), tree)
@@ -588,7 +617,10 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl):
       def scatter_into(gbuf, i, g):
         with jax.named_scope("layer_grad_scatter"):
           g = scatter(g, dims_t)
-        return jax.tree.map(lambda b, g: lax.dynamic_update_index_in_dim(b, g, i, 0), gbuf, g)
+        # Reduced in the compute dtype, accumulated in the sink's (compute or fp32).
+        return jax.tree.map(
+          lambda b, g: lax.dynamic_update_index_in_dim(b, g.astype(b.dtype), i, 0), gbuf, g
+        )
 
       def layer_vjp(x, w, ct):  # recompute layer forward, then its backward
         w_t, w_f = w

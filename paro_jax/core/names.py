@@ -20,6 +20,12 @@ LEVELS = tuple(LEVEL_AXES)
 # Implementations of the collectives (`--collectives`); see paro_jax/core/collectives.py.
 COLLECTIVE_IMPLS = ("xla", "ring", "hring", "horing")
 
+# Wire precision of the inter-node level (`--inter-params`, `--inter-grads`; core/compress.py),
+# its default int8 block size (`--int8-block`), and the gradient dtype (`--grad-dtype`).
+WIRE_FORMATS = ("same", "bf16", "int8")
+DEFAULT_INT8_BLOCK = 256
+GRAD_DTYPES = ("compute", "fp32")
+
 # The collectives a strategy's schedule uses, as the planner and the probe name them.
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
 SCHEDULE_COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)

@@ -26,7 +26,9 @@ from paro_jax.analysis.costs import model_state_bytes
 from paro_jax.run.metrics import dump_row, read_rows
 from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
+from paro_jax.core.compress import WireConfig
 from paro_jax.core.mesh import make_mesh
+from paro_jax.core.names import DEFAULT_INT8_BLOCK, GRAD_DTYPES
 from paro_jax.analysis.hardware import mfu
 from paro_jax.core.strategy import parse_strategy
 
@@ -44,6 +46,10 @@ class RunConfig:
   seq_len: int = 64
   dtype: str = "bf16"
   collectives: str = "xla"
+  inter_params: str = "same"  # wire precision across nodes (core/compress.py)
+  inter_grads: str = "same"
+  int8_block: int = DEFAULT_INT8_BLOCK
+  grad_dtype: str = "compute"  # gradient accumulation / boundary reduction: compute or fp32
   remat: str = "full"  # models/llama.py REMAT_POLICIES
   steps: int = 50
   seed: int = 0
@@ -91,8 +97,14 @@ class RunConfig:
         raise ValueError(
           f"{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"
         )
+    self.wire()  # its checks
+    if self.grad_dtype not in GRAD_DTYPES:
+      raise ValueError(f"unknown grad dtype {self.grad_dtype!r}; choose one of {GRAD_DTYPES}")
     self.data_config()  # its checks
     self.lora()  # its checks
+
+  def wire(self) -> WireConfig:
+    return WireConfig(self.inter_params, self.inter_grads, self.int8_block)
 
   def lora(self) -> LoraConfig | None:
     return LoraConfig.from_flags(self.lora_rank, self.lora_alpha, self.lora_targets)
@@ -146,7 +158,14 @@ def build(cfg: RunConfig):
   )
   optim = OptimConfig(learning_rate=cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps)
   engine = Engine(
-    model, strategy, mesh, optim, micro_batches=cfg.micro_batches, collectives=cfg.collectives
+    model,
+    strategy,
+    mesh,
+    optim,
+    micro_batches=cfg.micro_batches,
+    collectives=cfg.collectives,
+    wire=cfg.wire(),
+    grad_dtype=cfg.grad_dtype,
   )
   engine.check_batch_size(cfg.batch_size)
   batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
@@ -354,7 +373,10 @@ def train(cfg: RunConfig) -> str:
   inter, intra = engine.inter, engine.intra
   n_params, n_trained = engine.model.param_count(), engine.model.trainable_count()
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
-  mem = model_state_bytes(engine.strategy, n_params, n_trained, inter, intra, itemsize, itemsize)
+  grad_itemsize = jnp.dtype(engine.grad_dtype).itemsize
+  mem = model_state_bytes(
+    engine.strategy, n_params, n_trained, inter, intra, itemsize, grad_itemsize
+  )
   main = jax.process_index() == 0  # with several processes only process 0 logs and writes
   if main:
     lora = engine.model.lora
@@ -368,7 +390,8 @@ def train(cfg: RunConfig) -> str:
       f"paro-jax: {model_name(cfg)} ({what}), strategy "
       f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
       f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
-      f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={cfg.collectives}; model "
+      f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={cfg.collectives}, inter "
+      f"wire params={cfg.inter_params} grads={cfg.inter_grads}, grads in {cfg.grad_dtype}; model "
       f"states {mem['total'] / 2**20:.2f} MiB/device",
       flush=True,
     )

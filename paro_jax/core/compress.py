@@ -1,0 +1,201 @@
+"""Compressed inter-node communication: the wire precision of the collectives' `inter` level.
+
+A `Codec` says what one collective carries over the `inter` axis: `same` (the operand's dtype),
+`bf16`, or `int8` with one fp32 scale per block of `block` consecutive elements (the last block
+of a chunk may be shorter: nothing is padded onto the wire). Intra-node traffic is never
+compressed. Where it is used (docs/collectives.md, "Compressed inter-node traffic"):
+
+* all-gather: each chunk is quantized once, by its owner; the compressed payload crosses `inter`
+  (forwarded unchanged by a ring), and every device, the owner included, dequantizes it into the
+  operand's dtype, so all replicas hold the same values;
+* reduce-scatter: each device quantizes its g chunks once and sends chunk j straight to device j
+  (an all-to-all over `inter`: the ring's bytes); the receiver dequantizes and sums in fp32. No
+  partial sum is ever re-quantized, so the error does not compound with the number of nodes;
+* all-reduce: that reduce-scatter, then that all-gather of the reduced chunk.
+
+Error bound of int8 (round to nearest, scale = max|block| / 127): each element is off by at most
+scale / 2 = max|block| / 254; a sum of g quantized terms is off by at most the sum of the g
+terms' bounds, and for independent errors its root-mean-square error grows like sqrt(g), as the
+exact sum itself does: the relative error does not depend on g (tests/test_compress.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from paro_jax.core.names import DEFAULT_INT8_BLOCK, WIRE_FORMATS
+
+FORMATS = WIRE_FORMATS
+# Elements per int8 scale. 256 costs 4/256 = 1.6% of the int8 payload in scales; the relative
+# error is set by each block's largest element, so smaller blocks are more accurate and cost
+# more bytes (docs/collectives.md has the measurement).
+DEFAULT_BLOCK = DEFAULT_INT8_BLOCK
+SCALE_BYTES = 4  # one fp32 scale per block
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  """The wire format of one collective's inter level (hashable: a static argument)."""
+
+  fmt: str = "same"
+  block: int = DEFAULT_BLOCK
+
+  def __post_init__(self):
+    if self.fmt not in FORMATS:
+      raise ValueError(f"unknown wire precision {self.fmt!r}; choose one of {FORMATS}")
+    if not isinstance(self.block, int) or self.block < 1:
+      raise ValueError(f"the int8 block size must be a positive integer, got {self.block!r}")
+
+  def compresses(self, itemsize: int) -> bool:
+    """Whether this codec changes what a floating operand of `itemsize` bytes sends."""
+    return self.fmt == "int8" or (self.fmt == "bf16" and itemsize > 2)
+
+  def active_for(self, dtype) -> bool:
+    """Whether this codec changes what a `dtype` operand sends (bf16 on bf16 does not)."""
+    return jnp.issubdtype(dtype, jnp.floating) and self.compresses(jnp.dtype(dtype).itemsize)
+
+  def wire_bytes(self, elements: int, itemsize: int) -> int:
+    """Bytes on the wire for one chunk of `elements` elements of an `itemsize`-byte dtype."""
+    if self.fmt == "same":
+      return elements * itemsize
+    if self.fmt == "bf16":
+      return elements * min(itemsize, 2)
+    return elements + SCALE_BYTES * math.ceil(elements / self.block)
+
+  def bytes_per_element(self, itemsize: int) -> float:
+    """`wire_bytes` per element for large chunks (the formulas' rate)."""
+    if self.fmt == "same":
+      return float(itemsize)
+    if self.fmt == "bf16":
+      return float(min(itemsize, 2))
+    return 1.0 + SCALE_BYTES / self.block
+
+
+SAME = Codec()
+
+
+@dataclasses.dataclass(frozen=True)
+class WireConfig:
+  """`--inter-params`, `--inter-grads` and `--int8-block`: the engine's communication precision."""
+
+  params: str = "same"
+  grads: str = "same"
+  block: int = DEFAULT_BLOCK
+
+  def __post_init__(self):
+    Codec(self.params, self.block), Codec(self.grads, self.block)  # their checks
+
+  @property
+  def params_codec(self) -> Codec:
+    return Codec(self.params, self.block)
+
+  @property
+  def grads_codec(self) -> Codec:
+    return Codec(self.grads, self.block)
+
+
+def _split_blocks(flat, block: int):
+  """(full blocks [nb, block], tail [r]) of a 1-D array."""
+  n = flat.shape[0]
+  nb = n // block
+  return flat[: nb * block].reshape(nb, block), flat[nb * block :]
+
+
+def quantize(x, codec: Codec):
+  """The wire payload of `x`: a tuple of arrays (int8 values and fp32 scales, or one bf16)."""
+  if codec.fmt == "bf16":
+    return (x.astype(jnp.bfloat16),)
+  if codec.fmt != "int8":
+    return (x,)
+  flat = x.reshape(-1).astype(jnp.float32)
+  main, tail = _split_blocks(flat, codec.block)
+  parts, scales = [], []
+  for blocks in (main, tail[None] if tail.shape[0] else None):
+    if blocks is None or blocks.shape[0] == 0:
+      continue
+    scale = jnp.max(jnp.abs(blocks), axis=1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(blocks / safe[:, None]), -127, 127).astype(jnp.int8)
+    parts.append(q.reshape(-1))
+    scales.append(scale)
+  return (jnp.concatenate(parts), jnp.concatenate(scales))
+
+
+def dequantize(payload, codec: Codec, shape, dtype):
+  """`x` back from `quantize(x, codec)`, in `dtype` (int8 dequantizes in fp32 first)."""
+  if codec.fmt != "int8":
+    return payload[0].reshape(shape).astype(dtype)
+  q, scales = payload
+  main, tail = _split_blocks(q.astype(jnp.float32), codec.block)
+  nb = main.shape[0]
+  out = [(main * scales[:nb, None]).reshape(-1)]
+  if tail.shape[0]:
+    out.append(tail * scales[nb])
+  return jnp.concatenate(out).reshape(shape).astype(dtype)
+
+
+def roundtrip(x, codec: Codec, dtype=None):
+  """What a device receives for `x` sent with `codec` (the owner keeps the same values)."""
+  return dequantize(quantize(x, codec), codec, x.shape, dtype or x.dtype)
+
+
+# --------------------------------------------------------------------------
+# the inter level: one axis, stacked chunks
+# --------------------------------------------------------------------------
+
+
+def _stack_payload(payloads):
+  return tuple(jnp.stack(p) for p in zip(*payloads))
+
+
+def gather_axis(x, axis: str, codec: Codec, impl: str, ring_ag, permute):
+  """All-gather of chunk `x` over one mesh `axis`, carrying `codec`'s payload: [k, *x.shape].
+
+  Every device dequantizes every chunk, its own included. `ring_ag(payload_leaf, (axis,))`
+  gathers one payload array with the hand-written ring ([k, ...]); `permute` is unused here.
+  """
+  del permute
+  payload = quantize(x, codec)
+  if impl == "xla":
+    # typed replicated over `axis` (as lax.psum is): an all-reduce built from it stays so
+    gathered = tuple(lax.all_gather(p, axis, axis=0, tiled=False, to="invarying") for p in payload)
+  else:
+    gathered = tuple(ring_ag(p, (axis,)) for p in payload)
+  k = gathered[0].shape[0]
+  return jnp.stack(
+    [dequantize(tuple(g[i] for g in gathered), codec, x.shape, x.dtype) for i in range(k)]
+  )
+
+
+def scatter_axis(x, axis: str, codec: Codec, impl: str, permute):
+  """Reduce-scatter (sum) of stacked `x` ([k, *S]) over one mesh `axis`: S, in x.dtype.
+
+  Quantize once, send chunk j straight to device j (an all-to-all: `lax.all_to_all` for `xla`,
+  k-1 direct permutes for the rings), dequantize and sum in fp32. `permute(payload, axis, perm)`
+  is the hand-written rings' ppermute.
+  """
+  k = x.shape[0]
+  r = lax.axis_index(axis)
+  S = x.shape[1:]
+  payloads = [quantize(x[j], codec) for j in range(k)]
+  if impl == "xla":
+    stacked = _stack_payload(payloads)  # [k, ...]: row j is for device j
+    received = tuple(lax.all_to_all(p, axis, 0, 0, tiled=False) for p in stacked)
+    terms = [dequantize(tuple(p[i] for p in received), codec, S, jnp.float32) for i in range(k)]
+  else:
+    stacked = _stack_payload(payloads)
+    own = tuple(lax.dynamic_index_in_dim(p, r, 0, keepdims=False) for p in stacked)
+    terms = [dequantize(own, codec, S, jnp.float32)]
+    for shift in range(1, k):  # device i sends its chunk for device i + shift, directly
+      send = tuple(lax.dynamic_index_in_dim(p, (r + shift) % k, 0, keepdims=False) for p in stacked)
+      perm = tuple((i, (i + shift) % k) for i in range(k))
+      got = tuple(permute(p, axis, perm) for p in send)
+      terms.append(dequantize(got, codec, S, jnp.float32))
+  total = terms[0]
+  for t in terms[1:]:
+    total = total + t
+  return total.astype(x.dtype)
