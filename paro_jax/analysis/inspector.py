@@ -213,10 +213,11 @@ def gpu_report(engine: Engine, compiled, target: str, batch_size: int, seq_len: 
     params=engine.model.param_count(),
     trainable=engine.model.trainable_count(),
     itemsize=jnp.dtype(engine.compute_dtype).itemsize,
+    grad_itemsize=jnp.dtype(engine.grad_dtype).itemsize,
     remat=engine.model.remat != "none",
   )
   planned = r["memory"]["model_states"]["total"]
-  planned += activation_bytes(engine.strategy, workload)["total"]
+  planned += activation_bytes(engine.strategy, workload, engine.inter, engine.intra)["total"]
   device = gpu.target_gpu(target).memory_bytes
   compiled_bytes = r["memory"]["compiled"]["peak_bytes"]
   r["memory"].update(

@@ -254,20 +254,27 @@ def compute_seconds(w: Workload, cluster: Cluster) -> float:
   return per_token * w.tokens_per_device / (cluster.flop_per_s * cluster.mfu)
 
 
-def activation_bytes(strategy: Strategy, w: Workload) -> dict:
+def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int = 1) -> dict:
   """Per-device activation memory of one micro-batch with full remat (a rough estimate).
 
-  - boundary: each layer's input, kept by jax.checkpoint for backward: L x b x s x D;
+  - boundary: each layer's input, kept for backward: L x b x s x D;
   - layer: one layer's recomputed intermediates and their gradients (x2): q, k, v, attention
     output, gate, up, the two norms, and the fp32 scores with their probabilities (no flash
     attention in models/llama.py);
   - logits: fp32 logits and their gradient, b x s x V x 4 x 2;
-  - gathered: with P sharded, one layer's full weights and the head's; with Gr sharded, one
-    layer's full gradient (of its trained parameters) before its reduce-scatter.
+  - gathered: with P sharded, the full weights of the head and of one layer, two with the
+    prefetching layer stack (full remat: this layer's and the next one's); the full gradient of
+    one layer before its reduce-scatter, two with the stack (one waits a layer for its
+    reduce-scatter);
+  - stack_grads: the stack hands the gradients of all its layers, at the Gr placement, to the
+    accumulator at the end of each micro-batch's backward: a second gradient buffer of the
+    layer stack (engine.py, `_make_prefetch_stack`).
   """
   c, b, s, item = w.model, w.micro_batch, w.seq_len, w.itemsize
   q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
   layer_w = w.layer_params // c.layers
+  layer_grads = layer_w * w.psi_trained // w.psi
+  depth = 2 if w.remat else 1  # the prefetching stack runs with full remat
   out = {
     "boundary": c.layers * b * s * c.dim * item,
     "layer": 2
@@ -275,9 +282,14 @@ def activation_bytes(strategy: Strategy, w: Workload) -> dict:
     "logits": 2 * b * s * c.vocab * 4,
     "gathered": item
     * (
-      (strategy.params.name != "N") * (layer_w + c.vocab * c.dim)
-      + (strategy.grads.name != "N") * layer_w * w.psi_trained // w.psi
+      (strategy.params.name != "N") * (depth * layer_w + c.vocab * c.dim)
+      + (depth if w.remat else strategy.grads.name != "N") * layer_grads
     ),
+    "stack_grads": w.remat
+    * w.acc_itemsize
+    * c.layers
+    * layer_grads
+    // strategy.grads.shard_count(inter, intra),
   }
   out["total"] = sum(out.values())
   return out
@@ -372,7 +384,7 @@ def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
     w.itemsize,
     w.acc_itemsize,
   )
-  acts = activation_bytes(strategy, w)
+  acts = activation_bytes(strategy, w, cluster.nodes, cluster.devices_per_node)
   memory = {"model_states": states, "activations": acts, "total": states["total"] + acts["total"]}
   ways = strategy.opt.shard_count(cluster.nodes, cluster.devices_per_node)
   feasible = w.model.dim % ways == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -76,3 +77,53 @@ def reduce_scatter_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wi
     out.append(jnp.moveaxis(local[offset : offset + n].reshape(chunk), 0, d % x.ndim))
     offset += n
   return out
+
+
+# --- whole trees: one bucket with the hand-written rings, XLA's own collectives per leaf ---------
+# (XLA combines its collectives itself; the rings would otherwise run one chain of steps per leaf.)
+def _flat(tree, dims=None):
+  leaves = jax.tree.leaves(tree)
+  return leaves, (jax.tree.leaves(dims) if dims is not None else None)
+
+
+def _unflat(tree, values):
+  it = iter(values)
+  return jax.tree.map(lambda _: next(it), tree)
+
+
+def tree_all_gather(tree, dims, axes, impl: str = "xla", wire=None):
+  """Each leaf all-gathered along its dim over `axes` (`collectives.all_gather`)."""
+  leaves, flat_dims = _flat(tree, dims)
+  if impl == "xla":
+    out = [comm.all_gather(x, axes, dim=d, impl=impl, wire=wire) for x, d in zip(leaves, flat_dims)]
+  else:
+    out = all_gather_bucket(leaves, axes, flat_dims, impl, wire=wire)
+  return _unflat(tree, out)
+
+
+def tree_reduce_scatter(tree, dims, axes, impl: str = "xla", wire=None):
+  """Each leaf reduce-scattered along its dim over `axes` (`collectives.reduce_scatter`)."""
+  leaves, flat_dims = _flat(tree, dims)
+  if impl == "xla":
+    out = [
+      comm.reduce_scatter(x, axes, dim=d, impl=impl, wire=wire) for x, d in zip(leaves, flat_dims)
+    ]
+  else:
+    out = reduce_scatter_bucket(leaves, axes, flat_dims, impl, wire=wire)
+  return _unflat(tree, out)
+
+
+def tree_all_reduce(tree, axes, impl: str = "xla", wire=None):
+  """Each leaf summed over `axes` (`collectives.all_reduce`); the rings reduce one flat buffer."""
+  leaves, _ = _flat(tree)
+  axes = tuple(axes) if not isinstance(axes, str) else (axes,)
+  if impl == "xla" or not axes or not leaves:
+    return _unflat(tree, [comm.all_reduce(x, axes, impl=impl, wire=wire) for x in leaves])
+  total = comm.all_reduce(
+    jnp.concatenate([x.reshape(-1) for x in leaves]), axes, impl=impl, wire=wire
+  )
+  out, offset = [], 0
+  for x in leaves:
+    out.append(total[offset : offset + x.size].reshape(x.shape))
+    offset += x.size
+  return _unflat(tree, out)

@@ -392,16 +392,12 @@ class Engine:
     materialize, run_layers = self._materializer(), self._layer_runner()
 
     with jax.named_scope("param_sync"):
-      params = jax.tree.map(
-        lambda w, d: comm.all_gather(
-          w.astype(compute_dtype),
-          s.param_sync_axes,
-          dim=d % w.ndim,
-          impl=impl,
-          wire=self.wire.params_codec,
-        ),
-        master,
+      params = buckets.tree_all_gather(
+        jax.tree.map(lambda w: w.astype(compute_dtype), master),
         self.trained_dims,
+        s.param_sync_axes,
+        impl,
+        wire=self.wire.params_codec,
       )
       if self.lora:  # the frozen base is already at P, in the compute dtype
         params = join_trainable(self.mask, params, frozen)
@@ -429,17 +425,9 @@ class Engine:
 
     with jax.named_scope("grad_sync"):
       wire = self.wire.grads_codec  # in the accumulator's dtype (compute or fp32)
-      grads = jax.tree.map(
-        lambda g, d: comm.reduce_scatter(
-          g, s.sync_scatter_axes, dim=d % g.ndim, impl=impl, wire=wire
-        ),
-        acc,
-        self.trained_dims,
-      )
-      grads = jax.tree.map(
-        lambda g: comm.all_reduce(g, s.sync_reduce_axes, impl=impl, wire=wire).astype(jnp.float32),
-        grads,
-      )
+      grads = buckets.tree_reduce_scatter(acc, self.trained_dims, s.sync_scatter_axes, impl, wire)
+      grads = buckets.tree_all_reduce(grads, s.sync_reduce_axes, impl, wire)
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
     # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
     loss = lax.psum(jnp.sum(losses), GLOBAL_AXES)
