@@ -16,7 +16,7 @@ compressed. Where it is used (docs/collectives.md, "Compressed inter-node traffi
 Error bound of int8 (round to nearest, scale = max|block| / 127): each element is off by at most
 scale / 2 = max|block| / 254; a sum of g quantized terms is off by at most the sum of the g
 terms' bounds, and for independent errors its root-mean-square error grows like sqrt(g), as the
-exact sum itself does: the relative error does not depend on g (tests/test_compress.py).
+exact sum itself does: the relative error does not depend on g (tests/core/test_compress.py).
 """
 
 from __future__ import annotations

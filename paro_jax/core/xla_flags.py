@@ -1,9 +1,9 @@
 """XLA flags that shape the GPU program, and the XLA_FLAGS helpers that set them before jax starts.
 
 Every flag here changes the compiled GPU step; `paro-jax inspect --target` shows what each one
-does, and tests/test_gpu_program.py checks that each changes the program. Names are checked
+does, and tests/analysis/test_gpu_program.py checks that each changes the program. Names are checked
 against the pinned jaxlib 0.10.2: XLA aborts at start-up on an unknown flag
-(tests/test_xla_flags.py starts jax with them set).
+(tests/core/test_xla_flags.py starts jax with them set).
 
 The latency-hiding scheduler already runs by default in this XLA, so its enabling flag is not
 set: it would change nothing.

@@ -12,7 +12,7 @@ from paro_jax.core.compress import WireConfig
 from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
-from tests.test_equivalence import A, CFG, OPTIM, STEPS, assert_trees_close, setup  # noqa: F401
+from tests.core.test_equivalence import A, CFG, OPTIM, STEPS, assert_trees_close, setup  # noqa: F401
 
 INT8 = WireConfig("int8", "int8", block=64)
 

@@ -21,7 +21,9 @@ from paro_jax import cli
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.train import CHECKPOINTS, RunConfig, build, train
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf_tiny")
+FIXTURE = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf_tiny"
+)
 REF = np.load(os.path.join(FIXTURE, "logits.npz"))
 
 

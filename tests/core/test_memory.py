@@ -50,7 +50,7 @@ def test_state_bytes_match_formula(params0, strategy):
 @pytest.mark.parametrize("strategy", VALID_NAMES)
 def test_fp32_grads_bytes_match_formula(strategy):
   """--grad-dtype fp32: 4 bytes per gradient element at its Gr placement (the step's accumulator
-  is this one: tests/test_engine_compress.py reads its dtype from the step)."""
+  is this one: tests/core/test_engine_compress.py reads its dtype from the step)."""
   s = parse_strategy(strategy)
   engine = Engine(Llama(CFG, jnp.bfloat16), s, make_mesh(2, 4), OptimConfig(), grad_dtype="fp32")
   psi = CFG.param_count()

@@ -21,7 +21,7 @@ import pytest
 
 from paro_jax.cluster.launch import NS_PREFIX, launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 

@@ -10,7 +10,7 @@ from paro_jax.core.compress import WireConfig
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
-from tests.test_inspector import CFG
+from tests.analysis.test_inspector import CFG
 
 # The formula counts 4 bytes of scale per `block` elements; the program sends one more scale for
 # a chunk's short last block. On this tiny model (chunks of a few hundred elements) block 64 keeps

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 from paro_jax.core.strategy import VALID_NAMES  # noqa: E402
 from paro_jax.core.xla_flags import GPU_FLAGS  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL, MESH, A, BATCH, SEQ = "test", (2, 4), 1, 8, 32
 _CACHE = {}
 

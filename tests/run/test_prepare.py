@@ -14,7 +14,7 @@ import pytest
 from paro_jax.run.data import Batches, DataConfig, TokenStream, load_tokens, split_eval
 from paro_jax.run.prepare import prepare_data
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _text(path, size, seed):

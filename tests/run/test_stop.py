@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = tempfile.mkdtemp(prefix="paro-jax-jit-")  # later processes hit the first one's compile
 
 
