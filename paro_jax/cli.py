@@ -286,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     "(--mesh NODESxGPUS); reports async collectives, streams, overlap and memory vs the plan",
   )
   inspect.add_argument(
+    "--no-prefetch",
+    action="store_true",
+    help="compile without the prefetching layer stack (each layer's gather waits for its use), "
+    "to compare",
+  )
+  inspect.add_argument(
     "--hlo-out", default=None, metavar="FILE", help="write the compiled (scheduled) HLO text here"
   )
   plot = sub.add_parser("plot", help="PNG of loss (train, eval) and throughput of runs")

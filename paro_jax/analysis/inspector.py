@@ -284,6 +284,7 @@ def inspect(
   lora=None,
   target: str | None = None,
   hlo_out: str | None = None,
+  no_prefetch: bool = False,
   inter_params: str = "same",
   inter_grads: str = "same",
   int8_block: int = 256,
@@ -319,6 +320,7 @@ def inspect(
     collectives=collectives,
     wire=WireConfig(inter_params, inter_grads, int8_block),
     grad_dtype=grad_dtype,
+    prefetch=not no_prefetch,
   )
   with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
     try:
