@@ -102,21 +102,7 @@ def step_traffic(
   `grad_bytes`), what the boundary sync reduces. Per-micro-batch gradients are reduce-scattered
   at `grad_bytes` (the compute dtype).
   """
-  if wire is not None:
-    return _step_traffic_wire(
-      strategy,
-      params,
-      trainable,
-      inter,
-      intra,
-      micro_batches,
-      param_bytes,
-      grad_bytes,
-      regathered,
-      wire,
-      acc_bytes,
-    )
-  if acc_bytes is not None and acc_bytes != grad_bytes:
+  if wire is not None or (acc_bytes is not None and acc_bytes != grad_bytes):
     from paro_jax.core.compress import WireConfig
 
     return _step_traffic_wire(
@@ -129,7 +115,7 @@ def step_traffic(
       param_bytes,
       grad_bytes,
       regathered,
-      WireConfig(),
+      wire if wire is not None else WireConfig(),
       acc_bytes,
     )
   s, t = strategy, Traffic()

@@ -27,6 +27,11 @@ def _ways(axes: tuple) -> int:
   return math.prod(lax.axis_size(a) for a in axes)
 
 
+def _check_one_dtype(xs: list) -> None:
+  if len({x.dtype for x in xs}) > 1:
+    raise ValueError(f"a bucket holds one dtype; got {sorted({str(x.dtype) for x in xs})}")
+
+
 def all_gather_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wire=None) -> list:
   """All-gather each of `xs` along its dim in `dims` over `axes` (major first), as one collective.
 
@@ -36,8 +41,7 @@ def all_gather_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wire=N
   axes = tuple(axes) if not isinstance(axes, str) else (axes,)
   if not axes or not xs:
     return list(xs)
-  if len({x.dtype for x in xs}) > 1:
-    raise ValueError(f"a bucket holds one dtype; got {sorted({str(x.dtype) for x in xs})}")
+  _check_one_dtype(xs)
   k = _ways(axes)
   moved = [jnp.moveaxis(x, d % x.ndim, 0) for x, d in zip(xs, dims)]
   sizes = [m.size for m in moved]
@@ -57,8 +61,7 @@ def reduce_scatter_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wi
   axes = tuple(axes) if not isinstance(axes, str) else (axes,)
   if not axes or not xs:
     return list(xs)
-  if len({x.dtype for x in xs}) > 1:
-    raise ValueError(f"a bucket holds one dtype; got {sorted({str(x.dtype) for x in xs})}")
+  _check_one_dtype(xs)
   k = _ways(axes)
   moved = [jnp.moveaxis(x, d % x.ndim, 0) for x, d in zip(xs, dims)]
   for x, d, m in zip(xs, dims, moved):

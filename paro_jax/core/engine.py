@@ -513,34 +513,13 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig()):
   # of ring steps per layer rather than one per leaf, so that every HO-Ring step is a single
   # intra and a single inter transfer, which the GPU scheduler can run side by side and beside
   # the layer's matmuls. XLA's own collectives are combined by XLA already.
-  bucketed = impl != "xla"
-
   def gather(trees, dims):
-    """All-gather the leaves of several trees over S(P), as one bucket with the rings."""
-    leaves = [jax.tree.leaves(t) for t in trees]
-    flat, flat_dims = sum(leaves, []), sum((jax.tree.leaves(d) for d in dims), [])
-    codec = wire.params_codec
-    if bucketed:
-      full = buckets.all_gather_bucket(flat, gather_axes, flat_dims, impl, wire=codec)
-    else:
-      full = [
-        comm.all_gather(p, gather_axes, dim=d % p.ndim, impl=impl, wire=codec)
-        for p, d in zip(flat, flat_dims)
-      ]
-    full = iter([comm.to_varying(w, GLOBAL_AXES) for w in full])
-    return tuple(jax.tree.map(lambda _: next(full), t) for t in trees)
+    """All-gather the leaves of several trees over S(P) (one bucket with the rings)."""
+    full = buckets.tree_all_gather(trees, dims, gather_axes, impl, wire=wire.params_codec)
+    return jax.tree.map(lambda w: comm.to_varying(w, GLOBAL_AXES), full)
 
   def scatter(tree, dims):
-    flat, flat_dims = jax.tree.leaves(tree), jax.tree.leaves(dims)
-    codec = wire.grads_codec
-    if bucketed:
-      out = iter(buckets.reduce_scatter_bucket(flat, scatter_axes, flat_dims, impl, wire=codec))
-    else:
-      out = iter(
-        comm.reduce_scatter(g, scatter_axes, dim=d % g.ndim, impl=impl, wire=codec)
-        for g, d in zip(flat, flat_dims)
-      )
-    return jax.tree.map(lambda _: next(out), tree)
+    return buckets.tree_reduce_scatter(tree, dims, scatter_axes, impl, wire=wire.grads_codec)
 
   def run_layers(block_fn, x, shards):
     fields = lambda f: jax.tree.map(f, shards, is_leaf=_is_shard)
