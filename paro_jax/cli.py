@@ -89,8 +89,22 @@ def _add_wire(p: argparse.ArgumentParser) -> None:
     "also of a collective over all devices); intra-node traffic keeps the compute / "
     "accumulation dtype (docs/collectives.md)",
   )
-  w.add_argument("--inter-params", default="same", choices=WIRE_FORMATS)
-  w.add_argument("--inter-grads", default="same", choices=WIRE_FORMATS)
+  w.add_argument(
+    "--inter-params",
+    default="same",
+    type=str.lower,
+    choices=WIRE_FORMATS,
+    help="parameter gathers across nodes: same (the compute dtype), bf16, or int8 with a scale "
+    "per block (default same)",
+  )
+  w.add_argument(
+    "--inter-grads",
+    default="same",
+    type=str.lower,
+    choices=WIRE_FORMATS,
+    help="gradient reductions across nodes: same (the accumulation dtype), bf16, or int8 sent "
+    "once to each chunk's owner and summed in fp32 (default same)",
+  )
   w.add_argument(
     "--int8-block",
     type=int,
@@ -100,6 +114,7 @@ def _add_wire(p: argparse.ArgumentParser) -> None:
   w.add_argument(
     "--grad-dtype",
     default="compute",
+    type=str.lower,
     choices=GRAD_DTYPES,
     help="gradient accumulation and boundary reduction dtype (default: the compute dtype)",
   )

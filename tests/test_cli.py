@@ -184,7 +184,16 @@ def test_help_shows_every_default_and_no_internal_remarks():
   assert DESCRIPTION.split(".")[0] in top.replace("\n", " ").replace("  ", " ")
   assert "before jax starts" not in top
   subs = parser._subparsers._group_actions[0].choices
-  assert set(subs) == {"train", "inspect", "plot", "export", "launch", "plan", "probe"}
+  assert set(subs) == {
+    "train",
+    "inspect",
+    "plot",
+    "export",
+    "launch",
+    "plan",
+    "probe",
+    "prepare-data",
+  }
   for name, sub in subs.items():
     text = " ".join(sub.format_help().split())
     assert "%(default)" not in text and "Ψ" not in text

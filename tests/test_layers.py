@@ -1,7 +1,8 @@
 """The package's layers import only downward (the contract the folder layout shows).
 
 models/ knows nothing of paro_jax; core/ imports only core/ and models/; analysis/ never imports
-cluster/ or run/; run/ never imports cluster/; nothing in the library imports experiments/.
+cluster/ or run/; cluster/ imports only core/ (a run may use the cluster's heartbeats, the cluster
+never the run); nothing in the library imports experiments/.
 core/names.py and core/units.py import no jax (the CLI reads them before jax starts).
 """
 
@@ -17,7 +18,13 @@ ALLOWED = {
   "models": {"models"},
   "paro_jax.core": {"models", "paro_jax.core"},
   "paro_jax.analysis": {"models", "paro_jax.core", "paro_jax.analysis"},
-  "paro_jax.run": {"models", "paro_jax.core", "paro_jax.analysis", "paro_jax.run"},
+  "paro_jax.run": {
+    "models",
+    "paro_jax.core",
+    "paro_jax.analysis",
+    "paro_jax.run",
+    "paro_jax.cluster",
+  },
   "paro_jax.cluster": {"paro_jax.core", "paro_jax.cluster"},
 }
 JAX_FREE = ("paro_jax/core/names.py", "paro_jax/core/units.py", "paro_jax/core/xla_flags.py")

@@ -337,8 +337,9 @@ def test_full_disk_is_one_line(small_disk, capfd):
   """Through the CLI: exit 2 and one line naming the full disk and the intact step, no
   traceback (orbax logs one per writer thread)."""
   argv = ["train", "--model", "test", "--mesh", "2x4", "--micro-batches", "2", "--batch-size"]
-  argv += ["8", "--seq-len", "16", "--dtype", "fp32", "--steps", "6", "--warmup", "2"]
-  argv += ["--checkpoint-every", "2", "--out", str(small_disk / "run")]
+  # Twenty checkpoints kept of a state of ~0.4 MB: the 2 MiB disk fills after the first few.
+  argv += ["8", "--seq-len", "16", "--dtype", "fp32", "--steps", "40", "--warmup", "2"]
+  argv += ["--checkpoint-every", "2", "--keep", "20", "--out", str(small_disk / "run")]
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
   assert e.value.code == 2

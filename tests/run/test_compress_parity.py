@@ -38,6 +38,7 @@ def eval_losses(tmp, grads):
   return [r["eval_loss"] for r in rows if "eval_loss" in r], [r["loss"] for r in rows]
 
 
+@pytest.mark.benchmark
 def test_iig_int8_gradients_eval_loss_within_1_5_percent(tmp_path):
   same, same_train = eval_losses(str(tmp_path), "same")
   int8, int8_train = eval_losses(str(tmp_path), "int8")
