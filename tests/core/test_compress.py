@@ -141,6 +141,7 @@ def results():
     return [y[None] for y in out]
 
   put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, DEV))
+  # check_vma off: replicated results come back stacked per device (out_specs DEV) to compare.
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(DEV,) * 3, out_specs=DEV, check_vma=False))
   outs = [np.asarray(o) for o in fn(put(ag_in), put(rs_in), put(ar_in))]
   n = 3 * len(cases)
