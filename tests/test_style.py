@@ -3,6 +3,7 @@
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -12,7 +13,9 @@ TREE = ["paro_jax", "models", "tests", "experiments"]
 
 @pytest.mark.parametrize("command", [["format", "--check"], ["check"]])
 def test_ruff(command):
-  ruff = shutil.which("ruff")
+  # The ruff installed beside this interpreter (a venv not on PATH), else the one on PATH.
+  beside = os.path.join(os.path.dirname(sys.executable), "ruff")
+  ruff = beside if os.path.exists(beside) else shutil.which("ruff")
   assert ruff, "ruff is not installed: pip install -e '.[test]'"
   done = subprocess.run([ruff, *command, *TREE], cwd=REPO, capture_output=True, text=True)
   assert done.returncode == 0, (
