@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from paro_jax.analysis import hlo
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
 from paro_jax.core.engine import Engine
+from paro_jax.core.names import DEFAULT_INT8_BLOCK
 
 
 def abstract_inputs(engine: Engine, batch_size: int, seq_len: int):
@@ -287,7 +288,7 @@ def inspect(
   no_prefetch: bool = False,
   inter_params: str = "same",
   inter_grads: str = "same",
-  int8_block: int = 256,
+  int8_block: int = DEFAULT_INT8_BLOCK,
   grad_dtype: str = "compute",
 ) -> dict:
   """Build the engine for a configuration, compile its step and print the report.

@@ -41,6 +41,7 @@ from paro_jax.analysis.hardware import GPUS
 from paro_jax.core.names import (
   ALL_GATHER,
   ALL_REDUCE,
+  DEFAULT_INT8_BLOCK,
   INTER,
   LEVELS,
   REDUCE_SCATTER,
@@ -635,7 +636,7 @@ def run_plan(
   as_json: bool = False,
   inter_params: str = "same",
   inter_grads: str = "same",
-  int8_block: int = 256,
+  int8_block: int = DEFAULT_INT8_BLOCK,
   grad_dtype: str = "compute",
 ) -> Plan:
   """`paro-jax plan`: build the inputs from the command line's strings, plan, print."""

@@ -30,10 +30,9 @@ from jax import lax
 from paro_jax.core.names import DEFAULT_INT8_BLOCK, WIRE_FORMATS
 
 FORMATS = WIRE_FORMATS
-# Elements per int8 scale. 256 costs 4/256 = 1.6% of the int8 payload in scales; the relative
-# error is set by each block's largest element, so smaller blocks are more accurate and cost
-# more bytes (docs/collectives.md has the measurement).
-DEFAULT_BLOCK = DEFAULT_INT8_BLOCK
+# Elements per int8 scale: names.DEFAULT_INT8_BLOCK (256) costs 4/256 = 1.6% of the int8 payload
+# in scales; the relative error is set by each block's largest element, so smaller blocks are
+# more accurate and cost more bytes. The default is not yet chosen by a measurement.
 SCALE_BYTES = 4  # one fp32 scale per block
 
 
@@ -42,7 +41,7 @@ class Codec:
   """The wire format of one collective's inter level (hashable: a static argument)."""
 
   fmt: str = "same"
-  block: int = DEFAULT_BLOCK
+  block: int = DEFAULT_INT8_BLOCK
 
   def __post_init__(self):
     if self.fmt not in FORMATS:
@@ -84,7 +83,7 @@ class WireConfig:
 
   params: str = "same"
   grads: str = "same"
-  block: int = DEFAULT_BLOCK
+  block: int = DEFAULT_INT8_BLOCK
 
   def __post_init__(self):
     Codec(self.params, self.block), Codec(self.grads, self.block)  # their checks
