@@ -12,6 +12,7 @@ set: it would change nothing.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -40,9 +41,13 @@ def provide_cpu_devices(count: int) -> None:
   """Ask XLA for `count` virtual CPU devices; must run before jax is imported.
 
   The flag only shapes the host (CPU) platform, so it is harmless where a GPU is the backend.
-  A count the user already set in XLA_FLAGS is left alone.
+  A count the user already set in XLA_FLAGS is left alone. Where JAX's CUDA plugin is installed
+  without an NVIDIA driver, jax is kept on the CPU quietly instead of logging the plugin's failed
+  start (`cpu_without_gpu_driver`; the reason goes to the `paro_jax` logger).
   """
   add_xla_flags([f"{DEVICE_COUNT_FLAG}={count}"])
+  if note := cpu_without_gpu_driver():
+    logging.getLogger("paro_jax").info(note)
 
 
 def cpu_without_gpu_driver() -> str | None:
