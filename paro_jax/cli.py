@@ -229,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     metavar="N",
     help="eval loss every N steps (default 0: never)",
   )
+  data.add_argument(
+    "--eval-batches",
+    type=int,
+    default=1,
+    metavar="K",
+    help="the eval loss is the mean over K fixed batches of the eval split (default 1)",
+  )
   train.add_argument(
     "--out", default="runs/latest", help="run directory: metrics.jsonl and checkpoints/"
   )

@@ -290,12 +290,15 @@ class Engine:
 
   # --- evaluation --------------------------------------------------------------------------
   def eval_loss(self, state: TrainState, tokens_AxBxL1) -> jax.Array:
-    """Mean next-token loss over a placed batch, forward only, with the step's parameters."""
+    """Mean next-token loss over a placed batch, forward only, with the master weights in the
+    compute dtype (gathered as the step gathers them, at full precision on every level)."""
     return self._eval_loss(state, tokens_AxBxL1)
 
   def _eval_loss_fn(self, state, tokens_AxBxL1):
     params = self.params(state)  # compute dtype, P placement
-    materialize = self._materializer()
+    # The exact weights, whatever the wire precision: eval scores the model the run trains (its
+    # fp32 master), so runs with and without compressed traffic are compared on equal terms.
+    materialize = self._materializer(WireConfig())
 
     def local_loss(params, tokens_AxBxL1):
       # Forward only: no gradient reaches the sink, so the parameter itself can stand in.
@@ -318,12 +321,17 @@ class Engine:
     )(params, tokens_AxBxL1)
 
   # --- the step ----------------------------------------------------------------------------
-  def _materializer(self):
+  def _materializer(self, wire: WireConfig | None = None):
     """The model's `materialize` hook: full weights of a subtree of Shards, each gathered over
-    S(P) just before use, its gradient reduce-scattered over S(Gr) into the Shard's sink."""
+    S(P) just before use, its gradient reduce-scattered over S(Gr) into the Shard's sink.
+    `wire`: the inter-node precision (default the engine's)."""
     s = self.strategy
     gather = _make_gather(
-      s.param_gather_axes, s.grad_scatter_axes, self.collectives, self.wire, self.grad_dtype
+      s.param_gather_axes,
+      s.grad_scatter_axes,
+      self.collectives,
+      self.wire if wire is None else wire,
+      self.grad_dtype,
     )
 
     def frozen(param, dim):  # a frozen LoRA base weight: gathered, no gradient

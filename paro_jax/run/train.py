@@ -61,6 +61,7 @@ class RunConfig:
   bin_dtype: str | None = None
   eval_fraction: float = 0.01
   eval_every: int = 0  # 0: no eval
+  eval_batches: int = 1  # the eval loss: mean over this many fixed batches of the eval split
   out: str = "runs/latest"
   checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C or SIGTERM)
   keep: int = 3  # checkpoints kept
@@ -87,7 +88,15 @@ class RunConfig:
         f"--warmup {self.steps} or less to silence this)",
         stacklevel=3,
       )
-    for name in ("micro_batches", "batch_size", "seq_len", "steps", "keep", "max_bad_steps"):
+    for name in (
+      "micro_batches",
+      "batch_size",
+      "seq_len",
+      "steps",
+      "keep",
+      "max_bad_steps",
+      "eval_batches",
+    ):
       if getattr(self, name) < 1:
         raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if isinstance(self.data, str):
@@ -424,8 +433,10 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
   flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
   device_kind = jax.devices()[0].device_kind
-  # One fixed eval batch, placed once: eval losses are comparable across steps and runs.
-  eval_batch = place_batch(engine, eval_batches, 0) if eval_batches else None
+  # Fixed eval batches, placed once: eval losses are comparable across steps and runs.
+  evals = [
+    place_batch(engine, eval_batches, k) for k in range(cfg.eval_batches if eval_batches else 0)
+  ]
   bar = tqdm(
     total=cfg.steps,
     initial=min(start, cfg.steps),
@@ -521,7 +532,8 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
           stop.dispatched_at_signal = stop.dispatched
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
           # Dispatched before the next step takes (donates) the state; read with the metrics.
-          metrics = {**metrics, "eval_loss": engine.eval_loss(state, eval_batch)}
+          eval_loss = sum(engine.eval_loss(state, b) for b in evals) / len(evals)
+          metrics = {**metrics, "eval_loss": eval_loss}
         pending = (step + 1, metrics)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
           record(*pending)  # every checkpointed step has its metrics row, and is finite

@@ -121,3 +121,16 @@ def test_step_accumulates_in_grad_dtype(grad, want):
 def test_bad_grad_dtype_refused():
   with pytest.raises(ValueError, match="grad dtype"):
     Engine(Llama(CFG), parse_strategy("IIG"), make_mesh(2, 4), OPTIM, grad_dtype="fp16")
+
+
+def test_eval_scores_the_exact_weights_whatever_the_wire(setup):  # noqa: F811
+  """GGG gathers its weights per layer, across nodes: with int8 on the wire the training step sees
+  quantized weights, but the eval loss is the uncompressed engine's, to the last bit."""
+  batches, params0, _, _ = setup
+
+  def eval_loss(wire):
+    engine = Engine(Llama(CFG), parse_strategy("GGG"), make_mesh(2, 4), OPTIM, A, wire=wire)
+    state = engine.state_from_params(params0)
+    return float(engine.eval_loss(state, engine.shard_batch(batches[0])))
+
+  assert eval_loss(INT8) == eval_loss(WireConfig())
