@@ -265,10 +265,11 @@ class Engine:
         f"mesh {self.inter}x{self.intra}: use a batch size that is a multiple of {n}"
       )
 
-  def shard_batch(self, tokens_AxBxL1) -> jax.Array:
-    """Place a global (A, B, L+1) token array (identical on every process) on the mesh."""
+  def shard_batch(self, tokens_AxBxL1, any_micro_batches: bool = False) -> jax.Array:
+    """Place a global (A, B, L+1) token array (identical on every process) on the mesh.
+    `any_micro_batches`: A need not be the step's (an eval batch of several step batches)."""
     A, B, _ = tokens_AxBxL1.shape
-    if A != self.micro_batches:
+    if A != self.micro_batches and not any_micro_batches:
       raise ValueError(
         f"batch has {A} micro-batches, the engine was built for {self.micro_batches}"
       )
@@ -277,9 +278,9 @@ class Engine:
       tokens_AxBxL1.shape, self.batch_sharding, lambda idx: tokens_AxBxL1[idx]
     )
 
-  def shard_local_batch(self, local_tokens, global_shape) -> jax.Array:
+  def shard_local_batch(self, local_tokens, global_shape, any_micro_batches=False) -> jax.Array:
     """Place this process's rows of the global (A, B, L+1) batch (`Batches.process_rows`)."""
-    if global_shape[0] != self.micro_batches:
+    if global_shape[0] != self.micro_batches and not any_micro_batches:
       raise ValueError(
         f"batch has {global_shape[0]} micro-batches, the engine was built for {self.micro_batches}"
       )
@@ -290,8 +291,9 @@ class Engine:
 
   # --- evaluation --------------------------------------------------------------------------
   def eval_loss(self, state: TrainState, tokens_AxBxL1) -> jax.Array:
-    """Mean next-token loss over a placed batch, forward only, with the master weights in the
-    compute dtype (gathered as the step gathers them, at full precision on every level)."""
+    """Mean next-token loss over a placed batch of any number of micro-batches, forward only,
+    with the master weights in the compute dtype (gathered as the step gathers them, at full
+    precision on every level)."""
     return self._eval_loss(state, tokens_AxBxL1)
 
   def _eval_loss_fn(self, state, tokens_AxBxL1):

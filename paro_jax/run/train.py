@@ -61,7 +61,7 @@ class RunConfig:
   bin_dtype: str | None = None
   eval_fraction: float = 0.01
   eval_every: int = 0  # 0: no eval
-  eval_batches: int = 1  # the eval loss: mean over this many fixed batches of the eval split
+  eval_batches: int = 1  # the eval loss: mean over this many step batches of the eval split
   out: str = "runs/latest"
   checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C or SIGTERM)
   keep: int = 3  # checkpoints kept
@@ -180,9 +180,11 @@ def build(cfg: RunConfig):
   batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
   eval_batches = None
   if cfg.eval_every:
+    # --eval-batches K: one eval batch of K step batches, so one program scores them all (K
+    # programs in flight at once can deadlock XLA:CPU's collectives).
     eval_batches = Batches(
       eval_tokens,
-      cfg.micro_batches,
+      cfg.micro_batches * cfg.eval_batches,
       cfg.batch_size,
       cfg.seq_len,
       cfg.seed,
@@ -192,11 +194,13 @@ def build(cfg: RunConfig):
 
 
 def place_batch(engine: Engine, batches: Batches, step: int) -> jax.Array:
-  """Batch `step` on the mesh; with several processes each reads and places only its rows."""
+  """Batch `step` on the mesh; with several processes each reads and places only its rows.
+  The eval batches may hold more micro-batches than a step."""
+  other = batches.shape[0] != engine.micro_batches
   if jax.process_count() == 1:
-    return engine.shard_batch(batches(step))
+    return engine.shard_batch(batches(step), any_micro_batches=other)
   rows = batches.process_rows(jax.process_index(), jax.process_count())
-  return engine.shard_local_batch(batches(step, rows), batches.shape)
+  return engine.shard_local_batch(batches(step, rows), batches.shape, any_micro_batches=other)
 
 
 def model_name(cfg: RunConfig) -> str:
@@ -433,10 +437,8 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
   flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
   device_kind = jax.devices()[0].device_kind
-  # Fixed eval batches, placed once: eval losses are comparable across steps and runs.
-  evals = [
-    place_batch(engine, eval_batches, k) for k in range(cfg.eval_batches if eval_batches else 0)
-  ]
+  # One fixed eval batch, placed once: eval losses are comparable across steps and runs.
+  eval_batch = place_batch(engine, eval_batches, 0) if eval_batches else None
   bar = tqdm(
     total=cfg.steps,
     initial=min(start, cfg.steps),
@@ -532,8 +534,7 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
           stop.dispatched_at_signal = stop.dispatched
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
           # Dispatched before the next step takes (donates) the state; read with the metrics.
-          eval_loss = sum(engine.eval_loss(state, b) for b in evals) / len(evals)
-          metrics = {**metrics, "eval_loss": eval_loss}
+          metrics = {**metrics, "eval_loss": engine.eval_loss(state, eval_batch)}
         pending = (step + 1, metrics)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
           record(*pending)  # every checkpointed step has its metrics row, and is finite

@@ -134,3 +134,16 @@ def test_eval_scores_the_exact_weights_whatever_the_wire(setup):  # noqa: F811
     return float(engine.eval_loss(state, engine.shard_batch(batches[0])))
 
   assert eval_loss(INT8) == eval_loss(WireConfig())
+
+
+def test_eval_over_several_batches_is_their_mean(setup):  # noqa: F811
+  """`--eval-batches K` scores one batch of K step batches in one program: the same as the mean
+  of the K batches scored one at a time."""
+  batches, params0, _, _ = setup
+  engine = Engine(Llama(CFG), parse_strategy("IIG"), make_mesh(2, 4), OPTIM, A)
+  state = engine.state_from_params(params0)
+  one = [float(engine.eval_loss(state, engine.shard_batch(b))) for b in batches[:2]]
+  both = engine.shard_batch(np.concatenate(batches[:2]), any_micro_batches=True)
+  assert float(engine.eval_loss(state, both)) == pytest.approx(np.mean(one), rel=1e-6)
+  with pytest.raises(ValueError, match="micro-batches"):
+    engine.shard_batch(np.concatenate(batches[:2]))
