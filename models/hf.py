@@ -156,8 +156,11 @@ def config_to_hf(c: LlamaConfig) -> dict:
 
 
 def read_config(directory: str) -> LlamaConfig:
-  """Only the model config of an HF LLaMA directory (no weights are read)."""
-  path = os.path.join(_check_dir(directory), CONFIG)
+  """Only the model config of an HF LLaMA directory, or of its config.json (no weights)."""
+  if os.path.isfile(directory) and directory.endswith(".json"):
+    path = directory
+  else:
+    path = os.path.join(_check_dir(directory), CONFIG)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{directory} has no {CONFIG}: not an HF model directory")
   try:

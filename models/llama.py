@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -90,11 +91,20 @@ HIDDEN_PRESETS: dict[str, LlamaConfig] = {
 
 
 def get_config(name: str) -> LlamaConfig:
+  """A preset by name, or the shapes of an HF LLaMA `config.json` (the file or its directory;
+  no weights are read: the model starts from scratch)."""
   if name in HIDDEN_PRESETS:
     return HIDDEN_PRESETS[name]
-  if name not in PRESETS:
-    raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-  return PRESETS[name]
+  if name in PRESETS:
+    return PRESETS[name]
+  if os.path.isdir(name) or (name.endswith(".json") and os.path.isfile(name)):
+    from models.hf import read_config  # here: models.hf imports this module
+
+    return read_config(name)
+  raise ValueError(
+    f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or give the path of an "
+    f"HF LLaMA config.json"
+  )
 
 
 # What each layer keeps for backward. "full": nothing (all of the layer, its weight gather

@@ -81,6 +81,16 @@ def _by_name(args, target, **given):
   return {**{k: v for k, v in vars(args).items() if k in names}, **given}
 
 
+MODEL_HELP = (
+  "preset: tiny, small, 7b, 13b, 65b; or an HF LLaMA config.json (its shapes, from scratch)"
+)
+
+
+def _model_arg(value: str) -> str:
+  """Preset names in any case; a path as given."""
+  return value if os.sep in value or value.endswith(".json") else value.lower()
+
+
 def _add_wire(p: argparse.ArgumentParser) -> None:
   """--inter-params, --inter-grads, --int8-block, --grad-dtype (train, inspect, plan)."""
   w = p.add_argument_group(
@@ -121,9 +131,7 @@ def _add_wire(p: argparse.ArgumentParser) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-  p.add_argument(
-    "--model", default="tiny", type=str.lower, help="preset: tiny, small, 7b, 13b, 65b"
-  )
+  p.add_argument("--model", default="tiny", type=_model_arg, help=MODEL_HELP)
   p.add_argument(
     "--strategy",
     default="IIG",
@@ -424,9 +432,7 @@ def _add_planner_commands(sub) -> None:
   plan = sub.add_parser(
     "plan", help="rank the 14 strategies for a cluster: memory, step time, the pick and why"
   )
-  plan.add_argument(
-    "--model", default="7b", type=str.lower, help="preset: tiny, small, 7b, 13b, 65b"
-  )
+  plan.add_argument("--model", default="7b", type=_model_arg, help=MODEL_HELP)
   plan.add_argument("--nodes", type=int, required=True, help="G: nodes (groups)")
   plan.add_argument("--devices-per-node", type=int, required=True, help="M: devices per node")
   from paro_jax.analysis.hardware import GPUS  # no jax

@@ -276,3 +276,24 @@ def test_export_of_an_init_from_run_keeps_the_source_and_its_config(tmp_path, ca
     assert written[key] == source[key], key
   assert written["dtype"] == written["torch_dtype"] == "float32"
   load_hf(out)  # and it loads
+
+
+def test_model_from_an_hf_config_alone(tmp_path):
+  """--model takes an HF config.json (or its directory): its shapes, trained from scratch. The
+  benchmark's 3.03M-parameter model is one; its count from the shapes by hand."""
+  from models.llama import get_config
+  from paro_jax.cli import _model_arg
+  from paro_jax.run.train import RunConfig, build
+
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs")
+  path = os.path.join(path, "llama-3m.json")
+  d, kv, ffn, vocab = 256, 4 * 32, 688, 256
+  layer = d * d + 2 * d * kv + d * d + 3 * d * ffn + 2 * d
+  assert get_config(path).param_count() == 2 * vocab * d + d + 4 * layer == 3_033_344
+  shutil.copy(path, tmp_path / "config.json")
+  assert get_config(str(tmp_path)) == get_config(path)
+  engine = build(RunConfig(model=path, mesh=(2, 4), batch_size=8, seq_len=16))[0]
+  assert engine.model.cfg == get_config(path)
+  assert _model_arg("TINY") == "tiny" and _model_arg("Dir/Config.json") == "Dir/Config.json"
+  with pytest.raises(ValueError, match="unknown model preset 'nope'.*HF LLaMA config.json"):
+    get_config("nope")
