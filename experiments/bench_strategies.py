@@ -361,6 +361,7 @@ def child_inspect(args) -> None:
   from paro_jax.core.names import parse_mesh_shape
   from paro_jax.core.engine import DTYPES, Engine, OptimConfig
   from paro_jax.analysis.inspector import compile_step, report
+  from paro_jax.core.compress import WireConfig
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.strategy import parse_strategy
 
@@ -408,6 +409,7 @@ def child_inspect(args) -> None:
           make_mesh(inter, intra),
           OptimConfig(),
           micro_batches=a,
+          wire=WireConfig(args.inter_params, args.inter_grads, args.int8_block),
         )
         r = report(engine, compile_step(engine, args.batch_size, args.seq_len))
         out[f"{name}/{a}"] = {
@@ -613,6 +615,18 @@ def _lora_flags(args) -> list[str]:
   )
 
 
+def _wire_flags(args) -> list[str]:
+  """--inter-params/--inter-grads/--int8-block for train and the inspect child."""
+  return [
+    "--inter-params",
+    args.inter_params,
+    "--inter-grads",
+    args.inter_grads,
+    "--int8-block",
+    str(args.int8_block),
+  ]
+
+
 def _launch_one(args, regime: dict, name: str, a: int, run_dir: str) -> dict:
   from paro_jax.cluster.launch import launch
 
@@ -647,6 +661,7 @@ def _launch_one(args, regime: dict, name: str, a: int, run_dir: str) -> dict:
       "1",
       *common,
       *_lora_flags(args),
+      *_wire_flags(args),
     ]
   metrics_path = os.path.join(run_dir, "metrics.jsonl")
   mon = _Monitor(metrics_path, os.getpid())
@@ -740,6 +755,11 @@ def markdown(rows: list[dict], regimes: list[dict], calib: dict, meta: dict) -> 
     + (
       f"; LoRA mode: rank {meta['lora']['rank']} on {meta['lora']['targets']}, the base frozen"
       if meta.get("lora")
+      else ""
+    )
+    + (
+      f"; inter-node wire: params {w['params']}, grads {w['grads']} (int8 block {w['int8_block']})"
+      if (w := meta.get("inter_wire")) and {w["params"], w["grads"]} != {"same"}
       else ""
     )
     + ".",
@@ -1036,6 +1056,11 @@ def orchestrate(args) -> None:
     "steps": args.steps,
     "skip": args.skip,
     "collectives": args.collectives,
+    "inter_wire": {
+      "params": args.inter_params,
+      "grads": args.inter_grads,
+      "int8_block": args.int8_block,
+    },
     "inter_latency": "not emulated (no netem on this kernel): rate only",
     "lora": (
       {"rank": args.lora_rank, "alpha": args.lora_alpha, "targets": args.lora_targets}
@@ -1128,6 +1153,7 @@ def orchestrate(args) -> None:
           "--mesh",
           f"{NODES}x{DEVICES_PER_NODE}",
           *_lora_flags(args),
+          *_wire_flags(args),
         ],
         "INSPECT",
         log_path,
@@ -1223,7 +1249,11 @@ def report_only(out: str) -> None:
 
 
 def main():
-  from paro_jax.core.names import COLLECTIVE_IMPLS  # imports no jax
+  from paro_jax.core.names import (  # imports no jax
+    COLLECTIVE_IMPLS,
+    DEFAULT_INT8_BLOCK,
+    WIRE_FORMATS,
+  )
 
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--model", default="small")
@@ -1250,6 +1280,19 @@ def main():
   ap.add_argument("--seq-len", type=int, default=512)
   ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
   ap.add_argument("--collectives", default="xla", choices=COLLECTIVE_IMPLS)
+  ap.add_argument(
+    "--inter-params",
+    default="same",
+    choices=WIRE_FORMATS,
+    help="wire precision of the parameter gathers across nodes (strategies only)",
+  )
+  ap.add_argument(
+    "--inter-grads",
+    default="same",
+    choices=WIRE_FORMATS,
+    help="wire precision of the gradient reductions across nodes (strategies only)",
+  )
+  ap.add_argument("--int8-block", type=int, default=DEFAULT_INT8_BLOCK)
   ap.add_argument("--steps", type=int, default=6)
   ap.add_argument(
     "--skip",
