@@ -391,30 +391,30 @@ def train(cfg: RunConfig) -> str:
     engine.strategy, n_params, n_trained, inter, intra, itemsize, grad_itemsize
   )
   main = jax.process_index() == 0  # with several processes only process 0 logs and writes
-  if main:
-    lora = engine.model.lora
-    what = (
-      f"LoRA rank {lora.rank} on {','.join(lora.targets)}: {n_trained / 1e6:.3f}M of "
-      f"{n_params / 1e6:.2f}M params trained"
-      if lora
-      else f"{n_params / 1e6:.2f}M params"
-    )
-    print(
-      f"paro-jax: {model_name(cfg)} ({what}), strategy "
-      f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
-      f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
-      f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={cfg.collectives}, inter "
-      f"wire params={cfg.inter_params} grads={cfg.inter_grads}, grads in {cfg.grad_dtype}; model "
-      f"states {mem['total'] / 2**20:.2f} MiB/device",
-      flush=True,
-    )
-
   if cfg.progress_timeout:
     watch.Watchdog(cfg.progress_timeout).start()
   os.makedirs(cfg.out, exist_ok=True)
   # Signals are taken over before anything is read or compiled: a stop before the first step
   # finishes leaves no checkpoint (and an empty metrics.jsonl).
   with RunLock(cfg.out, main), StopSignals() as stop:
+    # The banner comes once the signals are taken over: a stop sent after it is always seen.
+    if main:
+      lora = engine.model.lora
+      what = (
+        f"LoRA rank {lora.rank} on {','.join(lora.targets)}: {n_trained / 1e6:.3f}M of "
+        f"{n_params / 1e6:.2f}M params trained"
+        if lora
+        else f"{n_params / 1e6:.2f}M params"
+      )
+      print(
+        f"paro-jax: {model_name(cfg)} ({what}), strategy "
+        f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
+        f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
+        f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={cfg.collectives}, inter "
+        f"wire params={cfg.inter_params} grads={cfg.inter_grads}, grads in {cfg.grad_dtype}; model "
+        f"states {mem['total'] / 2**20:.2f} MiB/device",
+        flush=True,
+      )
     return _train_locked(cfg, engine, batches, eval_batches, main, stop)
 
 
