@@ -4,8 +4,8 @@ the uncompressed run with the same seed and batches: the eval loss at step 300 w
 
 The two runs share everything but the wire format; the check also asks that the runs differ (the
 int8 path was taken) and that training did learn (the loss fell well below its start), so a step
-that does nothing, or ignores the flags, fails it. A scheme that is too coarse fails it too: with
-blocks of 256 elements the same comparison misses the target (experiments/results/compress_parity/).
+that does nothing, or ignores the flags, fails it. Measured at these settings: -0.27% with the
+default block of 32 elements, +1.36% with blocks of 256 (experiments/results/compress_parity/).
 """
 
 import json
@@ -38,7 +38,6 @@ def eval_losses(tmp, wire):
   return [r["eval_loss"] for r in rows if "eval_loss" in r], [r["loss"] for r in rows]
 
 
-@pytest.mark.benchmark
 def test_iig_int8_eval_loss_within_1_5_percent(tmp_path):
   same, same_train = eval_losses(str(tmp_path), "same")
   int8, int8_train = eval_losses(str(tmp_path), "int8")
