@@ -102,82 +102,27 @@ def step_traffic(
   `grad_bytes`), what the boundary sync reduces. Per-micro-batch gradients are reduce-scattered
   at `grad_bytes` (the compute dtype).
   """
-  if wire is not None or (acc_bytes is not None and acc_bytes != grad_bytes):
-    from paro_jax.core.compress import WireConfig
-
-    return _step_traffic_wire(
-      strategy,
-      params,
-      trainable,
-      inter,
-      intra,
-      micro_batches,
-      param_bytes,
-      grad_bytes,
-      regathered,
-      wire if wire is not None else WireConfig(),
-      acc_bytes,
-    )
+  # One body for every case: _add_collective carries the uncompressed ring bytes where `wire` is
+  # None or leaves a level at its dtype.
   s, t = strategy, Traffic()
   k = lambda axes: _group_size(axes, inter, intra)
-  full_p, full_g = param_bytes * params, grad_bytes * trainable
-  regathered = params if regathered is None else regathered
-  # Per micro-batch: parameters gathered over S(P) in forward and again (remat) in backward.
-  t.add(
-    "forward params", s.param_gather_axes, micro_batches * _ring(full_p, k(s.param_gather_axes))
-  )
-  t.add(
-    "backward params (remat)",
-    s.param_gather_axes,
-    micro_batches * _ring(param_bytes * regathered, k(s.param_gather_axes)),
-  )
-  # Per micro-batch: gradients reduce-scattered over S(Gr) as they leave backward.
-  t.add(
-    "backward grads", s.grad_scatter_axes, micro_batches * _ring(full_g, k(s.grad_scatter_axes))
-  )
-  # Boundary: from the Gr shard, reduce-scatter to the OS shard, then all-reduce across replicas.
-  at_gr = full_g / k(s.grads.axes)
-  t.add("grad sync", s.sync_scatter_axes, _ring(at_gr, k(s.sync_scatter_axes)))
-  at_os = full_g / k(s.opt.axes)
-  t.add("grad sync", s.sync_reduce_axes, 2 * _ring(at_os, k(s.sync_reduce_axes)))
-  # Parameter sync: all-gather the updated OS shard to the P placement (trained parameters only:
-  # frozen ones never change and are held at P already).
-  t.add(
-    "param sync",
-    s.param_sync_axes,
-    _ring(param_bytes * trainable / k(s.params.axes), k(s.param_sync_axes)),
-  )
-  return t
-
-
-def _step_traffic_wire(
-  s,
-  params,
-  trainable,
-  inter,
-  intra,
-  micro_batches,
-  param_bytes,
-  grad_bytes,
-  regathered,
-  wire,
-  acc_bytes,
-) -> Traffic:
-  """step_traffic with compressed inter levels (docs/design.md, "Compressed inter-node
-  traffic"); with `same` everywhere it equals the uncompressed formula."""
-  t = Traffic()
-  k = lambda axes: _group_size(axes, inter, intra)
-  pc, gc = wire.params_codec, wire.grads_codec
+  pc, gc = (wire.params_codec, wire.grads_codec) if wire is not None else (None, None)
   acc_bytes = grad_bytes if acc_bytes is None else acc_bytes
   regathered = params if regathered is None else regathered
   add = lambda phase, axes, n, item, codec, times=1.0: _add_collective(
     t, phase, axes, n, item, codec, inter, intra, times
   )
   a = micro_batches
+  # Per micro-batch: parameters gathered over S(P) in forward and again (remat) in backward;
+  # gradients reduce-scattered over S(Gr) as they leave backward.
   add("forward params", s.param_gather_axes, params, param_bytes, pc, a)
   add("backward params (remat)", s.param_gather_axes, regathered, param_bytes, pc, a)
   add("backward grads", s.grad_scatter_axes, trainable, grad_bytes, gc, a)
+  # Boundary: from the Gr shard, reduce-scatter to the OS shard, then all-reduce across replicas
+  # (in the accumulator's dtype).
   add("grad sync", s.sync_scatter_axes, trainable / k(s.grads.axes), acc_bytes, gc)
   add("grad sync", s.sync_reduce_axes, trainable / k(s.opt.axes), acc_bytes, gc, 2)
+  # Parameter sync: all-gather the updated OS shard to the P placement (trained parameters only:
+  # frozen ones never change and are held at P already).
   add("param sync", s.param_sync_axes, trainable / k(s.params.axes), param_bytes, pc)
   return t
