@@ -8,6 +8,7 @@ import os
 import sys
 
 from paro_jax.core.names import (
+  AUTO_COLLECTIVES,
   COLLECTIVE_IMPLS,
   DEFAULT_INT8_BLOCK,
   GRAD_DTYPES,
@@ -152,9 +153,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     "--collectives",
     default="xla",
     type=str.lower,
-    choices=COLLECTIVE_IMPLS,
+    choices=(AUTO_COLLECTIVES, *COLLECTIVE_IMPLS),
     help="how collectives over all devices run: xla (XLA's own) and hring in two levels, ring "
-    "flat, horing two overlapped levels",
+    "flat, horing two overlapped levels, horing+xla HO-Ring over both axes and XLA's over one; "
+    "auto: horing+xla where XLA's would cross nodes on every hop (CPU processes), else xla",
   )
   _add_wire(p)
   p.add_argument(

@@ -312,6 +312,14 @@ def inspect(
     if mesh is None:
       raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
     devices = gpu.devices(target, *mesh)
+  from paro_jax.core.collectives import resolve
+
+  collectives, _ = resolve(
+    collectives,
+    "cuda" if target else jax.devices()[0].platform,
+    jax.process_count(),
+    parse_strategy(strategy),
+  )
   engine = Engine(
     Llama(get_config(model), DTYPES[dtype], remat, lora),
     parse_strategy(strategy),

@@ -42,6 +42,7 @@ from paro_jax.core.names import (
   ALL_GATHER,
   ALL_REDUCE,
   DEFAULT_INT8_BLOCK,
+  HORING_XLA,
   INTER,
   LEVELS,
   REDUCE_SCATTER,
@@ -68,6 +69,7 @@ GLOBAL_MODEL_OF = {
   "ring": "flat",
   "hring": "hierarchical",
   "horing": "overlapped",
+  HORING_XLA: "overlapped",
 }
 TIE = 0.01
 USABLE_MEMORY = 0.9

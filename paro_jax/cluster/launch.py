@@ -102,6 +102,26 @@ def _our_namespaces() -> list[str]:
   return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def node_link(tag: int, node: int) -> tuple[str, str]:
+  """(network namespace, node-side veth) of node `node` in the launch whose names carry `tag`
+  (the launcher's PID): where `tc` shapes and counts that node's inter-node traffic."""
+  return f"{NS_PREFIX}{tag}n{node}", f"{IF_PREFIX}{tag}v{node}"
+
+
+def sent_bytes(tag: int, node: int) -> int | None:
+  """Bytes node `node` of launch `tag` has sent over its link so far, as `tc -s qdisc` counts
+  them at the root qdisc of its veth; None where there is none (not namespaced, or removed).
+  Safe to call while the launch runs (experiments/bench/runs.py samples it per step)."""
+  namespace, dev = node_link(tag, node)
+  out = subprocess.run(
+    ["ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", dev],
+    capture_output=True,
+    text=True,
+  ).stdout
+  m = re.search(r"Sent (\d+) bytes", out)
+  return int(m.group(1)) if m else None
+
+
 def remove_stale_namespaces() -> list[str]:
   """Delete namespaces (and /etc/netns dirs) of launchers whose PID no longer exists."""
   removed = []
@@ -125,11 +145,12 @@ class NamespaceNetwork:
     intra_bandwidth: str | None,
     tag: int | None = None,
   ):
-    tag = os.getpid() if tag is None else tag
+    tag = self.tag = os.getpid() if tag is None else tag
     self.nodes = nodes
-    self.namespaces = [f"{NS_PREFIX}{tag}n{k}" for k in range(nodes)]
+    links = [node_link(tag, k) for k in range(nodes)]
+    self.namespaces = [ns for ns, _ in links]
     self.bridge_ns = f"{NS_PREFIX}{tag}br" if nodes > 2 else None
-    self.ifaces = [f"{IF_PREFIX}{tag}v{k}" for k in range(nodes)]
+    self.ifaces = [dev for _, dev in links]
     self.peers = [f"{IF_PREFIX}{tag}p{k}" for k in range(nodes)]
     self.bridge = f"{IF_PREFIX}{tag}br"
     self.addresses = [f"{SUBNET}.{k + 1}" for k in range(nodes)]
@@ -253,15 +274,9 @@ class NamespaceNetwork:
   def link_bytes(self) -> dict[int, int]:
     """Bytes each node has sent over its shaped link (tc's count: real inter-node traffic)."""
     sent = {}
-    for k, ns in enumerate(self.namespaces if self.nodes >= 2 else []):
-      out = subprocess.run(
-        ["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", self.ifaces[k]],
-        capture_output=True,
-        text=True,
-      ).stdout
-      m = re.search(r"Sent (\d+) bytes", out)
-      if m:
-        sent[k] = int(m.group(1))
+    for k in range(self.nodes if self.nodes >= 2 else 0):
+      if (nbytes := sent_bytes(self.tag, k)) is not None:
+        sent[k] = nbytes
     return sent
 
   def describe(self) -> str:
@@ -343,7 +358,10 @@ def _command(argv: list[str]) -> list[str]:
   return [sys.executable, *argv]
 
 
-def _child_env(devices_per_node: int, env: dict | None) -> dict:
+def child_env(devices_per_node: int, env: dict | None = None) -> dict:
+  """The environment of a child process (a node, or any jax child of an experiment): `env` (or
+  this one) with `devices_per_node` virtual CPU devices in XLA_FLAGS, unbuffered output and this
+  checkout first on PYTHONPATH."""
   env = dict(os.environ if env is None else env)
   flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
   env["XLA_FLAGS"] = " ".join(flags + [f"{DEVICE_COUNT_FLAG}={devices_per_node}"])
@@ -653,9 +671,9 @@ def _launch_once(
     for sig in (signal.SIGINT, signal.SIGTERM):
       old_handlers[sig] = signal.signal(sig, on_signal)
   network = None
-  child_env = _child_env(devices_per_node, env)
+  base_env = child_env(devices_per_node, env)
   beats = tempfile.mkdtemp(prefix=f"paro-jax-launch-{os.getpid()}-")
-  reaper = _Reaper(child_env)
+  reaper = _Reaper(base_env)
   reaper.tell("dir", beats)
   watch = None
   if argv[0] == "train":
@@ -694,7 +712,7 @@ def _launch_once(
       if network and nodes > 1
       else f"127.0.0.1:{_free_port()}"
     )
-    child_env["PARO_JAX_LINK"] = (
+    base_env["PARO_JAX_LINK"] = (
       network.describe() + "".join(f"; {n}" for n in network.notes)
       if network
       else f"{nodes} processes on 127.0.0.1, NOT shaped"
@@ -711,7 +729,7 @@ def _launch_once(
       ]
       if network:
         cmd = ["ip", "netns", "exec", network.namespaces[k], *cmd]
-      node_env = dict(child_env)
+      node_env = dict(base_env)
       if watch:
         node_env[HEARTBEAT_ENV] = watch.paths[k]
       proc = subprocess.Popen(

@@ -97,7 +97,7 @@ def _unflat(tree, values):
 def tree_all_gather(tree, dims, axes, impl: str = "xla", wire=None):
   """Each leaf all-gathered along its dim over `axes` (`collectives.all_gather`)."""
   leaves, flat_dims = _flat(tree, dims)
-  if impl == "xla":
+  if not leaves or comm.concrete_impl(impl, axes) == "xla":
     out = [comm.all_gather(x, axes, dim=d, impl=impl, wire=wire) for x, d in zip(leaves, flat_dims)]
   else:
     out = all_gather_bucket(leaves, axes, flat_dims, impl, wire=wire)
@@ -107,7 +107,7 @@ def tree_all_gather(tree, dims, axes, impl: str = "xla", wire=None):
 def tree_reduce_scatter(tree, dims, axes, impl: str = "xla", wire=None):
   """Each leaf reduce-scattered along its dim over `axes` (`collectives.reduce_scatter`)."""
   leaves, flat_dims = _flat(tree, dims)
-  if impl == "xla":
+  if not leaves or comm.concrete_impl(impl, axes) == "xla":
     out = [
       comm.reduce_scatter(x, axes, dim=d, impl=impl, wire=wire) for x, d in zip(leaves, flat_dims)
     ]
@@ -120,7 +120,7 @@ def tree_all_reduce(tree, axes, impl: str = "xla", wire=None):
   """Each leaf summed over `axes` (`collectives.all_reduce`); the rings reduce one flat buffer."""
   leaves, _ = _flat(tree)
   axes = tuple(axes) if not isinstance(axes, str) else (axes,)
-  if impl == "xla" or not axes or not leaves:
+  if not axes or not leaves or comm.concrete_impl(impl, axes) == "xla":
     return _unflat(tree, [comm.all_reduce(x, axes, impl=impl, wire=wire) for x in leaves])
   total = comm.all_reduce(
     jnp.concatenate([x.reshape(-1) for x in leaves]), axes, impl=impl, wire=wire

@@ -18,7 +18,11 @@ LEVEL_AXES = {"intra": (INTRA,), "inter": (INTER,), "global": GLOBAL_AXES}
 LEVELS = tuple(LEVEL_AXES)
 
 # Implementations of the collectives (`--collectives`); see paro_jax/core/collectives.py.
-COLLECTIVE_IMPLS = ("xla", "ring", "hring", "horing")
+# HORING_XLA: HO-Ring for a collective over both axes, XLA's own for one over a single axis.
+HORING_XLA = "horing+xla"
+COLLECTIVE_IMPLS = ("xla", "ring", "hring", "horing", HORING_XLA)
+# `--collectives auto` picks one of the above for the platform (paro_jax/run/train.py).
+AUTO_COLLECTIVES = "auto"
 
 # Wire precision of the inter-node level (`--inter-params`, `--inter-grads`; core/compress.py),
 # its default int8 block size (`--int8-block`), and the gradient dtype (`--grad-dtype`).

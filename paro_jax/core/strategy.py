@@ -108,6 +108,20 @@ class Strategy:
     """After the update: all-gather the new parameters over S(OS) minus S(P), major first."""
     return _rest(self.opt.axes, self.params.axes)
 
+  @property
+  def two_level_collectives(self) -> bool:
+    """Whether some collective of the schedule spans both mesh axes (node and device)."""
+    return any(
+      len(axes) == 2
+      for axes in (
+        self.param_gather_axes,
+        self.grad_scatter_axes,
+        self.sync_scatter_axes,
+        self.sync_reduce_axes,
+        self.param_sync_axes,
+      )
+    )
+
 
 def _all_strategies() -> tuple[str, ...]:
   names = []

@@ -28,7 +28,8 @@ from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
 from paro_jax.core.compress import WireConfig
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.names import DEFAULT_INT8_BLOCK, GRAD_DTYPES
+from paro_jax.core import collectives as comm
+from paro_jax.core.names import AUTO_COLLECTIVES, DEFAULT_INT8_BLOCK, GRAD_DTYPES
 from paro_jax.analysis.hardware import mfu
 from paro_jax.core.strategy import parse_strategy
 
@@ -144,6 +145,8 @@ def build(cfg: RunConfig):
   model_cfg = read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)
   mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
   model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora())
+  platform, processes = jax.devices()[0].platform, jax.process_count()
+  collectives, _ = comm.resolve(cfg.collectives, platform, processes)
   if auto:  # probe this mesh and take the planner's pick (paro_jax/analysis/planner.py)
     from paro_jax.analysis.probe import auto_strategy
 
@@ -156,12 +159,15 @@ def build(cfg: RunConfig):
       jnp.dtype(DTYPES[cfg.dtype]).itemsize,
       model.param_count(),
       model.trainable_count(),
-      cfg.collectives,
+      collectives,
       cfg.remat != "none",
     )
     if jax.process_index() == 0:
       print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
     strategy = parse_strategy(name)
+  collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
+  if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
+    print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
   tokens, eval_tokens = split_eval(
     load_tokens(cfg.data_config(), model_cfg.vocab), cfg.eval_fraction
   )
@@ -172,7 +178,7 @@ def build(cfg: RunConfig):
     mesh,
     optim,
     micro_batches=cfg.micro_batches,
-    collectives=cfg.collectives,
+    collectives=collectives,
     wire=cfg.wire(),
     grad_dtype=cfg.grad_dtype,
   )
@@ -410,7 +416,7 @@ def train(cfg: RunConfig) -> str:
         f"paro-jax: {model_name(cfg)} ({what}), strategy "
         f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
         f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
-        f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={cfg.collectives}, inter "
+        f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={engine.collectives}, inter "
         f"wire params={cfg.inter_params} grads={cfg.inter_grads}, grads in {cfg.grad_dtype}; model "
         f"states {mem['total'] / 2**20:.2f} MiB/device",
         flush=True,

@@ -104,9 +104,18 @@ def _can_namespace():
 @pytest.mark.parametrize("strategy", ["IIG", "GGG"])
 def test_two_processes_match_one(tmp_path, strategy):
   """2 processes x 2 devices (loopback, gloo) give the losses of 1 process x 4 devices, mesh
-  2x2 both; only process 0 writes metrics."""
+  2x2 both; only process 0 writes metrics. GGG asks for `--collectives auto`: XLA's own
+  collectives in one process, HO-Ring over both axes in two (gloo's would be one flat ring)."""
+  auto = ["--collectives", "auto"] if strategy == "GGG" else []
   ref = subprocess.run(
-    [sys.executable, "-m", "paro_jax", *_train(strategy, tmp_path / "one"), "--mesh", "2x2"],
+    [
+      sys.executable,
+      "-m",
+      "paro_jax",
+      *_train(strategy, tmp_path / "one", 2, *auto),
+      "--mesh",
+      "2x2",
+    ],
     cwd=REPO,
     env=_env(),
     capture_output=True,
@@ -116,7 +125,7 @@ def test_two_processes_match_one(tmp_path, strategy):
   assert ref.returncode == 0, ref.stderr[-3000:]
   out, err = io.StringIO(), io.StringIO()
   code = launch(
-    _train(strategy, tmp_path / "two"),
+    _train(strategy, tmp_path / "two", 2, *auto),
     nodes=2,
     devices_per_node=2,
     shaped=False,
@@ -130,6 +139,9 @@ def test_two_processes_match_one(tmp_path, strategy):
     "[node 0] paro-jax: tiny" in out.getvalue() and "mesh 2x2 (4 cpu devices)" in out.getvalue()
   )
   assert '[node 1] {"step"' not in out.getvalue()  # process 1 neither logs nor writes
+  if auto:
+    assert "collectives=xla" in ref.stdout and "auto: one process" in ref.stdout, ref.stdout
+    assert "collectives=horing+xla" in out.getvalue() and "flat ring" in out.getvalue()
   np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
   assert len(_losses(tmp_path / "two")) == 2
 

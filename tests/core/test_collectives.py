@@ -441,3 +441,59 @@ def test_invariant_inputs_under_check_vma():
   res = {k: np.asarray(v) for k, v in f(jnp.arange(3.0)).items()}
   for (coll, impl), v in res.items():
     np.testing.assert_array_equal(v, res[(coll, "xla")], err_msg=str((coll, impl)))
+
+
+# --------------------------------------------------------------------------
+# horing+xla and --collectives auto
+# --------------------------------------------------------------------------
+
+
+def _one_and_two_level_hlo(impl):
+  """The compiled HLO of an all-gather over ('intra',) and one over ('intra', 'inter')."""
+  mesh = _mesh((2, 4))
+  x = jax.device_put(jnp.zeros((8 * 8, 6), jnp.float32), NamedSharding(mesh, DEV))
+
+  def body(x):
+    # distinct operands: HO-Ring's first intra sub-round gathers x itself, and XLA would fold
+    # an identical one-level ring into it
+    return C.all_gather(x + 1, ("intra",), dim=0, impl=impl), C.all_gather(
+      x, ("intra", "inter"), dim=0, impl=impl
+    )
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=DEV, out_specs=DEV, check_vma=False))
+  return [
+    k for c in H.parse_collectives(f.lower(x).compile().as_text()) for k in [c.kind] * c.count
+  ]
+
+
+def test_horing_xla_runs_horing_over_two_axes_and_lax_over_one():
+  kinds = _one_and_two_level_hlo("horing+xla")
+  # the two-level gather: HO-Ring's g*(m-1) intra + (g-1) inter permutes (the hlo_texts tests
+  # check their order); the one-level gather: XLA's own all-gather
+  assert kinds.count("all-gather") == 1, kinds
+  assert kinds.count("collective-permute") == 2 * 3 + 1, kinds
+  # contrast: horing runs the one-level gather as a ring of m-1 permutes too
+  kinds = _one_and_two_level_hlo("horing")
+  assert "all-gather" not in kinds and kinds.count("collective-permute") == 2 * 3 + 1 + 3, kinds
+
+
+def test_auto_collectives_resolution():
+  from paro_jax.core.strategy import parse_strategy
+
+  gpu, _ = C.resolve("auto", "cuda", 4, parse_strategy("GGG"))
+  one, _ = C.resolve("auto", "cpu", 1, parse_strategy("GGG"))
+  cpu, why = C.resolve("auto", "cpu", 2, parse_strategy("GGG"))
+  assert (gpu, one, cpu) == ("xla", "xla", "horing+xla")
+  assert "flat ring" in why
+  # only one-level collectives (III's boundary all-reduce and IIG's boundary reduce-scatter and
+  # parameter gather span inter alone)
+  for name in ("NNI", "INI", "III", "IIG"):
+    assert not parse_strategy(name).two_level_collectives
+    assert C.resolve("auto", "cpu", 2, parse_strategy(name))[0] == "xla"
+  for name in ("NNN", "NNG", "NIG", "GGG", "NGG", "GIG"):
+    assert parse_strategy(name).two_level_collectives
+  # before a strategy is known (--strategy auto): the platform alone decides
+  assert C.resolve("auto", "cpu", 2)[0] == "horing+xla"
+  assert C.resolve("hring", "cuda", 4) == ("hring", "as asked")
+  with pytest.raises(ValueError, match="horing"):
+    C.resolve("nccl", "cpu", 2)
