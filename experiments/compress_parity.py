@@ -22,7 +22,9 @@ import platform
 
 from paro_jax.core.names import DEFAULT_INT8_BLOCK
 
-TARGETS = {"bf16": 0.005, "int8": 0.015}  # eval-loss change allowed against `same`
+# eval-loss change allowed against `same`: tight on `tiny` (300 steps), looser on the larger
+# `small`, whose 100 steps leave it further from convergence.
+TARGETS = {"tiny": {"bf16": 0.005, "int8": 0.015}, "small": {"bf16": 0.005, "int8": 0.02}}
 
 
 def run_one(strategy, wire, args):
@@ -63,7 +65,7 @@ def report(results, args) -> str:
   for (strategy, wire), r in results.items():
     last, base = r["eval"][-1][1], results[(strategy, "same")]["eval"][-1][1]
     change = last / base - 1
-    target = TARGETS.get(wire)
+    target = TARGETS.get(args.model, TARGETS["tiny"]).get(wire)
     met = "" if target is None else ("yes" if abs(change) <= target else "**no**")
     tgt = "" if target is None else f"{target:.1%}"
     vs = "" if wire == "same" else f"{change:+.2%}"
