@@ -110,14 +110,18 @@ def node_link(tag: int, node: int) -> tuple[str, str]:
 
 def sent_bytes(tag: int, node: int) -> int | None:
   """Bytes node `node` of launch `tag` has sent over its link so far, as `tc -s qdisc` counts
-  them at the root qdisc of its veth; None where there is none (not namespaced, or removed).
+  them at the root qdisc of its veth; None where there is none (not namespaced, or removed, or
+  no `ip`).
   Safe to call while the launch runs (experiments/bench/runs.py samples it per step)."""
   namespace, dev = node_link(tag, node)
-  out = subprocess.run(
-    ["ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", dev],
-    capture_output=True,
-    text=True,
-  ).stdout
+  try:
+    out = subprocess.run(
+      ["ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", dev],
+      capture_output=True,
+      text=True,
+    ).stdout
+  except FileNotFoundError:  # no `ip`: the launcher ran unshaped
+    return None
   m = re.search(r"Sent (\d+) bytes", out)
   return int(m.group(1)) if m else None
 
