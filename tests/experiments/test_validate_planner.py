@@ -1,4 +1,5 @@
-"""experiments/validate_planner.py: rank statistics, fits, merging runs, judging the pick."""
+"""The planner validation (experiments/bench/validate.py and its parts): rank statistics, fits,
+merging runs, judging the pick."""
 
 import json
 import math
@@ -6,33 +7,31 @@ import statistics
 
 import pytest
 
-from experiments import validate_planner
+from experiments.bench import cluster_model, judge, results, stats, validate
 from paro_jax.analysis import planner
 from paro_jax.core.strategy import VALID_NAMES
 
 
 def test_ranks_and_spearman():
-  assert validate_planner.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
-  assert validate_planner.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-  assert validate_planner.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+  assert stats.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
+  assert stats.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+  assert stats.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
   # Ties: x has ranks (1.5, 1.5, 3, 4), y is increasing.
-  assert validate_planner.spearman([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(
-    validate_planner.pearson([1.5, 1.5, 3, 4], [1, 2, 3, 4])
+  assert stats.spearman([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(
+    stats.pearson([1.5, 1.5, 3, 4], [1, 2, 3, 4])
   )
 
 
 def test_nnls_recovers_nonnegative_coefficients():
   rows = [[1.0, x, x * x] for x in range(6)]
-  assert validate_planner.nnls(rows, [2 + 3 * r[1] for r in rows]) == pytest.approx(
-    [2, 3, 0], abs=1e-9
-  )
+  assert stats.nnls(rows, [2 + 3 * r[1] for r in rows]) == pytest.approx([2, 3, 0], abs=1e-9)
   ys = [2 - 3 * r[1] for r in rows]  # the best fit has a negative slope: clipped to 0
-  assert min(validate_planner.nnls(rows, ys)) >= 0
+  assert min(stats.nnls(rows, ys)) >= 0
 
 
 def _truth():
   """The constants the synthetic benchmarks' "measured" step times are made with."""
-  return validate_planner.Constants(
+  return cluster_model.Constants(
     1 / 0.8e9, {"all_gather": 2e-4, "reduce_scatter": 9e-4, "all_reduce": 5e-4}, 2e-9, 1.1, "truth"
   )
 
@@ -58,7 +57,7 @@ def _synthetic_bench(truth):
   for g in bench["regimes"]:
     for a in (1, 4):
       for n in VALID_NAMES:
-        t = validate_planner.predict(bench, g, a, [n], truth).ranking[0].step_time_s
+        t = cluster_model.predict(bench, g, a, [n], truth).ranking[0].step_time_s
         bench["runs"].append(
           {"regime": g["regime"], "name": n, "micro_batches": a, "median_step_s": t}
         )
@@ -71,7 +70,7 @@ def test_validation_on_noise_free_synthetic_results(tmp_path):
   bench = _synthetic_bench(truth)
   path = tmp_path / "strategies.json"
   path.write_text(json.dumps(bench))
-  assert validate_planner.main(["--results", str(path), "--out", str(tmp_path / "out")]) == 0
+  assert validate.main(["--results", str(path), "--out", str(tmp_path / "out")]) == 0
   summary = json.loads((tmp_path / "out" / "validate.json").read_text())
   assert [(r["regime"], r["micro_batches"]) for r in summary["results"]] == [
     ("slow", 1),
@@ -90,7 +89,7 @@ def test_validation_judges_the_pick_on_the_remeasured_contenders(tmp_path):
   truth = _truth()
   path = tmp_path / "strategies.json"
   path.write_text(json.dumps(_synthetic_bench(truth)))
-  assert validate_planner.main(["--results", str(path), "--out", str(tmp_path / "a")]) == 0
+  assert validate.main(["--results", str(path), "--out", str(tmp_path / "a")]) == 0
   pick = json.loads((tmp_path / "a" / "validate.json").read_text())["results"][0]["pick"]
   # Measured again at A=1 only: the pick 25% slower than every other strategy.
   again = {
@@ -104,7 +103,7 @@ def test_validation_judges_the_pick_on_the_remeasured_contenders(tmp_path):
   again_path.write_text(json.dumps(again))
   # --margin 10: every strategy is a contender.
   assert (
-    validate_planner.main(
+    validate.main(
       [
         "--results",
         str(path),
@@ -125,7 +124,7 @@ def test_validation_judges_the_pick_on_the_remeasured_contenders(tmp_path):
   assert a1["remeasured"]["best"] != pick
   assert a1["pick_speed_vs_best"] >= 1 - planner.TIE  # the full run's figure is kept beside it
   assert not a4["remeasured"]["covered"] and len(a4["remeasured"]["missing"]) == 14
-  assert validate_planner.pick_score(a4) == a4["pick_speed_vs_best"]
+  assert judge.pick_score(a4) == a4["pick_speed_vs_best"]
   assert not summary["met"]  # judged on the re-measured 0.8
   md = (tmp_path / "b" / "validate.md").read_text()
   assert "Re-measured (`again`: 7 steps" in md and "not re-measured" in md
@@ -133,9 +132,9 @@ def test_validation_judges_the_pick_on_the_remeasured_contenders(tmp_path):
   # strategies, so its correlation with the prediction is well below the full run's 1).
   full = a1["remeasured"]["all"]
   assert full["spearman_again"] < 0.5 and set(full["combined_step_s"]) == set(VALID_NAMES)
-  assert full["runs"] == 2 and validate_planner.spearman_score(a1) == full["spearman_combined"]
+  assert full["runs"] == 2 and judge.spearman_score(a1) == full["spearman_combined"]
   assert "all" not in a4["remeasured"]
-  assert validate_planner.spearman_score(a4) == a4["spearman"]
+  assert judge.spearman_score(a4) == a4["spearman"]
 
 
 def test_validation_merges_remeasurements_split_over_files(tmp_path):
@@ -158,7 +157,7 @@ def test_validation_merges_remeasurements_split_over_files(tmp_path):
       json.dumps({"meta": {"command": f"again A={a}", "steps": 7, "skip": 1}, "runs": runs})
     )
   assert (
-    validate_planner.main(
+    validate.main(
       [
         "--results",
         str(path),
@@ -188,7 +187,7 @@ def test_validation_merges_remeasurements_split_over_files(tmp_path):
   files.append(tmp_path / "again1b.json")
   files[-1].write_text(json.dumps(third))
   assert (
-    validate_planner.main(
+    validate.main(
       [
         "--results",
         str(path),
@@ -217,8 +216,8 @@ def test_validation_merges_remeasurements_split_over_files(tmp_path):
 
 def test_contenders_are_those_near_the_best_plus_the_pick():
   measured = {"NNI": 10.0, "INI": 11.0, "III": 11.6, "GGG": 30.0}
-  assert validate_planner.contenders(measured, "GGG", 0.15) == ["GGG", "INI", "NNI"]
-  assert validate_planner.contenders(measured, "NNI", 0.2) == ["III", "INI", "NNI"]
+  assert judge.contenders(measured, "GGG", 0.15) == ["GGG", "INI", "NNI"]
+  assert judge.contenders(measured, "NNI", 0.2) == ["III", "INI", "NNI"]
 
 
 def test_noise_sigma_ignores_a_common_shift_and_the_unshaped_reference():
@@ -227,28 +226,28 @@ def test_noise_sigma_ignores_a_common_shift_and_the_unshaped_reference():
     ("slow", 1): {"A": [1.1], "B": [2.2], "C": [4.4]},
     ("unshaped", 1): {"A": [9.0], "B": [1.0]},
   }
-  got = validate_planner.noise_sigma(first, shifted)
+  got = judge.noise_sigma(first, shifted)
   assert got["pairs"] == 3 and got["sigma"] == pytest.approx(0.0, abs=1e-12)
   assert got["mean_log_ratio"] == pytest.approx(math.log(1.1))
   noisy = {("slow", 1): {"A": [1.0], "B": [4.0], "C": [4.0]}}
   logs = [0.0, math.log(2.0), 0.0]
-  assert validate_planner.noise_sigma(first, noisy)["sigma"] == pytest.approx(
+  assert judge.noise_sigma(first, noisy)["sigma"] == pytest.approx(
     statistics.stdev(logs) / math.sqrt(2)
   )
   # Every re-measurement of a configuration is one pair with the full run.
   twice = {("slow", 1): {"A": [1.0, 2.0], "B": [4.0]}}
   logs = [0.0, math.log(2.0), math.log(2.0)]
-  got = validate_planner.noise_sigma(first, twice)
+  got = judge.noise_sigma(first, twice)
   assert got["pairs"] == 3 and got["sigma"] == pytest.approx(statistics.stdev(logs) / math.sqrt(2))
-  assert validate_planner.noise_sigma(first, {("slow", 1): {"A": [1.0]}}) is None
+  assert judge.noise_sigma(first, {("slow", 1): {"A": [1.0]}}) is None
 
 
 def test_spearman_ceiling_falls_with_noise_against_the_spread():
   spread = [2.0**k for k in range(10)]  # neighbours 2x apart
-  assert validate_planner.spearman_ceiling(spread, 0.0, draws=50) == pytest.approx(1.0)
-  assert validate_planner.spearman_ceiling(spread, 0.02, draws=200) == pytest.approx(1.0)
+  assert stats.spearman_ceiling(spread, 0.0, draws=50) == pytest.approx(1.0)
+  assert stats.spearman_ceiling(spread, 0.02, draws=200) == pytest.approx(1.0)
   close = [1.0 + 0.001 * k for k in range(10)]  # 0.1% apart, 30% noise: ranks are a lottery
-  assert abs(validate_planner.spearman_ceiling(close, 0.3, draws=200)) < 0.5
+  assert abs(stats.spearman_ceiling(close, 0.3, draws=200)) < 0.5
 
 
 def test_validation_merges_regimes_from_several_results_files(tmp_path):
@@ -266,13 +265,13 @@ def test_validation_merges_regimes_from_several_results_files(tmp_path):
   )
   for a in (1, 4):
     for n in VALID_NAMES:
-      t = validate_planner.predict(bench, slower, a, [n], truth).ranking[0].step_time_s
+      t = cluster_model.predict(bench, slower, a, [n], truth).ranking[0].step_time_s
       second["runs"].append({"regime": "slower", "name": n, "micro_batches": a, "median_step_s": t})
   paths = [tmp_path / "first.json", tmp_path / "second.json"]
   paths[0].write_text(json.dumps(bench))
   paths[1].write_text(json.dumps(second))
   assert (
-    validate_planner.main(
+    validate.main(
       ["--results", str(paths[0]), "--results", str(paths[1]), "--out", str(tmp_path / "out")]
     )
     == 0
@@ -293,7 +292,7 @@ def test_validation_merges_regimes_from_several_results_files(tmp_path):
   paths.append(tmp_path / "other.json")
   paths[-1].write_text(json.dumps(other))
   with pytest.raises(ValueError, match="differs from `synthetic` in batch_size"):
-    validate_planner.main(
+    validate.main(
       ["--results", str(paths[0]), "--results", str(paths[2]), "--out", str(tmp_path / "x")]
     )
   clash = json.loads(paths[1].read_text())
@@ -301,7 +300,7 @@ def test_validation_merges_regimes_from_several_results_files(tmp_path):
   paths.append(tmp_path / "clash.json")
   paths[-1].write_text(json.dumps(clash))
   with pytest.raises(ValueError, match="unshaped .* measured in two --results files"):
-    validate_planner.main(
+    validate.main(
       ["--results", str(paths[0]), "--results", str(paths[3]), "--out", str(tmp_path / "x")]
     )
 
@@ -317,6 +316,31 @@ def test_remeasured_times_counts_each_run_once():
       ]
     }
 
-  got = validate_planner.remeasured_times([bench(2.0), bench(2.0), bench(3.0)])
+  got = results.remeasured_times([bench(2.0), bench(2.0), bench(3.0)])
   assert got == {("slow", 1): {"IIG": [2.0, 3.0]}}
-  assert validate_planner.gmean([2.0, 8.0]) == pytest.approx(4.0)
+  assert stats.gmean([2.0, 8.0]) == pytest.approx(4.0)
+
+
+def test_validation_judges_strategies_with_the_default_collectives_only(tmp_path):
+  """Rows of other collectives (label NAME/IMPL), baselines and torch peers are not what the
+  planner models: left out, even when they are the fastest or share a strategy's name."""
+  bench = _synthetic_bench(_truth())
+  others = [
+    {"kind": "paro", "name": "GGG", "label": "GGG/horing", "collectives": "horing"},
+    {"kind": "torch", "name": "full_shard", "label": "torch-full_shard", "collectives": None},
+    {"kind": "jit", "name": "jit-hsdp", "label": "jit-hsdp", "collectives": None},
+  ]
+  for regime in ("slow", "unshaped"):
+    for extra in others:
+      bench["runs"].append(dict(extra, regime=regime, micro_batches=1, median_step_s=1e-3))
+  assert [results.planned(r) for r in bench["runs"][-3:]] == [False] * 3
+  labelled = dict(bench["runs"][1], kind="paro", label="NNN", collectives="xla")
+  assert results.planned(labelled) and not results.planned(dict(labelled, error="exited 1"))
+  path = tmp_path / "strategies.json"
+  path.write_text(json.dumps(bench))
+  assert validate.main(["--results", str(path), "--out", str(tmp_path / "out")]) == 0
+  summary = json.loads((tmp_path / "out" / "validate.json").read_text())
+  assert "fitted on the 28 unshaped runs" in summary["constants"]["source"]
+  for r in summary["results"]:
+    assert r["strategies"] == 14 and r["spearman"] == pytest.approx(1.0)
+    assert {row["strategy"] for row in r["rows"]} == set(VALID_NAMES)

@@ -1,0 +1,140 @@
+"""The planner (paro_jax.analysis.planner) configured for the emulated cluster, and its fit.
+
+- nodes x devices per node from the benchmark (2 x 4), the regime's tc rate as each node's link;
+- global collectives "flat": XLA:CPU runs a collective over all devices through gloo, and tc
+  counts every device's ring bytes on the link (strategies_smoke: GGG's wire bytes are 4x the
+  per-device formula);
+- traffic in 4-byte values (XLA:CPU widens bf16 collectives to f32; the benchmark trains fp32);
+- compute: the benchmark's calibration (model FLOP/s of one virtual device while all 8 run at
+  once, `effective_flop_per_s_per_device`), MFU 1.
+
+What the calibration does not give (`Constants`: the intra-node bandwidth, the cost of one
+collective of each kind, gloo's own cost per byte on the inter link and a scale on the compute
+time) `fit_constants` fits by non-negative least squares on the unshaped runs only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from experiments.bench.calibration import UNSHAPED
+from experiments.bench.configs import WIRE_ITEMSIZE
+from experiments.bench.stats import nnls
+from paro_jax.analysis import planner
+from paro_jax.core import names
+from paro_jax.core.strategy import VALID_NAMES, parse_strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Constants:
+  """What the planner needs beyond the benchmark's own figures."""
+
+  intra_s_per_byte: float  # 1 / intra bandwidth per device
+  latency_s: dict  # collective kind -> seconds per collective, either level
+  gloo_s_per_byte: float  # gloo's own cost per inter-node byte per device, in series with tc
+  compute_scale: float  # x the calibrated compute time
+  source: str
+
+
+def workload(bench: dict) -> planner.Workload:
+  from models.llama import get_config
+
+  meta = bench["meta"]
+  n = meta["nodes"] * meta["devices_per_node"]
+  return planner.Workload(
+    get_config(meta["model"]),
+    micro_batch=max(1, meta["batch_size"] // n),
+    micro_batches=1,
+    seq_len=meta["seq_len"],
+    itemsize=WIRE_ITEMSIZE,
+  )
+
+
+def cluster(bench: dict, rate_bps: float, c: Constants) -> planner.Cluster:
+  meta = bench["meta"]
+  m = meta["devices_per_node"]
+  # Per device: m / node_rate (its share of tc's link) + gloo's cost, in series.
+  inter_bw = 1 / (8 * m / rate_bps + c.gloo_s_per_byte)
+  intra_bw = 1 / max(c.intra_s_per_byte, 1e-30)
+  # Every (collective, level) as a probe profile would give it; a global collective is flat.
+  measured = {
+    (kind, level): (intra_bw if level == "intra" else inter_bw, c.latency_s[kind])
+    for kind in names.SCHEDULE_COLLECTIVES
+    for level in names.LEVELS
+  }
+  network = planner.Links(
+    inter_bandwidth=inter_bw * m,
+    intra_bandwidth=intra_bw,
+    global_collectives="flat",
+    measured=measured,
+  )
+  flops = bench["calibration"]["effective_flop_per_s_per_device"] / c.compute_scale
+  return planner.Cluster(meta["nodes"], m, network, flop_per_s=flops, mfu=1.0)
+
+
+def features(bench: dict, name: str, a: int) -> dict:
+  """Per step: calibrated compute seconds, intra and inter bytes per device, collectives of
+  each kind."""
+  w = dataclasses.replace(workload(bench), micro_batches=a)
+  meta = bench["meta"]
+  unit = planner.Cluster(
+    meta["nodes"],
+    meta["devices_per_node"],
+    planner.Links(1.0, 1.0),
+    bench["calibration"]["effective_flop_per_s_per_device"],
+    mfu=1.0,
+  )
+  s = parse_strategy(name)
+  traffic = planner.traffic_of(s, w, unit)
+  sched = planner.schedule(s, w)
+  counts = {kind: 0 for kind in names.SCHEDULE_COLLECTIVES}
+  for key in traffic.phases:
+    counts[sched[key][0]] += sched[key][2]
+  return {
+    "compute": planner.compute_seconds(w, unit),
+    "intra": traffic.intra,
+    "inter": traffic.inter,
+    "counts": counts,
+  }
+
+
+def fit_constants(bench: dict, runs: list[dict]) -> Constants | None:
+  """NNLS on the unshaped runs: step - inter bytes / link = s C + intra / B' + gloo E
+  + sum over kinds of lat_kind K_kind."""
+  meta = bench["meta"]
+  m = meta["devices_per_node"]
+  rate = next((g["rate_bps"] for g in bench["regimes"] if g["regime"] == UNSHAPED), None)
+  ref = [r for r in runs if r["regime"] == UNSHAPED]
+  if rate is None or len(ref) < 4:
+    return None
+  rows, ys = [], []
+  for r in ref:
+    f = features(bench, r["name"], r["micro_batches"])
+    rows.append(
+      [f["compute"], f["intra"], f["inter"], *(f["counts"][k] for k in names.SCHEDULE_COLLECTIVES)]
+    )
+    ys.append(r["median_step_s"] - f["inter"] * m * 8 / rate)
+  coef = nnls(rows, ys)
+  scale, intra, gloo, *lat = coef
+  steps = [r["median_step_s"] for r in ref]
+  rel = [(sum(c * x for c, x in zip(coef, row)) - y) / t for row, y, t in zip(rows, ys, steps)]
+  rms = math.sqrt(sum(e * e for e in rel) / len(rel))
+  return Constants(
+    intra,
+    dict(zip(names.SCHEDULE_COLLECTIVES, lat)),
+    gloo,
+    scale or 1.0,
+    f"fitted on the {len(ref)} unshaped runs by NNLS, rms error {rms:.1%} there",
+  )
+
+
+def predict(bench: dict, regime: dict, a: int, names: list[str], c: Constants) -> planner.Plan:
+  w = dataclasses.replace(workload(bench), micro_batches=a)
+  cl = cluster(bench, regime["rate_bps"], c)
+  est = {n: planner.estimate(parse_strategy(n), w, cl) for n in VALID_NAMES}
+  # The planner's pick among the strategies that were measured (no memory limit on CPU).
+  sub = [est[n] for n in names]
+  pick = planner.tie_break(sub)
+  ranking = [pick] + sorted((e for e in sub if e is not pick), key=lambda e: e.step_time_s)
+  return planner.Plan(pick.strategy, "", ranking, {})
