@@ -6,13 +6,16 @@ A configuration is (kind, name, collectives):
   collectives implementation `collectives` (paro_jax/core/collectives.py);
 - kind "jit": a plain-jit baseline of XLA's own partitioning (jit-fsdp, jit-hsdp;
   experiments/bench/baselines.py);
-- kind "torch": a PyTorch peer (experiments/bench/torch_peer.py; runs.torch_row is where it
-  plugs in).
+- kind "torch": a PyTorch peer (experiments/bench/torch_peer.py: full_shard, hsdp,
+  hsdp_deferred, ddp_no_sync), labelled `torch-PEER`.
 
 Its label names it in rows, tables, plots and hlo.json: the name, with "/IMPL" added when a PaRO
 strategy runs with collectives other than the benchmark's default (--collectives), e.g. `GGG`
-and `GGG/horing`. Rows are keyed by (regime, label, A). Rows written before labels existed have
-only a name: their label is the name, their kind "jit" for a baseline and "paro" otherwise.
+and `GGG/horing`. The default `auto` is resolved per strategy as `train` resolves it on this
+emulated cluster (CPU, a process per node: `hring+xla` for a strategy with collectives over both
+axes, else `xla`), and the row keeps the implementation that ran. Rows are keyed by (regime,
+label, A). Rows written before labels existed have only a name: their label is the name, their
+kind "jit" for a baseline and "paro" otherwise.
 
 Imports no jax.
 """
@@ -21,8 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.core.names import COLLECTIVE_IMPLS
-from paro_jax.core.strategy import VALID_NAMES
+from experiments.bench.torch_peer import PEERS as TORCH_PEERS
+from paro_jax.core.names import AUTO_COLLECTIVES, COLLECTIVE_IMPLS, resolve_collectives
+from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
 NODES, DEVICES_PER_NODE = 2, 4
 BASELINES = ("jit-fsdp", "jit-hsdp")
@@ -43,18 +47,26 @@ class Config:
 
   @classmethod
   def paro(cls, name: str, collectives: str, default: str) -> Config:
-    label = name if collectives == default else f"{name}/{collectives}"
-    return cls("paro", name, collectives, label)
+    if collectives == default:  # the default, `auto` resolved as train resolves it here
+      impl = resolve_collectives(collectives, "cpu", NODES, parse_strategy(name))[0]
+      return cls("paro", name, impl, name)
+    return cls("paro", name, collectives, f"{name}/{collectives}")
 
   @classmethod
   def jit(cls, name: str) -> Config:
     return cls("jit", name, None, name)
 
   @classmethod
+  def torch(cls, peer: str) -> Config:
+    return cls("torch", peer, None, f"torch-{peer}")
+
+  @classmethod
   def from_label(cls, label: str, default: str) -> Config:
     """The configuration a label names, `default` being the benchmark's --collectives."""
     if label in BASELINES:
       return cls.jit(label)
+    if label.startswith("torch-"):
+      return cls.torch(label.removeprefix("torch-"))
     name, _, impl = label.partition("/")
     return cls.paro(name, impl or default, default)
 
@@ -65,6 +77,16 @@ def label_of(row: dict) -> str:
 
 def kind_of(row: dict) -> str:
   return row.get("kind") or ("jit" if row["name"] in BASELINES else "paro")
+
+
+def parse_torch_peers(text: str | None) -> list[str]:
+  """`--torch-peers full_shard,hsdp` (or `all`, or '' for none) as a list of peers."""
+  peers = [p.strip().lower() for p in (text or "").split(",") if p.strip()]
+  if peers == ["all"]:
+    return list(TORCH_PEERS)
+  if bad := [p for p in peers if p not in TORCH_PEERS]:
+    raise ValueError(f"--torch-peers: unknown peers {bad}; choose from {', '.join(TORCH_PEERS)}")
+  return peers
 
 
 def parse_collectives_for(specs: list[str] | None) -> dict[str, list[str]]:
@@ -85,10 +107,10 @@ def parse_collectives_for(specs: list[str] | None) -> dict[str, list[str]]:
       raise ValueError(
         f"--collectives-for {spec!r}: unknown strategies {bad}; valid: {', '.join(VALID_NAMES)}"
       )
-    if bad := [i for i in impl_list if i not in COLLECTIVE_IMPLS]:
+    if bad := [i for i in impl_list if i not in (AUTO_COLLECTIVES, *COLLECTIVE_IMPLS)]:
       raise ValueError(
         f"--collectives-for {spec!r}: unknown collectives {bad}; choose from "
-        f"{', '.join(COLLECTIVE_IMPLS)}"
+        f"{', '.join((AUTO_COLLECTIVES, *COLLECTIVE_IMPLS))}"
       )
     for n in names_list:
       have = out.setdefault(n, [])
@@ -101,11 +123,12 @@ def run_list(
   baselines: list[str],
   collectives: str,
   collectives_for: dict[str, list[str]] | None = None,
+  torch_peers: list[str] | None = None,
 ) -> list[Config]:
   """The configurations of one regime, in run order: the strategies (those of --collectives-for
   not among them appended), each once per implementation --collectives-for gives it, else
-  with the default `collectives`; then the plain-jit baselines."""
+  with the default `collectives`; then the plain-jit baselines, then the torch peers."""
   per = collectives_for or {}
   names = list(strategies) + [n for n in per if n not in strategies]
   out = [Config.paro(n, impl, collectives) for n in names for impl in per.get(n, [collectives])]
-  return out + [Config.jit(b) for b in baselines]
+  return out + [Config.jit(b) for b in baselines] + [Config.torch(p) for p in torch_peers or []]

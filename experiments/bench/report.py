@@ -35,6 +35,14 @@ def _known(label: str) -> str:
   return f" ({KNOWN_AS[label]})" if label in KNOWN_AS else ""
 
 
+def _impl(row: dict) -> str:
+  """The collectives a row ran with: its implementation, torch's gloo, or XLA's partitioner."""
+  kind = kind_of(row)
+  if kind == "torch":
+    return "torch gloo"
+  return row.get("collectives") or ("xla" if kind == "paro" or kind == "jit" else "-")
+
+
 def _mib(x):
   return None if x is None else x / 2**20
 
@@ -59,7 +67,7 @@ def summarize(rows: list[dict], hlo: dict, reference: str = DEFAULT_REFERENCE) -
     h = hlo.get(f"{label}/{r['micro_batches']}", {})
     r["hlo_inter_bytes_per_device"] = h.get("measured", {}).get("inter_bytes")
     r["formula_inter_bytes_per_device"] = (h.get("expected") or {}).get("inter_bytes")
-    r["model_states_bytes_per_device"] = h.get("model_states_bytes")
+    r["model_states_bytes_per_device"] = h.get("model_states_bytes", r.get("model_states_bytes"))
     r["compiled_peak_bytes_per_device"] = h.get("peak_bytes")
     w = r.get("wire_per_step")
     r["wire_bytes_per_step"] = w["total"] if w else None
@@ -119,18 +127,21 @@ def markdown(
     "(x4 devices = one node's share if every inter-level byte crossed the link), "
     "model states per device.",
     "",
-    f"| regime | strategy | A | step (s) | tokens/s | overhead | vs {reference} | wire MiB/step "
-    "| HLO inter MiB/dev | formula inter MiB/dev | model states MiB/dev | wall (s) |",
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    f"| regime | strategy | collectives | A | step (s) | tokens/s | overhead | vs {reference} "
+    "| wire MiB/step | HLO inter MiB/dev | formula inter MiB/dev | model states MiB/dev "
+    "| wall (s) |",
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     if r.get("error"):
       lines.append(
-        f"| {r['regime']} | {label_of(r)} | {r['micro_batches']} | failed: {r['error']} |||||||||"
+        f"| {r['regime']} | {label_of(r)} | {_impl(r)} | {r['micro_batches']} | failed: "
+        f"{r['error']} |||||||||"
       )
       continue
     lines.append(
-      f"| {r['regime']} | {label_of(r)} | {r['micro_batches']} | {r['median_step_s']:.3f} | "
+      f"| {r['regime']} | {label_of(r)} | {_impl(r)} | {r['micro_batches']} | "
+      f"{r['median_step_s']:.3f} | "
       f"{r['tokens_per_s']:.0f} | {_fmt(r['comm_overhead'], '.2f')} | "
       f"{_fmt(r[row_key(reference)], '.2f')} | {_fmt(_mib(r['wire_bytes_per_step']), '.2f')} | "
       f"{_fmt(_mib(r['hlo_inter_bytes_per_device']), '.2f')} | "
@@ -156,6 +167,11 @@ def summary(rows: list[dict], reference: str = DEFAULT_REFERENCE) -> list[dict]:
       ratio = lambda name: (best["tokens_per_s"] / speed(name)) if speed(name) else None
       jit = [n for n, r in here.items() if kind_of(r) == "jit"]
       best_jit = max(jit, key=speed) if jit else None
+      peers = [n for n, r in here.items() if kind_of(r) == "torch"]
+      best_torch = max(peers, key=speed) if peers else None
+      overhead = lambda names: min(
+        (o for n in names if (o := here[n].get("comm_overhead")) is not None), default=None
+      )
       out.append(
         {
           "regime": regime,
@@ -166,6 +182,11 @@ def summary(rows: list[dict], reference: str = DEFAULT_REFERENCE) -> list[dict]:
           "vs_NGG": ratio("NGG"),
           "best_jit": best_jit,
           "vs_best_jit": ratio(best_jit) if best_jit else None,
+          "best_torch": best_torch,
+          "vs_best_torch": ratio(best_torch) if best_torch else None,
+          # the least communication overhead (step / unshaped step) of each side
+          "min_overhead": overhead(ours),
+          "min_overhead_torch": overhead(peers) if peers else None,
           "ranking": sorted(ours, key=lambda n: -ours[n]["tokens_per_s"]),
         }
       )
@@ -177,17 +198,29 @@ def _times(x) -> str:
 
 
 def summary_markdown(rows: list[dict], reference: str = DEFAULT_REFERENCE) -> list[str]:
+  xs = summary(rows, reference)
+  torch = any(x.get("best_torch") for x in xs)
   lines = [
     f"| regime | A | fastest strategy | tokens/s | vs {reference}{_known(reference)} | vs NGG "
-    "(ZeRO-2) | vs best plain jit | order (fastest first) |",
-    "|---|---:|---|---:|---:|---:|---:|---|",
+    "(ZeRO-2) | vs best plain jit | "
+    + ("vs best torch | least overhead: ours / torch | " if torch else "")
+    + "order (fastest first) |",
+    "|---|---:|---|---:|---:|---:|---:|" + ("---:|---:|" if torch else "") + "---|",
   ]
-  for x in summary(rows, reference):
+  for x in xs:
     jit = "-" if x["best_jit"] is None else f"{x['vs_best_jit']:.2f}x ({x['best_jit']})"
+    peer = ""
+    if torch:
+      peer = "- | - | "
+      if x.get("best_torch"):
+        peer = (
+          f"{_times(x['vs_best_torch'])} ({x['best_torch']}) | "
+          f"{_fmt(x['min_overhead'], '.2f')} / {_fmt(x['min_overhead_torch'], '.2f')} | "
+        )
     lines.append(
       f"| {x['regime']} | {x['micro_batches']} | {x['best']} | "
       f"{x['best_tokens_per_s']:.0f} | {_times(x[summary_key(reference)])} | "
-      f"{_times(x['vs_NGG'])} | {jit} | {' '.join(x['ranking'])} |"
+      f"{_times(x['vs_NGG'])} | {jit} | {peer}{' '.join(x['ranking'])} |"
     )
   return lines
 

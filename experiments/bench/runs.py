@@ -106,13 +106,25 @@ def run_one(args, regime: dict, config: Config, a: int, directory: str) -> dict:
 
 
 def torch_row(args, regime: dict, config: Config, a: int, directory: str) -> dict:
-  """The row of a torch peer (kind "torch"), in the format of the others.
-
-  The extension point for experiments/bench/torch_peer.py: build its per-node command (the
-  launcher runs `python SCRIPT.py ...` with --mesh and the multi-process flags appended, and
-  process 0 must write metrics.jsonl as train does: step, loss, step_time_s, tokens_per_s) and
-  return `launch_row(args, regime, config, a, directory, argv)`."""
-  raise NotImplementedError("torch peers: experiments/bench/torch_peer.py")
+  """The row of a torch peer (kind "torch"): experiments/bench/torch_peer.py launched as the
+  strategies are, with the same model, batches and steps; its ranks' model-state bytes (from
+  peer.json) as the row's model states per device (the largest rank's)."""
+  argv = [
+    "python",
+    "-m",
+    "experiments.bench.torch_peer",
+    "--peer",
+    config.name,
+    *common_flags(args, a, directory),
+  ]
+  row = launch_row(args, regime, config, a, directory, argv)
+  peer_path = os.path.join(directory, "peer.json")
+  if not row.get("error") and os.path.exists(peer_path):
+    with open(peer_path) as f:
+      peer = json.load(f)
+    row["torch"] = peer["torch"]
+    row["model_states_bytes"] = max(s["total"] for s in peer["state_bytes"])
+  return row
 
 
 def lora_flags(args) -> list[str]:
@@ -146,7 +158,26 @@ def command(args, config: Config, a: int, directory: str) -> list[str]:
   """The per-node command the launcher runs for a "paro" or "jit" configuration."""
   if config.kind not in ("paro", "jit"):
     raise ValueError(f"no command for a {config.kind!r} configuration here: see torch_row")
-  common = [
+  common = common_flags(args, a, directory)
+  if config.kind == "jit":
+    return ["python", ENTRY, "--child", "baseline", "--kind", config.name, *common]
+  return [
+    "train",
+    "--strategy",
+    config.name,
+    "--collectives",
+    config.collectives,
+    "--warmup",
+    "1",
+    *common,
+    *lora_flags(args),
+    *wire_flags(args),
+  ]
+
+
+def common_flags(args, a: int, directory: str) -> list[str]:
+  """Model, batch, dtype, steps and output directory: what every configuration's command takes."""
+  return [
     "--model",
     args.model,
     "--micro-batches",
@@ -161,20 +192,6 @@ def command(args, config: Config, a: int, directory: str) -> list[str]:
     str(args.steps),
     "--out",
     directory,
-  ]
-  if config.kind == "jit":
-    return ["python", ENTRY, "--child", "baseline", "--kind", config.name, *common]
-  return [
-    "train",
-    "--strategy",
-    config.name,
-    "--collectives",
-    config.collectives,
-    "--warmup",
-    "1",
-    *common,
-    *lora_flags(args),
-    *wire_flags(args),
   ]
 
 

@@ -66,6 +66,7 @@ from experiments.bench.configs import BASELINES, DEFAULT_REFERENCE, DEVICES_PER_
 
 def parser() -> argparse.ArgumentParser:
   from paro_jax.core.names import (  # imports no jax
+    AUTO_COLLECTIVES,
     COLLECTIVE_IMPLS,
     DEFAULT_INT8_BLOCK,
     WIRE_FORMATS,
@@ -97,9 +98,18 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
   ap.add_argument(
     "--collectives",
-    default="xla",
-    choices=COLLECTIVE_IMPLS,
-    help="the strategies' collectives (default xla), except where --collectives-for names others",
+    default=AUTO_COLLECTIVES,
+    choices=(AUTO_COLLECTIVES, *COLLECTIVE_IMPLS),
+    help="the strategies' collectives (default auto: what `train --collectives auto` picks on "
+    "this emulated cluster, hring+xla where a strategy has collectives over both axes, else "
+    "xla), except where --collectives-for names others",
+  )
+  ap.add_argument(
+    "--torch-peers",
+    default="",
+    help="PyTorch peers to run beside the strategies, comma-separated, or 'all': "
+    "full_shard,hsdp,hsdp_deferred,ddp_no_sync (experiments/bench/torch_peer.py; needs the "
+    "[bench] extra)",
   )
   ap.add_argument(
     "--collectives-for",
@@ -207,9 +217,10 @@ def run_list(args) -> list[configs.Config]:
     raise SystemExit(f"unknown baselines {bad}; choose from {BASELINES}")
   try:
     per = configs.parse_collectives_for(args.collectives_for)
+    peers = configs.parse_torch_peers(args.torch_peers)
   except ValueError as e:
     raise SystemExit(str(e)) from None
-  return configs.run_list(names, baselines, args.collectives, per)
+  return configs.run_list(names, baselines, args.collectives, per, peers)
 
 
 def orchestrate(args, command: str) -> None:
@@ -251,6 +262,7 @@ def orchestrate(args, command: str) -> None:
     "steps": args.steps,
     "skip": args.skip,
     "collectives": args.collectives,
+    "torch_peers": configs.parse_torch_peers(args.torch_peers) or None,
     "collectives_for": configs.parse_collectives_for(args.collectives_for) or None,
     "reference": reference,
     "inter_wire": {

@@ -42,7 +42,7 @@ from paro_jax.core.names import (
   ALL_GATHER,
   ALL_REDUCE,
   DEFAULT_INT8_BLOCK,
-  HORING_XLA,
+  MIXED_IMPLS,
   INTER,
   LEVELS,
   REDUCE_SCATTER,
@@ -69,8 +69,8 @@ GLOBAL_MODEL_OF = {
   "ring": "flat",
   "hring": "hierarchical",
   "horing": "overlapped",
-  HORING_XLA: "overlapped",
 }
+GLOBAL_MODEL_OF |= {mixed: GLOBAL_MODEL_OF[ring] for mixed, ring in MIXED_IMPLS.items()}
 TIE = 0.01
 USABLE_MEMORY = 0.9
 DEFAULT_MFU = 0.5  # compute alone; AMSP reports 51-52% end to end for LLaMA-7B/13B on A800s

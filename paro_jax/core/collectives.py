@@ -26,12 +26,12 @@ Implementations (``impl``), all exactly equal to the ``lax`` reference:
   the transpose: intra reduce-scatter sub-rounds in the reverse order, the
   inter ring reducing the finished partial sums beside them.  With one
   level of size 1, or more than two axes, it is the ring / hring.
-* ``"horing+xla"`` -- ``horing`` for a collective over two axes of more than one
-  device each, the ``lax`` collective otherwise (and for both levels of a
-  compressed collective, which runs them one after the other anyway). What
-  ``--collectives auto`` picks where the runtime's own collective over both
-  axes would be one flat ring crossing the inter-node link on every hop
-  (XLA:CPU's gloo, one process per node).
+* ``"hring+xla"``, ``"horing+xla"`` -- ``hring`` / ``horing`` for a collective
+  over two axes of more than one device each, the ``lax`` collective otherwise
+  (and for both levels of a compressed collective, which runs them one after
+  the other anyway). ``--collectives auto`` picks ``hring+xla`` where the
+  runtime's own collective over both axes would be one flat ring crossing the
+  inter-node link on every hop (XLA:CPU's gloo, one process per node).
 For a single axis ``hring`` and ``horing`` are the ring.
 
 Hand-written ppermute collectives return values typed *varying* over ``axes``
@@ -58,7 +58,8 @@ from jax import lax
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from paro_jax.core import compress
-from paro_jax.core.names import AUTO_COLLECTIVES, COLLECTIVE_IMPLS, HORING_XLA, INTER
+from paro_jax.core.names import COLLECTIVE_IMPLS, INTER, MIXED_IMPLS
+from paro_jax.core.names import resolve_collectives as resolve
 
 __all__ = [
   "IMPLS",
@@ -92,34 +93,12 @@ def _check_impl(impl: str) -> None:
 
 
 def concrete_impl(impl: str, axes) -> str:
-  """The implementation one collective over `axes` runs: `impl`, with ``horing+xla`` resolved
-  (``horing`` over two axes of more than one device each, else ``xla``). Inside shard_map."""
-  if impl != HORING_XLA:
+  """The implementation one collective over `axes` runs: `impl`, with a mixed one resolved
+  (``hring+xla``: ``hring`` over two axes of more than one device each, else ``xla``; the same
+  for ``horing+xla``). Inside shard_map."""
+  if impl not in MIXED_IMPLS:
     return impl
-  return "horing" if sum(s > 1 for s in _sizes(_norm_axes(axes))) >= 2 else "xla"
-
-
-def resolve(requested: str, platform: str, processes: int, strategy=None) -> tuple[str, str]:
-  """(implementation, why) for `--collectives` `requested`; only ``auto`` is changed.
-
-  ``auto``: where XLA's own collective over both axes is one flat ring whose every hop crosses
-  the inter-node link (XLA:CPU through gloo, with a process per node), ``horing+xla``: the
-  collectives over both axes as HO-Ring, each level on its own ring, the one-level ones as XLA's.
-  Elsewhere (GPUs, whose NCCL rings visit the devices node by node; or one process) ``xla``.
-  A `strategy` (core/strategy.py) with no collective over both axes gets ``xla`` too.
-  """
-  if requested != AUTO_COLLECTIVES:
-    _check_impl(requested)
-    return requested, "as asked"
-  if platform != "cpu" or processes < 2:
-    where = "one process" if platform == "cpu" else f"{platform}: XLA's collectives are node-aware"
-    return "xla", f"auto: {where}, XLA's own collectives"
-  if strategy is not None and not strategy.two_level_collectives:
-    return "xla", f"auto: {strategy} has no collective over both mesh axes, XLA's own collectives"
-  return HORING_XLA, (
-    f"auto: {processes} CPU processes, where XLA's collectives over both axes are one flat ring "
-    "crossing the link on every hop; HO-Ring for those, XLA's own for one-level collectives"
-  )
+  return MIXED_IMPLS[impl] if sum(s > 1 for s in _sizes(_norm_axes(axes))) >= 2 else "xla"
 
 
 def _lax_axes(axes: tuple):
@@ -620,7 +599,7 @@ def all_gather(x, axes, *, dim: int, impl: str = "xla", wire=None):
     return x
   dim = dim % x.ndim
   if _compressed(x, axes, wire):
-    impl = "xla" if impl == HORING_XLA else impl
+    impl = "xla" if impl in MIXED_IMPLS else impl
     return _ag_c(to_varying(x, axes), axes, dim, impl, wire)
   impl = concrete_impl(impl, axes)
   if impl == "xla":
@@ -651,7 +630,7 @@ def reduce_scatter(x, axes, *, dim: int, impl: str = "xla", wire=None):
     return x
   dim = dim % x.ndim
   if _compressed(x, axes, wire):
-    impl = "xla" if impl == HORING_XLA else impl
+    impl = "xla" if impl in MIXED_IMPLS else impl
     return _rs_c(to_varying(x, axes), axes, dim, impl, wire)
   impl = concrete_impl(impl, axes)
   if impl == "xla":
@@ -674,7 +653,7 @@ def all_reduce(x, axes, *, impl: str = "xla", wire=None):
   if not axes:
     return x
   if _compressed(x, axes, wire):
-    impl = "xla" if impl == HORING_XLA else impl
+    impl = "xla" if impl in MIXED_IMPLS else impl
     return _ar_c(to_varying(x, axes), axes, impl, wire)
   impl = concrete_impl(impl, axes)
   if impl == "xla":

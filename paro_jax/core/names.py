@@ -18,11 +18,13 @@ LEVEL_AXES = {"intra": (INTRA,), "inter": (INTER,), "global": GLOBAL_AXES}
 LEVELS = tuple(LEVEL_AXES)
 
 # Implementations of the collectives (`--collectives`); see paro_jax/core/collectives.py.
-# HORING_XLA: HO-Ring for a collective over both axes, XLA's own for one over a single axis.
-HORING_XLA = "horing+xla"
-COLLECTIVE_IMPLS = ("xla", "ring", "hring", "horing", HORING_XLA)
-# `--collectives auto` picks one of the above for the platform (paro_jax/run/train.py).
+# The mixed ones: a hierarchical ring for a collective over both axes, XLA's own for one over a
+# single axis (value: the ring they use).
+MIXED_IMPLS = {"hring+xla": "hring", "horing+xla": "horing"}
+COLLECTIVE_IMPLS = ("xla", "ring", "hring", "horing", *MIXED_IMPLS)
+# `--collectives auto` picks one of the above for the platform (`resolve_collectives`).
 AUTO_COLLECTIVES = "auto"
+AUTO_CPU_PROCESSES = "hring+xla"  # its pick on XLA:CPU with a process per node
 
 # Wire precision of the inter-node level (`--inter-params`, `--inter-grads`; core/compress.py),
 # its default int8 block size (`--int8-block`), and the gradient dtype (`--grad-dtype`).
@@ -47,3 +49,35 @@ def parse_mesh_shape(text: str) -> tuple[int, int]:
       f"(2 groups, i.e. nodes, of 4 devices each)"
     )
   return int(parts[0]), int(parts[1])
+
+
+def resolve_collectives(
+  requested: str, platform: str, processes: int, strategy=None
+) -> tuple[str, str]:
+  """(implementation, why) for `--collectives` `requested`; only ``auto`` is changed.
+
+  ``auto``: where XLA's own collective over both axes is one flat ring whose every hop crosses
+  the inter-node link (XLA:CPU through gloo, with a process per node), ``hring+xla``: the
+  collectives over both axes as two rings, one per level, the one-level ones as XLA's. Of the
+  two-level rings, ``hring`` is the faster on that runtime: it overlaps two collective-permutes
+  only partly, and HO-Ring's g*(m-1) steps cost more than H-Ring's (g-1)+(m-1) (docs/
+  collectives.md links the measurement). Elsewhere (GPUs, whose NCCL rings visit the devices
+  node by node; or one process) ``xla``. A `strategy` (core/strategy.py) with no collective
+  over both axes gets ``xla`` too.
+  """
+  if requested != AUTO_COLLECTIVES:
+    if requested not in COLLECTIVE_IMPLS:
+      raise ValueError(
+        f"unknown collective impl {requested!r}; valid impls are {COLLECTIVE_IMPLS} or "
+        f"{AUTO_COLLECTIVES!r}"
+      )
+    return requested, "as asked"
+  if platform != "cpu" or processes < 2:
+    where = "one process" if platform == "cpu" else f"{platform}: XLA's collectives are node-aware"
+    return "xla", f"auto: {where}, XLA's own collectives"
+  if strategy is not None and not strategy.two_level_collectives:
+    return "xla", f"auto: {strategy} has no collective over both mesh axes, XLA's own collectives"
+  return AUTO_CPU_PROCESSES, (
+    f"auto: {processes} CPU processes, where XLA's collectives over both axes are one flat ring "
+    "crossing the link on every hop; a ring per level for those, XLA's own for one-level ones"
+  )

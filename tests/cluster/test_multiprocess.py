@@ -105,7 +105,8 @@ def _can_namespace():
 def test_two_processes_match_one(tmp_path, strategy):
   """2 processes x 2 devices (loopback, gloo) give the losses of 1 process x 4 devices, mesh
   2x2 both; only process 0 writes metrics. GGG asks for `--collectives auto`: XLA's own
-  collectives in one process, HO-Ring over both axes in two (gloo's would be one flat ring)."""
+  collectives in one process, a ring per level over both axes in two (gloo's would be one flat
+  ring)."""
   auto = ["--collectives", "auto"] if strategy == "GGG" else []
   ref = subprocess.run(
     [
@@ -141,7 +142,7 @@ def test_two_processes_match_one(tmp_path, strategy):
   assert '[node 1] {"step"' not in out.getvalue()  # process 1 neither logs nor writes
   if auto:
     assert "collectives=xla" in ref.stdout and "auto: one process" in ref.stdout, ref.stdout
-    assert "collectives=horing+xla" in out.getvalue() and "flat ring" in out.getvalue()
+    assert "collectives=hring+xla" in out.getvalue() and "flat ring" in out.getvalue()
   np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
   assert len(_losses(tmp_path / "two")) == 2
 

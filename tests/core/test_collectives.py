@@ -466,12 +466,15 @@ def _one_and_two_level_hlo(impl):
   ]
 
 
-def test_horing_xla_runs_horing_over_two_axes_and_lax_over_one():
+def test_mixed_impls_run_rings_over_two_axes_and_lax_over_one():
   kinds = _one_and_two_level_hlo("horing+xla")
   # the two-level gather: HO-Ring's g*(m-1) intra + (g-1) inter permutes (the hlo_texts tests
   # check their order); the one-level gather: XLA's own all-gather
   assert kinds.count("all-gather") == 1, kinds
   assert kinds.count("collective-permute") == 2 * 3 + 1, kinds
+  # H-Ring: (g-1) inter then (m-1) intra steps
+  kinds = _one_and_two_level_hlo("hring+xla")
+  assert kinds.count("all-gather") == 1 and kinds.count("collective-permute") == 1 + 3, kinds
   # contrast: horing runs the one-level gather as a ring of m-1 permutes too
   kinds = _one_and_two_level_hlo("horing")
   assert "all-gather" not in kinds and kinds.count("collective-permute") == 2 * 3 + 1 + 3, kinds
@@ -483,7 +486,7 @@ def test_auto_collectives_resolution():
   gpu, _ = C.resolve("auto", "cuda", 4, parse_strategy("GGG"))
   one, _ = C.resolve("auto", "cpu", 1, parse_strategy("GGG"))
   cpu, why = C.resolve("auto", "cpu", 2, parse_strategy("GGG"))
-  assert (gpu, one, cpu) == ("xla", "xla", "horing+xla")
+  assert (gpu, one, cpu) == ("xla", "xla", "hring+xla")
   assert "flat ring" in why
   # only one-level collectives (III's boundary all-reduce and IIG's boundary reduce-scatter and
   # parameter gather span inter alone)
@@ -493,7 +496,7 @@ def test_auto_collectives_resolution():
   for name in ("NNN", "NNG", "NIG", "GGG", "NGG", "GIG"):
     assert parse_strategy(name).two_level_collectives
   # before a strategy is known (--strategy auto): the platform alone decides
-  assert C.resolve("auto", "cpu", 2)[0] == "horing+xla"
+  assert C.resolve("auto", "cpu", 2)[0] == "hring+xla"
   assert C.resolve("hring", "cuda", 4) == ("hring", "as asked")
   with pytest.raises(ValueError, match="horing"):
     C.resolve("nccl", "cpu", 2)

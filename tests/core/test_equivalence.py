@@ -112,10 +112,12 @@ def test_hand_written_collectives_equal_single_device(setup, strategy, collectiv
   assert_trees_close(params, ref_params, atol=2e-5)
 
 
-@pytest.mark.parametrize("strategy", ["NIG", "GGG"])
-def test_horing_xla_equals_single_device(setup, strategy):
-  """`--collectives auto` on CPU processes: HO-Ring over both axes, XLA's collectives over one."""
+@pytest.mark.parametrize(
+  "strategy,collectives", [("NIG", "horing+xla"), ("GGG", "horing+xla"), ("GGG", "hring+xla")]
+)
+def test_mixed_collectives_equal_single_device(setup, strategy, collectives):
+  """Rings over both axes, XLA's collectives over one (`--collectives auto` on CPU processes)."""
   batches, params0, ref_losses, ref_params = setup
-  losses, params, _, _ = run_engine(strategy, (2, 4), batches, params0, collectives="horing+xla")
+  losses, params, _, _ = run_engine(strategy, (2, 4), batches, params0, collectives=collectives)
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   assert_trees_close(params, ref_params, atol=2e-5)

@@ -70,6 +70,8 @@ def test_collectives_for_parsing_and_the_run_list():
       "IIG",
       "--baselines",
       "",
+      "--collectives",
+      "xla",
       "--collectives-for",
       "GGG=xla,horing",
       "--collectives-for",
@@ -128,8 +130,8 @@ def test_summary_keeps_the_labels_of_one_strategy_apart(tmp_path):
     {"single_device": {"flop_per_s": 1e9}, "effective_flop_per_s_per_device": 1e9},
     _meta(),
   )
-  assert "| slow | GGG/horing | 1 | 4.000 | 250 | 4.00 | 2.00 |" in md
-  assert "| slow | GGG | 1 | 8.000 | 125 | 4.00 | 1.00 |" in md
+  assert "| slow | GGG/horing | horing | 1 | 4.000 | 250 | 4.00 | 2.00 |" in md
+  assert "| slow | GGG | xla | 1 | 8.000 | 125 | 4.00 | 1.00 |" in md  # an old row: xla
   assert "vs GGG (ZeRO-3)" in md and "| IIG GGG/horing GGG |" in md
 
   # Relative to another configuration: its label names the keys and columns.
@@ -213,10 +215,31 @@ def test_resume_reuses_a_row_of_the_same_label_rate_and_collectives(tmp_path, mo
   assert json.loads((tmp_path / directory / "row.json").read_text()) == {"new": True}
 
 
-def test_torch_peers_are_an_extension_point():
+def test_torch_peers_in_the_summary():
+  """Torch rows are peers, not strategies: the summary names the fastest and compares the least
+  communication overhead of each side; the per-run table says they ran on torch's gloo."""
+  rows = _rows()
+  for regime, slow in (("slow", 1.0), (calibration.UNSHAPED, 0.0)):
+    rows += [
+      _row(regime, "torch-full_shard", 1, 3.0 if slow else 1.5, "torch"),
+      _row(regime, "torch-hsdp_deferred", 1, 0.8 if slow else 0.6, "torch"),
+    ]
+  rows = report.summarize(rows, {}, "GGG")
+  (s,) = report.summary(rows, "GGG")
+  assert s["ranking"] == ["IIG", "GGG/horing", "GGG"]  # ours only
+  assert s["best_torch"] == "torch-hsdp_deferred"
+  assert s["vs_best_torch"] == pytest.approx((1000 / 2.0) / (1000 / 0.8))
+  assert s["min_overhead"] == pytest.approx(4.0)  # every one of ours is 4x slower shaped
+  assert s["min_overhead_torch"] == pytest.approx(0.8 / 0.6)
+  md = report.markdown(
+    rows,
+    [],
+    {"single_device": {"flop_per_s": 1e9}, "effective_flop_per_s_per_device": 1e9},
+    _meta(),
+  )
+  assert "| 0.40x (torch-hsdp_deferred) | 4.00 / 1.33 |" in md
+  assert "| slow | torch-full_shard | torch gloo | 1 | 3.000 |" in md
   torch = Config("torch", "full_shard", None, "torch-full_shard")
-  with pytest.raises(NotImplementedError, match="torch_peer"):
-    runs.torch_row(None, {"regime": "slow"}, torch, 1, "unused")
   with pytest.raises(ValueError, match="torch_row"):
     runs.command(None, torch, 1, "unused")
 
@@ -237,6 +260,8 @@ def test_inspect_child_strategy_and_baseline():
       "test",
       "--names",
       "GGG,GGG/hring,jit-fsdp",
+      "--collectives",
+      "xla",
       "--micro-batches",
       "1",
       "--batch-size",
@@ -271,3 +296,25 @@ def test_inspect_child_strategy_and_baseline():
   # XLA's schedule gathers every fp32 weight at least once per step, (n-1)/n x 4 bytes x psi per
   # device; with activations batch-sharded it moves no more than a few times GGG's traffic.
   assert 7 / 8 * 4 * psi <= fsdp["measured"]["inter_bytes"] < 4 * ggg["measured"]["inter_bytes"]
+
+
+def test_auto_default_and_torch_peers_in_the_run_list():
+  """The default collectives are train's `auto` on this cluster, resolved per strategy and kept
+  in the configuration (so the compile child and train run the same program); torch peers are
+  configurations labelled torch-PEER."""
+  got = configs.run_list(["GGG", "IIG"], ["jit-fsdp"], "auto", None, ["full_shard", "hsdp"])
+  assert [(c.kind, c.label, c.collectives) for c in got] == [
+    ("paro", "GGG", "hring+xla"),  # collectives over both axes: a ring per level
+    ("paro", "IIG", "xla"),  # one-level collectives only
+    ("jit", "jit-fsdp", None),
+    ("torch", "torch-full_shard", None),
+    ("torch", "torch-hsdp", None),
+  ]
+  for c in got:
+    assert Config.from_label(c.label, "auto") == c
+  assert configs.parse_torch_peers("all") == ["full_shard", "hsdp", "hsdp_deferred", "ddp_no_sync"]
+  assert configs.parse_torch_peers("") == []
+  with pytest.raises(ValueError, match="unknown peers.*fsdp1"):
+    configs.parse_torch_peers("fsdp1")
+  args = strategies.parser().parse_args(["--strategies", "NNI", "--torch-peers", "ddp_no_sync"])
+  assert [c.label for c in strategies.run_list(args)][-1] == "torch-ddp_no_sync"
