@@ -62,6 +62,9 @@ def summarize(rows: list[dict], hlo: dict, reference: str = DEFAULT_REFERENCE) -
     label = label_of(r)
     ref = ok.get((UNSHAPED, label, r["micro_batches"]))
     r["comm_overhead"] = r["median_step_s"] / ref["median_step_s"] if ref else None
+    # the seconds a step waits for the link: fairer than the ratio between sides whose compute
+    # differs in speed (the same exposed seconds are a larger ratio of a faster step)
+    r["comm_exposed_s"] = r["median_step_s"] - ref["median_step_s"] if ref else None
     g = ok.get((r["regime"], reference, r["micro_batches"]))
     r[key] = r["tokens_per_s"] / g["tokens_per_s"] if g else None
     h = hlo.get(f"{label}/{r['micro_batches']}", {})
@@ -169,9 +172,10 @@ def summary(rows: list[dict], reference: str = DEFAULT_REFERENCE) -> list[dict]:
       best_jit = max(jit, key=speed) if jit else None
       peers = [n for n, r in here.items() if kind_of(r) == "torch"]
       best_torch = max(peers, key=speed) if peers else None
-      overhead = lambda names: min(
-        (o for n in names if (o := here[n].get("comm_overhead")) is not None), default=None
+      least = lambda names, key: min(
+        (o for n in names if (o := here[n].get(key)) is not None), default=None
       )
+      overhead = lambda names: least(names, "comm_overhead")
       out.append(
         {
           "regime": regime,
@@ -187,6 +191,8 @@ def summary(rows: list[dict], reference: str = DEFAULT_REFERENCE) -> list[dict]:
           # the least communication overhead (step / unshaped step) of each side
           "min_overhead": overhead(ours),
           "min_overhead_torch": overhead(peers) if peers else None,
+          "min_exposed_s": least(ours, "comm_exposed_s"),
+          "min_exposed_s_torch": least(peers, "comm_exposed_s") if peers else None,
           "ranking": sorted(ours, key=lambda n: -ours[n]["tokens_per_s"]),
         }
       )
@@ -203,19 +209,24 @@ def summary_markdown(rows: list[dict], reference: str = DEFAULT_REFERENCE) -> li
   lines = [
     f"| regime | A | fastest strategy | tokens/s | vs {reference}{_known(reference)} | vs NGG "
     "(ZeRO-2) | vs best plain jit | "
-    + ("vs best torch | least overhead: ours / torch | " if torch else "")
+    + (
+      "vs best torch | least overhead: ours / torch | least exposed comm. (s): ours / torch | "
+      if torch
+      else ""
+    )
     + "order (fastest first) |",
-    "|---|---:|---|---:|---:|---:|---:|" + ("---:|---:|" if torch else "") + "---|",
+    "|---|---:|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if torch else "") + "---|",
   ]
   for x in xs:
     jit = "-" if x["best_jit"] is None else f"{x['vs_best_jit']:.2f}x ({x['best_jit']})"
     peer = ""
     if torch:
-      peer = "- | - | "
+      peer = "- | - | - | "
       if x.get("best_torch"):
         peer = (
           f"{_times(x['vs_best_torch'])} ({x['best_torch']}) | "
           f"{_fmt(x['min_overhead'], '.2f')} / {_fmt(x['min_overhead_torch'], '.2f')} | "
+          f"{_fmt(x.get('min_exposed_s'), '.1f')} / {_fmt(x.get('min_exposed_s_torch'), '.1f')} | "
         )
     lines.append(
       f"| {x['regime']} | {x['micro_batches']} | {x['best']} | "

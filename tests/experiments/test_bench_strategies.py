@@ -237,7 +237,9 @@ def test_torch_peers_in_the_summary():
     {"single_device": {"flop_per_s": 1e9}, "effective_flop_per_s_per_device": 1e9},
     _meta(),
   )
-  assert "| 0.40x (torch-hsdp_deferred) | 4.00 / 1.33 |" in md
+  assert s["min_exposed_s"] == pytest.approx(4.0 * 0.5 - 0.5)  # IIG: 2.0 s shaped, 0.5 unshaped
+  assert s["min_exposed_s_torch"] == pytest.approx(0.8 - 0.6)
+  assert "| 0.40x (torch-hsdp_deferred) | 4.00 / 1.33 | 1.5 / 0.2 |" in md
   assert "| slow | torch-full_shard | torch gloo | 1 | 3.000 |" in md
   torch = Config("torch", "full_shard", None, "torch-full_shard")
   with pytest.raises(ValueError, match="torch_row"):
