@@ -16,6 +16,7 @@ import statistics
 import time
 
 from experiments.bench import child
+from experiments.bench.child import batch_flags
 from experiments.bench.configs import DEVICES_PER_NODE, NODES
 
 # FLOP per inter-node byte of real clusters (per GPU: effective dense FLOP/s over its share of
@@ -133,12 +134,7 @@ def calibrate(args, model: str, log_path: str) -> dict:
       "calibrate",
       "--model",
       model,
-      "--batch-size",
-      str(args.batch_size),
-      "--seq-len",
-      str(args.seq_len),
-      "--dtype",
-      args.dtype,
+      *batch_flags(args),
       "--devices",
       str(NODES * DEVICES_PER_NODE),
     ],

@@ -60,3 +60,15 @@ def run_child(argv: list[str], tag: str, log_path: str) -> dict:
   out = json.loads(line[len(tag) + 1 :])
   out["wall_s"] = time.perf_counter() - t
   return out
+
+
+def batch_flags(args) -> list[str]:
+  """--batch-size, --seq-len and --dtype: the step's shape, for every child and configuration."""
+  return [
+    "--batch-size",
+    str(args.batch_size),
+    "--seq-len",
+    str(args.seq_len),
+    "--dtype",
+    args.dtype,
+  ]

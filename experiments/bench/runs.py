@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 
-from experiments.bench.child import ENTRY
+from experiments.bench.child import ENTRY, batch_flags
 from experiments.bench.configs import DEVICES_PER_NODE, NODES, Config, label_of
 
 
@@ -182,12 +182,7 @@ def common_flags(args, a: int, directory: str) -> list[str]:
     args.model,
     "--micro-batches",
     str(a),
-    "--batch-size",
-    str(args.batch_size),
-    "--seq-len",
-    str(args.seq_len),
-    "--dtype",
-    args.dtype,
+    *batch_flags(args),
     "--steps",
     str(args.steps),
     "--out",

@@ -19,6 +19,7 @@ import sys
 import time
 
 from experiments.bench import child
+from experiments.bench.child import batch_flags
 from experiments.bench.configs import DEVICES_PER_NODE, NODES, Config
 from experiments.bench.runs import lora_flags, wire_flags
 
@@ -155,12 +156,7 @@ def inspect_all(
           ",".join(missing),
           "--micro-batches",
           str(a),
-          "--batch-size",
-          str(args.batch_size),
-          "--seq-len",
-          str(args.seq_len),
-          "--dtype",
-          args.dtype,
+          *batch_flags(args),
           "--mesh",
           f"{NODES}x{DEVICES_PER_NODE}",
           "--collectives",
