@@ -253,9 +253,53 @@ def apply_rope(x_BxLxHxK, sin_LxK2, cos_LxK2):
   return out.astype(x_BxLxHxK.dtype)
 
 
+# How attention is computed. "xla" writes it out: scores in fp32, causal mask, softmax, weighted
+# sum (the numerics of every CPU run and test). "cudnn" is jax.nn.dot_product_attention's cuDNN
+# fused kernel (flash attention: the L x L scores never reach memory), GPUs only, bf16/fp16, head
+# dim a multiple of 8. "auto" (resolve_attention) picks cudnn where it applies, else xla.
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+FUSED_DTYPES = ("bfloat16", "float16")
+
+
+def resolve_attention(requested: str, platform: str, dtype, head_dim: int) -> tuple[str, str]:
+  """(the attention implementation to run, why) for --attention on `platform` ("cpu", "gpu",
+  "cuda"). Asking for cudnn where it cannot run is an error, not a quiet fallback."""
+  if requested not in ATTENTION_IMPLS:
+    raise ValueError(f"unknown --attention {requested!r}; choose one of {ATTENTION_IMPLS}")
+  gpu = platform in ("gpu", "cuda")
+  fits = jnp.dtype(dtype).name in FUSED_DTYPES and head_dim % 8 == 0 and head_dim <= 128
+  if requested == "cudnn":
+    if not gpu:
+      raise ValueError(
+        f"--attention cudnn needs NVIDIA GPUs (this run is on {platform}); use --attention xla"
+      )
+    if not fits:
+      raise ValueError(
+        f"--attention cudnn needs --dtype bf16 and a head dim that is a multiple of 8 and at most "
+        f"128 (got {jnp.dtype(dtype).name}, {head_dim}); use --attention xla"
+      )
+  if requested != "auto":
+    return requested, f"{requested} (asked for)"
+  if gpu and fits:
+    return "cudnn", "auto on GPUs in bf16: cuDNN's fused kernel"
+  why = "not on GPUs" if not gpu else "cuDNN's kernel needs bf16 and head dim <= 128, % 8 == 0"
+  return "xla", f"auto, {why}: attention written out in XLA"
+
+
+def fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation: str):
+  """Causal grouped-query attention through jax.nn.dot_product_attention (scale 1/sqrt(K)).
+
+  `implementation="cudnn"` is the GPU kernel; "xla" is the same call on any backend, which the
+  tests compare with the written-out attention."""
+  return jax.nn.dot_product_attention(
+    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True, implementation=implementation
+  )
+
+
 class Attention(nn.Module):
   cfg: LlamaConfig
   lora: LoraConfig | None = None
+  impl: str = "xla"  # "xla" or "cudnn" (resolve_attention)
 
   @nn.compact
   def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
@@ -281,6 +325,9 @@ class Attention(nn.Module):
     q_BxLxHxK = apply_rope(q_BxLxHxK, sin_LxK2, cos_LxK2)
     k_BxLxGxK = apply_rope(k_BxLxGxK, sin_LxK2, cos_LxK2)
     B, L = x_BxLxD.shape[:2]
+    if self.impl == "cudnn":
+      out_BxLxHK = fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, "cudnn").reshape(B, L, H * K)
+      return self._out(out_BxLxHK, wo_HxKxD, lora)
     # Grouped-query attention: R = H/G query heads share each key/value head.
     q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
     scores_BxGxRxLxL = jnp.einsum(
@@ -290,8 +337,13 @@ class Attention(nn.Module):
     scores_BxGxRxLxL = jnp.where(causal_LxL, scores_BxGxRxLxL, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(dt)
     out_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxLxGxK)
-    out_BxLxHK = out_BxLxGxRxK.reshape(B, L, H * K)
-    return jnp.einsum("blhk,hkd->bld", out_BxLxHK.reshape(B, L, H, K), wo_HxKxD.astype(dt)) + lora(
+    return self._out(out_BxLxGxRxK.reshape(B, L, H * K), wo_HxKxD, lora)
+
+  def _out(self, out_BxLxHK, wo_HxKxD, lora):
+    B, L, _ = out_BxLxHK.shape
+    H, K, D = wo_HxKxD.shape
+    out_BxLxHxK = out_BxLxHK.reshape(B, L, H, K)
+    return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, wo_HxKxD.astype(out_BxLxHK.dtype)) + lora(
       "wo", out_BxLxHK, (D,), in_axis="lora_in", out_axis="embed"
     )
 
@@ -320,12 +372,14 @@ class MLP(nn.Module):
 class Block(nn.Module):
   cfg: LlamaConfig
   lora: LoraConfig | None = None
+  attention: str = "xla"
 
   @nn.compact
   def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
     with jax.named_scope("attention"):
       h = RMSNorm(self.cfg.norm_eps, name="attn_norm")(x_BxLxD)
-      x_BxLxD = x_BxLxD + Attention(self.cfg, self.lora, name="attn")(h, sin_LxK2, cos_LxK2)
+      attention = Attention(self.cfg, self.lora, self.attention, name="attn")
+      x_BxLxD = x_BxLxD + attention(h, sin_LxK2, cos_LxK2)
     with jax.named_scope("mlp"):
       h = RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x_BxLxD)
       return x_BxLxD + MLP(self.cfg, self.lora, name="mlp")(h)
@@ -365,12 +419,21 @@ class Llama:
   """The whole model as three Flax modules (embed, a scanned block, head) and pure functions."""
 
   def __init__(
-    self, cfg: LlamaConfig, dtype=jnp.float32, remat: str = "full", lora: LoraConfig | None = None
+    self,
+    cfg: LlamaConfig,
+    dtype=jnp.float32,
+    remat: str = "full",
+    lora: LoraConfig | None = None,
+    attention: str = "xla",
   ):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"unknown remat policy {remat!r}; choose one of {tuple(REMAT_POLICIES)}")
+    if attention not in ATTENTION_IMPLS[1:]:
+      raise ValueError(f"attention must be resolved to one of {ATTENTION_IMPLS[1:]}: {attention!r}")
     self.cfg, self.dtype, self.remat, self.lora = cfg, dtype, remat, lora
-    self.embed, self.block, self.head = Embed(cfg, dtype), Block(cfg, lora), Head(cfg)
+    self.attention = attention
+    self.embed, self.head = Embed(cfg, dtype), Head(cfg)
+    self.block = Block(cfg, lora, attention)
 
   def _boxed_init(self, rng):
     k_embed, k_layers, k_head = jax.random.split(rng, 3)
@@ -378,7 +441,10 @@ class Llama:
     x = jnp.zeros((1, 2, self.cfg.dim), jnp.float32)
     sin, cos = rope_tables(2, self.cfg.head_dim, self.cfg.rope_theta)
     layer_keys = jax.random.split(k_layers, self.cfg.layers)
-    layers = jax.vmap(lambda k: self.block.init(k, x, sin, cos)["params"])(layer_keys)
+    # The parameters do not depend on how attention is computed: initialise through the
+    # written-out attention, which traces on any backend.
+    block = Block(self.cfg, self.lora)
+    layers = jax.vmap(lambda k: block.init(k, x, sin, cos)["params"])(layer_keys)
     return {
       "embed": self.embed.init(k_embed, tokens)["params"],
       "layers": layers,

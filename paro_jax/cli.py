@@ -8,6 +8,7 @@ import os
 import sys
 
 from paro_jax.core.names import (
+  ATTENTION_IMPLS,
   AUTO_COLLECTIVES,
   COLLECTIVE_IMPLS,
   DEFAULT_INT8_BLOCK,
@@ -155,8 +156,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     type=str.lower,
     choices=(AUTO_COLLECTIVES, *COLLECTIVE_IMPLS),
     help="how collectives over all devices run: xla (XLA's own) and hring in two levels, ring "
-    "flat, horing two overlapped levels, horing+xla HO-Ring over both axes and XLA's over one; "
-    "auto: horing+xla where XLA's would cross nodes on every hop (CPU processes), else xla",
+    "flat, horing two overlapped levels, hring+xla / horing+xla the rings over both axes and "
+    "XLA's over one; auto: hring+xla where XLA's would cross nodes on every hop (CPU "
+    "processes), else xla",
+  )
+  p.add_argument(
+    "--attention",
+    default="auto",
+    type=str.lower,
+    choices=ATTENTION_IMPLS,
+    help="xla: attention written out (scores, mask, softmax); cudnn: cuDNN's fused kernel "
+    "(GPUs, bf16); auto: cudnn where it applies, else xla",
   )
   _add_wire(p)
   p.add_argument(
@@ -490,6 +500,14 @@ def _add_planner_commands(sub) -> None:
     choices=COLLECTIVE_IMPLS,
     help="how collectives over all devices run: xla (NCCL) and hring in two "
     "levels, ring flat (docs/design.md), horing two overlapped levels",
+  )
+  plan.add_argument(
+    "--attention",
+    default="auto",
+    type=str.lower,
+    choices=ATTENTION_IMPLS,
+    help="the attention the GPUs run (activation memory): auto (cuDNN's fused kernel in bf16), "
+    "xla (scores written out) or cudnn",
   )
   plan.add_argument(
     "--overlap",

@@ -59,6 +59,7 @@ def test_train_quick_start_run(tmp_path):
     (["--mesh", "2by4"], "bad --mesh '2by4'"),
     (["--data", "/nonexistent/corpus.txt"], "data file '/nonexistent/corpus.txt' does not exist"),
     (["--batch-size", "12"], "micro-batch size 12 is not divisible by the 8 devices"),
+    (["--attention", "cudnn"], "--attention cudnn needs NVIDIA GPUs (this run is on cpu)"),
   ],
 )
 def test_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):

@@ -10,8 +10,10 @@ the stream of every async collective. Nothing runs, so nothing is timed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import re
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 # --target name -> (target file, the planner's GPU entry in analysis/hardware.py)
@@ -59,6 +61,43 @@ def target_config(name: str) -> str:
     return f.read()
 
 
+def _target_version(name: str, block: str) -> tuple[int, ...]:
+  """(major, minor[, patch]) of a version block (`cuda_compute_capability`, `dnn_version_info`)
+  in the target's description."""
+  m = re.search(block + r"\s*\{([^}]*)\}", target_config(name))
+  if m is None:
+    raise ValueError(f"target {name!r} has no {block}")
+  fields = dict(re.findall(r"(\w+):\s*(\d+)", m.group(1)))
+  return tuple(int(fields.get(k, 0)) for k in ("major", "minor", "patch"))
+
+
+@contextlib.contextmanager
+def cudnn_checks(name: str):
+  """While tracing for a target: jax's cuDNN attention answered from the target, not the host.
+
+  `jax.nn.dot_product_attention(implementation="cudnn")` checks the cuDNN library's version and
+  the compute capability of the first local GPU while it traces; a compile-only topology has
+  neither, although XLA compiles the fused kernel for it fine. For the duration of the trace the
+  two checks read the target's description instead (its `dnn_version_info`, encoded as cuDNN
+  does: major * 10000 + minor * 100 + patch, and its `cuda_compute_capability`).
+  tests/analysis/test_gpu_program.py fails if a jax upgrade renames them.
+  """
+  from unittest import mock
+
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+
+  major, minor, patch = _target_version(name, "dnn_version_info")
+  capability = _target_version(name, "cuda_compute_capability")[:2]
+  at_least = lambda c: capability >= tuple(int(x) for x in c.split("."))
+  equal = lambda c: capability == tuple(int(x) for x in c.split("."))
+  with (
+    mock.patch.object(fa, "check_cudnn_version", lambda: major * 10000 + minor * 100 + patch),
+    mock.patch.object(fa, "check_compute_capability", at_least),
+    mock.patch.object(fa, "is_cuda_compute_capability_equal", equal),
+  ):
+    yield
+
+
 def target_gpu(name: str):
   """The planner's entry (peak FLOP/s, memory) for a target."""
   from paro_jax.analysis.hardware import GPUS
@@ -76,12 +115,13 @@ def devices(name: str, inter: int, intra: int) -> list:
   return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
 
 
-def compile_step(engine, batch_size: int, seq_len: int, flags: dict, dump_dir: str):
+def compile_step(engine, target: str, batch_size: int, seq_len: int, flags: dict, dump_dir: str):
   """engine.train_step compiled for the engine's (GPU-topology) mesh, dumped into dump_dir."""
   from paro_jax.analysis.inspector import abstract_inputs
 
   state, batch = abstract_inputs(engine, batch_size, seq_len)
-  lowered = engine.train_step.lower(state, batch)
+  with cudnn_checks(target):
+    lowered = engine.train_step.lower(state, batch)
   compiled = lowered.compile(compiler_options={**flags, "xla_dump_to": dump_dir})
   platform = engine.mesh.devices.flat[0].platform
   if platform not in ("gpu", "cuda"):  # lowering for CUDA on CPU devices silently compiles CPU

@@ -119,6 +119,7 @@ def report(engine: Engine, compiled) -> dict:
     "trainable_params": trained,
     "dtype": jnp.dtype(engine.compute_dtype).name,
     "remat": engine.model.remat,
+    "attention": engine.model.attention,
     "measured": measured,
     "expected": expected,
     "difference": {k: measured[k] - expected[k] for k in ("inter_bytes", "intra_bytes")},
@@ -161,7 +162,7 @@ def format_report(r: dict) -> str:
       else ""
     )
     + f", {r['dtype']}, "
-    f"remat={r['remat']}, "
+    f"remat={r['remat']}, attention={r['attention']}, "
     f"collectives={r['collectives_impl']}, inter wire params={r['wire']['inter_params']} "
     f"grads={r['wire']['inter_grads']}"
     + (f" (int8 block {r['wire']['int8_block']})" if "int8" in r["wire"].values() else "")
@@ -216,6 +217,7 @@ def gpu_report(engine: Engine, compiled, target: str, batch_size: int, seq_len: 
     itemsize=jnp.dtype(engine.compute_dtype).itemsize,
     grad_itemsize=jnp.dtype(engine.grad_dtype).itemsize,
     remat=engine.model.remat != "none",
+    fused_attention=engine.model.attention == "cudnn",
   )
   planned = r["memory"]["model_states"]["total"]
   planned += activation_bytes(engine.strategy, workload, engine.inter, engine.intra)["total"]
@@ -290,6 +292,7 @@ def inspect(
   inter_grads: str = "same",
   int8_block: int = DEFAULT_INT8_BLOCK,
   grad_dtype: str = "compute",
+  attention: str = "auto",
 ) -> dict:
   """Build the engine for a configuration, compile its step and print the report.
 
@@ -299,7 +302,7 @@ def inspect(
   import json
   import tempfile
 
-  from models.llama import Llama, get_config
+  from models.llama import Llama, get_config, resolve_attention
   from paro_jax.core.compress import WireConfig
   from paro_jax.core.engine import DTYPES, OptimConfig
   from paro_jax.core.mesh import make_mesh
@@ -314,14 +317,12 @@ def inspect(
     devices = gpu.devices(target, *mesh)
   from paro_jax.core.collectives import resolve
 
-  collectives, _ = resolve(
-    collectives,
-    "cuda" if target else jax.devices()[0].platform,
-    jax.process_count(),
-    parse_strategy(strategy),
-  )
+  platform = "cuda" if target else jax.devices()[0].platform
+  collectives, _ = resolve(collectives, platform, jax.process_count(), parse_strategy(strategy))
+  cfg = get_config(model)
+  attention, _ = resolve_attention(attention, platform, DTYPES[dtype], cfg.head_dim)
   engine = Engine(
-    Llama(get_config(model), DTYPES[dtype], remat, lora),
+    Llama(cfg, DTYPES[dtype], remat, lora, attention),
     parse_strategy(strategy),
     make_mesh(*mesh, devices=devices) if target else make_mesh(*mesh) if mesh else make_mesh(),
     OptimConfig(),
@@ -336,7 +337,7 @@ def inspect(
       if target is None:
         compiled = compile_step(engine, batch_size, seq_len)
       else:
-        compiled = gpu.compile_step(engine, batch_size, seq_len, GPU_FLAGS, dump)
+        compiled = gpu.compile_step(engine, target, batch_size, seq_len, GPU_FLAGS, dump)
     except Exception as e:  # XLA's own limits (e.g. out of host memory while compiling)
       raise RuntimeError(
         f"XLA could not compile the {model} step for {strategy} "

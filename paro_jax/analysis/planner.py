@@ -149,6 +149,7 @@ class Workload:
   remat: bool = True  # the layer stack is recomputed (and regathered) in backward
   wire: WireConfig = WireConfig()  # inter-node wire precision (--inter-params, --inter-grads)
   grad_itemsize: int | None = None  # the gradient accumulator's (--grad-dtype); None: itemsize
+  fused_attention: bool = False  # cuDNN's fused kernel (--attention cudnn): no L x L scores
 
   def __post_init__(self):
     for name in ("micro_batch", "micro_batches", "seq_len"):
@@ -262,8 +263,8 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
 
   - boundary: each layer's input, kept for backward: L x b x s x D;
   - layer: one layer's recomputed intermediates and their gradients (x2): q, k, v, attention
-    output, gate, up, the two norms, and the fp32 scores with their probabilities (no flash
-    attention in models/llama.py);
+    output, gate, up, the two norms, and either the fp32 scores with their probabilities
+    (attention written out) or, with the fused kernel, its fp32 softmax statistics per query;
   - logits: fp32 logits and their gradient, b x s x V x 4 x 2;
   - gathered: with P sharded, the full weights of the head and of one layer, two with the
     prefetching layer stack (full remat: this layer's and the next one's); the full gradient of
@@ -278,10 +279,12 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
   layer_w = w.layer_params // c.layers
   layer_grads = layer_w * w.psi_trained // w.psi
   depth = 2 if w.remat else 1  # the prefetching stack runs with full remat
+  # per query and head: a row of fp32 scores and its probabilities, or the kernel's fp32 statistic
+  scores = 4 if w.fused_attention else s * (4 + item)
   out = {
     "boundary": c.layers * b * s * c.dim * item,
     "layer": 2
-    * (b * s * (2 * q + 2 * kv + 3 * c.mlp + 2 * c.dim) * item + b * c.heads * s * s * (4 + item)),
+    * (b * s * (2 * q + 2 * kv + 3 * c.mlp + 2 * c.dim) * item + b * c.heads * s * scores),
     "logits": 2 * b * s * c.vocab * 4,
     "gathered": item
     * (
@@ -586,6 +589,7 @@ def choose_strategy(
   device_memory: float | None = None,
   collectives: str = "xla",
   remat: bool = True,
+  fused_attention: bool = False,
 ) -> tuple[str, str]:
   """`train --strategy auto`: the planner's pick for this run, from a probe of its own mesh.
 
@@ -607,7 +611,17 @@ def choose_strategy(
     mfu=DEFAULT_MFU,
     device_memory=device_memory,
   )
-  w = Workload(model, micro_batch, micro_batches, seq_len, params, trainable, itemsize, remat)
+  w = Workload(
+    model,
+    micro_batch,
+    micro_batches,
+    seq_len,
+    params,
+    trainable,
+    itemsize,
+    remat,
+    fused_attention=fused_attention,
+  )
   p = plan(w, cluster)
   if p.pick is None:
     raise ValueError(f"--strategy auto: {p.explain}")
@@ -640,9 +654,10 @@ def run_plan(
   inter_grads: str = "same",
   int8_block: int = DEFAULT_INT8_BLOCK,
   grad_dtype: str = "compute",
+  attention: str = "auto",
 ) -> Plan:
   """`paro-jax plan`: build the inputs from the command line's strings, plan, print."""
-  from models.llama import get_config  # imports jax (no devices are touched)
+  from models.llama import get_config, resolve_attention  # import jax (no devices are touched)
 
   gpu = gpu.strip().lower()  # names compare case-insensitively (--gpu H100)
   if gpu not in GPUS:
@@ -689,6 +704,11 @@ def run_plan(
     itemsize,
     wire=WireConfig(inter_params, inter_grads, int8_block),
     grad_itemsize=4 if grad_dtype == "fp32" else itemsize,
+    # the plan is for GPUs: --attention as a run on them resolves it
+    fused_attention=resolve_attention(
+      attention, "cuda", "bfloat16" if itemsize == 2 else "float32", cfg.head_dim
+    )[0]
+    == "cudnn",
   )
   inputs = {
     "model": model,

@@ -208,6 +208,7 @@ def auto_strategy(
   trainable: int,
   collectives: str = "xla",
   remat: bool = True,
+  fused_attention: bool = False,
 ) -> tuple[str, str]:
   """`train --strategy auto`: probe `mesh` briefly and return the planner's (pick, why)."""
   from paro_jax.analysis.planner import choose_strategy
@@ -232,6 +233,7 @@ def auto_strategy(
     device_memory=stats.get("bytes_limit"),
     collectives=collectives,
     remat=remat,
+    fused_attention=fused_attention,
   )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from models.hf import load_hf, read_config
-from models.llama import Llama, LoraConfig, get_config
+from models.llama import Llama, LoraConfig, get_config, resolve_attention
 from paro_jax.cluster import watch
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
 from paro_jax.analysis.costs import model_state_bytes
@@ -52,6 +52,7 @@ class RunConfig:
   int8_block: int = DEFAULT_INT8_BLOCK
   grad_dtype: str = "compute"  # gradient accumulation / boundary reduction: compute or fp32
   remat: str = "full"  # models/llama.py REMAT_POLICIES
+  attention: str = "auto"  # models/llama.py resolve_attention: auto, xla or cudnn
   steps: int = 50
   seed: int = 0
   lr: float = 3e-3
@@ -144,8 +145,11 @@ def build(cfg: RunConfig):
   strategy = None if auto else parse_strategy(cfg.strategy)
   model_cfg = read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)
   mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
-  model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora())
   platform, processes = jax.devices()[0].platform, jax.process_count()
+  attention, why = resolve_attention(cfg.attention, platform, DTYPES[cfg.dtype], model_cfg.head_dim)
+  if cfg.attention == "auto" and platform != "cpu" and jax.process_index() == 0:
+    print(f"paro-jax: --attention {why}: {attention}", flush=True)
+  model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora(), attention)
   collectives, _ = comm.resolve(cfg.collectives, platform, processes)
   if auto:  # probe this mesh and take the planner's pick (paro_jax/analysis/planner.py)
     from paro_jax.analysis.probe import auto_strategy
@@ -161,6 +165,7 @@ def build(cfg: RunConfig):
       model.trainable_count(),
       collectives,
       cfg.remat != "none",
+      attention == "cudnn",
     )
     if jax.process_index() == 0:
       print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)

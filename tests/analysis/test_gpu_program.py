@@ -28,9 +28,12 @@ MODEL, MESH, A, BATCH, SEQ = "test", (2, 4), 1, 8, 32
 _CACHE = {}
 
 
-def gpu_report(strategy: str, impl: str, flags: dict = GPU_FLAGS) -> dict:
-  """inspector.gpu_report of the step compiled for h100 on 2x4 (cached per configuration)."""
-  key = (strategy, impl, tuple(sorted(flags.items())))
+def gpu_report(
+  strategy: str, impl: str, flags: dict = GPU_FLAGS, attention: str = "cudnn", text: bool = False
+) -> dict:
+  """inspector.gpu_report of the step compiled for h100 on 2x4 (cached per configuration), with
+  the attention `--attention auto` picks there (cuDNN's kernel); `text`: with the HLO."""
+  key = (strategy, impl, tuple(sorted(flags.items())), attention)
   if key not in _CACHE:
     import tempfile
 
@@ -42,7 +45,7 @@ def gpu_report(strategy: str, impl: str, flags: dict = GPU_FLAGS) -> dict:
 
     mesh = make_mesh(*MESH, devices=gpu.devices("h100", *MESH))
     engine = Engine(
-      Llama(get_config(MODEL), DTYPES["bf16"]),
+      Llama(get_config(MODEL), DTYPES["bf16"], attention=attention),
       parse_strategy(strategy),
       mesh,
       OptimConfig(),
@@ -50,8 +53,9 @@ def gpu_report(strategy: str, impl: str, flags: dict = GPU_FLAGS) -> dict:
       collectives=impl,
     )
     with tempfile.TemporaryDirectory() as dump:
-      compiled = gpu.compile_step(engine, BATCH, SEQ, flags, dump)
+      compiled = gpu.compile_step(engine, "h100", BATCH, SEQ, flags, dump)
       _CACHE[key] = report(engine, compiled, "h100", BATCH, SEQ, dump)
+      _CACHE[key]["hlo"] = compiled.as_text()
   return _CACHE[key]
 
 
@@ -66,6 +70,35 @@ def test_every_strategy_compiles_for_h100(strategy, impl):
       assert r["measured"][level] == pytest.approx(r["expected"][level], rel=0.01, abs=1), level
   assert r["memory"]["compiled_bytes"] >= r["memory"]["model_states"]["total"]
   assert r["memory"]["fits"] and r["memory"]["device_bytes"] == 80e9
+
+
+def test_attention_is_cudnns_fused_kernel():
+  """--attention auto on GPUs: cuDNN's kernel forward and backward, no L x L scores; the plan
+  follows (the written-out attention's plan counts the scores and is larger)."""
+  fused, written = gpu_report("IIG", "xla"), gpu_report("IIG", "xla", attention="xla")
+  assert fused["attention"] == "cudnn" and written["attention"] == "xla"
+  assert 'custom_call_target="__cudnn$fmhaSoftmax"' in fused["hlo"]
+  assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in fused["hlo"]
+  assert "__cudnn$fmha" not in written["hlo"]
+  assert fused["memory"]["planned_bytes"] < written["memory"]["planned_bytes"]
+  # the kernel counts as compute when it lies inside a collective's window
+  from paro_jax.analysis import schedule
+
+  comps = schedule._computations(fused["hlo"])
+  kernels = [i for c in comps.values() for i in c if "__cudnn$fmha" in i.rest]
+  assert kernels and all(schedule._Compute(comps).instr(i) for i in kernels)
+
+
+def test_cudnn_checks_read_the_target():
+  """jax asks the local GPU for its compute capability and the cuDNN library for its version;
+  for a target the two answers come from the target's description (analysis/gpu.py)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+
+  with gpu.cudnn_checks("h100"):
+    assert fa.check_cudnn_version() == 90800
+    assert fa.check_compute_capability("9.0") and not fa.check_compute_capability("10.0")
+  with gpu.cudnn_checks("a100-80gb"):
+    assert fa.check_compute_capability("8.0") and not fa.check_compute_capability("9.0")
 
 
 def test_hring_runs_one_level_after_the_other():

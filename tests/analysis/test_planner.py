@@ -124,6 +124,37 @@ def test_layer_params_match_the_model():
     assert planner.Workload(cfg).layer_params == Llama(cfg).layer_param_count()
 
 
+def test_fused_attention_keeps_no_scores():
+  """The written-out attention holds fp32 scores and compute-dtype probabilities per query, key
+  and head (x2 with their gradients); the fused kernel one fp32 statistic per query and head."""
+  cfg = get_config("7b")
+  b, s, item = 1, 2048, 2
+  written, fused = (
+    planner.activation_bytes(
+      parse_strategy("GGG"),
+      planner.Workload(cfg, micro_batch=b, seq_len=s, itemsize=item, fused_attention=f),
+      2,
+      4,
+    )
+    for f in (False, True)
+  )
+  assert written["layer"] - fused["layer"] == 2 * b * cfg.heads * s * (s * (4 + item) - 4)
+  assert {k: v for k, v in written.items() if k not in ("layer", "total")} == {
+    k: v for k, v in fused.items() if k not in ("layer", "total")
+  }
+
+
+def test_plan_assumes_the_attention_gpus_run(capsys):
+  """`plan` is for GPUs: in bf16 --attention auto plans cuDNN's kernel (less memory)."""
+  rows = {}
+  for attention in ("auto", "cudnn", "xla"):
+    main([*PLAN, "--attention", attention, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    rows[attention] = {r["strategy"]: r["memory_bytes"] for r in out["ranking"]}
+  assert rows["auto"] == rows["cudnn"]
+  assert all(rows["cudnn"][k] < rows["xla"][k] for k in rows["xla"])
+
+
 @pytest.mark.parametrize(
   "text,expected",
   [
