@@ -67,6 +67,7 @@ __all__ = [
   "reduce_scatter",
   "all_reduce",
   "to_varying",
+  "varying_axes",
   "concrete_impl",
   "resolve",
 ]
@@ -109,7 +110,8 @@ def _sizes(axes: Sequence[str]) -> tuple:
   return tuple(int(lax.axis_size(a)) for a in axes)
 
 
-def _varying(x) -> frozenset:
+def varying_axes(x) -> frozenset:
+  """The mesh axes `x` is typed varying over (none under check_vma=False)."""
   mat = getattr(jax.typeof(x), "manual_axis_type", None)
   return frozenset(getattr(mat, "varying", ()) or ())
 
@@ -122,7 +124,7 @@ def to_varying(x, axes: tuple):
   micro-batch, so gradients are reduced exactly where the strategy says. Under
   ``check_vma=False`` the type carries no axes and the cast is a no-op.
   """
-  missing = tuple(a for a in axes if a not in _varying(x))
+  missing = tuple(a for a in axes if a not in varying_axes(x))
   if missing:
     x = lax.pcast(x, missing, to="varying")
   return x

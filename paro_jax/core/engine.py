@@ -8,7 +8,9 @@ The step is a `shard_map` over the (inter, intra) mesh. Per optimizer step (docs
      `_make_prefetch_stack`) and gathered again in backward; each layer's gradient leaves
      backward reduce-scattered over S(Gr) (a `custom_vjp` routes it into a zero "gradient sink"
      of the Gr shape) and is accumulated;
-  2. boundary sync: reduce-scatter over S(OS) minus S(Gr), all-reduce over the axes OS replicates;
+  2. boundary sync: reduce-scatter over S(OS) minus S(Gr), all-reduce over the axes OS replicates
+     (on GPUs the layers' share runs inside the last micro-batch's backward, each layer's as soon
+     as its gradient is final: `sync_in_backward`);
   3. clip by the true global norm and apply optax AdamW to the OS shard.
 Step 0 is the parameter sync of the previous step moved to the start of this one: the same traffic
 once per step, and the P-placed copy never has to outlive the step.
@@ -155,6 +157,7 @@ class Engine:
     wire: WireConfig = WireConfig(),
     grad_dtype: str = "compute",
     prefetch: bool = True,
+    sync_in_backward: bool | None = None,
   ):
     if grad_dtype not in GRAD_DTYPES:
       raise ValueError(f"unknown grad dtype {grad_dtype!r}; choose one of {GRAD_DTYPES}")
@@ -166,6 +169,13 @@ class Engine:
     self.micro_batches, self.collectives = micro_batches, collectives
     # Prefetching layer stack (`_make_prefetch_stack`): only with full remat, the default.
     self.prefetch = prefetch and model.remat == "full"
+    # The layers' gradient sync inside the last micro-batch's backward (`_local_step`): with the
+    # prefetching stack; by default on GPUs, where it can run beside the backward's compute.
+    # XLA:CPU runs collectives in line, so there it would only add a second copy of the
+    # micro-batch program to compile (tests turn it on to check it).
+    if sync_in_backward is None:
+      sync_in_backward = mesh.devices.flat[0].platform in ("gpu", "cuda")
+    self.sync_in_backward = sync_in_backward and self.prefetch
     self.compute_dtype = model.dtype
     # Gradient accumulator and boundary reduction: the compute dtype or fp32 (--grad-dtype).
     self.grad_dtype = jnp.float32 if grad_dtype == "fp32" else model.dtype
@@ -348,16 +358,33 @@ class Engine:
       is_leaf=_is_shard,
     )
 
-  def _layer_runner(self):
+  def _layer_runner(self, final: bool = False, acc=None):
     """The model's `run_layers` hook: the prefetching layer stack with full remat (see
     `_make_prefetch_stack`), or None for the model's own scan (remat "layer" or "none", or
-    `prefetch=False`), where each layer gathers its weights through `_materializer` as it runs."""
+    `prefetch=False`), where each layer gathers its weights through `_materializer` as it runs.
+
+    `final`: the last micro-batch's stack. Its backward adds each layer's gradient to the
+    layer's accumulated gradients of the earlier micro-batches (`acc`, the stack's part of the
+    accumulator; None with one micro-batch) and syncs it at once (`_boundary_sync`); the sinks
+    it fills are then at the OS placement."""
     if not self.prefetch:
       return None
     s = self.strategy
-    return _make_prefetch_stack(
-      s.param_gather_axes, s.grad_scatter_axes, self.collectives, self.wire
+    stack = _make_prefetch_stack(
+      s.param_gather_axes,
+      s.grad_scatter_axes,
+      self.collectives,
+      self.wire,
+      sync=self._boundary_sync if final else None,
     )
+    return functools.partial(stack, acc=acc) if final else stack
+
+  def _boundary_sync(self, acc, dims):
+    """The gradient sync at the accumulation boundary, of a tree of accumulated gradients at Gr:
+    reduce-scatter over S(OS) minus S(Gr), all-reduce over the axes OS replicates."""
+    s, impl, wire = self.strategy, self.collectives, self.wire.grads_codec
+    grads = buckets.tree_reduce_scatter(acc, dims, s.sync_scatter_axes, impl, wire)
+    return buckets.tree_all_reduce(grads, s.sync_reduce_axes, impl, wire)
 
   def _train_step(self, state: TrainState, tokens_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no
@@ -377,13 +404,18 @@ class Engine:
     metrics = {"loss": loss, "grad_norm": grad_norm}
     return TrainState(state.step + 1, master, opt_state, state.frozen), metrics
 
-  def _sinks(self):
-    """Zero gradient sinks at the Gr placement, trained leaves only (inside the shard_map)."""
-    ways = self.strategy.grads.shard_count(self.inter, self.intra)
+  def _sinks(self, synced: bool = False):
+    """Zero gradient sinks at the Gr placement, trained leaves only (inside the shard_map), typed
+    varying over every axis. `synced`: at the OS placement, for gradients synced at the
+    boundary, typed varying over the axes OS shards (the all-reduce leaves them invariant over
+    the others)."""
+    placement = self.strategy.opt if synced else self.strategy.grads
+    ways = placement.shard_count(self.inter, self.intra)
+    axes = placement.axes if synced else GLOBAL_AXES
 
     def sink_like(shape_struct, dim):
       zeros = jnp.zeros(local_shape(shape_struct.shape, dim, ways), self.grad_dtype)
-      return comm.to_varying(zeros, GLOBAL_AXES)
+      return comm.to_varying(zeros, axes)
 
     return jax.tree.map(sink_like, self.trained_shapes, self.trained_dims)
 
@@ -414,7 +446,7 @@ class Engine:
 
     sinks = self._sinks()
 
-    def micro_step(acc, tokens_BxL1):
+    def micro_grads(tokens_BxL1, sinks, run_layers):
       # Tie the parameters to this micro-batch: otherwise XLA hoists the loop-invariant gathers
       # (embedding, head) out of the micro-batch loop and keeps their full copies alive for the
       # whole step, which is not the schedule (nor the memory) the strategy promises.
@@ -427,17 +459,36 @@ class Engine:
           tokens_BxL1[:, 1:].size / tokens_per_step
         )
 
-      loss, grads = jax.value_and_grad(loss_fn)(sinks)
+      return jax.value_and_grad(loss_fn)(sinks)
+
+    def micro_step(acc, tokens_BxL1):
+      loss, grads = micro_grads(tokens_BxL1, sinks, run_layers)
       return jax.tree.map(jnp.add, acc, grads), loss
 
-    with jax.named_scope("micro_batches"):
-      acc, losses = lax.scan(micro_step, sinks, tokens_AxBxL1)
-
-    with jax.named_scope("grad_sync"):
-      wire = self.wire.grads_codec  # in the accumulator's dtype (compute or fp32)
-      grads = buckets.tree_reduce_scatter(acc, self.trained_dims, s.sync_scatter_axes, impl, wire)
-      grads = buckets.tree_all_reduce(grads, s.sync_reduce_axes, impl, wire)
-      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    A = tokens_AxBxL1.shape[0]
+    if not self.sync_in_backward:
+      with jax.named_scope("micro_batches"):
+        acc, losses = lax.scan(micro_step, sinks, tokens_AxBxL1)
+      with jax.named_scope("grad_sync"):  # in the accumulator's dtype (compute or fp32)
+        grads = self._boundary_sync(acc, self.trained_dims)
+    else:
+      # The layers' gradients are synced inside the last micro-batch's backward, each as soon
+      # as it is final (the last layer's first), beside the backward of the layers below it;
+      # only the embedding's and the head's wait for the end. Same sums in the same order.
+      with jax.named_scope("micro_batches"):
+        acc, losses = sinks, jnp.zeros((0,), jnp.float32)
+        if A > 1:
+          acc, losses = lax.scan(micro_step, sinks, tokens_AxBxL1[:-1])
+        final = {**sinks, "layers": self._sinks(synced=True)["layers"]}
+        last_run = self._layer_runner(final=True, acc=acc["layers"] if A > 1 else None)
+        loss, last = micro_grads(tokens_AxBxL1[-1], final, last_run)
+        losses = jnp.concatenate([losses, loss[None]])
+      with jax.named_scope("grad_sync"):
+        rest = {k: v for k, v in acc.items() if k != "layers"}
+        rest = jax.tree.map(jnp.add, rest, {k: last[k] for k in rest})
+        grads = self._boundary_sync(rest, {k: self.trained_dims[k] for k in rest})
+        grads["layers"] = last["layers"]
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
     # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
     loss = lax.psum(jnp.sum(losses), GLOBAL_AXES)
@@ -490,7 +541,7 @@ def _make_gather(gather_axes, scatter_axes, impl, wire=WireConfig(), grad_dtype=
   return gather
 
 
-def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig()):
+def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig(), sync=None):
   """The layer stack as one `custom_vjp` that prefetches, as FSDP does (the model's `run_layers`).
 
   Per layer the traffic is today's: its weights all-gathered over S(P) in forward and again in
@@ -512,6 +563,12 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig()):
   the layer whose iteration uses them, so XLA can only run them before or after that layer's
   compute, never beside it.
 
+  With `sync` (the last micro-batch of a step), each layer's reduce-scattered gradient is added
+  to `acc` (`run_layers`' argument: the layers' gradients accumulated over the earlier
+  micro-batches, at Gr; None: none) and synced at once by `sync(tree, dims)`, the accumulation
+  boundary's collectives: the layer's final gradient, at the OS placement (the sinks' then),
+  leaves while the layers below it still run their backward.
+
   Residuals are what full remat keeps: each layer's input activation, plus the P-placed shards
   (inputs anyway). Gradients: the sinks' are the reduce-scattered per-layer gradients at
   placement Gr; the P-placed parameters get none. Frozen (LoRA base) leaves, the Shards with no
@@ -531,13 +588,14 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig()):
   def scatter(tree, dims):
     return buckets.tree_reduce_scatter(tree, dims, scatter_axes, impl, wire=wire.grads_codec)
 
-  def run_layers(block_fn, x, shards):
+  def run_layers(block_fn, x, shards, acc=None):
     fields = lambda f: jax.tree.map(f, shards, is_leaf=_is_shard)
     mask = fields(lambda sh: sh.sink is not None)
     params, dims = fields(lambda sh: sh.param), fields(lambda sh: sh.dim)
     sinks = split_trainable(fields(lambda sh: sh.sink), mask)
     dims_t, dims_f = split_trainable(dims, mask), split_trainable(dims, mask, False)
     sink_types = jax.tree.map(lambda k: jax.ShapeDtypeStruct(k.shape, k.dtype), sinks)
+    sink_axes = jax.tree.map(comm.varying_axes, sinks)  # how the sinks are typed (check_vma)
     n = jax.tree.leaves(params)[0].shape[0]
 
     def layer(tree, i):  # layer i of a stacked tree; i static or traced
@@ -568,7 +626,7 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig()):
         (x, w, xs), _ = lax.scan(body, (x, w, xs), jnp.arange(n - 1))
       return block(x, w), xs
 
-    def backward(xs, trained, frozen, ct):
+    def backward(xs, trained, frozen, acc, ct):
       def after(i, ct):
         """i, as an index XLA cannot constant-fold: it depends on the cotangent `ct` at run time
         (and is i whatever ct holds). What is indexed with it is computed after `ct`, as
@@ -595,9 +653,13 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig()):
         with jax.named_scope("layer_grad_scatter"):
           g = scatter(g, dims_t)
         # Reduced in the compute dtype, accumulated in the sink's (compute or fp32).
-        return jax.tree.map(
-          lambda b, g: lax.dynamic_update_index_in_dim(b, g.astype(b.dtype), i, 0), gbuf, g
-        )
+        g = jax.tree.map(lambda b, g: g.astype(b.dtype), gbuf, g)
+        if sync is not None:
+          if acc is not None:
+            g = jax.tree.map(jnp.add, layer(acc, i), g)
+          with jax.named_scope("layer_grad_sync"):
+            g = sync(g, dims_t)
+        return jax.tree.map(lambda b, g: lax.dynamic_update_index_in_dim(b, g, i, 0), gbuf, g)
 
       def layer_vjp(x, w, ct):  # recompute layer forward, then its backward
         w_t, w_f = w
@@ -605,7 +667,9 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig()):
         return vjp(ct)
 
       gbuf = jax.tree.map(
-        lambda t: comm.to_varying(jnp.zeros(t.shape, t.dtype), GLOBAL_AXES), sink_types
+        lambda t, axes: comm.to_varying(jnp.zeros(t.shape, t.dtype), tuple(axes)),
+        sink_types,
+        sink_axes,
       )
       w = regather(n - 1, ct)
       if n == 1:
@@ -630,19 +694,20 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig()):
       return ct, scatter_into(gbuf, 0, g)
 
     @jax.custom_vjp
-    def stack(x, trained, frozen, sinks):
-      del sinks  # only receive the gradients
+    def stack(x, trained, frozen, sinks, acc):
+      del sinks, acc  # only receive the gradients; only used by them
       return forward(x, trained, frozen)[0]
 
-    def stack_fwd(x, trained, frozen, sinks):
+    def stack_fwd(x, trained, frozen, sinks, acc):
       y, xs = forward(x, trained, frozen)
-      return y, (xs, trained, frozen)
+      return y, (xs, trained, frozen, acc)
 
     def stack_bwd(res, ct_y):
       ct_x, grads = backward(*res, ct_y)
-      return ct_x, None, None, grads
+      return ct_x, None, None, grads, None
 
     stack.defvjp(stack_fwd, stack_bwd)
-    return stack(x, split_trainable(params, mask), split_trainable(params, mask, False), sinks)
+    trained, frozen = split_trainable(params, mask), split_trainable(params, mask, False)
+    return stack(x, trained, frozen, sinks, acc)
 
   return run_layers

@@ -29,11 +29,17 @@ _CACHE = {}
 
 
 def gpu_report(
-  strategy: str, impl: str, flags: dict = GPU_FLAGS, attention: str = "cudnn", text: bool = False
+  strategy: str,
+  impl: str,
+  flags: dict = GPU_FLAGS,
+  attention: str = "cudnn",
+  micro_batches: int = A,
+  model: str = MODEL,
+  seq: int = SEQ,
 ) -> dict:
-  """inspector.gpu_report of the step compiled for h100 on 2x4 (cached per configuration), with
-  the attention `--attention auto` picks there (cuDNN's kernel); `text`: with the HLO."""
-  key = (strategy, impl, tuple(sorted(flags.items())), attention)
+  """inspector.gpu_report (and "hlo", the program) of the step compiled for h100 on 2x4 (cached
+  per configuration), with the attention `--attention auto` picks there (cuDNN's kernel)."""
+  key = (strategy, impl, tuple(sorted(flags.items())), attention, micro_batches, model, seq)
   if key not in _CACHE:
     import tempfile
 
@@ -45,16 +51,16 @@ def gpu_report(
 
     mesh = make_mesh(*MESH, devices=gpu.devices("h100", *MESH))
     engine = Engine(
-      Llama(get_config(MODEL), DTYPES["bf16"], attention=attention),
+      Llama(get_config(model), DTYPES["bf16"], attention=attention),
       parse_strategy(strategy),
       mesh,
       OptimConfig(),
-      micro_batches=A,
+      micro_batches=micro_batches,
       collectives=impl,
     )
     with tempfile.TemporaryDirectory() as dump:
-      compiled = gpu.compile_step(engine, "h100", BATCH, SEQ, flags, dump)
-      _CACHE[key] = report(engine, compiled, "h100", BATCH, SEQ, dump)
+      compiled = gpu.compile_step(engine, "h100", BATCH, seq, flags, dump)
+      _CACHE[key] = report(engine, compiled, "h100", BATCH, seq, dump)
       _CACHE[key]["hlo"] = compiled.as_text()
   return _CACHE[key]
 
@@ -87,6 +93,19 @@ def test_attention_is_cudnns_fused_kernel():
   comps = schedule._computations(fused["hlo"])
   kernels = [i for c in comps.values() for i in c if "__cudnn$fmha" in i.rest]
   assert kernels and all(schedule._Compute(comps).instr(i) for i in kernels)
+
+
+@pytest.mark.parametrize("strategy", ["IIG", "NNI"])
+def test_gradient_sync_runs_inside_the_last_backward(strategy):
+  """On GPUs each layer's boundary sync (IIG: reduce-scatter between nodes; NNI: reduce-scatter
+  in the node) is issued inside the last micro-batch's backward loop, asynchronously, with the
+  backward's matmuls inside its window; the loop over the earlier micro-batches syncs nothing.
+  `tiny` (4 layers): the test model's 2 layers leave no loop, and XLA combines their syncs."""
+  r = gpu_report(strategy, "xla", micro_batches=2, model="tiny", seq=128)
+  synced = [c for c in r["overlap"]["collectives"] if "layer_grad_sync" in c["op_name"]]
+  in_loop = [c for c in synced if "/while/body/closed_call/layer_grad_sync/" in c["op_name"]]
+  assert in_loop and all(c["async"] and c["compute_in_window"] > 0 for c in in_loop)
+  assert not any("micro_batches/while/body" in c["op_name"] for c in synced)
 
 
 def test_cudnn_checks_read_the_target():

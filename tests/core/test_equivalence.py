@@ -31,7 +31,9 @@ def setup():
   return batches, params0, losses, params
 
 
-def run_engine(strategy, mesh_shape, batches, params0, dtype=jnp.float32, collectives="xla"):
+def run_engine(
+  strategy, mesh_shape, batches, params0, dtype=jnp.float32, collectives="xla", **engine_args
+):
   engine = Engine(
     Llama(CFG, dtype),
     parse_strategy(strategy),
@@ -39,6 +41,7 @@ def run_engine(strategy, mesh_shape, batches, params0, dtype=jnp.float32, collec
     OPTIM,
     micro_batches=A,
     collectives=collectives,
+    **engine_args,
   )
   state = engine.state_from_params(params0)
   losses = []
@@ -119,3 +122,48 @@ def test_mixed_collectives_equal_single_device(setup):
   losses, params, _, _ = run_engine("GGG", (2, 4), batches, params0, collectives="hring+xla")
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   assert_trees_close(params, ref_params, atol=2e-5)
+
+
+# The layers' gradient sync inside the last micro-batch's backward (the default on GPUs): one
+# strategy per shape of the boundary sync (all-reduce over both axes; reduce-scatter intra and
+# all-reduce inter; reduce-scatter inter; reduce-scatter over both; nothing), on XLA's
+# collectives and on the rings.
+SYNC_IN_BACKWARD = [
+  ("NNN", "xla"),
+  ("INI", "xla"),
+  ("IIG", "xla"),
+  ("NNG", "xla"),
+  ("GGG", "xla"),
+  ("NIG", "hring"),
+  ("IIG", "horing"),
+]
+
+
+@pytest.mark.parametrize("strategy,collectives", SYNC_IN_BACKWARD)
+def test_sync_in_backward_equals_single_device(setup, strategy, collectives):
+  batches, params0, ref_losses, ref_params = setup
+  losses, params, engine, _ = run_engine(
+    strategy, (2, 4), batches, params0, collectives=collectives, sync_in_backward=True
+  )
+  assert engine.sync_in_backward
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(params, ref_params, atol=2e-5)
+
+
+def test_sync_in_backward_with_one_micro_batch(setup):
+  """A=1: the only micro-batch is the last; the single-device loop on its batches."""
+  batches, params0, _, _ = setup
+  one = [b[:1] for b in batches]
+  ref_losses, ref_params = reference_train(Llama(CFG), params0, one, OPTIM)
+  engine = Engine(Llama(CFG), parse_strategy("NIG"), make_mesh(2, 4), OPTIM, sync_in_backward=True)
+  state, losses = engine.state_from_params(params0), []
+  for batch in one:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(jax.device_get(state.master), ref_params, atol=2e-5)
+
+
+def test_sync_in_backward_is_off_on_cpu():
+  engine = Engine(Llama(CFG), parse_strategy("IIG"), make_mesh(2, 4), OPTIM)
+  assert not engine.sync_in_backward  # XLA:CPU runs collectives in line: nothing to overlap

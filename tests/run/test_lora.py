@@ -100,12 +100,22 @@ def test_reference_moves_every_adapter(setup):
 LORA_STRATEGIES = ["NNN", "III", "GGG", "IIG", "ING", "NGG", "GNG"]
 
 
-@pytest.mark.parametrize("strategy", LORA_STRATEGIES)
-def test_lora_equals_single_device(setup, strategy):
+# With the layers' gradient sync inside the last backward (GPUs' default) for two of them.
+LORA_CASES = [(s, False) for s in LORA_STRATEGIES] + [("IIG", True), ("NNN", True)]
+
+
+@pytest.mark.parametrize("strategy,sync_in_backward", LORA_CASES)
+def test_lora_equals_single_device(setup, strategy, sync_in_backward):
   batches, params0, ref_losses, ref_trained = setup
   engine = Engine(
-    Llama(CFG, lora=LORA), parse_strategy(strategy), make_mesh(2, 4), OPTIM, micro_batches=A
+    Llama(CFG, lora=LORA),
+    parse_strategy(strategy),
+    make_mesh(2, 4),
+    OPTIM,
+    micro_batches=A,
+    sync_in_backward=sync_in_backward,
   )
+  assert engine.sync_in_backward == sync_in_backward
   state = engine.state_from_params(params0)
   losses = []
   for batch in batches:
