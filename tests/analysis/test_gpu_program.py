@@ -95,6 +95,25 @@ def test_attention_is_cudnns_fused_kernel():
   assert kernels and all(schedule._Compute(comps).instr(i) for i in kernels)
 
 
+def _in_loop(rows, scope):
+  """The collectives of a layer loop's body issued under `scope` (layer_gather: forward's
+  prefetch of the next layer; layer_regather, layer_grad_scatter: backward's)."""
+  return [c for c in rows if f"/while/body/closed_call/{scope}/" in c["op_name"]]
+
+
+@pytest.mark.parametrize("strategy", ["GGG", "IGG", "IIG"])
+def test_layers_are_fetched_ahead(strategy):
+  """XLA's collectives, `tiny` (4 layers, so the layer loops have a body): inside the forward
+  loop's body the next layer's gather, inside the backward's the re-gather of the layer below
+  and the reduce-scatter of the layer above's gradient, each asynchronous with the body's
+  matmuls inside its window."""
+  rows = gpu_report(strategy, "xla", model="tiny", seq=128)["overlap"]["collectives"]
+  for scope in ("layer_gather", "layer_regather", "layer_grad_scatter"):
+    body = _in_loop(rows, scope)
+    assert body, f"{scope}: nothing issued inside the loop body"
+    assert all(c["async"] and c["compute_in_window"] > 0 for c in body), (scope, body)
+
+
 @pytest.mark.parametrize("strategy", ["IIG", "NNI"])
 def test_gradient_sync_runs_inside_the_last_backward(strategy):
   """On GPUs each layer's boundary sync (IIG: reduce-scatter between nodes; NNI: reduce-scatter
@@ -103,7 +122,7 @@ def test_gradient_sync_runs_inside_the_last_backward(strategy):
   `tiny` (4 layers): the test model's 2 layers leave no loop, and XLA combines their syncs."""
   r = gpu_report(strategy, "xla", micro_batches=2, model="tiny", seq=128)
   synced = [c for c in r["overlap"]["collectives"] if "layer_grad_sync" in c["op_name"]]
-  in_loop = [c for c in synced if "/while/body/closed_call/layer_grad_sync/" in c["op_name"]]
+  in_loop = _in_loop(synced, "layer_grad_sync")
   assert in_loop and all(c["async"] and c["compute_in_window"] > 0 for c in in_loop)
   assert not any("micro_batches/while/body" in c["op_name"] for c in synced)
 
