@@ -21,10 +21,11 @@ Implementations (``impl``), all exactly equal to the ``lax`` reference:
   ``('intra', 'inter')`` (g nodes, m devices each): the inter ring forwards
   single chunks (g-1 steps) while the intra ring runs g sub-rounds of m-1
   steps, sub-round j gathering over the node the chunk the inter ring
-  delivered at its step j; global step t pairs intra step t with inter step
-  t+1, which never depend on each other (g*(m-1) steps).  Reduce-scatter is
-  the transpose: intra reduce-scatter sub-rounds in the reverse order, the
-  inter ring reducing the finished partial sums beside them.  With one
+  delivered at its step j, starting as soon as it has arrived; global step t
+  pairs inter step t+1 with one intra permute carrying every sub-round under
+  way, which never depend on each other (g+m-2 steps).  Reduce-scatter is
+  the transpose: intra reduce-scatter sub-rounds started in the reverse
+  order, the inter ring reducing the finished partial sums beside them.  With one
   level of size 1, or more than two axes, it is the ring / hring.
 * ``"hring+xla"``, ``"horing+xla"`` -- ``hring`` / ``horing`` for a collective
   over two axes of more than one device each, the ``lax`` collective otherwise
@@ -178,9 +179,9 @@ def _ring_perm(axes: tuple, shift: int) -> tuple:
 # HO-Ring's two transfers of a step run on two communication streams on GPUs. XLA:GPU gives every
 # async collective one stream unless told otherwise (ExecutionStreamAssignment reads the
 # `_xla_stream_annotation` frontend attribute of a collective), and its latency-hiding scheduler
-# keeps a second collective in flight only with
-# --xla_gpu_experimental_parallel_collective_overlap_limit=2 (core/xla_flags.py). Elsewhere the
-# attribute is inert.
+# keeps a second collective in flight only with a
+# --xla_gpu_experimental_parallel_collective_overlap_limit above 1 (core/xla_flags.py). Elsewhere
+# the attribute is inert.
 INTRA_STREAM, INTER_STREAM = "0", "1"
 
 
@@ -274,15 +275,27 @@ def _run(gen):
 
 
 def _tie(x, after, idx):
-  """``x``, made to depend on ``after`` (same shape); ``idx`` is a device index (>= 0).
+  """``x``, made to depend on ``after``; ``idx`` is a device index (>= 0).
 
   A select on a predicate that always holds at run time but is not a
   compile-time constant: a real data dependency (an optimization barrier is
   dropped by XLA:CPU), no change to the value, one cheap elementwise pass.
-  Used to chain the intra sub-rounds of HO-Ring into one sequence, so the
-  schedule is the one XLA runs (and the one the HLO shows).
   """
-  return lax.select(jnp.broadcast_to(idx >= 0, x.shape), x, after)
+  first = jnp.broadcast_to(after.reshape(-1)[0], x.shape)
+  return lax.select(jnp.broadcast_to(idx >= 0, x.shape), x, first)
+
+
+def _intra_step(sends: list, last, name, perm, idx):
+  """One HO-Ring intra permute carrying every sub-round under way (``sends``: one chunk each).
+
+  ``last``: (sub-rounds, received) of the previous step, or None. Where no sub-round continues
+  from it (m = 2), the permute is tied to it, so that the steps stay one sequence, the one the
+  HLO shows, rather than independent permutes XLA would issue (or combine) all at once.
+  """
+  active, sent = [j for j, _ in sends], jnp.stack([c for _, c in sends])
+  if last is not None and not set(active) & set(last[0]):
+    sent = _tie(sent, last[1], idx)
+  return active, _ppermute_on(sent, name, perm, INTRA_STREAM)
 
 
 def _horing_ag(x, axes: tuple):
@@ -296,11 +309,13 @@ def _horing_ag(x, axes: tuple):
     chunk c[l*g + (k-e) mod g].
   * Intra ring: g sub-rounds of m-1 steps; sub-round j is a ring all-gather
     over A of column chunk c[l*g + (k-j) mod g] (from inter step j).
-  * Global step t runs intra step t (sub-round t // (m-1)) and inter step
-    t+1 (if t+1 <= g-1).  Sub-round j starts at step j*(m-1) >= j and needs
-    inter step j, finished at step j-1: within a step the two permutes are
-    independent.  g*(m-1) steps; per level exactly hring's bytes
-    (inter: g-1 chunks, intra: g*(m-1) chunks).
+  * Global step t runs inter step t+1 (if t+1 <= g-1) and one intra permute
+    carrying step t-j of every sub-round j that is under way
+    (0 <= t-j <= m-2). Sub-round j starts at step j, as soon as inter step j
+    (run at step j-1) has delivered its column, so the sub-rounds are
+    pipelined; within a step the two permutes are independent.
+    g+m-2 steps; per level exactly hring's bytes (inter: g-1 chunks, intra:
+    g*(m-1) chunks, up to min(g, m-1) of them in one permute).
   """
   A, B = axes
   m, g = _sizes(axes)
@@ -309,23 +324,22 @@ def _horing_ag(x, axes: tuple):
   name_a, perm_a = _ring_perm((A,), -1)  # intra: receive from l+1
   name_b, perm_b = _ring_perm((B,), +1)  # inter: send to k+1
   cols, inter = [x], x  # cols[j] = c[l*g + (k-j) mod g]
-  rounds, parts, prev = [], None, None
-  for t in range(g * (m - 1)):
-    j, s = divmod(t, m - 1)
+  parts, last = {}, None  # sub-round j -> parts[s] = chunk of intra index (l + s) mod m
+  for t in range(g + m - 2):
+    delivered = None
     if t + 1 <= g - 1:
       inter = _ppermute_on(inter, name_b, perm_b, INTER_STREAM)
-      cols.append(inter)
-    if s == 0:
-      parts = [cols[j]]
-      send = cols[j] if prev is None else _tie(cols[j], prev, l)
-    else:
-      send = prev
-    prev = _ppermute_on(send, name_a, perm_a, INTRA_STREAM)
-    parts.append(prev)  # parts[s] = chunk of intra index (l + s) mod m
-    if s == m - 2:
-      rounds.append(jnp.roll(jnp.stack(parts), l, axis=0))
-  R = jnp.stack(rounds)  # R[j, l'] = c[l'*g + (k-j) mod g]
-  # reorder j -> q = (k - j) mod g:  out[q] = R[(k - q) mod g]
+      delivered = inter
+    active = [j for j in range(g) if 0 <= t - j <= m - 2]
+    for j in active:
+      parts.setdefault(j, [cols[j]])
+    last = _intra_step([(j, parts[j][-1]) for j in active], last, name_a, perm_a, l)
+    for n, j in enumerate(active):
+      parts[j].append(last[1][n])
+    if delivered is not None:
+      cols.append(delivered)
+  R = jnp.stack([jnp.roll(jnp.stack(parts[j]), l, axis=0) for j in range(g)])
+  # R[j, l'] = c[l'*g + (k-j) mod g]; reorder j -> q = (k - j) mod g:  out[q] = R[(k - q) mod g]
   R = jnp.roll(jnp.flip(R, axis=0), kb + 1, axis=0)
   return jnp.swapaxes(R, 0, 1).reshape((m * g,) + x.shape)
 
@@ -336,17 +350,17 @@ def _horing_rs(x, axes: tuple):
   The transpose of :func:`_horing_ag`.  With ``axes=('intra', 'inter')``
   (B = inter, size g, index k; A = intra, size m, index l):
 
-  * Intra ring: g sub-rounds of m-1 steps in the reverse order
-    j = g-1, ..., 0; sub-round j is a ring reduce-scatter over A (partial
-    sums l -> l+1) of the column chunks x[l'*g + (k-j) mod g]; it leaves
-    P_j = sum over the node of chunk l*g + (k-j) mod g, the node's share of
-    the result of device (k-j, l).
+  * Intra ring: g sub-rounds of m-1 steps; sub-round j is a ring
+    reduce-scatter over A (partial sums l -> l+1) of the column chunks
+    x[l'*g + (k-j) mod g]; it leaves P_j = sum over the node of chunk
+    l*g + (k-j) mod g, the node's share of the result of device (k-j, l).
+    Sub-round j runs steps g-1-j .. g+m-3-j (the last column first), and one
+    intra permute per step carries every sub-round under way.
   * Inter ring (g-1 steps, single chunks, k -> k-1): step e sends
     (received partial +) P_{g-e}; after step g-1 the device adds P_0.
-  * Global step t runs intra step t; inter step e needs P_{g-e}, complete at
-    the end of step e*(m-1)-1, so it runs at step e*(m-1), beside the first
-    intra step of the next sub-round, which does not depend on it.
-    g*(m-1) steps; per level exactly hring's bytes.
+    P_{g-e} is complete at the end of step m-3+e, so inter step e runs at
+    step m-2+e, beside the intra permute of that step, which does not depend
+    on it. g+m-2 steps; per level exactly hring's bytes.
   """
   A, B = axes
   m, g = _sizes(axes)
@@ -356,23 +370,24 @@ def _horing_rs(x, axes: tuple):
   name_a, perm_a = _ring_perm((A,), +1)  # intra partial sums: l -> l+1
   name_b, perm_b = _ring_perm((B,), -1)  # inter partial sums: k -> k-1
   X = x.reshape((m, g) + S)
-  P, inter, prev = {}, None, None
-  for t in range(g * (m - 1)):
-    r, s = divmod(t, m - 1)  # sub-round r reduces column j
-    j = g - 1 - r
-    e = r  # inter step e runs at t = e*(m-1)
-    if s == 0 and 1 <= e <= g - 1:  # inter step e, beside intra step t
+  cols = {}  # sub-round j -> the node's chunks of column j, [m, *S]
+  acc, P, inter, last = {}, {}, None, None
+  for t in range(g + m - 2):
+    e = t - (m - 2)
+    if 1 <= e <= g - 1:  # inter step e, beside this step's intra permute
       send = P[g - e] if e == 1 else inter + P[g - e]
       inter = _ppermute_on(send, name_b, perm_b, INTER_STREAM)
-    if s == 0:
-      Y = lax.dynamic_index_in_dim(X, (kb - j) % g, axis=1, keepdims=False)  # [m, *S]
-      acc = _take(Y, (l - 1) % m)
-      if prev is not None:
-        acc = _tie(acc, prev, l)
-    prev = _ppermute_on(acc, name_a, perm_a, INTRA_STREAM)
-    acc = prev + _take(Y, (l - 2 - s) % m)
-    if s == m - 2:
-      P[j] = acc
+    active = [j for j in range(g) if 0 <= t - (g - 1 - j) <= m - 2]
+    for j in active:
+      if j not in acc:
+        cols[j] = lax.dynamic_index_in_dim(X, (kb - j) % g, axis=1, keepdims=False)
+        acc[j] = _take(cols[j], (l - 1) % m)
+    last = _intra_step([(j, acc[j]) for j in active], last, name_a, perm_a, l)
+    for n, j in enumerate(active):
+      s = t - (g - 1 - j)
+      acc[j] = last[1][n] + _take(cols[j], (l - 2 - s) % m)
+      if s == m - 2:
+        P[j] = acc[j]
   return inter + P[0]
 
 

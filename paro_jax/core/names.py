@@ -63,11 +63,10 @@ def resolve_collectives(
   ``auto``: where XLA's own collective over both axes is one flat ring whose every hop crosses
   the inter-node link (XLA:CPU through gloo, with a process per node), ``hring+xla``: the
   collectives over both axes as two rings, one per level, the one-level ones as XLA's. Of the
-  two-level rings, ``hring`` is the faster on that runtime: it overlaps two collective-permutes
-  only partly, and HO-Ring's g*(m-1) steps cost more than H-Ring's (g-1)+(m-1) (docs/
-  collectives.md links the measurement). Elsewhere (GPUs, whose NCCL rings visit the devices
-  node by node; or one process) ``xla``. A `strategy` (core/strategy.py) with no collective
-  over both axes gets ``xla`` too.
+  two-level rings, ``hring`` measured the faster on that runtime, which overlaps two
+  collective-permutes only partly (docs/collectives.md links the measurement and its limits).
+  Elsewhere (GPUs, whose NCCL rings visit the devices node by node; or one process) ``xla``.
+  A `strategy` (core/strategy.py) with no collective over both axes gets ``xla`` too.
   """
   if requested != AUTO_COLLECTIVES:
     if requested not in COLLECTIVE_IMPLS:

@@ -377,13 +377,13 @@ def hlo_texts():
 def _horing_expected_steps(coll, shape):
   """Sorted permute kinds per step of the HO-Ring schedule on a (g, m) mesh.
 
-  g*(m-1) steps, each with one intra permute; all-gather: inter step e
-  (1..g-1) at step e-1; reduce-scatter: inter step e at step e*(m-1).
+  g+m-2 steps, each with one intra permute (the sub-rounds under way share it); all-gather:
+  inter step e (1..g-1) at step e-1; reduce-scatter: inter step e at step m-2+e.
   """
   g, m = shape
-  steps = [["intra"] for _ in range(g * (m - 1))]
+  steps = [["intra"] for _ in range(g + m - 2)]
   for e in range(1, g):
-    steps[e - 1 if coll == "ag" else e * (m - 1)].insert(0, "inter")
+    steps[e - 1 if coll == "ag" else m - 2 + e].insert(0, "inter")
   return steps
 
 
@@ -472,16 +472,17 @@ def _one_and_two_level_hlo(impl):
 
 def test_mixed_impls_run_rings_over_two_axes_and_lax_over_one():
   kinds = _one_and_two_level_hlo("horing+xla")
-  # the two-level gather: HO-Ring's g*(m-1) intra + (g-1) inter permutes (the hlo_texts tests
-  # check their order); the one-level gather: XLA's own all-gather
+  # the two-level gather on 2x4: HO-Ring's g+m-2 intra + (g-1) inter permutes (the hlo_texts
+  # tests check their order); the one-level gather: XLA's own all-gather
   assert kinds.count("all-gather") == 1, kinds
-  assert kinds.count("collective-permute") == 2 * 3 + 1, kinds
+  assert kinds.count("collective-permute") == (2 + 4 - 2) + 1, kinds
   # H-Ring: (g-1) inter then (m-1) intra steps
   kinds = _one_and_two_level_hlo("hring+xla")
   assert kinds.count("all-gather") == 1 and kinds.count("collective-permute") == 1 + 3, kinds
   # contrast: horing runs the one-level gather as a ring of m-1 permutes too
   kinds = _one_and_two_level_hlo("horing")
-  assert "all-gather" not in kinds and kinds.count("collective-permute") == 2 * 3 + 1 + 3, kinds
+  n_permutes = kinds.count("collective-permute")
+  assert "all-gather" not in kinds and n_permutes == (2 + 4 - 2) + 1 + 3, kinds
 
 
 def test_auto_collectives_resolution():
