@@ -162,10 +162,48 @@ def test_horing_permutes_run_on_two_streams():
 
 
 def test_overlap_limit_flag_matters():
-  """Without a second collective in flight, no HO-Ring step has both levels in flight."""
+  """Without a second collective in flight, no HO-Ring step has both levels in flight; with 4
+  rather than 2, more of IGG's per-micro-batch bytes have compute in their window (`tiny`)."""
   one = {**GPU_FLAGS, "xla_gpu_experimental_parallel_collective_overlap_limit": 1}
   o = gpu_report("GGG", "horing", one)["overlap"]
   assert o["horing_steps"] > 0 and o["horing_steps_concurrent"] == 0
+  two = {**GPU_FLAGS, "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+  tiny = dict(model="tiny", seq=128)
+  with_two = gpu_report("IGG", "horing", two, **tiny)["overlap"]["collective_bytes_fraction"]
+  with_four = gpu_report("IGG", "horing", **tiny)["overlap"]["collective_bytes_fraction"]
+  assert with_four > with_two
+
+
+@pytest.mark.parametrize("strategy", ["GGG", "IGG", "NGG"])
+def test_every_horing_step_has_both_levels_in_flight(strategy):
+  """Every inter permute of a two-level HO-Ring collective is in flight together with an intra
+  one on the other stream, the steps outside the layer loops included; none is synchronous."""
+  o = gpu_report(strategy, "horing")["overlap"]
+  assert o["horing_steps"] > 0 and o["horing_steps_concurrent"] == o["horing_steps"]
+  assert all(c["async"] for c in o["collectives"] if c["horing"])
+
+
+def test_async_to_sync_conversion_would_serialize_horing_steps():
+  """The flag that keeps XLA from making collectives with no compute beside them synchronous
+  matters: without it, HO-Ring steps run synchronously and some run one level after the other."""
+  flags = {k: v for k, v in GPU_FLAGS.items() if k != "xla_disable_hlo_passes"}
+  o = gpu_report("GGG", "horing", flags)["overlap"]
+  assert any(c["horing"] and not c["async"] for c in o["collectives"])
+  assert o["horing_steps_concurrent"] < o["horing_steps"]
+
+
+@pytest.mark.parametrize("strategy", ["GGG", "IGG"])
+def test_horing_layers_are_fetched_ahead(strategy):
+  """The hand-written rings, `tiny`: each layer loop's body issues the next layer's gather
+  (forward), the layer below's re-gather and the layer above's gradient reduce-scatter
+  (backward) as chains of asynchronous permutes (HO-Ring where they span both levels), and the
+  body's matmuls lie inside the windows of some of each chain's steps (the others wait for the
+  chain: XLA's cost model does not put a matmul beside every step)."""
+  rows = gpu_report(strategy, "horing", model="tiny", seq=128)["overlap"]["collectives"]
+  for scope in ("layer_gather", "layer_regather", "layer_grad_scatter"):
+    body = [c for c in _in_loop(rows, scope) if c["kind"] == "collective-permute"]
+    assert body and all(c["async"] for c in body), scope
+    assert any(c["compute_in_window"] > 0 for c in body), scope
 
 
 def _cli(*args):
