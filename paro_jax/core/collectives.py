@@ -326,18 +326,15 @@ def _horing_ag(x, axes: tuple):
   cols, inter = [x], x  # cols[j] = c[l*g + (k-j) mod g]
   parts, last = {}, None  # sub-round j -> parts[s] = chunk of intra index (l + s) mod m
   for t in range(g + m - 2):
-    delivered = None
-    if t + 1 <= g - 1:
+    if t + 1 <= g - 1:  # column t+1, first used by sub-round t+1 at the next step
       inter = _ppermute_on(inter, name_b, perm_b, INTER_STREAM)
-      delivered = inter
+      cols.append(inter)
     active = [j for j in range(g) if 0 <= t - j <= m - 2]
     for j in active:
       parts.setdefault(j, [cols[j]])
     last = _intra_step([(j, parts[j][-1]) for j in active], last, name_a, perm_a, l)
     for n, j in enumerate(active):
       parts[j].append(last[1][n])
-    if delivered is not None:
-      cols.append(delivered)
   R = jnp.stack([jnp.roll(jnp.stack(parts[j]), l, axis=0) for j in range(g)])
   # R[j, l'] = c[l'*g + (k-j) mod g]; reorder j -> q = (k - j) mod g:  out[q] = R[(k - q) mod g]
   R = jnp.roll(jnp.flip(R, axis=0), kb + 1, axis=0)
