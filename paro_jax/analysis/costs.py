@@ -2,7 +2,9 @@
 
 Traffic is ring cost per device: (k-1)/k * S for an all-gather or reduce-scatter of S bytes over k
 devices, twice that for an all-reduce. A collective over `inter` (alone or with `intra`) crosses
-groups and counts as inter-group traffic; one over `intra` alone stays inside a group.
+groups and counts as inter-group traffic; one over `intra` alone stays inside a group. With the
+two-level rings (`two_level`: `hring`, `horing`) a collective over both axes sends each level its
+own share instead: (m-1)/m * S inside the group and (g-1)/g * S/m across groups.
 """
 
 from __future__ import annotations
@@ -62,20 +64,25 @@ def _ring(nbytes: float, k: int) -> float:
   return (k - 1) / k * nbytes
 
 
-def _add_collective(t, phase, axes, elements, itemsize, codec, inter, intra, times=1.0):
+def _add_collective(
+  t, phase, axes, elements, itemsize, codec, inter, intra, times=1.0, two_level=False
+):
   """Ring bytes of all-gathers / reduce-scatters (times=2: all-reduces) of `elements` full
   elements over `axes`. With a compressing `codec` (core/compress.py) the inter level carries
   `codec.bytes_per_element` per element of its 1/k_rest share and the other axis, first (a
-  reduce-scatter) or last (an all-gather), the full payload at `itemsize`: two levels."""
+  reduce-scatter) or last (an all-gather), the full payload at `itemsize`: two levels. With
+  `two_level` (the two-level rings) an uncompressed collective over both axes is split the same
+  way, at `itemsize` on both levels."""
   k = _group_size(axes, inter, intra)
-  if codec is None or INTER not in axes or not codec.compresses(itemsize):
+  compressed = codec is not None and INTER in axes and codec.compresses(itemsize)
+  if not compressed and not (two_level and INTER in axes and len(axes) > 1):
     t.add(phase, axes, times * _ring(elements * itemsize, k))
     return
   rest = tuple(a for a in axes if a != INTER)
   k_rest = _group_size(rest, inter, intra)
   if rest:
     t.add(phase, rest, times * _ring(elements * itemsize, k_rest))
-  wire = codec.bytes_per_element(itemsize)
+  wire = codec.bytes_per_element(itemsize) if compressed else itemsize
   t.add(phase, (INTER,), times * _ring(elements / k_rest * wire, inter))
 
 
@@ -91,6 +98,7 @@ def step_traffic(
   regathered: int | None = None,
   wire=None,
   acc_bytes: int | None = None,
+  two_level: bool = False,
 ) -> Traffic:
   """Expected per-device traffic of one optimizer step of `strategy`, by the schedule's phases.
 
@@ -100,7 +108,8 @@ def step_traffic(
   `wire` (a compress.WireConfig): the inter level's precision of parameter gathers and gradient
   reductions; `acc_bytes`: the gradient accumulator's element size (--grad-dtype; default
   `grad_bytes`), what the boundary sync reduces. Per-micro-batch gradients are reduce-scattered
-  at `grad_bytes` (the compute dtype).
+  at `grad_bytes` (the compute dtype). `two_level`: the collectives over both axes are the
+  two-level rings (`--collectives hring` or `horing`), each level's bytes counted apart.
   """
   # One body for every case: _add_collective carries the uncompressed ring bytes where `wire` is
   # None or leaves a level at its dtype.
@@ -110,7 +119,7 @@ def step_traffic(
   acc_bytes = grad_bytes if acc_bytes is None else acc_bytes
   regathered = params if regathered is None else regathered
   add = lambda phase, axes, n, item, codec, times=1.0: _add_collective(
-    t, phase, axes, n, item, codec, inter, intra, times
+    t, phase, axes, n, item, codec, inter, intra, times, two_level
   )
   a = micro_batches
   # Per micro-batch: parameters gathered over S(P) in forward and again (remat) in backward;

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from paro_jax.analysis import hlo
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
 from paro_jax.core.engine import Engine
-from paro_jax.core.names import DEFAULT_INT8_BLOCK
+from paro_jax.core.names import DEFAULT_INT8_BLOCK, MIXED_IMPLS
 
 
 def abstract_inputs(engine: Engine, batch_size: int, seq_len: int):
@@ -56,6 +56,8 @@ def expected_traffic(engine: Engine):
     regathered=regathered,
     wire=engine.wire,
     acc_bytes=jnp.dtype(engine.grad_dtype).itemsize,
+    # The two-level rings, alone or as the mixed impls' two-axis choice, split their bytes by level.
+    two_level=MIXED_IMPLS.get(engine.collectives, engine.collectives) in ("hring", "horing"),
   )
 
 

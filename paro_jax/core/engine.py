@@ -329,7 +329,7 @@ class Engine:
       mesh=self.mesh,
       in_specs=(self.specs.params, self.batch_spec),
       out_specs=PartitionSpec(),
-      check_vma=self.collectives == "xla",
+      check_vma=self.collectives == "xla",  # the rings' replicated results: see _train_step
     )(params, tokens_AxBxL1)
 
   # --- the step ----------------------------------------------------------------------------

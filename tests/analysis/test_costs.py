@@ -52,6 +52,25 @@ def test_traffic_matches_paro_md(name):
   assert t.intra == pytest.approx(paro_md_intra_bytes(name))
 
 
+def test_two_level_rings_split_each_collective_by_level():
+  """GGG with the two-level rings: each all-gather / reduce-scatter of S bytes over all G*M
+  devices sends (M-1)/M * S inside the node and (G-1)/G * S/M across nodes (H-Ring's levels);
+  the same total per device as one flat ring, (GM-1)/(GM) * S."""
+  flat = step_traffic(parse_strategy("GGG"), PSI, PSI, G, M, A)
+  rings = step_traffic(parse_strategy("GGG"), PSI, PSI, G, M, A, two_level=True)
+  S = 2 * PSI  # bf16 parameters or gradients
+  per_collective = {"intra": (M - 1) / M * S, "inter": (G - 1) / G * S / M}
+  # Per micro-batch: forward gather, backward re-gather, gradient reduce-scatter; GGG has no
+  # boundary collectives (everything is sharded over all devices already).
+  assert rings.intra == pytest.approx(3 * A * per_collective["intra"])
+  assert rings.inter == pytest.approx(3 * A * per_collective["inter"])
+  assert rings.intra + rings.inter == pytest.approx(flat.inter + flat.intra)
+  # Strategies whose collectives span one axis each are unchanged.
+  for name in ("IIG", "NNI", "III"):
+    one, two = (step_traffic(parse_strategy(name), PSI, PSI, G, M, A, two_level=b) for b in (0, 1))
+    assert (one.intra, one.inter) == pytest.approx((two.intra, two.inter)), name
+
+
 def test_inter_traffic_frequency():
   # Inter traffic grows with A only when gradients or parameters are globally sharded.
   for name in VALID_NAMES:

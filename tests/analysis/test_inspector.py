@@ -85,6 +85,18 @@ def test_horing_sends_on_both_levels():
   assert not any(c["kind"] in ("all-gather", "reduce-scatter") for c in r["collectives"])
 
 
+@pytest.mark.parametrize(
+  "strategy,collectives", [("GGG", "horing"), ("IGG", "hring"), ("NGG", "horing+xla")]
+)
+def test_two_level_rings_bytes_per_level_equal_formula(strategy, collectives):
+  """The rings' compiled permutes, classified by the devices they connect, send what
+  costs.step_traffic(two_level=True) predicts on each level."""
+  r = inspect_report(strategy, 2, collectives=collectives)
+  for key in ("inter_bytes", "intra_bytes"):
+    measured, expected = r["measured"][key], r["expected"][key]
+    assert measured == pytest.approx(expected, rel=0.01, abs=64), (key, measured, expected)
+
+
 def test_remat_policy_trades_memory_for_traffic():
   r = {p: inspect_report("GGG", 2, remat=p, seq_len=64) for p in ("full", "layer", "none")}
   peak = {p: r[p]["memory"]["compiled"]["peak_bytes"] for p in r}
