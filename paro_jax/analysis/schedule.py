@@ -160,8 +160,9 @@ def overlap(hlo_text: str, n_devices: int, intra: int, streams: dict[str, str] |
   `collective_bytes_fraction`: of the bytes each device sends per micro-batch (count x bytes,
   phases forward/backward), the share sent by async collectives with compute in their window.
   HO-Ring (collectives under the `horing` scope): every inter permute of a two-level collective
-  is one ring step that has both levels; it is *concurrent* when an intra HO-Ring permute is in
-  flight at the same time on another stream. Without a thunk sequence (no GPU compile) streams
+  is one ring step that has both levels; it is *concurrent* when an intra HO-Ring collective (a
+  sub-round: the runtime's all-gather or reduce-scatter over the node) is in flight at the same
+  time on another stream. Without a thunk sequence (no GPU compile) streams
   are unknown and concurrency is None.
   """
   found = hlo.parse_collectives(hlo_text)
@@ -193,9 +194,7 @@ def overlap(hlo_text: str, n_devices: int, intra: int, streams: dict[str, str] |
       }
     )
   steps = concurrent = 0
-  intra_ring = [
-    r for r in rows if r["horing"] and r["kind"] == "collective-permute" and r["level"] == "intra"
-  ]
+  intra_ring = [r for r in rows if r["horing"] and r["level"] == "intra"]
   for r in rows:
     if not (r["horing"] and r["kind"] == "collective-permute" and r["level"] == "inter"):
       continue

@@ -16,24 +16,28 @@ Implementations (``impl``), all exactly equal to the ``lax`` reference:
   runs the minor axis first then the major one (``('intra', 'inter')``:
   inter, then intra); reduce-scatter runs major first then minor (intra, then
   inter).
-* ``"horing"`` -- hierarchical *overlapping* ring (PaRO): a pipelined 2D
-  schedule sending exactly hring's bytes on each level.  All-gather over
-  ``('intra', 'inter')`` (g nodes, m devices each): the inter ring forwards
-  single chunks (g-1 steps) while the intra ring runs g sub-rounds of m-1
-  steps, sub-round j gathering over the node the chunk the inter ring
-  delivered at its step j, starting as soon as it has arrived; global step t
-  pairs inter step t+1 with one intra permute carrying every sub-round under
-  way, which never depend on each other (g+m-2 steps).  Reduce-scatter is
-  the transpose: intra reduce-scatter sub-rounds started in the reverse
-  order, the inter ring reducing the finished partial sums beside them.  With one
-  level of size 1, or more than two axes, it is the ring / hring.
+* ``"horing"`` -- hierarchical *overlapping* ring (PaRO), sending exactly
+  hring's bytes on each level.  All-gather over ``('intra', 'inter')`` (g
+  nodes, m devices each): the inter ring (``lax.ppermute``) forwards single
+  chunks (g-1 steps) while the intra level runs g sub-rounds, sub-round j
+  the runtime's own all-gather over the node of the chunk the inter ring
+  delivered at its step j; step t pairs inter step t+1 with sub-round t,
+  which only share their input (g steps).  Reduce-scatter is the transpose:
+  the sub-rounds' reduce-scatters in reverse order, the inter ring reducing
+  the finished partial sums beside them.  Over the intra level alone it is
+  the runtime's collective; over the inter level alone, the ring.  The intra
+  level is the runtime's collective because NCCL gathers inside a node at
+  several times the throughput of point-to-point permutes (see
+  ``_intra_all_gather``); the inter ring, and its pairing with the intra
+  level, is what the runtime does not do.  With more than two axes it is hring.
 * ``"hring+xla"``, ``"horing+xla"`` -- ``hring`` / ``horing`` for a collective
   over two axes of more than one device each, the ``lax`` collective otherwise
   (and for both levels of a compressed collective, which runs them one after
   the other anyway). ``--collectives auto`` picks ``hring+xla`` where the
   runtime's own collective over both axes would be one flat ring crossing the
   inter-node link on every hop (XLA:CPU's gloo, one process per node).
-For a single axis ``hring`` and ``horing`` are the ring.
+For a single axis ``hring`` is the ring; ``horing`` is the runtime's collective inside the node
+and the ring across.
 
 Hand-written ppermute collectives return values typed *varying* over ``axes``
 (there is no varying -> invariant cast), so shard_maps using them for
@@ -274,68 +278,67 @@ def _run(gen):
     return stop.value
 
 
+# HO-Ring's intra level is the runtime's own collective over the intra axis (NCCL on GPUs); its
+# inter level is the hand-written ring. XLA's table of measured H100 collective throughput
+# (xla/service/gpu/model/collective_interpolator_data.h, sm_90) has a one-way ring permute of
+# 64 MiB at 76 GB/s and an all-gather of the same size over 8 GPUs at 314 GB/s: a layer's weights
+# gathered by intra permutes take about three times as long as by NCCL's all-gather, longer than
+# the layer's compute, and XLA's scheduler (which costs each step with that table) leaves the
+# first steps of every chain with no compute beside them.
+
+
 def _tie(x, after, idx):
   """``x``, made to depend on ``after``; ``idx`` is a device index (>= 0).
 
-  A select on a predicate that always holds at run time but is not a
-  compile-time constant: a real data dependency (an optimization barrier is
-  dropped by XLA:CPU), no change to the value, one cheap elementwise pass.
+  A select on a predicate that always holds at run time but is not a compile-time constant: a
+  real data dependency (an optimization barrier is dropped by XLA:CPU), no change to the value,
+  one cheap elementwise pass. HO-Ring ties each intra sub-round to the one before: the
+  sub-rounds are otherwise independent, and XLA's all-gather and reduce-scatter combiners merge
+  independent collectives into one, which would wait for every inter step the merged sub-rounds
+  need and leave no step with both levels in flight.
   """
   first = jnp.broadcast_to(after.reshape(-1)[0], x.shape)
   return lax.select(jnp.broadcast_to(idx >= 0, x.shape), x, first)
 
 
-def _intra_step(sends: list, last, name, perm, idx):
-  """One HO-Ring intra permute carrying every sub-round under way (``sends``: one chunk each).
+def _intra_all_gather(x, axis):
+  """[*S] -> [n, *S] over one axis, by the runtime's collective, on HO-Ring's intra stream."""
+  with set_xla_metadata(_xla_stream_annotation=INTRA_STREAM):
+    return lax.all_gather(x, axis, axis=0, tiled=False)
 
-  ``last``: (sub-rounds, received) of the previous step, or None. Where no sub-round continues
-  from it (m = 2), the permute is tied to it, so that the steps stay one sequence, the one the
-  HLO shows, rather than independent permutes XLA would issue (or combine) all at once.
-  """
-  active, sent = [j for j, _ in sends], jnp.stack([c for _, c in sends])
-  if last is not None and not set(active) & set(last[0]):
-    sent = _tie(sent, last[1], idx)
-  return active, _ppermute_on(sent, name, perm, INTRA_STREAM)
+
+def _intra_reduce_scatter(x, axis):
+  """[n, *S] -> S over one axis, by the runtime's collective, on HO-Ring's intra stream."""
+  with set_xla_metadata(_xla_stream_annotation=INTRA_STREAM):
+    return lax.psum_scatter(x, axis, scatter_dimension=0, tiled=False)
 
 
 def _horing_ag(x, axes: tuple):
   """HO-Ring all-gather over two axes ``(A, B)`` (major, minor); returns [nA*nB, *x.shape].
 
   With ``axes=('intra', 'inter')``: B = inter (size g, index k), A = intra
-  (size m, index l); device (k, l) holds chunk c[l*g + k].
+  (size m); device (k, l) holds chunk c[l*g + k].
 
   * Inter ring (g-1 steps, single chunks, k -> k+1): step e forwards the chunk
     received at step e-1 (its own at e=1); after it the device holds column
     chunk c[l*g + (k-e) mod g].
-  * Intra ring: g sub-rounds of m-1 steps; sub-round j is a ring all-gather
-    over A of column chunk c[l*g + (k-j) mod g] (from inter step j).
-  * Global step t runs inter step t+1 (if t+1 <= g-1) and one intra permute
-    carrying step t-j of every sub-round j that is under way
-    (0 <= t-j <= m-2). Sub-round j starts at step j, as soon as inter step j
-    (run at step j-1) has delivered its column, so the sub-rounds are
-    pipelined; within a step the two permutes are independent.
-    g+m-2 steps; per level exactly hring's bytes (inter: g-1 chunks, intra:
-    g*(m-1) chunks, up to min(g, m-1) of them in one permute).
+  * Intra level: g sub-rounds, sub-round j an all-gather over A of column j.
+  * Step t runs inter step t+1 (if t+1 <= g-1) beside sub-round t: both only
+    read column t, so neither waits for the other. g steps; per level exactly
+    hring's bytes (inter: g-1 chunks, intra: g*(m-1) chunks per device).
   """
   A, B = axes
   m, g = _sizes(axes)
-  l = lax.axis_index(A)
   kb = lax.axis_index(B)
-  name_a, perm_a = _ring_perm((A,), -1)  # intra: receive from l+1
   name_b, perm_b = _ring_perm((B,), +1)  # inter: send to k+1
-  cols, inter = [x], x  # cols[j] = c[l*g + (k-j) mod g]
-  parts, last = {}, None  # sub-round j -> parts[s] = chunk of intra index (l + s) mod m
-  for t in range(g + m - 2):
-    if t + 1 <= g - 1:  # column t+1, first used by sub-round t+1 at the next step
-      inter = _ppermute_on(inter, name_b, perm_b, INTER_STREAM)
-      cols.append(inter)
-    active = [j for j in range(g) if 0 <= t - j <= m - 2]
-    for j in active:
-      parts.setdefault(j, [cols[j]])
-    last = _intra_step([(j, parts[j][-1]) for j in active], last, name_a, perm_a, l)
-    for n, j in enumerate(active):
-      parts[j].append(last[1][n])
-  R = jnp.stack([jnp.roll(jnp.stack(parts[j]), l, axis=0) for j in range(g)])
+  cols, rows = [x], []  # cols[j] = c[l*g + (k-j) mod g]
+  l = lax.axis_index(A)
+  for t in range(g):
+    if t + 1 <= g - 1:
+      cols.append(_ppermute_on(cols[t], name_b, perm_b, INTER_STREAM))
+    col = cols[t] if t == 0 else _tie(cols[t], rows[-1], l)
+    rows.append(_intra_all_gather(col, A))
+  R = jnp.stack(rows)
   # R[j, l'] = c[l'*g + (k-j) mod g]; reorder j -> q = (k - j) mod g:  out[q] = R[(k - q) mod g]
   R = jnp.roll(jnp.flip(R, axis=0), kb + 1, axis=0)
   return jnp.swapaxes(R, 0, 1).reshape((m * g,) + x.shape)
@@ -345,46 +348,34 @@ def _horing_rs(x, axes: tuple):
   """HO-Ring reduce-scatter over ``(A, B)`` of stacked ``x`` ([nA*nB, *S]); returns S.
 
   The transpose of :func:`_horing_ag`.  With ``axes=('intra', 'inter')``
-  (B = inter, size g, index k; A = intra, size m, index l):
+  (B = inter, size g, index k; A = intra, size m):
 
-  * Intra ring: g sub-rounds of m-1 steps; sub-round j is a ring
-    reduce-scatter over A (partial sums l -> l+1) of the column chunks
-    x[l'*g + (k-j) mod g]; it leaves P_j = sum over the node of chunk
-    l*g + (k-j) mod g, the node's share of the result of device (k-j, l).
-    Sub-round j runs steps g-1-j .. g+m-3-j (the last column first), and one
-    intra permute per step carries every sub-round under way.
-  * Inter ring (g-1 steps, single chunks, k -> k-1): step e sends
-    (received partial +) P_{g-e}; after step g-1 the device adds P_0.
-    P_{g-e} is complete at the end of step m-3+e, so inter step e runs at
-    step m-2+e, beside the intra permute of that step, which does not depend
-    on it. g+m-2 steps; per level exactly hring's bytes.
+  * Intra level: g sub-rounds, the last column first; sub-round j is a
+    reduce-scatter over A of the node's column chunks x[l'*g + (k-j) mod g],
+    leaving P_j, the node's sum of chunk l*g + (k-j) mod g (the share of
+    device (k-j, l)).
+  * Inter ring (g-1 steps, k -> k-1): step e sends (received partial +)
+    P_{g-e}; after step g-1 the device adds P_0.
+  * Step t runs sub-round g-1-t beside inter step t (t >= 1), which carries
+    the sum of the sub-round before. g steps; per level exactly hring's bytes.
   """
   A, B = axes
   m, g = _sizes(axes)
   S = x.shape[1:]
-  l = lax.axis_index(A)
   kb = lax.axis_index(B)
-  name_a, perm_a = _ring_perm((A,), +1)  # intra partial sums: l -> l+1
   name_b, perm_b = _ring_perm((B,), -1)  # inter partial sums: k -> k-1
+  l = lax.axis_index(A)
   X = x.reshape((m, g) + S)
-  cols = {}  # sub-round j -> the node's chunks of column j, [m, *S]
-  acc, P, inter, last = {}, {}, None, None
-  for t in range(g + m - 2):
-    e = t - (m - 2)
-    if 1 <= e <= g - 1:  # inter step e, beside this step's intra permute
-      send = P[g - e] if e == 1 else inter + P[g - e]
+  P, inter = {}, None
+  for t in range(g):
+    if t >= 1:  # inter step t, beside this step's sub-round
+      send = P[g - t] if t == 1 else inter + P[g - t]
       inter = _ppermute_on(send, name_b, perm_b, INTER_STREAM)
-    active = [j for j in range(g) if 0 <= t - (g - 1 - j) <= m - 2]
-    for j in active:
-      if j not in acc:
-        cols[j] = lax.dynamic_index_in_dim(X, (kb - j) % g, axis=1, keepdims=False)
-        acc[j] = _take(cols[j], (l - 1) % m)
-    last = _intra_step([(j, acc[j]) for j in active], last, name_a, perm_a, l)
-    for n, j in enumerate(active):
-      s = t - (g - 1 - j)
-      acc[j] = last[1][n] + _take(cols[j], (l - 2 - s) % m)
-      if s == m - 2:
-        P[j] = acc[j]
+    j = g - 1 - t
+    col = lax.dynamic_index_in_dim(X, (kb - j) % g, axis=1, keepdims=False)
+    if t > 0:
+      col = _tie(col, P[j + 1], l)
+    P[j] = _intra_reduce_scatter(col, A)
   return inter + P[0]
 
 
@@ -393,10 +384,33 @@ def _horing_rs(x, axes: tuple):
 # --------------------------------------------------------------------------
 
 
+def _level(axes: tuple):
+  """The one axis of ``axes`` with more than one device (None: there is none or several)."""
+  big = [a for a, n in zip(axes, _sizes(axes)) if n > 1]
+  return big[0] if len(big) == 1 else None
+
+
+def _one_level_ag(x, axes: tuple):
+  """HO-Ring over one level: the runtime's collective inside the node, the ring across."""
+  a = _level(axes)
+  if a is not None and a != INTER:
+    return lax.all_gather(x, a, axis=0, tiled=False)
+  return _run(_ring_ag_gen(x, axes))
+
+
+def _one_level_rs(x, axes: tuple):
+  a = _level(axes)
+  if a is not None and a != INTER:
+    return lax.psum_scatter(x, a, scatter_dimension=0, tiled=False)
+  return _run(_ring_rs_gen(x, axes))
+
+
 def _ag_stacked(x, axes: tuple, impl: str):
   k = math.prod(_sizes(axes))
-  if impl == "ring" or len(axes) == 1:
+  if impl == "ring":
     return _run(_ring_ag_gen(x, axes))
+  if len(axes) == 1:
+    return _one_level_ag(x, axes) if impl == "horing" else _run(_ring_ag_gen(x, axes))
   if impl == "hring":
     out = _run(_hier_ag_gen(x, axes, tuple(reversed(axes))))
     return out.reshape((k,) + x.shape)
@@ -404,7 +418,7 @@ def _ag_stacked(x, axes: tuple, impl: str):
     out = _run(_hier_ag_gen(x, axes, tuple(reversed(axes))))
     return out.reshape((k,) + x.shape)
   if 1 in _sizes(axes):  # one level only
-    return _run(_ring_ag_gen(x, axes))
+    return _one_level_ag(x, axes)
   with jax.named_scope("horing"):  # the inspector finds HO-Ring's steps by this scope
     return _horing_ag(x, axes)
 
@@ -412,14 +426,16 @@ def _ag_stacked(x, axes: tuple, impl: str):
 def _rs_stacked(x, axes: tuple, impl: str):
   sizes = _sizes(axes)
   S = x.shape[1:]
-  if impl == "ring" or len(axes) == 1:
+  if impl == "ring":
     return _run(_ring_rs_gen(x, axes))
+  if len(axes) == 1:
+    return _one_level_rs(x, axes) if impl == "horing" else _run(_ring_rs_gen(x, axes))
   if impl == "hring":
     return _run(_hier_rs_gen(x.reshape(sizes + S), axes, tuple(axes)))
   if len(axes) > 2:  # horing is defined for two levels; more: the hierarchical ring
     return _run(_hier_rs_gen(x.reshape(sizes + S), axes, tuple(axes)))
   if 1 in sizes:  # one level only
-    return _run(_ring_rs_gen(x, axes))
+    return _one_level_rs(x, axes)
   with jax.named_scope("horing"):
     return _horing_rs(x, axes)
 
@@ -599,8 +615,9 @@ def all_gather(x, axes, *, dim: int, impl: str = "xla", wire=None):
   forwarding the chunk received in the previous one; ``hring`` -- a ring
   over the minor axis, then one over the major axis carrying the gathered
   block; ``horing`` -- the inter ring on single chunks pipelined with g
-  intra sub-rounds (one per column chunk), an intra and an independent inter
-  ppermute per step, hring's bytes on each level.
+  intra sub-rounds (the runtime's all-gather of one column chunk over the node
+  each), each inter permute beside an independent sub-round, hring's bytes on
+  each level.
   Transpose: ``reduce_scatter`` with the same ``impl``.
 
   ``wire`` (a ``compress.Codec``): the precision of the ``inter`` level. When it compresses,

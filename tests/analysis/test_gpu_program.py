@@ -36,10 +36,12 @@ def gpu_report(
   micro_batches: int = A,
   model: str = MODEL,
   seq: int = SEQ,
+  mesh: tuple = MESH,
 ) -> dict:
-  """inspector.gpu_report (and "hlo", the program) of the step compiled for h100 on 2x4 (cached
-  per configuration), with the attention `--attention auto` picks there (cuDNN's kernel)."""
-  key = (strategy, impl, tuple(sorted(flags.items())), attention, micro_batches, model, seq)
+  """inspector.gpu_report (and "hlo", the program) of the step compiled for h100 on `mesh`
+  (2x4 unless told; cached per configuration), one sequence per GPU, with the attention
+  `--attention auto` picks there (cuDNN's kernel)."""
+  key = (strategy, impl, tuple(sorted(flags.items())), attention, micro_batches, model, seq, mesh)
   if key not in _CACHE:
     import tempfile
 
@@ -49,18 +51,19 @@ def gpu_report(
     from paro_jax.core.mesh import make_mesh
     from paro_jax.core.strategy import parse_strategy
 
-    mesh = make_mesh(*MESH, devices=gpu.devices("h100", *MESH))
+    devices = make_mesh(*mesh, devices=gpu.devices("h100", *mesh))
     engine = Engine(
       Llama(get_config(model), DTYPES["bf16"], attention=attention),
       parse_strategy(strategy),
-      mesh,
+      devices,
       OptimConfig(),
       micro_batches=micro_batches,
       collectives=impl,
     )
     with tempfile.TemporaryDirectory() as dump:
-      compiled = gpu.compile_step(engine, "h100", BATCH, seq, flags, dump)
-      _CACHE[key] = report(engine, compiled, "h100", BATCH, seq, dump)
+      batch = BATCH * mesh[0] * mesh[1] // (MESH[0] * MESH[1])
+      compiled = gpu.compile_step(engine, "h100", batch, seq, flags, dump)
+      _CACHE[key] = report(engine, compiled, "h100", batch, seq, dump)
       _CACHE[key]["hlo"] = compiled.as_text()
   return _CACHE[key]
 
@@ -163,15 +166,18 @@ def test_horing_permutes_run_on_two_streams():
 
 def test_overlap_limit_flag_matters():
   """Without a second collective in flight, no HO-Ring step has both levels in flight; with 4
-  rather than 2, more of IGG's per-micro-batch bytes have compute in their window (`tiny`)."""
+  rather than 2, on 4 nodes x 8 GPUs (`tiny`), where the chains of several collectives run side
+  by side, more of GGG's HO-Ring steps have both levels in flight and more of its
+  per-micro-batch bytes have compute in their window."""
   one = {**GPU_FLAGS, "xla_gpu_experimental_parallel_collective_overlap_limit": 1}
   o = gpu_report("GGG", "horing", one)["overlap"]
   assert o["horing_steps"] > 0 and o["horing_steps_concurrent"] == 0
   two = {**GPU_FLAGS, "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
-  tiny = dict(model="tiny", seq=128)
-  with_two = gpu_report("IGG", "horing", two, **tiny)["overlap"]["collective_bytes_fraction"]
-  with_four = gpu_report("IGG", "horing", **tiny)["overlap"]["collective_bytes_fraction"]
-  assert with_four > with_two
+  big = dict(model="tiny", seq=128, mesh=(4, 8))
+  with_two = gpu_report("GGG", "horing", two, **big)["overlap"]
+  with_four = gpu_report("GGG", "horing", **big)["overlap"]
+  assert with_four["collective_bytes_fraction"] > with_two["collective_bytes_fraction"]
+  assert with_four["horing_steps_concurrent"] > with_two["horing_steps_concurrent"]
 
 
 @pytest.mark.parametrize("strategy", ["GGG", "IGG", "NGG"])
@@ -194,16 +200,19 @@ def test_async_to_sync_conversion_would_serialize_horing_steps():
 
 @pytest.mark.parametrize("strategy", ["GGG", "IGG"])
 def test_horing_layers_are_fetched_ahead(strategy):
-  """The hand-written rings, `tiny`: each layer loop's body issues the next layer's gather
-  (forward), the layer below's re-gather and the layer above's gradient reduce-scatter
-  (backward) as chains of asynchronous permutes (HO-Ring where they span both levels), and the
-  body's matmuls lie inside the windows of some of each chain's steps (the others wait for the
-  chain: XLA's cost model does not put a matmul beside every step)."""
+  """HO-Ring, `tiny`: each layer loop's body issues the next layer's gather (forward), the layer
+  below's re-gather and the layer above's gradient reduce-scatter (backward) as asynchronous
+  collectives (HO-Ring's permutes and sub-rounds where they span both levels, NCCL's collective
+  over the node where they span one), and the body's matmuls lie inside the windows of some of
+  each chain's collectives."""
   rows = gpu_report(strategy, "horing", model="tiny", seq=128)["overlap"]["collectives"]
   for scope in ("layer_gather", "layer_regather", "layer_grad_scatter"):
-    body = [c for c in _in_loop(rows, scope) if c["kind"] == "collective-permute"]
+    body = _in_loop(rows, scope)
     assert body and all(c["async"] for c in body), scope
     assert any(c["compute_in_window"] > 0 for c in body), scope
+  # GGG's chains span both levels: their inter steps are hand-written permutes
+  inter = [c for c in _in_loop(rows, "layer_gather") if c["kind"] == "collective-permute"]
+  assert bool(inter) == (strategy == "GGG"), inter
 
 
 def _cli(*args):

@@ -253,11 +253,31 @@ def hlo_graph(hlo_text):
   return nodes
 
 
-def hlo_permute_dependencies(hlo_text):
-  """Collective-permutes of an HLO module with their permute ancestors.
+_COLLECTIVE_OPS = (
+  "collective-permute",
+  "collective-permute-start",
+  "all-gather",
+  "all-gather-start",
+  "reduce-scatter",
+)
 
-  Returns {name: (source_target_pairs, frozenset of collective-permute
-  names it transitively depends on)}.
+
+def _device_pairs(attrs):
+  """(source, target) partition pairs a collective moves data between: a permute's own pairs;
+  for a collective over replica groups, every ordered pair inside a group."""
+  pm = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+  if pm:
+    return [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)", pm.group(1) + "}")]
+  gm = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+  groups = [list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", gm.group(1))]
+  return [(a, b) for g in groups for a in g for b in g if a != b]
+
+
+def hlo_permute_dependencies(hlo_text):
+  """The collectives of an HLO module (permutes, all-gathers, reduce-scatters) with their
+  collective ancestors.
+
+  Returns {name: (device pairs, frozenset of collective names it transitively depends on)}.
   """
   nodes = hlo_graph(hlo_text)
   memo = {}
@@ -273,20 +293,18 @@ def hlo_permute_dependencies(hlo_text):
       memo[n] = frozenset(acc)
     return memo[n]
 
-  def is_cp(n):
-    return nodes[n][0] in ("collective-permute", "collective-permute-start")
+  def is_collective(n):
+    return nodes[n][0] in _COLLECTIVE_OPS
 
   out = {}
   for n, (op, _, attrs) in nodes.items():
-    if is_cp(n):
-      pm = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-      pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)", pm.group(1) + "}")]
-      out[n] = (pairs, frozenset(a for a in ancestors(n) if is_cp(a)))
+    if is_collective(n):
+      out[n] = (_device_pairs(attrs), frozenset(a for a in ancestors(n) if is_collective(a)))
   return out
 
 
 def permute_steps(hlo_text, mesh_shape):
-  """Group collective-permutes into steps = longest chain of permutes before them.
+  """Group collectives into steps = longest chain of collectives before them.
 
   Returns (list of steps: list of (name, kind)), deps) with kind in
   {'intra', 'inter', 'mixed'} from the partition-id pairs on a
@@ -317,9 +335,9 @@ def permute_steps(hlo_text, mesh_shape):
 def overlap_violations(hlo_text, mesh_shape, strict=False):
   """Reasons the HO-Ring property fails (empty list: it holds).
 
-  Every inter collective-permute must share its step with an intra one
-  (and vice versa when ``strict``), and within a step neither may
-  transitively depend on the other.
+  Every inter collective must share its step with an intra one (and vice
+  versa when ``strict``), and within a step neither may transitively depend
+  on the other.
   """
   steps, deps = permute_steps(hlo_text, mesh_shape)
   kinds = [k for s in steps for _, k in s]
@@ -332,9 +350,9 @@ def overlap_violations(hlo_text, mesh_shape, strict=False):
     intra = [n for n, k in step if k == "intra"]
     inter = [n for n, k in step if k == "inter"]
     if inter and not intra:
-      errs.append(f"step {i}: inter permute(s) {inter} with no concurrent intra permute")
+      errs.append(f"step {i}: inter collective(s) {inter} with no concurrent intra one")
     if strict and intra and not inter:
-      errs.append(f"step {i}: intra permute(s) {intra} with no concurrent inter permute")
+      errs.append(f"step {i}: intra collective(s) {intra} with no concurrent inter one")
     for a in intra:
       for b in inter:
         if b in deps[a][1] or a in deps[b][1]:
@@ -374,28 +392,46 @@ def hlo_texts():
   }
 
 
-def _horing_expected_steps(coll, shape):
-  """Sorted permute kinds per step of the HO-Ring schedule on a (g, m) mesh.
-
-  g+m-2 steps, each with one intra permute (the sub-rounds under way share it); all-gather:
-  inter step e (1..g-1) at step e-1; reduce-scatter: inter step e at step m-2+e.
-  """
-  g, m = shape
-  steps = [["intra"] for _ in range(g + m - 2)]
-  for e in range(1, g):
-    steps[e - 1 if coll == "ag" else m - 2 + e].insert(0, "inter")
-  return steps
+def independent_partners(hlo_text, mesh_shape):
+  """For each inter collective: the intra collectives neither it nor they depend on."""
+  steps, deps = permute_steps(hlo_text, mesh_shape)
+  kind = {n: k for step in steps for n, k in step}
+  return {
+    n: [a for a, k in kind.items() if k == "intra" and a not in deps[n][1] and n not in deps[a][1]]
+    for n, k in kind.items()
+    if k == "inter"
+  }
 
 
-@pytest.mark.parametrize("coll", ["ag", "rs"])
 @pytest.mark.parametrize("shape", HLO_MESHES, ids=lambda s: f"mesh{s[0]}x{s[1]}")
-def test_horing_intra_inter_permutes_overlap(hlo_texts, coll, shape):
-  text = hlo_texts[("horing", coll, shape)]
+def test_horing_all_gather_pairs_each_inter_step_with_a_sub_round(hlo_texts, shape):
+  """All-gather: g intra sub-rounds (the runtime's all-gather over the node), each tied to the
+  one before so that XLA does not combine them, and g-1 inter permutes; step t holds inter step
+  t+1 and sub-round t, independent of each other."""
+  g, m = shape
+  text = hlo_texts[("horing", "ag", shape)]
   steps, _ = permute_steps(text, shape)
   got = [sorted(k for _, k in s) for s in steps]
-  assert got == _horing_expected_steps(coll, shape), got
-  # every inter permute shares its step with an independent intra one
+  assert got == [["inter", "intra"]] * (g - 1) + [["intra"]], got
   assert overlap_violations(text, shape) == [], got
+  kinds = [c.kind for c in H.parse_collectives(text) for _ in range(c.count)]
+  assert kinds.count("all-gather") == g and kinds.count("collective-permute") == g - 1, kinds
+
+
+@pytest.mark.parametrize("shape", HLO_MESHES, ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_horing_reduce_scatter_pairs_each_inter_step_with_a_sub_round(hlo_texts, shape):
+  """Reduce-scatter: g intra sub-rounds (the runtime's reduce-scatter over the node), each tied
+  to the one before; step t (>= 1) holds inter step t beside sub-round g-1-t, independent."""
+  g, m = shape
+  text = hlo_texts[("horing", "rs", shape)]
+  steps, _ = permute_steps(text, shape)
+  got = [sorted(k for _, k in s) for s in steps]
+  assert got == [["intra"]] + [["inter", "intra"]] * (g - 1), got
+  assert overlap_violations(text, shape) == [], got
+  partners = independent_partners(text, shape)
+  assert len(partners) == g - 1 and all(partners.values()), partners
+  kinds = [c.kind for c in H.parse_collectives(text) for _ in range(c.count)]
+  assert kinds.count("reduce-scatter") == g and kinds.count("collective-permute") == g - 1, kinds
 
 
 def _level_bytes(text, shape):
@@ -403,7 +439,7 @@ def _level_bytes(text, shape):
   g, m = shape
   out = {"intra": 0.0, "inter": 0.0}
   for c in H.parse_collectives(text):
-    assert c.kind == "collective-permute", c
+    assert c.kind in ("collective-permute", "all-gather", "reduce-scatter"), c
     assert H.level_of(c, m) in ("intra", "inter"), c
     for d, b in H.device_bytes(c, g * m).items():
       out["inter" if H.crosses_groups(c, d, m) else "intra"] += b * c.count
@@ -428,6 +464,9 @@ def test_overlap_check_rejects_hring(hlo_texts):
   steps, _ = permute_steps(text, (2, 4))
   assert [[k for _, k in s] for s in steps] == [["inter"], ["intra"], ["intra"], ["intra"]]
   assert overlap_violations(text, (2, 4)) != []
+  for coll in ("ag", "rs"):  # no inter permute has an intra one it does not wait for (or feed)
+    partners = independent_partners(hlo_texts[("hring", coll, (2, 4))], (2, 4))
+    assert partners and not any(partners.values()), partners
 
 
 def test_invariant_inputs_under_check_vma():
@@ -453,15 +492,18 @@ def test_invariant_inputs_under_check_vma():
 
 
 def _one_and_two_level_hlo(impl):
-  """The compiled HLO of an all-gather over ('intra',) and one over ('intra', 'inter')."""
+  """The collectives of the compiled HLO of all-gathers over ('intra',), ('intra', 'inter') and
+  ('inter',), one each."""
   mesh = _mesh((2, 4))
   x = jax.device_put(jnp.zeros((8 * 8, 6), jnp.float32), NamedSharding(mesh, DEV))
 
   def body(x):
     # distinct operands: HO-Ring's first intra sub-round gathers x itself, and XLA would fold
-    # an identical one-level ring into it
-    return C.all_gather(x + 1, ("intra",), dim=0, impl=impl), C.all_gather(
-      x, ("intra", "inter"), dim=0, impl=impl
+    # an identical one-level gather into it
+    return (
+      C.all_gather(x + 1, ("intra",), dim=0, impl=impl),
+      C.all_gather(x, ("intra", "inter"), dim=0, impl=impl),
+      C.all_gather(x + 2, ("inter",), dim=0, impl=impl),
     )
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=DEV, out_specs=DEV, check_vma=False))
@@ -472,17 +514,15 @@ def _one_and_two_level_hlo(impl):
 
 def test_mixed_impls_run_rings_over_two_axes_and_lax_over_one():
   kinds = _one_and_two_level_hlo("horing+xla")
-  # the two-level gather on 2x4: HO-Ring's g+m-2 intra + (g-1) inter permutes (the hlo_texts
-  # tests check their order); the one-level gather: XLA's own all-gather
-  assert kinds.count("all-gather") == 1, kinds
-  assert kinds.count("collective-permute") == (2 + 4 - 2) + 1, kinds
-  # H-Ring: (g-1) inter then (m-1) intra steps
+  # the two-level gather on 2x4: HO-Ring's g = 2 intra sub-rounds (all-gathers over the node)
+  # and g-1 = 1 inter permute; each one-level gather: XLA's own all-gather
+  assert kinds.count("all-gather") == 2 + 2 and kinds.count("collective-permute") == 1, kinds
+  # H-Ring: (g-1) inter then (m-1) intra permutes
   kinds = _one_and_two_level_hlo("hring+xla")
-  assert kinds.count("all-gather") == 1 and kinds.count("collective-permute") == 1 + 3, kinds
-  # contrast: horing runs the one-level gather as a ring of m-1 permutes too
+  assert kinds.count("all-gather") == 2 and kinds.count("collective-permute") == 1 + 3, kinds
+  # horing alone: the intra gather is the runtime's collective, the inter one the ring (g-1)
   kinds = _one_and_two_level_hlo("horing")
-  n_permutes = kinds.count("collective-permute")
-  assert "all-gather" not in kinds and n_permutes == (2 + 4 - 2) + 1 + 3, kinds
+  assert kinds.count("all-gather") == 1 + 2 and kinds.count("collective-permute") == 1 + 1, kinds
 
 
 def test_auto_collectives_resolution():
