@@ -270,9 +270,11 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
     prefetching layer stack (full remat: this layer's and the next one's); the full gradient of
     one layer before its reduce-scatter, two with the stack (one waits a layer for its
     reduce-scatter);
-  - stack_grads: the stack hands the gradients of all its layers, at the Gr placement, to the
-    accumulator at the end of each micro-batch's backward: a second gradient buffer of the
-    layer stack (engine.py, `_make_prefetch_stack`).
+  - synced_grads: the layers' synced gradients at the OS placement, written while the
+    accumulator (at Gr) is still alive: in the last micro-batch's backward on GPUs, at the
+    boundary's sync elsewhere. The stack adds each micro-batch's gradients into the accumulator
+    in place, so no other gradient buffer of the layer stack is held (engine.py,
+    `_make_prefetch_stack`).
   """
   c, b, s, item = w.model, w.micro_batch, w.seq_len, w.itemsize
   q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
@@ -291,11 +293,10 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
       (strategy.params.name != "N") * (depth * layer_w + c.vocab * c.dim)
       + (depth if w.remat else strategy.grads.name != "N") * layer_grads
     ),
-    "stack_grads": w.remat
-    * w.acc_itemsize
+    "synced_grads": w.acc_itemsize
     * c.layers
     * layer_grads
-    // strategy.grads.shard_count(inter, intra),
+    // strategy.opt.shard_count(inter, intra),
   }
   out["total"] = sum(out.values())
   return out

@@ -363,10 +363,12 @@ class Engine:
     `_make_prefetch_stack`), or None for the model's own scan (remat "layer" or "none", or
     `prefetch=False`), where each layer gathers its weights through `_materializer` as it runs.
 
-    `final`: the last micro-batch's stack. Its backward adds each layer's gradient to the
-    layer's accumulated gradients of the earlier micro-batches (`acc`, the stack's part of the
-    accumulator; None with one micro-batch) and syncs it at once (`_boundary_sync`); the sinks
-    it fills are then at the OS placement."""
+    `acc`: the stack's part of the accumulator (the layers' gradients of the earlier
+    micro-batches, at Gr; None: none). The stack's backward adds each layer's gradient to it in
+    place and hands back the sum as the sinks' gradient, so no second gradient buffer of the
+    layer stack is held beside the accumulator.
+    `final`: the last micro-batch's stack. Its backward also syncs each layer's sum at once
+    (`_boundary_sync`); the sinks it fills are then at the OS placement."""
     if not self.prefetch:
       return None
     s = self.strategy
@@ -377,7 +379,7 @@ class Engine:
       self.wire,
       sync=self._boundary_sync if final else None,
     )
-    return functools.partial(stack, acc=acc) if final else stack
+    return functools.partial(stack, acc=acc)
 
   def _boundary_sync(self, acc, dims):
     """The gradient sync at the accumulation boundary, of a tree of accumulated gradients at Gr:
@@ -474,8 +476,13 @@ class Engine:
       return jax.value_and_grad(loss_fn)(sinks)
 
     def micro_step(acc, tokens_BxL1):
-      loss, grads = micro_grads(tokens_BxL1, sinks, run_layers)
-      return jax.tree.map(jnp.add, acc, grads), loss
+      if run_layers is None:  # the model's own layer scan
+        loss, grads = micro_grads(tokens_BxL1, sinks, run_layers)
+        return jax.tree.map(jnp.add, acc, grads), loss
+      # The prefetching stack adds its layers' gradients into the accumulator itself.
+      loss, grads = micro_grads(tokens_BxL1, sinks, self._layer_runner(acc=acc["layers"]))
+      rest = {k: jax.tree.map(jnp.add, acc[k], grads[k]) for k in acc if k != "layers"}
+      return {**rest, "layers": grads["layers"]}, loss
 
     A = tokens_AxBxL1.shape[0]
     if not self.sync_in_backward:
@@ -661,17 +668,32 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig(), syn
       def saved_input(i, ct):
         return lax.dynamic_index_in_dim(xs, after(i, ct), keepdims=False)
 
+      # The gradient buffers hold one flat row per layer ([n, size]), written row by row, so
+      # they keep the default layout. Shaped [n, ...], a leaf's buffer was laid out the way the
+      # layer's gradient leaves its matmul (dimensions transposed), and XLA transposed the whole
+      # stack into the default layout at the end: a second copy of it (7b ING on 2x4 H100).
+      def flat(tree):
+        return jax.tree.map(lambda a: a.reshape(a.shape[0], -1), tree)
+
+      def unflat(tree):
+        return jax.tree.map(lambda b, t: b.reshape(t.shape), tree, sink_types)
+
+      acc_rows = None if acc is None else flat(acc)
+
       def scatter_into(gbuf, i, g):
         with jax.named_scope("layer_grad_scatter"):
           g = scatter(g, dims_t)
         # Reduced in the compute dtype, accumulated in the sink's (compute or fp32).
         g = jax.tree.map(lambda b, g: g.astype(b.dtype), gbuf, g)
+        if acc is not None:  # the earlier micro-batches' sum: in gbuf itself unless syncing
+          rows = acc_rows if sync is not None else gbuf
+          g = jax.tree.map(lambda r, g: jnp.add(layer(r, i).reshape(g.shape), g), rows, g)
         if sync is not None:
-          if acc is not None:
-            g = jax.tree.map(jnp.add, layer(acc, i), g)
           with jax.named_scope("layer_grad_sync"):
             g = sync(g, dims_t)
-        return jax.tree.map(lambda b, g: lax.dynamic_update_index_in_dim(b, g, i, 0), gbuf, g)
+        return jax.tree.map(
+          lambda b, g: lax.dynamic_update_index_in_dim(b, g.reshape(-1), i, 0), gbuf, g
+        )
 
       def layer_vjp(x, w, ct):  # recompute layer forward, then its backward
         w_t, w_f = w
@@ -683,10 +705,13 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig(), syn
         sink_types,
         sink_axes,
       )
+      if acc is not None and sync is None:  # accumulate in place: gbuf is the accumulator
+        gbuf = jax.tree.map(lambda a, t: a.astype(t.dtype), acc, sink_types)
+      gbuf = flat(gbuf)
       w = regather(n - 1, ct)
       if n == 1:
         ct, g = layer_vjp(saved_input(0, ct), w, ct)
-        return ct, scatter_into(gbuf, 0, g)
+        return ct, unflat(scatter_into(gbuf, 0, g))
       w_prev = regather(n - 2, ct)
       ct, g = layer_vjp(saved_input(n - 1, ct), w, ct)
       carry = (ct, w_prev, g, gbuf)  # g: the full gradient of layer i+1, not yet scattered
@@ -703,7 +728,7 @@ def _make_prefetch_stack(gather_axes, scatter_axes, impl, wire=WireConfig(), syn
       ct, w, g_next, gbuf = carry
       gbuf = scatter_into(gbuf, 1, g_next)
       ct, g = layer_vjp(saved_input(0, ct), w, ct)
-      return ct, scatter_into(gbuf, 0, g)
+      return ct, unflat(scatter_into(gbuf, 0, g))
 
     @jax.custom_vjp
     def stack(x, trained, frozen, sinks, acc):
