@@ -82,8 +82,8 @@ def reduce_scatter_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wi
   return out
 
 
-# --- whole trees: one bucket with the hand-written rings, XLA's own collectives per leaf ---------
-# (XLA combines its collectives itself; the rings would otherwise run one chain of steps per leaf.)
+# --- whole trees: one bucket with the hand-written rings, XLA's own collectives per leaf unless
+# `bucket` (the rings would otherwise run one chain of steps per leaf).
 def _flat(tree, dims=None):
   leaves = jax.tree.leaves(tree)
   return leaves, (jax.tree.leaves(dims) if dims is not None else None)
@@ -94,20 +94,26 @@ def _unflat(tree, values):
   return jax.tree.map(lambda _: next(it), tree)
 
 
-def tree_all_gather(tree, dims, axes, impl: str = "xla", wire=None):
-  """Each leaf all-gathered along its dim over `axes` (`collectives.all_gather`)."""
+def _per_leaf(leaves, impl, axes, bucket) -> bool:
+  return not leaves or (not bucket and comm.concrete_impl(impl, axes) == "xla")
+
+
+def tree_all_gather(tree, dims, axes, impl: str = "xla", wire=None, bucket: bool = False):
+  """Each leaf all-gathered along its dim over `axes` (`collectives.all_gather`); one bucket
+  with the hand-written rings, or with any implementation if `bucket`."""
   leaves, flat_dims = _flat(tree, dims)
-  if not leaves or comm.concrete_impl(impl, axes) == "xla":
+  if _per_leaf(leaves, impl, axes, bucket):
     out = [comm.all_gather(x, axes, dim=d, impl=impl, wire=wire) for x, d in zip(leaves, flat_dims)]
   else:
     out = all_gather_bucket(leaves, axes, flat_dims, impl, wire=wire)
   return _unflat(tree, out)
 
 
-def tree_reduce_scatter(tree, dims, axes, impl: str = "xla", wire=None):
-  """Each leaf reduce-scattered along its dim over `axes` (`collectives.reduce_scatter`)."""
+def tree_reduce_scatter(tree, dims, axes, impl: str = "xla", wire=None, bucket: bool = False):
+  """Each leaf reduce-scattered along its dim over `axes` (`collectives.reduce_scatter`); one
+  bucket with the hand-written rings, or with any implementation if `bucket`."""
   leaves, flat_dims = _flat(tree, dims)
-  if not leaves or comm.concrete_impl(impl, axes) == "xla":
+  if _per_leaf(leaves, impl, axes, bucket):
     out = [
       comm.reduce_scatter(x, axes, dim=d, impl=impl, wire=wire) for x, d in zip(leaves, flat_dims)
     ]

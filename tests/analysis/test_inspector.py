@@ -82,7 +82,9 @@ def test_horing_rings_across_nodes_and_runs_the_runtime_collectives_inside():
   """IIG's collectives each span one level: with HO-Ring, those across nodes are the hand-written
   ring (permutes), those inside a node the runtime's all-gather and reduce-scatter."""
   r = inspect_report("IIG", 1, collectives="horing")
-  kinds = {lvl: {c["kind"] for c in r["collectives"] if c["level"] == lvl} for lvl in ("inter", "intra")}
+  kinds = {
+    lvl: {c["kind"] for c in r["collectives"] if c["level"] == lvl} for lvl in ("inter", "intra")
+  }
   assert kinds["inter"] == {"collective-permute"}, kinds
   assert {"all-gather", "reduce-scatter"} <= kinds["intra"], kinds
   assert "collective-permute" not in kinds["intra"], kinds

@@ -44,7 +44,7 @@ def local_grads(engine, params, tokens_BxL1, collectives_check=True):
   return jax.device_get(jax.jit(fn)(params, tokens_BxL1))
 
 
-def both_grads(strategy, layers, lora=None, collectives="xla"):
+def both_grads(strategy, layers, lora=None, collectives="xla", bucket_layers=False):
   model = Llama(cfg(layers), jnp.float32, lora=lora)
   mesh = make_mesh(2, 4)
   engines = [
@@ -54,6 +54,7 @@ def both_grads(strategy, layers, lora=None, collectives="xla"):
     for pf in (False, True)
   ]
   assert engines[1]._layer_runner() is not None and engines[0]._layer_runner() is None
+  engines[1].bucket_layers = bucket_layers  # XLA's collectives one bucket per layer (GPUs)
   params0 = model.init(jax.random.key(0))
   if lora:  # non-zero B, so that every adapter has a gradient
     params0 = jax.tree_util.tree_map_with_path(
@@ -94,3 +95,9 @@ def test_prefetch_grads_equal_plain_scan_lora(strategy, layers):
 
 def test_prefetch_grads_equal_plain_scan_horing():
   assert_close(*both_grads("IIG", 3, collectives="horing"))
+
+
+@pytest.mark.parametrize("strategy", ["IIG", "GGG"])
+def test_prefetch_grads_equal_plain_scan_bucketed_xla(strategy):
+  """The stack as it runs on GPUs: XLA's collectives on one bucket per layer."""
+  assert_close(*both_grads(strategy, 3, bucket_layers=True))
