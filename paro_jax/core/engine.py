@@ -609,7 +609,7 @@ def _make_prefetch_stack(
   # body apart, and its scheduler left some of the backward's re-gathers with no matmul beside
   # them (7b IIG on 2x4 H100: 89% of the per-micro-batch bytes beside compute; bucketed: 95%).
   def gather(trees, dims):
-    """All-gather the leaves of several trees over S(P), as one bucket."""
+    """All-gather the leaves of several trees over S(P) (one bucket: rings, or `bucket`)."""
     full = buckets.tree_all_gather(
       trees, dims, gather_axes, impl, wire=wire.params_codec, bucket=bucket
     )
