@@ -167,3 +167,27 @@ def test_sync_in_backward_with_one_micro_batch(setup):
 def test_sync_in_backward_is_off_on_cpu():
   engine = Engine(Llama(CFG), parse_strategy("IIG"), make_mesh(2, 4), OPTIM)
   assert not engine.sync_in_backward  # XLA:CPU runs collectives in line: nothing to overlap
+
+
+@pytest.mark.parametrize("strategy,collectives", [("ING", "xla"), ("IGG", "horing")])
+def test_sync_in_backward_with_four_micro_batches(setup, strategy, collectives):
+  """A=4: three micro-batches accumulate in place in a real loop, then the syncing stack."""
+  two, params0, _, _ = setup
+  # each step: its own two micro-batches and the next step's
+  batches = [np.concatenate([b, two[(i + 1) % STEPS]]) for i, b in enumerate(two)]
+  ref_losses, ref_params = reference_train(Llama(CFG), params0, batches, OPTIM)
+  engine = Engine(
+    Llama(CFG),
+    parse_strategy(strategy),
+    make_mesh(2, 4),
+    OPTIM,
+    micro_batches=4,
+    collectives=collectives,
+    sync_in_backward=True,
+  )
+  state, losses = engine.state_from_params(params0), []
+  for batch in batches:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(jax.device_get(state.master), ref_params, atol=2e-5)
