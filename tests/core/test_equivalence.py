@@ -154,10 +154,15 @@ def test_sync_in_backward_with_one_micro_batch(setup):
   """A=1: the only micro-batch is the last; the single-device loop on its batches."""
   batches, params0, _, _ = setup
   one = [b[:1] for b in batches]
-  ref_losses, ref_params = reference_train(Llama(CFG), params0, one, OPTIM)
   engine = Engine(Llama(CFG), parse_strategy("NIG"), make_mesh(2, 4), OPTIM, sync_in_backward=True)
+  assert_equals_reference(engine, params0, one)
+
+
+def assert_equals_reference(engine, params0, batches):
+  """`engine` trained on `batches` equals the single-device loop on them."""
+  ref_losses, ref_params = reference_train(Llama(CFG), params0, batches, OPTIM)
   state, losses = engine.state_from_params(params0), []
-  for batch in one:
+  for batch in batches:
     state, metrics = engine.train_step(state, engine.shard_batch(batch))
     losses.append(float(metrics["loss"]))
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
@@ -175,7 +180,6 @@ def test_sync_in_backward_with_four_micro_batches(setup, strategy, collectives):
   two, params0, _, _ = setup
   # each step: its own two micro-batches and the next step's
   batches = [np.concatenate([b, two[(i + 1) % STEPS]]) for i, b in enumerate(two)]
-  ref_losses, ref_params = reference_train(Llama(CFG), params0, batches, OPTIM)
   engine = Engine(
     Llama(CFG),
     parse_strategy(strategy),
@@ -185,9 +189,4 @@ def test_sync_in_backward_with_four_micro_batches(setup, strategy, collectives):
     collectives=collectives,
     sync_in_backward=True,
   )
-  state, losses = engine.state_from_params(params0), []
-  for batch in batches:
-    state, metrics = engine.train_step(state, engine.shard_batch(batch))
-    losses.append(float(metrics["loss"]))
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
-  assert_trees_close(jax.device_get(state.master), ref_params, atol=2e-5)
+  assert_equals_reference(engine, params0, batches)
