@@ -368,12 +368,11 @@ def _horing_rs(x, axes: tuple):
   X = x.reshape((m, g) + S)
   P, inter = {}, None
   for t in range(g):
-    if t >= 1:  # inter step t, beside this step's sub-round
-      send = P[g - t] if t == 1 else inter + P[g - t]
-      inter = _ppermute_on(send, name_b, perm_b, INTER_STREAM)
     j = g - 1 - t
     col = lax.dynamic_index_in_dim(X, (kb - j) % g, axis=1, keepdims=False)
-    if t > 0:
+    if t >= 1:  # inter step t carries the sub-round before, P[j + 1], beside sub-round j
+      send = P[j + 1] if t == 1 else inter + P[j + 1]
+      inter = _ppermute_on(send, name_b, perm_b, INTER_STREAM)
       col = _tie(col, P[j + 1], l)
     P[j] = _intra_reduce_scatter(col, A)
   return inter + P[0]
@@ -407,17 +406,12 @@ def _one_level_rs(x, axes: tuple):
 
 def _ag_stacked(x, axes: tuple, impl: str):
   k = math.prod(_sizes(axes))
-  if impl == "ring":
+  if impl == "ring" or (impl == "hring" and len(axes) == 1):
     return _run(_ring_ag_gen(x, axes))
-  if len(axes) == 1:
-    return _one_level_ag(x, axes) if impl == "horing" else _run(_ring_ag_gen(x, axes))
-  if impl == "hring":
+  if impl == "hring" or len(axes) > 2:  # horing is defined for two levels; more: hring
     out = _run(_hier_ag_gen(x, axes, tuple(reversed(axes))))
     return out.reshape((k,) + x.shape)
-  if len(axes) > 2:  # horing is defined for two levels; more: the hierarchical ring
-    out = _run(_hier_ag_gen(x, axes, tuple(reversed(axes))))
-    return out.reshape((k,) + x.shape)
-  if 1 in _sizes(axes):  # one level only
+  if len(axes) == 1 or 1 in _sizes(axes):  # one level only
     return _one_level_ag(x, axes)
   with jax.named_scope("horing"):  # the inspector finds HO-Ring's steps by this scope
     return _horing_ag(x, axes)
@@ -426,15 +420,11 @@ def _ag_stacked(x, axes: tuple, impl: str):
 def _rs_stacked(x, axes: tuple, impl: str):
   sizes = _sizes(axes)
   S = x.shape[1:]
-  if impl == "ring":
+  if impl == "ring" or (impl == "hring" and len(axes) == 1):
     return _run(_ring_rs_gen(x, axes))
-  if len(axes) == 1:
-    return _one_level_rs(x, axes) if impl == "horing" else _run(_ring_rs_gen(x, axes))
-  if impl == "hring":
+  if impl == "hring" or len(axes) > 2:  # horing is defined for two levels; more: hring
     return _run(_hier_rs_gen(x.reshape(sizes + S), axes, tuple(axes)))
-  if len(axes) > 2:  # horing is defined for two levels; more: the hierarchical ring
-    return _run(_hier_rs_gen(x.reshape(sizes + S), axes, tuple(axes)))
-  if 1 in sizes:  # one level only
+  if len(axes) == 1 or 1 in sizes:  # one level only
     return _one_level_rs(x, axes)
   with jax.named_scope("horing"):
     return _horing_rs(x, axes)

@@ -438,7 +438,7 @@ class Engine:
 
   def _local_step(self, master, opt_state, frozen, tokens_AxBxL1, *, tokens_per_step):
     s, impl, compute_dtype = self.strategy, self.collectives, self.compute_dtype
-    materialize, run_layers = self._materializer(), self._layer_runner()
+    materialize = self._materializer()
 
     with jax.named_scope("param_sync"):
       # Each leaf gathered as its own flat bucket, with every implementation. One bucket of the
@@ -481,11 +481,11 @@ class Engine:
       return jax.value_and_grad(loss_fn)(sinks)
 
     def micro_step(acc, tokens_BxL1):
+      run_layers = self._layer_runner(acc=acc["layers"])
+      loss, grads = micro_grads(tokens_BxL1, sinks, run_layers)
       if run_layers is None:  # the model's own layer scan
-        loss, grads = micro_grads(tokens_BxL1, sinks, run_layers)
         return jax.tree.map(jnp.add, acc, grads), loss
       # The prefetching stack adds its layers' gradients into the accumulator itself.
-      loss, grads = micro_grads(tokens_BxL1, sinks, self._layer_runner(acc=acc["layers"]))
       rest = {k: jax.tree.map(jnp.add, acc[k], grads[k]) for k in acc if k != "layers"}
       return {**rest, "layers": grads["layers"]}, loss
 
@@ -713,13 +713,14 @@ def _make_prefetch_stack(
         _, vjp = jax.vjp(lambda x, w_t: block(x, (w_t, w_f)), x, w_t)
         return vjp(ct)
 
-      gbuf = jax.tree.map(
-        lambda t, axes: comm.to_varying(jnp.zeros(t.shape, t.dtype), tuple(axes)),
-        sink_types,
-        sink_axes,
-      )
       if acc is not None and sync is None:  # accumulate in place: gbuf is the accumulator
-        gbuf = jax.tree.map(lambda a, t: a.astype(t.dtype), acc, sink_types)
+        gbuf = acc
+      else:
+        gbuf = jax.tree.map(
+          lambda t, axes: comm.to_varying(jnp.zeros(t.shape, t.dtype), tuple(axes)),
+          sink_types,
+          sink_axes,
+        )
       gbuf = flat(gbuf)
       w = regather(n - 1, ct)
       if n == 1:
