@@ -1,9 +1,11 @@
 """The planner (paro_jax.analysis.planner) configured for the emulated cluster, and its fit.
 
 - nodes x devices per node from the benchmark (2 x 4), the regime's tc rate as each node's link;
-- global collectives "flat": XLA:CPU runs a collective over all devices through gloo, and tc
-  counts every device's ring bytes on the link (strategies_smoke: GGG's wire bytes are 4x the
-  per-device formula);
+- a collective over both axes is "flat" where XLA:CPU runs it (`xla`; a flat `ring`): one ring
+  through gloo, and tc counts every device's ring bytes on the link (GGG's wire bytes are 4x the
+  per-device formula); "hierarchical" where a two-level ring runs it (`hring`, `horing` and
+  their `+xla` mixes, what `--collectives auto` picks here): the intra ring, then the inter
+  ring carrying 1/m of the payload, in series, as `planner.collective_seconds` has it;
 - traffic in 4-byte values (XLA:CPU widens bf16 collectives to f32; the benchmark trains fp32);
 - compute: the benchmark's calibration (model FLOP/s of one virtual device while all 8 run at
   once, `effective_flop_per_s_per_device`), MFU 1.
@@ -23,7 +25,24 @@ from experiments.bench.configs import WIRE_ITEMSIZE
 from experiments.bench.stats import nnls
 from paro_jax.analysis import planner
 from paro_jax.core import names
-from paro_jax.core.strategy import VALID_NAMES, parse_strategy
+from paro_jax.core.strategy import parse_strategy
+
+FLAT, TWO_LEVEL = "flat", "hierarchical"
+
+
+def global_model(collectives: str | None) -> str:
+  """How the emulated cluster runs a collective over both axes with these `--collectives`
+  (a row's `collectives`; runs from before the column had XLA's)."""
+  return FLAT if (collectives or "xla") in ("xla", "ring") else TWO_LEVEL
+
+
+def _two_level_split(nbytes: float, m: int, g: int) -> tuple[float, float]:
+  """Per-device ring bytes of a collective over all n = m g devices -> (intra, inter) bytes of
+  the two-level ring: (m-1)/m and (g-1)/(g m) of the payload n/(n-1) nbytes (x2 for an
+  all-reduce on both sides, so the ratio holds for every kind)."""
+  n = m * g
+  payload = nbytes * n / (n - 1)
+  return payload * (m - 1) / m, payload * (g - 1) / (g * m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,31 +70,39 @@ def workload(bench: dict) -> planner.Workload:
   )
 
 
-def cluster(bench: dict, rate_bps: float, c: Constants) -> planner.Cluster:
+def cluster(bench: dict, rate_bps: float, c: Constants, model: str = FLAT) -> planner.Cluster:
+  """The planner's cluster; `model` (global_model) says how a collective over both axes runs."""
   meta = bench["meta"]
-  m = meta["devices_per_node"]
+  m, g = meta["devices_per_node"], meta["nodes"]
   # Per device: m / node_rate (its share of tc's link) + gloo's cost, in series.
-  inter_bw = 1 / (8 * m / rate_bps + c.gloo_s_per_byte)
+  inter_s = 8 * m / rate_bps + c.gloo_s_per_byte
+  inter_bw = 1 / inter_s
   intra_bw = 1 / max(c.intra_s_per_byte, 1e-30)
-  # Every (collective, level) as a probe profile would give it; a global collective is flat.
-  measured = {
-    (kind, level): (intra_bw if level == "intra" else inter_bw, c.latency_s[kind])
-    for kind in names.SCHEDULE_COLLECTIVES
-    for level in names.LEVELS
-  }
+  # Every (collective, level) as a probe profile would give it. A flat global collective runs
+  # at the inter rate; a two-level one is an intra and an inter collective in series: its
+  # seconds per ring byte from the split, two collectives' latency.
+  intra_part, inter_part = _two_level_split(1.0, m, g)
+  two_level_bw = 1 / (intra_part * max(c.intra_s_per_byte, 1e-30) + inter_part * inter_s)
+  measured = {}
+  for kind in names.SCHEDULE_COLLECTIVES:
+    measured[(kind, "intra")] = (intra_bw, c.latency_s[kind])
+    measured[(kind, "inter")] = (inter_bw, c.latency_s[kind])
+    measured[(kind, "global")] = (
+      (inter_bw, c.latency_s[kind]) if model == FLAT else (two_level_bw, 2 * c.latency_s[kind])
+    )
   network = planner.Links(
     inter_bandwidth=inter_bw * m,
     intra_bandwidth=intra_bw,
-    global_collectives="flat",
+    global_collectives=model,
     measured=measured,
   )
   flops = bench["calibration"]["effective_flop_per_s_per_device"] / c.compute_scale
   return planner.Cluster(meta["nodes"], m, network, flop_per_s=flops, mfu=1.0)
 
 
-def features(bench: dict, name: str, a: int) -> dict:
-  """Per step: calibrated compute seconds, intra and inter bytes per device, collectives of
-  each kind."""
+def features(bench: dict, name: str, a: int, model: str = FLAT) -> dict:
+  """Per step: calibrated compute seconds, intra and inter bytes per device (inter: what crosses
+  the link), collectives of each kind; `model` as for `cluster`."""
   w = dataclasses.replace(workload(bench), micro_batches=a)
   meta = bench["meta"]
   unit = planner.Cluster(
@@ -89,19 +116,25 @@ def features(bench: dict, name: str, a: int) -> dict:
   traffic = planner.traffic_of(s, w, unit)
   sched = planner.schedule(s, w)
   counts = {kind: 0 for kind in names.SCHEDULE_COLLECTIVES}
-  for key in traffic.phases:
-    counts[sched[key][0]] += sched[key][2]
+  intra, inter = traffic.intra, traffic.inter
+  for key, nbytes in traffic.phases.items():
+    kind, axes, count = sched[key]
+    two_level = model != FLAT and len(axes) == 2
+    counts[kind] += count * (2 if two_level else 1)
+    if two_level:
+      part_intra, part_inter = _two_level_split(nbytes, meta["devices_per_node"], meta["nodes"])
+      intra, inter = intra + part_intra, inter - nbytes + part_inter
   return {
     "compute": planner.compute_seconds(w, unit),
-    "intra": traffic.intra,
-    "inter": traffic.inter,
+    "intra": intra,
+    "inter": inter,
     "counts": counts,
   }
 
 
 def fit_constants(bench: dict, runs: list[dict]) -> Constants | None:
   """NNLS on the unshaped runs: step - inter bytes / link = s C + intra / B' + gloo E
-  + sum over kinds of lat_kind K_kind."""
+  + sum over kinds of lat_kind K_kind (each run with its collectives' global model)."""
   meta = bench["meta"]
   m = meta["devices_per_node"]
   rate = next((g["rate_bps"] for g in bench["regimes"] if g["regime"] == UNSHAPED), None)
@@ -110,7 +143,7 @@ def fit_constants(bench: dict, runs: list[dict]) -> Constants | None:
     return None
   rows, ys = [], []
   for r in ref:
-    f = features(bench, r["name"], r["micro_batches"])
+    f = features(bench, r["name"], r["micro_batches"], global_model(r.get("collectives")))
     rows.append(
       [f["compute"], f["intra"], f["inter"], *(f["counts"][k] for k in names.SCHEDULE_COLLECTIVES)]
     )
@@ -129,12 +162,24 @@ def fit_constants(bench: dict, runs: list[dict]) -> Constants | None:
   )
 
 
-def predict(bench: dict, regime: dict, a: int, names: list[str], c: Constants) -> planner.Plan:
+def predict(
+  bench: dict,
+  regime: dict,
+  a: int,
+  names: list[str],
+  c: Constants,
+  collectives: dict[str, str] | None = None,
+) -> planner.Plan:
+  """The planner's estimates of `names` and its pick among them (no memory limit on CPU);
+  `collectives`: each strategy's `--collectives` as run (default xla)."""
   w = dataclasses.replace(workload(bench), micro_batches=a)
-  cl = cluster(bench, regime["rate_bps"], c)
-  est = {n: planner.estimate(parse_strategy(n), w, cl) for n in VALID_NAMES}
-  # The planner's pick among the strategies that were measured (no memory limit on CPU).
-  sub = [est[n] for n in names]
+  collectives = collectives or {}
+  models = {global_model(collectives.get(n)) for n in names}
+  clusters = {mod: cluster(bench, regime["rate_bps"], c, mod) for mod in models}
+  sub = [
+    planner.estimate(parse_strategy(n), w, clusters[global_model(collectives.get(n))])
+    for n in names
+  ]
   pick = planner.tie_break(sub)
   ranking = [pick] + sorted((e for e in sub if e is not pick), key=lambda e: e.step_time_s)
   return planner.Plan(pick.strategy, "", ranking, {})

@@ -76,15 +76,12 @@ def evaluate(
     if regime["regime"] == UNSHAPED:
       continue
     for a in sorted({r["micro_batches"] for r in runs if r["regime"] == regime["regime"]}):
-      measured = {
-        r["name"]: r["median_step_s"]
-        for r in runs
-        if r["regime"] == regime["regime"] and r["micro_batches"] == a
-      }
+      here = [r for r in runs if r["regime"] == regime["regime"] and r["micro_batches"] == a]
+      measured = {r["name"]: r["median_step_s"] for r in here}
       if len(measured) < 2:
         continue
       names = [n for n in VALID_NAMES if n in measured]
-      p = predict(bench, regime, a, names, c)
+      p = predict(bench, regime, a, names, c, {r["name"]: r.get("collectives") for r in here})
       predicted = {e.strategy: e.step_time_s for e in p.ranking}
       best = min(names, key=measured.get)
       rho = spearman([predicted[n] for n in names], [measured[n] for n in names])

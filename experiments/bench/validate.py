@@ -5,9 +5,10 @@ every shaped link regime and A it holds, predicts the step time of each measured
 paro_jax.analysis.planner configured for the emulated cluster:
 
 - nodes x devices per node from the benchmark (2 x 4), the regime's tc rate as each node's link;
-- global collectives "flat": XLA:CPU runs a collective over all devices through gloo, and tc
-  counts every device's ring bytes on the link (strategies_smoke: GGG's wire bytes are 4x the
-  per-device formula);
+- each strategy's collectives over both axes as its row ran them (cluster_model.global_model):
+  "flat" with XLA's (XLA:CPU runs one ring through gloo, and tc counts every device's ring
+  bytes on the link: GGG's wire bytes are 4x the per-device formula), "hierarchical" with the
+  two-level rings `--collectives auto` picks on this cluster (1/m of the payload crosses);
 - traffic in 4-byte values (XLA:CPU widens bf16 collectives to f32; the benchmark trains fp32);
 - compute: the benchmark's calibration (model FLOP/s of one virtual device while all 8 run at
   once, `effective_flop_per_s_per_device`), MFU 1.

@@ -36,7 +36,10 @@ def _truth():
   )
 
 
-def _synthetic_bench(truth):
+def _synthetic_bench(truth, collectives=None):
+  """Every strategy "measured" at the planner's own estimate; `collectives` (strategy ->
+  --collectives) goes into the rows as the benchmark writes it."""
+  collectives = collectives or {}
   bench = {
     "meta": {
       "nodes": 2,
@@ -57,10 +60,11 @@ def _synthetic_bench(truth):
   for g in bench["regimes"]:
     for a in (1, 4):
       for n in VALID_NAMES:
-        t = cluster_model.predict(bench, g, a, [n], truth).ranking[0].step_time_s
-        bench["runs"].append(
-          {"regime": g["regime"], "name": n, "micro_batches": a, "median_step_s": t}
-        )
+        t = cluster_model.predict(bench, g, a, [n], truth, collectives).ranking[0].step_time_s
+        row = {"regime": g["regime"], "name": n, "micro_batches": a, "median_step_s": t}
+        if n in collectives:
+          row["collectives"] = collectives[n]
+        bench["runs"].append(row)
   return bench
 
 
@@ -81,6 +85,46 @@ def test_validation_on_noise_free_synthetic_results(tmp_path):
     assert r["strategies"] == 14
   assert summary["met"]
   assert (tmp_path / "out" / "validate.md").read_text().startswith("# Planner against")
+
+
+def test_two_level_bytes_are_the_compiled_programs():
+  """A collective over both axes on the two-level rings crosses the link with 1/m of the payload:
+  the per-device bytes of `tiny` GGG, A=4, batch 32 x 512, fp32 on 2 x 4 with `hring+xla`, as
+  the compiled program has them (the strategy benchmark's HLO count, hlo.json of its
+  `--collectives auto` run: inter 6,167,054, intra 37,002,240), against XLA:CPU's flat ring
+  (every ring byte crosses: 43,169,280)."""
+  bench = _synthetic_bench(_truth())
+  flat = cluster_model.features(bench, "GGG", 4, cluster_model.global_model("xla"))
+  two = cluster_model.features(bench, "GGG", 4, cluster_model.global_model("hring+xla"))
+  assert (flat["inter"], flat["intra"]) == (pytest.approx(43_169_280), 0)
+  assert two["inter"] == pytest.approx(6_167_054, rel=1e-5)
+  assert two["intra"] == pytest.approx(37_002_240, rel=1e-5)
+  # One collective per level.
+  assert two["counts"] == {k: 2 * v for k, v in flat["counts"].items()}
+  # Strategies without collectives over both axes are the same either way.
+  assert cluster_model.features(bench, "IIG", 4, "hierarchical") == cluster_model.features(
+    bench, "IIG", 4, "flat"
+  )
+
+
+def test_validation_models_each_strategy_with_its_collectives(tmp_path):
+  """Rows run on the two-level rings (`--collectives auto`'s hring+xla) are predicted with the
+  two-level model, the rest flat: results the planner made that way validate perfectly, and the
+  flat model alone would predict the ring strategies slower than measured."""
+  truth = _truth()
+  auto = dict.fromkeys(("NNN", "NGG", "GGG", "IGG", "GIG", "GNG"), "hring+xla")
+  bench = _synthetic_bench(truth, auto)
+  path = tmp_path / "strategies.json"
+  path.write_text(json.dumps(bench))
+  assert validate.main(["--results", str(path), "--out", str(tmp_path / "out")]) == 0
+  summary = json.loads((tmp_path / "out" / "validate.json").read_text())
+  assert summary["constants"]["compute_scale"] == pytest.approx(truth.compute_scale, rel=1e-6)
+  for r in summary["results"]:
+    assert r["spearman"] == pytest.approx(1.0) and r["strategies"] == 14
+  slow = bench["regimes"][0]
+  ring = cluster_model.predict(bench, slow, 4, ["GGG"], truth, auto).ranking[0].step_time_s
+  flat = cluster_model.predict(bench, slow, 4, ["GGG"], truth).ranking[0].step_time_s
+  assert flat > 2 * ring
 
 
 def test_validation_judges_the_pick_on_the_remeasured_contenders(tmp_path):
