@@ -27,7 +27,9 @@ def auto_mesh(inter: int, intra: int):
   return Mesh(m.devices, m.axis_names, axis_types=(AxisType.Auto,) * 2)
 
 
-def build(kind: str, model_name: str, dtype: str, micro_batches: int, steps: int, mesh):
+def build(
+  kind: str, model_name: str, dtype: str, micro_batches: int, steps: int, mesh, remat: str = "full"
+):
   """(init_fn, jitted step, state shardings, batch sharding) of a plain-jit baseline."""
   import jax
   import jax.numpy as jnp
@@ -39,7 +41,7 @@ def build(kind: str, model_name: str, dtype: str, micro_batches: int, steps: int
   from paro_jax.core.engine import DTYPES, OptimConfig, decay_mask
   from paro_jax.core.sharding import shard_dims
 
-  model = Llama(get_config(model_name), DTYPES[dtype])
+  model = Llama(get_config(model_name), DTYPES[dtype], remat)
   logical = model.logical_axes()
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   dims = shard_dims(logical)  # the `embed` dimension of every leaf, as paro_jax shards it
@@ -116,7 +118,9 @@ def child_baseline(args) -> None:
   inter, intra = parse_mesh_shape(args.mesh)
   mesh = auto_mesh(inter, intra)
   a = int(args.micro_batches)
-  model, jinit, jstep, _, batch_sh = build(args.kind, args.model, args.dtype, a, args.steps, mesh)
+  model, jinit, jstep, _, batch_sh = build(
+    args.kind, args.model, args.dtype, a, args.steps, mesh, args.remat
+  )
   tokens, _ = split_eval(load_tokens(DataConfig(), model.cfg.vocab), 0.01)
   batches = Batches(tokens, a, args.batch_size, args.seq_len, args.seed)
   shape = batches.shape

@@ -63,7 +63,8 @@ def run_child(argv: list[str], tag: str, log_path: str) -> dict:
 
 
 def batch_flags(args) -> list[str]:
-  """--batch-size, --seq-len and --dtype: the step's shape, for every child and configuration."""
+  """--batch-size, --seq-len, --dtype and --remat: the step's shape and what its backward
+  recomputes, for every child and configuration."""
   return [
     "--batch-size",
     str(args.batch_size),
@@ -71,4 +72,6 @@ def batch_flags(args) -> list[str]:
     str(args.seq_len),
     "--dtype",
     args.dtype,
+    "--remat",
+    args.remat,
   ]

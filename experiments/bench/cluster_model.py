@@ -67,6 +67,7 @@ def workload(bench: dict) -> planner.Workload:
     micro_batches=1,
     seq_len=meta["seq_len"],
     itemsize=WIRE_ITEMSIZE,
+    remat=meta.get("remat", "full") != "none",
   )
 
 

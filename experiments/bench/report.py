@@ -90,7 +90,13 @@ def markdown(
     f"`{meta['command']}`",
     "",
     f"Machine: {meta['machine']}; model {meta['model']}, batch {meta['batch_size']}x"
-    f"{meta['seq_len']} per micro-batch, {meta['dtype']}, {meta['steps']} steps "
+    f"{meta['seq_len']} per micro-batch, {meta['dtype']}, remat {meta.get('remat', 'full')}"
+    + (
+      " (the torch peers checkpoint every decoder layer)"
+      if meta.get("torch_peers") and meta.get("remat", "full") == "full"
+      else ""
+    )
+    + f", {meta['steps']} steps "
     f"(median of steps {meta['skip'] + 1}..{meta['steps']})"
     + (
       f"; LoRA mode: rank {meta['lora']['rank']} on {meta['lora']['targets']}, the base frozen"

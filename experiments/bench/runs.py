@@ -90,8 +90,10 @@ def run_one(args, regime: dict, config: Config, a: int, directory: str) -> dict:
   if args.resume and os.path.exists(row_path):
     with open(row_path) as f:
       row = json.load(f)
-    same = label_of(row) == config.label and row.get("collectives", config.collectives) == (
-      config.collectives
+    same = (
+      label_of(row) == config.label
+      and row.get("collectives", config.collectives) == config.collectives
+      and row.get("remat", "full") == args.remat
     )
     if not row.get("error") and row.get("rate") == regime["rate"] and same:
       row["resumed"] = True
@@ -100,6 +102,7 @@ def run_one(args, regime: dict, config: Config, a: int, directory: str) -> dict:
     row = torch_row(args, regime, config, a, directory)
   else:
     row = launch_row(args, regime, config, a, directory, command(args, config, a, directory))
+  row["remat"] = args.remat
   with open(row_path, "w") as f:
     json.dump(row, f, indent=2)
   return row
@@ -176,7 +179,8 @@ def command(args, config: Config, a: int, directory: str) -> list[str]:
 
 
 def common_flags(args, a: int, directory: str) -> list[str]:
-  """Model, batch, dtype, steps and output directory: what every configuration's command takes."""
+  """Model, batch, dtype, remat, steps and output directory: what every configuration's command
+  takes (the torch peers' too)."""
   return [
     "--model",
     args.model,

@@ -61,7 +61,14 @@ import sys
 import time
 
 from experiments.bench import calibration, configs, estimates, report, runs, traffic
-from experiments.bench.configs import BASELINES, DEFAULT_REFERENCE, DEVICES_PER_NODE, NODES
+from experiments.bench.configs import (
+  BASELINES,
+  DEFAULT_REFERENCE,
+  DEVICES_PER_NODE,
+  NODES,
+  REMAT,
+  TORCH_REMAT,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,6 +103,14 @@ def parser() -> argparse.ArgumentParser:
   )
   ap.add_argument("--seq-len", type=int, default=512)
   ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+  ap.add_argument(
+    "--remat",
+    default="full",
+    choices=REMAT,
+    help="what backward recomputes, for every configuration: the strategies' `train --remat` "
+    "and the jit baselines' model; the torch peers checkpoint every decoder layer with full "
+    "(the same recomputation) and nothing with none (layer has no torch counterpart)",
+  )
   ap.add_argument(
     "--collectives",
     default=AUTO_COLLECTIVES,
@@ -220,6 +235,10 @@ def run_list(args) -> list[configs.Config]:
     peers = configs.parse_torch_peers(args.torch_peers)
   except ValueError as e:
     raise SystemExit(str(e)) from None
+  if peers and args.remat not in TORCH_REMAT:
+    raise SystemExit(
+      f"--remat {args.remat} has no torch counterpart: use --remat full or none with --torch-peers"
+    )
   return configs.run_list(names, baselines, args.collectives, per, peers)
 
 
@@ -259,6 +278,7 @@ def orchestrate(args, command: str) -> None:
     "batch_size": args.batch_size,
     "seq_len": args.seq_len,
     "dtype": args.dtype,
+    "remat": args.remat,
     "steps": args.steps,
     "skip": args.skip,
     "collectives": args.collectives,

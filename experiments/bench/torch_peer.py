@@ -10,7 +10,8 @@ its shaped link, and the link counters count torch's inter-node bytes as they co
 The model is the preset written as an HF LLaMA config (`models/hf.config_to_hf`) and built by
 transformers' `LlamaForCausalLM`; the batches are the built-in corpus's (`paro_jax.run.data.
 Batches`, same seed: the same tokens per step and micro-batches as `train`); AdamW in fp32 (or
-bf16 autocast with `--dtype bf16`). Peers (`--peer`):
+bf16 autocast with `--dtype bf16`); `--remat full` checkpoints every decoder layer, so backward
+recomputes what `train --remat full` recomputes. Peers (`--peer`):
 
 - `full_shard`: FSDP2 `fully_shard` over all ranks (ZeRO-3): per micro-batch, every layer's
   parameters all-gathered in forward and again in backward, gradients reduce-scattered.
@@ -49,6 +50,13 @@ def parse_args(argv=None):
   p.add_argument("--batch-size", type=int, default=32, help="global sequences per micro-batch")
   p.add_argument("--seq-len", type=int, default=512)
   p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+  p.add_argument(
+    "--remat",
+    default="none",
+    choices=["full", "none"],
+    help="full: checkpoint every decoder layer (backward recomputes its forward, as "
+    "`train --remat full` does); none: keep the activations",
+  )
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--lr", type=float, default=3e-4)
   p.add_argument("--seed", type=int, default=0)
@@ -93,6 +101,8 @@ def build(args, world: int, nodes: int):
 
   torch.manual_seed(args.seed)
   model = LlamaForCausalLM(HFConfig(**config_to_hf(get_config(args.model))))
+  if args.remat == "full":
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
   if args.peer == "ddp_no_sync":
     from torch.nn.parallel import DistributedDataParallel
 

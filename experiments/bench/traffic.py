@@ -90,7 +90,7 @@ def _strategy_entry(args, config: Config, a: int, inter: int, intra: int) -> dic
 
   lora = LoraConfig(args.lora_rank, args.lora_alpha, args.lora_targets) if args.lora_rank else None
   engine = Engine(
-    Llama(get_config(args.model), DTYPES[args.dtype], lora=lora),
+    Llama(get_config(args.model), DTYPES[args.dtype], args.remat, lora=lora),
     parse_strategy(config.name),
     make_mesh(inter, intra),
     OptimConfig(),

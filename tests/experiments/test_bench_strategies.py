@@ -195,11 +195,11 @@ def test_wire_monitor_counts_the_steps_after_skip():
   assert mon.per_step_bytes(skip=3) is None
 
 
-def test_resume_reuses_a_row_of_the_same_label_rate_and_collectives(tmp_path, monkeypatch):
+def test_resume_reuses_a_row_of_the_same_label_rate_collectives_and_remat(tmp_path, monkeypatch):
   ran = []
   monkeypatch.setattr(runs, "command", lambda *a: ["train"])
   monkeypatch.setattr(runs, "launch_row", lambda *a: ran.append(a[2].label) or {"new": True})
-  args = argparse.Namespace(resume=True)
+  args = argparse.Namespace(resume=True, remat="full")
   regime = {"regime": "slow", "rate": "17mbit"}
   ggg = Config.paro("GGG", "xla", "xla")
   directory = runs.run_dir(str(tmp_path), regime, ggg, 1)
@@ -208,11 +208,23 @@ def test_resume_reuses_a_row_of_the_same_label_rate_and_collectives(tmp_path, mo
   row = {"regime": "slow", "rate": "17mbit", "name": "GGG", "micro_batches": 1}
   (tmp_path / directory / "row.json").write_text(json.dumps(row))
   assert runs.run_one(args, regime, ggg, 1, directory) == dict(row, resumed=True)
-  assert runs.run_one(args, dict(regime, rate="44mbit"), ggg, 1, directory) == {"new": True}
+  assert runs.run_one(args, dict(regime, rate="44mbit"), ggg, 1, directory) == {
+    "new": True,
+    "remat": "full",
+  }
   (tmp_path / directory / "row.json").write_text(json.dumps(dict(row, collectives="horing")))
-  assert runs.run_one(args, regime, ggg, 1, directory) == {"new": True}
+  assert runs.run_one(args, regime, ggg, 1, directory) == {"new": True, "remat": "full"}
   assert ran == ["GGG", "GGG"]
-  assert json.loads((tmp_path / directory / "row.json").read_text()) == {"new": True}
+  assert json.loads((tmp_path / directory / "row.json").read_text()) == {
+    "new": True,
+    "remat": "full",
+  }
+  # A row of another --remat is run again; rows from before the column were remat full.
+  (tmp_path / directory / "row.json").write_text(json.dumps(dict(row, remat="full")))
+  assert runs.run_one(args, regime, ggg, 1, directory)["resumed"]
+  (tmp_path / directory / "row.json").write_text(json.dumps(dict(row, remat="none")))
+  assert runs.run_one(args, regime, ggg, 1, directory) == {"new": True, "remat": "full"}
+  assert ran == ["GGG", "GGG", "GGG"]
 
 
 def test_torch_peers_in_the_summary():
@@ -324,3 +336,19 @@ def test_auto_default_and_torch_peers_in_the_run_list():
     configs.parse_torch_peers("fsdp1")
   args = strategies.parser().parse_args(["--strategies", "NNI", "--torch-peers", "ddp_no_sync"])
   assert [c.label for c in strategies.run_list(args)][-1] == "torch-ddp_no_sync"
+
+
+def test_remat_reaches_every_configuration():
+  """--remat is the models' policy names, goes to every command (train, the jit and inspect
+  children, the torch peers) and is refused with torch peers where torch has no counterpart."""
+  from models.llama import REMAT_POLICIES
+
+  assert configs.REMAT == tuple(REMAT_POLICIES)
+  args = strategies.parser().parse_args(["--remat", "none", "--steps", "2"])
+  for config in (Config.paro("IIG", "xla", "xla"), Config.from_label("jit-hsdp", "xla")):
+    argv = runs.command(args, config, 4, "out")
+    assert argv[argv.index("--remat") + 1] == "none"
+  assert runs.common_flags(args, 4, "out").count("--remat") == 1  # the torch peers' flags
+  args = strategies.parser().parse_args(["--remat", "layer", "--torch-peers", "hsdp"])
+  with pytest.raises(SystemExit, match="--remat layer has no torch counterpart"):
+    strategies.run_list(args)

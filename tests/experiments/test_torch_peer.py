@@ -57,10 +57,14 @@ def reference():
   return _reference_losses()
 
 
-@pytest.mark.parametrize("peer", torch_peer.PEERS)
-def test_peer_equals_single_process(tmp_path, reference, peer):
+# Every peer as the benchmark runs it by default (`--remat full`: each decoder layer checkpointed,
+# which recomputes and so must not change the numbers), and without checkpointing once.
+@pytest.mark.parametrize(
+  "peer,remat", [(p, "full") for p in torch_peer.PEERS] + [("full_shard", "none")]
+)
+def test_peer_equals_single_process(tmp_path, reference, peer, remat):
   err = io.StringIO()
-  argv = ["python", "-m", "experiments.bench.torch_peer", "--peer", peer, *ARGS]
+  argv = ["python", "-m", "experiments.bench.torch_peer", "--peer", peer, "--remat", remat, *ARGS]
   code = launch(
     [*argv, "--steps", str(STEPS), "--out", str(tmp_path)],
     nodes=2,
