@@ -32,17 +32,10 @@ FLAT, TWO_LEVEL = "flat", "hierarchical"
 
 def global_model(collectives: str | None) -> str:
   """How the emulated cluster runs a collective over both axes with these `--collectives`
-  (a row's `collectives`; runs from before the column had XLA's)."""
-  return FLAT if (collectives or "xla") in ("xla", "ring") else TWO_LEVEL
-
-
-def _two_level_split(nbytes: float, m: int, g: int) -> tuple[float, float]:
-  """Per-device ring bytes of a collective over all n = m g devices -> (intra, inter) bytes of
-  the two-level ring: (m-1)/m and (g-1)/(g m) of the payload n/(n-1) nbytes (x2 for an
-  all-reduce on both sides, so the ratio holds for every kind)."""
-  n = m * g
-  payload = nbytes * n / (n - 1)
-  return payload * (m - 1) / m, payload * (g - 1) / (g * m)
+  (a row's `collectives`; runs from before the column had XLA's): XLA's is one flat gloo ring
+  here, the others as the planner has them, a two-level ring's levels in series."""
+  impl = collectives or "xla"
+  return FLAT if impl == "xla" or planner.GLOBAL_MODEL_OF[impl] == FLAT else TWO_LEVEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +73,11 @@ def cluster(bench: dict, rate_bps: float, c: Constants, model: str = FLAT) -> pl
   inter_bw = 1 / inter_s
   intra_bw = 1 / max(c.intra_s_per_byte, 1e-30)
   # Every (collective, level) as a probe profile would give it. A flat global collective runs
-  # at the inter rate; a two-level one is an intra and an inter collective in series: its
-  # seconds per ring byte from the split, two collectives' latency.
-  intra_part, inter_part = _two_level_split(1.0, m, g)
-  two_level_bw = 1 / (intra_part * max(c.intra_s_per_byte, 1e-30) + inter_part * inter_s)
+  # at the inter rate; a two-level one is an intra ring, then an inter ring with 1/m of the
+  # payload, in series (planner.collective_seconds): per ring byte over n devices, n/(n-1)
+  # (m-1)/m at the intra rate and n/(n-1) (g-1)/(g m) at the inter rate; two latencies.
+  n = m * g
+  two_level_bw = (n - 1) / n / ((m - 1) / m / intra_bw + (g - 1) / (g * m) * inter_s)
   measured = {}
   for kind in names.SCHEDULE_COLLECTIVES:
     measured[(kind, "intra")] = (intra_bw, c.latency_s[kind])
@@ -117,18 +111,14 @@ def features(bench: dict, name: str, a: int, model: str = FLAT) -> dict:
   traffic = planner.traffic_of(s, w, unit)
   sched = planner.schedule(s, w)
   counts = {kind: 0 for kind in names.SCHEDULE_COLLECTIVES}
-  intra, inter = traffic.intra, traffic.inter
-  for key, nbytes in traffic.phases.items():
+  for key in traffic.phases:
     kind, axes, count = sched[key]
-    two_level = model != FLAT and len(axes) == 2
-    counts[kind] += count * (2 if two_level else 1)
-    if two_level:
-      part_intra, part_inter = _two_level_split(nbytes, meta["devices_per_node"], meta["nodes"])
-      intra, inter = intra + part_intra, inter - nbytes + part_inter
+    counts[kind] += count * (2 if model != FLAT and len(axes) == 2 else 1)  # one per level
+  split = planner.traffic_of(s, w, unit, two_level=True) if model != FLAT else traffic
   return {
     "compute": planner.compute_seconds(w, unit),
-    "intra": intra,
-    "inter": inter,
+    "intra": split.intra,
+    "inter": split.inter,
     "counts": counts,
   }
 
@@ -174,13 +164,9 @@ def predict(
   """The planner's estimates of `names` and its pick among them (no memory limit on CPU);
   `collectives`: each strategy's `--collectives` as run (default xla)."""
   w = dataclasses.replace(workload(bench), micro_batches=a)
-  collectives = collectives or {}
-  models = {global_model(collectives.get(n)) for n in names}
-  clusters = {mod: cluster(bench, regime["rate_bps"], c, mod) for mod in models}
-  sub = [
-    planner.estimate(parse_strategy(n), w, clusters[global_model(collectives.get(n))])
-    for n in names
-  ]
+  model_of = {n: global_model((collectives or {}).get(n)) for n in names}
+  clusters = {mod: cluster(bench, regime["rate_bps"], c, mod) for mod in set(model_of.values())}
+  sub = [planner.estimate(parse_strategy(n), w, clusters[model_of[n]]) for n in names]
   pick = planner.tie_break(sub)
   ranking = [pick] + sorted((e for e in sub if e is not pick), key=lambda e: e.step_time_s)
   return planner.Plan(pick.strategy, "", ranking, {})

@@ -34,10 +34,8 @@ KINDS = ("paro", "jit", "torch")
 DEFAULT_REFERENCE = "GGG"  # the configuration label the "vs" columns compare with (--reference)
 # XLA:CPU runs collectives in f32 whatever the training dtype (bf16 is widened): 4 bytes a value.
 WIRE_ITEMSIZE = 4
-# --remat: models/llama.py's REMAT_POLICIES (named here without importing jax); the torch peers
-# have full (checkpoint every decoder layer) and none.
+# --remat: models/llama.py's REMAT_POLICIES (named here without importing jax).
 REMAT = ("full", "layer", "none")
-TORCH_REMAT = ("full", "none")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,8 +67,8 @@ from experiments.bench.configs import (
   DEVICES_PER_NODE,
   NODES,
   REMAT,
-  TORCH_REMAT,
 )
+from experiments.bench.torch_peer import REMAT as TORCH_REMAT
 
 
 def parser() -> argparse.ArgumentParser:
@@ -237,7 +237,8 @@ def run_list(args) -> list[configs.Config]:
     raise SystemExit(str(e)) from None
   if peers and args.remat not in TORCH_REMAT:
     raise SystemExit(
-      f"--remat {args.remat} has no torch counterpart: use --remat full or none with --torch-peers"
+      f"--remat {args.remat} has no torch counterpart: use --remat "
+      f"{' or '.join(TORCH_REMAT)} with --torch-peers"
     )
   return configs.run_list(names, baselines, args.collectives, per, peers)
 

@@ -40,6 +40,7 @@ import signal
 import time
 
 PEERS = ("full_shard", "hsdp", "hsdp_deferred", "ddp_no_sync")
+REMAT = ("full", "none")  # what backward recomputes: every decoder layer's forward, or nothing
 
 
 def parse_args(argv=None):
@@ -53,7 +54,7 @@ def parse_args(argv=None):
   p.add_argument(
     "--remat",
     default="none",
-    choices=["full", "none"],
+    choices=REMAT,
     help="full: checkpoint every decoder layer (backward recomputes its forward, as "
     "`train --remat full` does); none: keep the activations",
   )

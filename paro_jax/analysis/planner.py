@@ -347,8 +347,9 @@ PHASE_GROUPS = {
 }
 
 
-def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster):
-  """costs.step_traffic for the workload on the cluster (the bytes every estimate uses)."""
+def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster, two_level: bool = False):
+  """costs.step_traffic for the workload on the cluster (the bytes every estimate uses);
+  `two_level`: each level's bytes of a collective over both axes apart (the two-level rings)."""
   return step_traffic(
     strategy,
     w.psi,
@@ -361,6 +362,7 @@ def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster):
     regathered=w.layer_params if w.remat else 0,
     wire=w.wire,
     acc_bytes=w.acc_itemsize,
+    two_level=two_level,
   )
 
 
