@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from paro_jax import report
 from paro_jax.core.names import (
   ATTENTION_IMPLS,
   AUTO_COLLECTIVES,
@@ -69,10 +70,11 @@ def _lora_config(args):
   return LoraConfig.from_flags(args.lora_rank, args.lora_alpha, args.lora_targets)
 
 
-def _note_cpu_platform() -> None:
-  """Before jax starts: with the CUDA plugin but no GPU driver, run on the CPU and say so."""
+def _note_cpu_platform(args) -> None:
+  """Before jax starts: with the CUDA plugin but no GPU driver, run on the CPU and say so (on
+  stdout, with the run's other notes: stderr is for problems; beside --json output, stderr)."""
   if note := cpu_without_gpu_driver():
-    print(f"paro-jax: {note}", file=sys.stderr, flush=True)
+    report.note(note, file=sys.stderr if getattr(args, "json", False) else sys.stdout)
 
 
 def _by_name(args, target, **given):
@@ -340,9 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
   plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (--out of train)")
   plot.add_argument("--out", default="runs/plot.png", help="the PNG to write")
   export = sub.add_parser("export", help="the newest checkpoint of a run as an HF LLaMA directory")
-  export.add_argument(
-    "--run", required=True, metavar="RUN_DIR", help="a run directory (--out of train)"
-  )
+  export.add_argument("run", nargs="?", metavar="RUN_DIR", help="a run directory (--out of train)")
+  export.add_argument("--run", dest="run_flag", metavar="RUN_DIR", help="the same, as an option")
   export.add_argument(
     "--out",
     required=True,
@@ -402,6 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
     "nodes left (one fewer, mesh rebuilt, global batch and data order kept), up to K times",
   )
   launch.add_argument(
+    "--show-gloo",
+    action="store_true",
+    help="print the nodes' Gloo connection messages (kept in OUT/paro-jax.launch.log otherwise)",
+  )
+  launch.add_argument(
     "--loopback",
     action="store_true",
     help="plain processes on 127.0.0.1, no namespaces and no shaping",
@@ -446,7 +452,9 @@ def _add_planner_commands(sub) -> None:
   )
   plan.add_argument("--model", default="7b", type=_model_arg, help=MODEL_HELP)
   plan.add_argument("--nodes", type=int, required=True, help="G: nodes (groups)")
-  plan.add_argument("--devices-per-node", type=int, required=True, help="M: devices per node")
+  plan.add_argument(
+    "--devices-per-node", type=int, default=8, help="M: devices per node (default 8)"
+  )
   from paro_jax.analysis.hardware import GPUS  # no jax
 
   plan.add_argument(
@@ -555,13 +563,51 @@ def _add_planner_commands(sub) -> None:
   )
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+  """The arguments; an unknown flag is answered with its subcommand's usage (argparse would show
+  the top level's), `export`'s run directory taken positionally or as --run."""
+  parser = build_parser()
+  args, unknown = parser.parse_known_args(argv)
+  sub = parser._subparsers._group_actions[0].choices[args.command]
+  if unknown:
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}")
+  if args.command == "export":
+    if args.run and args.run_flag and args.run != args.run_flag:
+      sub.error(f"two run directories: {args.run} and --run {args.run_flag}; give one")
+    args.run = args.run or args.run_flag
+    if not args.run:
+      sub.error("the run directory is required: paro-jax export RUN_DIR --out HF_DIR")
+  return args
+
+
+def _log_place(args, child_argv: list[str]) -> tuple[str | None, str]:
+  """Where the full texts of this command go: its run directory, a name per process."""
+  if args.command == "train":
+    rank = args.process_id
+    if rank is None:  # under SLURM / Open MPI the rank is in the environment
+      rank = next(
+        (int(os.environ[v]) for v in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK") if v in os.environ),
+        0,
+      )
+    return args.out, report.LOG_NAME if not rank else f"paro-jax.node{rank}.log"
+  if args.command == "export":
+    return args.run, report.LOG_NAME
+  if args.command == "launch" and child_argv[:1] == ["train"]:
+    from paro_jax.cluster.launch import _flag  # no jax
+
+    return _flag(child_argv, "--out", "runs/latest"), "paro-jax.launch.log"
+  return None, report.LOG_NAME
+
+
 def main(argv=None) -> None:
+  report.install()
   argv = list(sys.argv[1:] if argv is None else argv)
   child_argv = []
   if argv[:1] == ["launch"] and "--" in argv:  # everything after -- is the child train command
     cut = argv.index("--")
     argv, child_argv = argv[:cut], argv[cut + 1 :]
-  args = build_parser().parse_args(argv)
+  args = _parse(argv)
+  report.set_log_dir(*_log_place(args, child_argv))
   try:
     if args.command == "launch":
       from paro_jax.cluster.launch import launch  # no jax in the launcher process
@@ -579,6 +625,7 @@ def main(argv=None) -> None:
           progress_timeout=args.progress_timeout,
           stop_grace=args.stop_grace,
           max_restarts=args.max_restarts,
+          show_gloo=args.show_gloo,
         )
       )
     if args.command == "prepare-data":
@@ -599,7 +646,7 @@ def main(argv=None) -> None:
       print(f"paro-jax: wrote {plot_runs(args.runs, args.out)}")
       return
     if args.command == "export":
-      _note_cpu_platform()
+      _note_cpu_platform(args)
       from paro_jax.run.export import export_run  # one device: no device flags needed
 
       step = export_run(args.run, args.out, overwrite=args.overwrite)
@@ -625,7 +672,7 @@ def main(argv=None) -> None:
       from paro_jax.cluster.watch import start_heartbeat
 
       start_heartbeat()  # when paro-jax launch asked for one (env PARO_JAX_HEARTBEAT)
-    _note_cpu_platform()
+    _note_cpu_platform(args)
     from paro_jax.cluster import distributed
 
     multi = (
@@ -665,7 +712,7 @@ def main(argv=None) -> None:
 
       train(RunConfig(**_by_name(args, RunConfig, mesh=mesh, data=tuple(args.data))))
   except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
-    print(f"paro-jax: error: {e}", file=sys.stderr)
+    report.error(e)
     sys.exit(2)
   except KeyboardInterrupt as e:  # 128 + the signal: 130 for SIGINT, 143 for SIGTERM
     sys.exit(128 + getattr(e, "signum", 2))

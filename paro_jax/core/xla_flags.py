@@ -11,9 +11,12 @@ set: it would change nothing.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import logging
 import os
+import sys
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -78,4 +81,31 @@ def cpu_without_gpu_driver() -> str | None:
   ):
     return None
   os.environ["JAX_PLATFORMS"] = "cpu"
-  return "no NVIDIA driver on this machine: running on the CPU (set JAX_PLATFORMS to choose)"
+  if "jax" not in sys.modules:  # later, the plugin's libraries are loaded already
+    sys.meta_path.insert(0, _WithoutCudaPlugin())
+  return (
+    "no NVIDIA driver on this machine: running on the CPU without probing JAX's CUDA plugin "
+    "(set JAX_PLATFORMS to choose)"
+  )
+
+
+class _WithoutCudaPlugin(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Hide JAX's CUDA plugin from this process: jax imports its libraries at start-up even with
+  JAX_PLATFORMS=cpu, and each load logs "cudart_stub.cc ... Could not find cuda drivers" from
+  C++. The runtime packages are absent to jax; the plugin's entry point is an empty module."""
+
+  HIDDEN = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+  EMPTY = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+  def find_spec(self, name, path=None, target=None):
+    if name in self.EMPTY:
+      return importlib.machinery.ModuleSpec(name, self)
+    if any(name == h or name.startswith(h + ".") for h in self.HIDDEN):
+      raise ModuleNotFoundError(f"{name} is hidden: no NVIDIA driver", name=name)
+    return None
+
+  def create_module(self, spec):
+    return None
+
+  def exec_module(self, module) -> None:
+    module.initialize = lambda: None  # registers no platform
