@@ -21,7 +21,7 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so bf16 safetens
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from models.llama import LlamaConfig
+from models.config import LlamaConfig
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry; recomputed here

@@ -9,6 +9,7 @@ analytic formulas of docs/design.md (paro_jax/analysis/costs.py).
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from paro_jax.analysis import hlo
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
 from paro_jax.core.engine import Engine
 from paro_jax.core.names import DEFAULT_INT8_BLOCK, MIXED_IMPLS
+from paro_jax.core.units import human_bytes
 
 
 def abstract_inputs(engine: Engine, batch_size: int, seq_len: int):
@@ -39,9 +41,18 @@ def compile_step(engine: Engine, batch_size: int, seq_len: int):
   return engine.train_step.lower(state, batch).compile()
 
 
-def expected_traffic(engine: Engine):
+def expected_traffic(engine: Engine, bf16_as_f32: bool = False):
+  """The formulas' bytes of one step; with `bf16_as_f32`, those XLA:CPU moves (bf16 collectives
+  run in f32 there: a bf16 compute, accumulation or inter wire counts 4 bytes, int8 stays)."""
   psi, trained = engine.model.param_count(), engine.model.trainable_count()
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
+  acc_bytes = jnp.dtype(engine.grad_dtype).itemsize
+  wire = engine.wire
+  if bf16_as_f32:
+    itemsize, acc_bytes = 4, 4
+    wire = dataclasses.replace(
+      wire, **{k: "same" for k in ("params", "grads") if getattr(wire, k) == "bf16"}
+    )
   # Only the layer stack is gathered again in backward (models/llama.py: Llama.apply).
   regathered = engine.model.layer_param_count() if engine.model.remat != "none" else 0
   return step_traffic(
@@ -54,8 +65,8 @@ def expected_traffic(engine: Engine):
     itemsize,
     itemsize,
     regathered=regathered,
-    wire=engine.wire,
-    acc_bytes=jnp.dtype(engine.grad_dtype).itemsize,
+    wire=wire,
+    acc_bytes=acc_bytes,
     # The two-level rings, alone or as the mixed impls' two-axis choice, split their bytes by level.
     two_level=MIXED_IMPLS.get(engine.collectives, engine.collectives) in ("hring", "horing"),
   )
@@ -100,12 +111,15 @@ def report(engine: Engine, compiled) -> dict:
   notes = []
   wire = {dt for c in collectives for dt in c.dtypes}
   bf16_wire = "bf16" in (engine.wire.params, engine.wire.grads)
-  if (engine.compute_dtype == jnp.bfloat16 or bf16_wire) and "f32" in wire and "bf16" not in wire:
+  as_f32 = bool(
+    (engine.compute_dtype == jnp.bfloat16 or bf16_wire) and "f32" in wire and "bf16" not in wire
+  )
+  if as_f32:
     notes.append(
-      "the compiled collectives are f32 although the compute dtype or the inter wire is "
-      "bf16: XLA:CPU runs bf16 collectives in f32, so measured bytes of bf16 traffic are "
-      "2x the formula here (int8 stays int8); GPU backends keep them bf16"
+      "XLA:CPU runs bf16 collectives in f32: `expected` is the bf16 formula (what GPUs move), "
+      "`expected_here` the same formula in f32, the bytes this compile moves (int8 stays int8)"
     )
+  here = expected_traffic(engine, bf16_as_f32=True) if as_f32 else exp
   return {
     "strategy": engine.strategy.name,
     "mesh": {"inter": engine.inter, "intra": engine.intra},
@@ -124,6 +138,7 @@ def report(engine: Engine, compiled) -> dict:
     "attention": engine.model.attention,
     "measured": measured,
     "expected": expected,
+    "expected_here": {"inter_bytes": here.inter, "intra_bytes": here.intra},
     "difference": {k: measured[k] - expected[k] for k in ("inter_bytes", "intra_bytes")},
     "collectives": list(rows.values()),
     "memory": {
@@ -183,7 +198,7 @@ def format_report(r: dict) -> str:
     f"{'per device and step':24s}{'measured MiB':>14s}{'expected MiB':>14s}{'difference':>12s}",
   ]
   for k in ("inter_bytes", "intra_bytes"):
-    m, e = r["measured"][k], r["expected"][k]
+    m, e = r["measured"][k], r["expected_here"][k]
     rel = f"{(m - e) / e * 100:+.2f}%" if e else ("0" if not m else "n/a")
     lines.append(f"{k:24s}{m / mib:14.3f}{e / mib:14.3f}{rel:>12s}")
   ms, comp = r["memory"]["model_states"], r["memory"]["compiled"]
@@ -235,7 +250,7 @@ def gpu_report(engine: Engine, compiled, target: str, batch_size: int, seq_len: 
 
 
 def format_gpu_report(r: dict) -> str:
-  o, mem, gb = r["overlap"], r["memory"], 1e9
+  o, mem = r["overlap"], r["memory"]
   rows = {}
   for c in o["collectives"]:
     key = (c["kind"], c["phase"], c["level"], c["stream"], c["compute_in_window"] > 0)
@@ -268,8 +283,8 @@ def format_gpu_report(r: dict) -> str:
       f"{o['horing_steps_concurrent']} of {o['horing_steps']}"
     )
   lines.append(
-    f"memory per device: compiled {mem['compiled_bytes'] / gb:.2f} GB, planned "
-    f"{mem['planned_bytes'] / gb:.2f} GB, device {mem['device_bytes'] / gb:.1f} GB "
+    f"memory per device: compiled {human_bytes(mem['compiled_bytes'])}, planned "
+    f"{human_bytes(mem['planned_bytes'])}, device {human_bytes(mem['device_bytes'])} "
     f"({'fits' if mem['fits'] else 'does NOT fit'})"
   )
   return "\n".join(lines)

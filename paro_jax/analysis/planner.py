@@ -36,7 +36,7 @@ import json
 from typing import TYPE_CHECKING
 
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
-from paro_jax.core.compress import WireConfig
+from paro_jax.core.wire import WireConfig  # no jax
 from paro_jax.analysis.hardware import GPUS
 from paro_jax.core.names import (
   ALL_GATHER,
@@ -52,6 +52,7 @@ from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, Strategy, parse_str
 from paro_jax.core.units import (
   COMPUTE_DTYPE_BYTES,
   human_bytes,
+  human_count,
   parse_bandwidth,
   parse_latency,
   parse_size,
@@ -660,7 +661,7 @@ def run_plan(
   attention: str = "auto",
 ) -> Plan:
   """`paro-jax plan`: build the inputs from the command line's strings, plan, print."""
-  from models.llama import get_config, resolve_attention  # import jax (no devices are touched)
+  from models.config import get_config, resolve_attention  # no jax
 
   gpu = gpu.strip().lower()  # names compare case-insensitively (--gpu H100)
   if gpu not in GPUS:
@@ -749,7 +750,7 @@ def run_plan(
     frac = "" if trainable_fraction == 1 else f", {w.psi_trained / 1e6:,.1f}M trainable"
     src = "--peak-tflops" if peak_tflops else "profile" if prof.get("flop_per_s") else card.name
     print(
-      f"{model} ({psi / 1e9:.2f}B params{frac}) on {nodes} nodes x {devices_per_node} devices "
+      f"{model} ({human_count(psi)} params{frac}) on {nodes} nodes x {devices_per_node} devices "
       f"of {human_bytes(memory)}, {flops / 1e12:.3g} TFLOP/s peak ({src}) x MFU {mfu:g}; inter "
       f"{network.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
       f"{network.intra_bandwidth / 1e9:g} GB/s per device, global collectives "

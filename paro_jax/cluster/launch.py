@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 
+from paro_jax import report
 from paro_jax.cluster.watch import HEARTBEAT_ENV, Watch
 from paro_jax.core.names import parse_mesh_shape
 from paro_jax.core.units import parse_delay, parse_rate
@@ -376,10 +377,21 @@ def child_env(devices_per_node: int, env: dict | None = None) -> dict:
   return env
 
 
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
 class _Node:
-  def __init__(self, index: int, proc: subprocess.Popen, out, err, lock):
-    self.index, self.proc = index, proc
+  """A node's process and the threads that pass its output on, each line prefixed `[node K]`.
+
+  Kept out of the terminal (into the launcher's log): Gloo's connection messages, unless
+  `show_gloo`, and Python tracebacks, which are those of nodes that lost a peer (the launcher's
+  own line names the node that failed first and shows the end of its stderr).
+  """
+
+  def __init__(self, index: int, proc: subprocess.Popen, out, err, lock, show_gloo=False):
+    self.index, self.proc, self.show_gloo = index, proc, show_gloo
     self.tail = collections.deque(maxlen=15)
+    self.in_traceback = False
     self.threads = [
       threading.Thread(target=self._pump, args=(proc.stdout, out, lock, False), daemon=True),
       threading.Thread(target=self._pump, args=(proc.stderr, err, lock, True), daemon=True),
@@ -393,10 +405,26 @@ class _Node:
       line = raw.decode(errors="replace").rstrip("\r\n")
       if keep:
         self.tail.append(line)
+      if self._hidden(line, keep):
+        report.log(prefix + line)
+        continue
       with lock:
         sink.write(prefix + line + "\n")
         sink.flush()
     pipe.close()
+
+  def _hidden(self, line: str, stderr: bool) -> bool:
+    if line.startswith("[Gloo] "):
+      return not self.show_gloo
+    if not stderr:
+      return False
+    if line.startswith(("Traceback (most recent call last)", *_CHAINED)):
+      self.in_traceback = True
+      return True
+    if self.in_traceback and line and not line[0].isspace():
+      self.in_traceback = False  # the exception's own line ends the block (into the log too)
+      return True
+    return self.in_traceback
 
   def join(self, timeout: float = 5.0) -> None:
     for t in self.threads:
@@ -623,6 +651,7 @@ def _launch_once(
   progress_timeout: float = 900.0,
   stop_grace: float = 120.0,
   failure: dict | None = None,
+  show_gloo: bool = False,
 ) -> int:
   """Run `train_argv` ("train ..." or a Python script) as `nodes` processes; returns the exit code.
 
@@ -745,7 +774,7 @@ def _launch_once(
         start_new_session=True,
       )
       reaper.tell("group", proc.pid)
-      children.append(_Node(k, proc, out, err, lock))
+      children.append(_Node(k, proc, out, err, lock, show_gloo))
     if watch:
       watch.started = watch.clock()
     next_read = 0.0

@@ -21,80 +21,11 @@ exact sum itself does: the relative error does not depend on g (tests/core/test_
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax.numpy as jnp
 from jax import lax
 
-from paro_jax.core.names import DEFAULT_INT8_BLOCK, WIRE_FORMATS
-
-FORMATS = WIRE_FORMATS
-# Elements per int8 scale: names.DEFAULT_INT8_BLOCK (32) costs 4/32 = 12.5% of the int8 payload
-# in scales; the relative error is set by each block's largest element, so smaller blocks are
-# more accurate and cost more bytes (the default's measurement is beside it in names.py).
-SCALE_BYTES = 4  # one fp32 scale per block
-
-
-@dataclasses.dataclass(frozen=True)
-class Codec:
-  """The wire format of one collective's inter level (hashable: a static argument)."""
-
-  fmt: str = "same"
-  block: int = DEFAULT_INT8_BLOCK
-
-  def __post_init__(self):
-    if self.fmt not in FORMATS:
-      raise ValueError(f"unknown wire precision {self.fmt!r}; choose one of {FORMATS}")
-    if not isinstance(self.block, int) or self.block < 1:
-      raise ValueError(f"the int8 block size must be a positive integer, got {self.block!r}")
-
-  def compresses(self, itemsize: int) -> bool:
-    """Whether this codec changes what a floating operand of `itemsize` bytes sends."""
-    return self.fmt == "int8" or (self.fmt == "bf16" and itemsize > 2)
-
-  def active_for(self, dtype) -> bool:
-    """Whether this codec changes what a `dtype` operand sends (bf16 on bf16 does not)."""
-    return jnp.issubdtype(dtype, jnp.floating) and self.compresses(jnp.dtype(dtype).itemsize)
-
-  def wire_bytes(self, elements: int, itemsize: int) -> int:
-    """Bytes on the wire for one chunk of `elements` elements of an `itemsize`-byte dtype."""
-    if self.fmt == "same":
-      return elements * itemsize
-    if self.fmt == "bf16":
-      return elements * min(itemsize, 2)
-    return elements + SCALE_BYTES * math.ceil(elements / self.block)
-
-  def bytes_per_element(self, itemsize: int) -> float:
-    """`wire_bytes` per element for large chunks (the formulas' rate)."""
-    if self.fmt == "same":
-      return float(itemsize)
-    if self.fmt == "bf16":
-      return float(min(itemsize, 2))
-    return 1.0 + SCALE_BYTES / self.block
-
-
-SAME = Codec()
-
-
-@dataclasses.dataclass(frozen=True)
-class WireConfig:
-  """`--inter-params`, `--inter-grads` and `--int8-block`: the engine's communication precision."""
-
-  params: str = "same"
-  grads: str = "same"
-  block: int = DEFAULT_INT8_BLOCK
-
-  def __post_init__(self):
-    Codec(self.params, self.block), Codec(self.grads, self.block)  # their checks
-
-  @property
-  def params_codec(self) -> Codec:
-    return Codec(self.params, self.block)
-
-  @property
-  def grads_codec(self) -> Codec:
-    return Codec(self.grads, self.block)
+# The formats themselves (no jax: the planner uses them): core/wire.py.
+from paro_jax.core.wire import FORMATS, SAME, SCALE_BYTES, Codec, WireConfig  # noqa: F401
 
 
 def _split_blocks(flat, block: int):

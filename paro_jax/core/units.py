@@ -99,4 +99,11 @@ def parse_latency(text: str, what: str = "latency") -> float:
 
 def human_bytes(x: float) -> str:
   """Decimal units, as GPU memory and --device-memory are given."""
-  return f"{x / GB:.1f} GB" if x >= GB else f"{x / 1e6:.1f} MB"
+  if x >= GB:
+    return f"{x / GB:.1f} GB"
+  return f"{x / 1e6:.1f} MB" if x >= 1e6 else f"{x / 1e3:.1f} kB"
+
+
+def human_count(n: float) -> str:
+  """A parameter count as people write it: 1.05M, 6.74B."""
+  return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
