@@ -306,4 +306,8 @@ def save_hf(cfg: LlamaConfig, params: dict, directory: str, base_config: dict | 
     json.dump(config, f, indent=2)
     f.write("\n")
   save_file(tensors, os.path.join(directory, WEIGHTS), metadata={"format": "pt"})
+  # safetensors creates its file 0600; readable like config.json beside it (the umask applies).
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(os.path.join(directory, WEIGHTS), 0o666 & ~umask)
   return directory

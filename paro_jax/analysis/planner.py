@@ -118,10 +118,10 @@ class Cluster:
   def __post_init__(self):
     if self.nodes < 1 or self.devices_per_node < 1:
       raise ValueError(
-        f"nodes ({self.nodes}) and devices per node ({self.devices_per_node}) must be >= 1"
+        f"--nodes and --devices-per-node must be >= 1, got {self.nodes} and {self.devices_per_node}"
       )
     if not 0 < self.mfu <= 1:
-      raise ValueError(f"MFU must be in (0, 1], got {self.mfu}")
+      raise ValueError(f"--mfu must be in (0, 1], got {self.mfu}")
     if not 0 <= self.overlap <= 1:
       raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
     if not 0 < self.usable_memory <= 1:
@@ -155,7 +155,7 @@ class Workload:
   def __post_init__(self):
     for name in ("micro_batch", "micro_batches", "seq_len"):
       if getattr(self, name) < 1:
-        raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if self.trainable is not None and not 0 < self.trainable <= self.psi:
       raise ValueError(f"trainable parameters ({self.trainable}) must be in (0, {self.psi}]")
 
@@ -686,6 +686,8 @@ def run_plan(
   prof = load_profile(profile) if profile else {}
   if prof.get("flop_per_s") and not peak_tflops:
     flops = prof["flop_per_s"]
+  if prof.get("device_memory") and not device_memory:  # the probed devices', not the --gpu's
+    memory = prof["device_memory"]
   network = Links(
     parse_bandwidth(inter_bandwidth, "--inter-bandwidth"),
     parse_bandwidth(intra_bandwidth, "--intra-bandwidth"),
@@ -748,10 +750,12 @@ def run_plan(
     print(json.dumps(p.as_dict(), indent=2))
   else:
     frac = "" if trainable_fraction == 1 else f", {w.psi_trained / 1e6:,.1f}M trainable"
+    probed = " (profile)" if prof.get("device_memory") and not device_memory else ""
     src = "--peak-tflops" if peak_tflops else "profile" if prof.get("flop_per_s") else card.name
     print(
       f"{model} ({human_count(psi)} params{frac}) on {nodes} nodes x {devices_per_node} devices "
-      f"of {human_bytes(memory)}, {flops / 1e12:.3g} TFLOP/s peak ({src}) x MFU {mfu:g}; inter "
+      f"of {human_bytes(memory)}{probed}, {flops / 1e12:.3g} TFLOP/s peak ({src}) x MFU "
+      f"{mfu:g}; inter "
       f"{network.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
       f"{network.intra_bandwidth / 1e9:g} GB/s per device, global collectives "
       f"{network.global_collectives} (--collectives {collectives}); A={micro_batches} "

@@ -29,7 +29,7 @@ class Codec:
     if self.fmt not in FORMATS:
       raise ValueError(f"unknown wire precision {self.fmt!r}; choose one of {FORMATS}")
     if not isinstance(self.block, int) or self.block < 1:
-      raise ValueError(f"the int8 block size must be a positive integer, got {self.block!r}")
+      raise ValueError(f"--int8-block must be a positive integer, got {self.block!r}")
 
   def compresses(self, itemsize: int) -> bool:
     """Whether this codec changes what a floating operand of `itemsize` bytes sends."""

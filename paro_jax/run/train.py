@@ -100,7 +100,7 @@ class RunConfig:
       "eval_batches",
     ):
       if getattr(self, name) < 1:
-        raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if isinstance(self.data, str):
       object.__setattr__(self, "data", (self.data,))
     for name in ("checkpoint_every", "eval_every", "progress_timeout"):

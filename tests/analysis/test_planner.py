@@ -252,7 +252,7 @@ def test_plan_table(capsys):
     (["--device-memory", "80 gigs"], "bad --device-memory '80 gigs'"),
     (["--inter-bandwidth", "fast"], "bad --inter-bandwidth 'fast'"),
     (["--intra-latency", "soon"], "bad --intra-latency 'soon'"),
-    (["--nodes", "0"], "nodes (0) and devices per node (8) must be >= 1"),
+    (["--nodes", "0"], "--nodes and --devices-per-node must be >= 1, got 0 and 8"),
     (["--gpu", "tpu"], "unknown --gpu 'tpu'"),
     (["--trainable-fraction", "2"], "--trainable-fraction must be in (0, 1]"),
     (["--profile", "/nonexistent/probe.json"], "profile '/nonexistent/probe.json' does not exist"),
