@@ -580,6 +580,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
   return args
 
 
+def _check_node_command(child_argv: list[str]) -> None:
+  """`launch -- train ...`: the per-node flags parsed here first, so that a bad one is one line
+  before any node starts (not the usage of every node)."""
+  train = build_parser()._subparsers._group_actions[0].choices["train"]
+
+  def fail(message):
+    raise ValueError(f"the per-node command after --: {message} (see paro-jax train --help)")
+
+  train.error = fail
+  _, unknown = train.parse_known_args(child_argv[1:])
+  if unknown:
+    fail(f"unrecognized arguments: {' '.join(unknown)}")
+
+
 def _log_place(args, child_argv: list[str]) -> tuple[str | None, str]:
   """Where the full texts of this command go: its run directory, a name per process."""
   if args.command == "train":
@@ -611,6 +625,9 @@ def main(argv=None) -> None:
   try:
     if args.command == "launch":
       from paro_jax.cluster.launch import launch  # no jax in the launcher process
+
+      if child_argv[:1] == ["train"]:
+        _check_node_command(child_argv)
 
       sys.exit(
         launch(

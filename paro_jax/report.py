@@ -95,8 +95,9 @@ def set_log_dir(directory: str | None, name: str = LOG_NAME) -> None:
 
 
 def log_path() -> str | None:
-  """The log file, or None when no run directory is known."""
-  return _LOG.path
+  """The log file, or None while there is none (no run directory, or not created yet)."""
+  _LOG.flush()
+  return _LOG.path if _LOG.path and os.path.exists(_LOG.path) else None
 
 
 def log(text: str) -> None:
@@ -118,9 +119,14 @@ def error(text) -> None:
 
 
 def _say(kind: str, text) -> None:
-  log(f"{kind}: {text}")
-  sys.stderr.write(f"{PROG}: {kind}: {one_line(text)}\n")
+  sys.stderr.write(line(kind, text) + "\n")
   sys.stderr.flush()
+
+
+def line(kind: str, text) -> str:
+  """`paro-jax: KIND: text` on one line (logged in full), for a caller with its own stream."""
+  log(f"{kind}: {text}")
+  return f"{PROG}: {kind}: {one_line(text)}"
 
 
 def is_noise(text: str) -> bool:

@@ -623,7 +623,7 @@ def launch(
     try:
       train_argv, why = restart_argv(train_argv, nodes - 1, devices_per_node)
     except ValueError as e:
-      print(f"paro-jax launch: cannot restart: {e}", file=err, flush=True)
+      print(report.line("error", f"cannot restart: {e}"), file=err, flush=True)
       return code
     restarts += 1
     nodes -= 1
@@ -689,6 +689,9 @@ def _launch_once(
   def say(msg: str) -> None:
     print(f"paro-jax launch: {msg}", file=err, flush=True)
 
+  def warn(msg: str) -> None:
+    print(report.line("warning", f"launch: {msg}"), file=err, flush=True)
+
   children: list[_Node] = []
   lock = threading.Lock()
   old_handlers, interrupted = {}, []
@@ -720,7 +723,7 @@ def _launch_once(
       missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
       if os.geteuid() != 0 or missing:
         why = "not root" if os.geteuid() != 0 else f"{' and '.join(missing)} not found"
-        say(f"{why}: running {nodes} plain processes on 127.0.0.1; the link is NOT shaped")
+        warn(f"{why}: running {nodes} plain processes on 127.0.0.1; the link is NOT shaped")
       else:
         remove_stale_namespaces()
         network = NamespaceNetwork(nodes, inter_bandwidth, inter_latency, intra_bandwidth)
@@ -729,7 +732,7 @@ def _launch_once(
         try:
           network.open()
         except (RuntimeError, OSError) as e:
-          say(
+          warn(
             f"could not create the network namespaces ({e}); running on 127.0.0.1 instead: "
             f"the link is NOT shaped"
           )
@@ -801,12 +804,15 @@ def _launch_once(
           watch.read()
         _stop(children)
         bad.join()
-        tail = "\n".join(f"    {line}" for line in bad.tail) or "    (nothing)"
         steps = f" Last step finished: {watch.last_steps()}." if watch else ""
-        say(
+        last = next((t.strip() for t in reversed(bad.tail) if t.strip()), "(nothing)")
+        report.log(f"the last lines of node {bad.index}'s stderr:\n" + "\n".join(bad.tail))
+        where = f" (its last lines: {report.log_path()})" if report.log_path() else ""
+        message = (
           f"node {bad.index} (process {bad.index} of {nodes}) {what}; stopped the other "
-          f"nodes.{steps} Last lines of its stderr:\n{tail}"
+          f"nodes.{steps} Its last line on stderr: {last}{where}"
         )
+        print(report.line("error", message), file=err, flush=True)
         return code if code > 0 else 128 - code
       if all(c == 0 for c in codes):
         for n in children:
