@@ -391,7 +391,7 @@ class _Node:
   def __init__(self, index: int, proc: subprocess.Popen, out, err, lock, show_gloo=False):
     self.index, self.proc, self.show_gloo = index, proc, show_gloo
     self.tail = collections.deque(maxlen=15)
-    self.in_traceback = False
+    self.in_traceback = self.after_traceback = False
     self.threads = [
       threading.Thread(target=self._pump, args=(proc.stdout, out, lock, False), daemon=True),
       threading.Thread(target=self._pump, args=(proc.stderr, err, lock, True), daemon=True),
@@ -421,10 +421,15 @@ class _Node:
     if line.startswith(("Traceback (most recent call last)", *_CHAINED)):
       self.in_traceback = True
       return True
-    if self.in_traceback and line and not line[0].isspace():
-      self.in_traceback = False  # the exception's own line ends the block (into the log too)
+    if self.in_traceback:
+      if line and not line[0].isspace():
+        self.in_traceback = False  # the exception's own line ends the block (into the log too)
+        self.after_traceback = True
       return True
-    return self.in_traceback
+    if self.after_traceback and not line.strip():
+      return True  # the blank line before a chained exception's "During handling ..."
+    self.after_traceback = False
+    return False
 
   def join(self, timeout: float = 5.0) -> None:
     for t in self.threads:
