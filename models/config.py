@@ -90,6 +90,11 @@ def get_config(name: str) -> LlamaConfig:
     from models.hf import read_config  # here: models.hf imports this module
 
     return read_config(name)
+  if name.endswith(".json") or os.sep in name:
+    raise FileNotFoundError(
+      f"--model {name} does not exist: give an HF LLaMA config.json (or its directory), or a "
+      f"preset: {', '.join(PRESETS)}"
+    )
   raise ValueError(
     f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or give the path of an "
     f"HF LLaMA config.json"

@@ -686,6 +686,10 @@ def main(argv=None) -> None:
       inspect(**_by_name(args, inspect, mesh=mesh, lora=_lora_config(args), as_json=args.json))
       return
     if args.command == "train":
+      if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(
+          f"--out {args.out} is a file: pass a directory for the run (metrics.jsonl, checkpoints/)"
+        )
       from paro_jax.cluster.watch import start_heartbeat
 
       start_heartbeat()  # when paro-jax launch asked for one (env PARO_JAX_HEARTBEAT)

@@ -83,13 +83,6 @@ class RunConfig:
       raise ValueError(f"--lr must be a positive finite number, got {self.lr}")
     if self.warmup < 0:
       raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
-    if self.warmup > self.steps:
-      warnings.warn(
-        f"--warmup {self.warmup} is more than --steps {self.steps}: the learning rate warms up "
-        f"over all {self.steps} steps instead and reaches --lr only at the last one (pass "
-        f"--warmup {self.steps} or less to silence this)",
-        stacklevel=3,
-      )
     for name in (
       "micro_batches",
       "batch_size",
@@ -106,13 +99,21 @@ class RunConfig:
     for name in ("checkpoint_every", "eval_every", "progress_timeout"):
       if getattr(self, name) < 0:
         raise ValueError(
-          f"{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"
+          f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"
         )
     self.wire()  # its checks
     if self.grad_dtype not in GRAD_DTYPES:
       raise ValueError(f"unknown grad dtype {self.grad_dtype!r}; choose one of {GRAD_DTYPES}")
     self.data_config()  # its checks
     self.lora()  # its checks
+    # Last: a run refused for another flag gets its one error line, not this warning first.
+    if self.warmup > self.steps:
+      warnings.warn(
+        f"--warmup {self.warmup} is more than --steps {self.steps}: the learning rate warms up "
+        f"over all {self.steps} steps instead and reaches --lr only at the last one (pass "
+        f"--warmup {self.steps} or less to silence this)",
+        stacklevel=3,
+      )
 
   def wire(self) -> WireConfig:
     return WireConfig(self.inter_params, self.inter_grads, self.int8_block)

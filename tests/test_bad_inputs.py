@@ -1,0 +1,206 @@
+"""The bad-input sweep as tests: each input exits 2 with exactly one line on stderr,
+`paro-jax: error: ...` naming the problem (and no traceback), before anything compiles.
+
+The CLI runs in this process (the devices are conftest's 8 CPU devices); only the resume case
+needs a checkpoint, written once for the module by a one-step run of the `test` model.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from paro_jax import cli
+from paro_jax.cli import main
+
+TRAIN = ["train", "--model", "test", "--steps", "1", "--warmup", "1", "--batch-size", "8"]
+PLAN = ["plan", "--model", "tiny", "--nodes", "2"]
+LAUNCH = ["launch", "--nodes", "2", "--devices-per-node", "2", "--loopback"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  """Bad data files, an HF-less dir, a non-empty export target."""
+  d = tmp_path_factory.mktemp("inputs")
+  (d / "empty.txt").write_text("")
+  (d / "short.txt").write_text("too short\n")
+  rng = np.random.default_rng(0)
+  (d / "garbage.txt").write_bytes(rng.integers(0, 256, 20_000, dtype=np.uint8).tobytes())
+  (d / "odd.bin").write_bytes(bytes(30_001))
+  (d / "few.bin").write_bytes(bytes(100))  # 50 uint16 tokens
+  (d / "bad.jsonl").write_text("not json\n")
+  (d / "d.jsonl").write_text('{"text": "hi"}\n')
+  (d / "dir").mkdir()
+  (d / "full").mkdir()
+  (d / "full" / "config.json").write_text("{}")
+  (d / "a_file").write_text("x")
+  return d
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+  """A one-step run of the `test` model with its final checkpoint."""
+  out = tmp_path_factory.mktemp("run") / "r"
+  main([*TRAIN, "--mesh", "2x4", "--seq-len", "16", "--out", str(out)])
+  assert os.path.isdir(out / "checkpoints" / "1")
+  return out
+
+
+def _cases():
+  """(id, argv builder, text the line must contain); `f` is the files dir, `out` a fresh dir."""
+  t = lambda *a: lambda f, out: [*TRAIN, "--out", out, *[x.format(f=f) for x in a]]
+  p = lambda *a: lambda f, out: [*PLAN, *a]
+  return [
+    # data
+    ("missing-data", t("--data", "{f}/nope.txt"), "data file '{f}/nope.txt' does not exist"),
+    ("empty-data", t("--data", "{f}/empty.txt"), "is empty"),
+    ("binary-as-text", t("--data", "{f}/garbage.txt"), "is not UTF-8 text"),
+    ("odd-size-bin", t("--data", "{f}/odd.bin"), "30001 bytes is not a whole number of uint16"),
+    ("short-text", t("--data", "{f}/short.txt"), "fewer than one sequence of 65"),
+    ("short-bin", t("--data", "{f}/few.bin"), "the corpus has 50 tokens, fewer than one"),
+    ("not-jsonl", t("--data", "{f}/bad.jsonl"), "bad.jsonl:1: not a JSON object"),
+    ("no-field", t("--data", "{f}/d.jsonl", "--text-field", "body"), "has no 'body' field"),
+    ("data-dir", t("--data", "{f}/dir"), "is a directory: pass its files"),
+    ("glob-no-match", t("--data", "{f}/*.xyz"), "matches no file"),
+    ("missing-tokenizer", t("--tokenizer", "{f}/tok.json"), "tokenizer file"),
+    ("missing-init-from", t("--init-from", "{f}/nope"), "HF model directory"),
+    ("out-is-a-file", t("--out", "{f}/a_file"), "is a file: pass a directory for the run"),
+    ("resume-nothing", t("--resume"), "no checkpoint in"),
+    # models, meshes and strategies
+    ("unknown-model", t("--model", "70b"), "unknown model preset '70b'"),
+    ("missing-model-json", t("--model", "{f}/cfg.json"), "cfg.json does not exist"),
+    ("mesh-too-big", t("--mesh", "3x3"), "mesh 3x3 needs 9 devices but 8 are available"),
+    ("mesh-zero", t("--mesh", "0x4"), "bad --mesh '0x4'"),
+    ("mesh-garbled", t("--mesh", "2by4"), "bad --mesh '2by4'"),
+    ("mesh-huge", t("--mesh", "1000x1000"), "asks for 1000000 devices per process"),
+    ("batch-indivisible", t("--mesh", "2x4", "--batch-size", "12"), "not divisible by the 8"),
+    ("invalid-strategy", t("--strategy", "GNI"), "invalid strategy 'GNI'"),
+    ("unknown-strategy", t("--strategy", "IXG"), "unknown strategy 'IXG'"),
+    ("cudnn-on-cpu", t("--attention", "cudnn"), "--attention cudnn needs NVIDIA GPUs"),
+    ("lora-targets", t("--lora-rank", "4", "--lora-targets", "wx"), "unknown LoRA targets"),
+    # zero and negative counts
+    ("steps-zero", t("--steps", "0"), "--steps must be >= 1, got 0"),
+    ("steps-negative", t("--steps", "-3"), "--steps must be >= 1, got -3"),
+    ("batch-zero", t("--batch-size", "0"), "--batch-size must be >= 1, got 0"),
+    ("seq-negative", t("--seq-len", "-5"), "--seq-len must be >= 1, got -5"),
+    ("micro-batches-zero", t("--micro-batches", "0"), "--micro-batches must be >= 1, got 0"),
+    ("keep-zero", t("--keep", "0"), "--keep must be >= 1, got 0"),
+    ("bad-steps-zero", t("--max-bad-steps", "0"), "--max-bad-steps must be >= 1, got 0"),
+    ("warmup-negative", t("--warmup", "-1"), "--warmup must be >= 0, got -1"),
+    ("lr-zero", t("--lr", "0"), "--lr must be a positive finite number"),
+    ("lr-nan", t("--lr", "nan"), "--lr must be a positive finite number, got nan"),
+    ("lora-rank-negative", t("--lora-rank", "-1"), "--lora-rank must be >= 0"),
+    ("int8-block-zero", t("--int8-block", "0"), "--int8-block must be a positive integer"),
+    ("progress-negative", t("--progress-timeout", "-1"), "--progress-timeout must be >= 0"),
+    ("eval-fraction", t("--eval-fraction", "1"), "--eval-fraction must be in [0, 1)"),
+    # the same wording in inspect and plan
+    ("inspect-seq-zero", lambda f, o: ["inspect", "--seq-len", "0"], "--seq-len must be >= 1"),
+    ("plan-seq-zero", p("--seq-len", "0"), "--seq-len must be >= 1, got 0"),
+    ("plan-micro-batches", p("--micro-batches", "0"), "--micro-batches must be >= 1, got 0"),
+    ("plan-nodes-zero", p("--nodes", "0"), "--nodes and --devices-per-node must be >= 1"),
+    ("plan-devices-neg", p("--devices-per-node", "-1"), "got 2 and -1"),
+    ("plan-mfu", p("--mfu", "0"), "--mfu must be in (0, 1], got 0.0"),
+    ("plan-unknown-model", p("--model", "70b"), "unknown model preset '70b'"),
+    ("plan-memory", p("--device-memory", "lots"), "bad --device-memory 'lots'"),
+    # export, launch, the other commands
+    (
+      "export-non-empty",
+      lambda f, o: ["export", str(f / "dir"), "--out", str(f / "full")],
+      "already exists and is not empty",
+    ),
+    ("export-no-run", lambda f, o: ["export", o, "--out", f"{o}-hf"], "has no checkpoints/"),
+    ("launch-bad-command", lambda f, o: [*LAUNCH, "--", "bogus"], "put the train command"),
+    (
+      "launch-bad-train-flag",
+      lambda f, o: [*LAUNCH, "--", "train", "--bogus"],
+      "the per-node command after --: unrecognized arguments: --bogus",
+    ),
+    ("launch-no-nodes", lambda f, o: [*LAUNCH[:2], "0", *LAUNCH[3:], "--", "train"], ">= 1"),
+    (
+      "launch-bandwidth",
+      lambda f, o: [*LAUNCH, "--inter-bandwidth", "fast", "--", "train"],
+      "'fast'",
+    ),
+    ("plot-no-metrics", lambda f, o: ["plot", str(f / "dir")], "metrics.jsonl does not exist"),
+    (
+      "prepare-shard-zero",
+      lambda f, o: ["prepare-data", str(f / "d.jsonl"), "--out", o, "--shard-tokens", "0"],
+      "--shard-tokens must be >= 1, got 0",
+    ),
+  ]
+
+
+CASES = _cases()
+
+
+def _one_line(capsys, argv) -> str:
+  with pytest.raises(SystemExit) as e:
+    main(argv)
+  assert e.value.code == 2, argv
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  lines = err.splitlines()
+  assert len(lines) == 1 and lines[0].startswith("paro-jax: error: "), err
+  return lines[0]
+
+
+@pytest.mark.parametrize("build,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(files, tmp_path, capsys, monkeypatch, build, message):
+  monkeypatch.setattr(cli, "provide_cpu_devices", lambda n: None)  # this process has its 8
+  line = _one_line(capsys, [str(a) for a in build(files, str(tmp_path / "run"))])
+  assert message.format(f=files) in line, line
+
+
+def test_resume_with_another_model_is_one_line(trained_run, capsys):
+  line = _one_line(capsys, [*TRAIN, "--model", "tiny", "--resume", "--out", str(trained_run)])
+  assert "tiny" in line and "test" in line, line
+
+
+def test_a_second_run_on_a_used_out_is_one_line(trained_run, capsys):
+  line = _one_line(capsys, [*TRAIN, "--mesh", "2x4", "--out", str(trained_run)])
+  assert "already holds checkpoints" in line and "--resume" in line, line
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+  """A 256 KiB tmpfs (as root), too small for a checkpoint of the `test` model."""
+  import shutil
+  import subprocess
+
+  if os.geteuid() != 0 or shutil.which("mount") is None:
+    pytest.skip("mounting a small tmpfs needs root and mount(8): the full-disk case is not run")
+  where = tmp_path / "small"
+  where.mkdir()
+  done = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+    capture_output=True,
+    text=True,
+  )
+  if done.returncode:
+    pytest.skip(f"could not mount a tmpfs ({done.stderr.strip()}): the full-disk case is not run")
+  yield where
+  subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_first_save_on_a_full_disk_is_one_line(small_tmpfs):
+  """The final (first) checkpoint does not fit: one error line saying so and what is lost; none
+  of the asyncio tracebacks of the checkpoint writer's threads."""
+  import subprocess
+  import sys
+
+  # As a user runs it: the CLI picks the platform (conftest's JAX_PLATFORMS would let JAX's
+  # CUDA plugin, where installed, log its cudart lines).
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  argv = [*TRAIN, "--mesh", "1x2", "--seq-len", "16", "--out", str(small_tmpfs / "run")]
+  proc = subprocess.run(
+    [sys.executable, "-m", "paro_jax", *argv],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = proc.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith("paro-jax: error: the disk is full"), lines[:20]
+  assert "could not write checkpoint" in lines[0] and "no earlier checkpoint" in lines[0]
