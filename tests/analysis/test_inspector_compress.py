@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from models.llama import Llama
-from paro_jax.analysis.inspector import compile_step, expected_traffic, report
+from paro_jax.analysis.inspector import compile_step, expected_traffic, format_report, report
 from paro_jax.core.compress import WireConfig
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
@@ -64,6 +64,25 @@ def test_bf16_wire_on_cpu_is_f32():
   r = inspect("IIG", WireConfig("bf16", "bf16"))
   assert_formula(r, inter_factor=2.0)
   assert any("XLA:CPU" in n for n in r["notes"])
+  # The report compares with what this compile moves (the formula in f32), not the bf16 one.
+  for key in ("inter_bytes", "intra_bytes"):
+    assert r["measured"][key] == pytest.approx(r["expected_here"][key], rel=0.01, abs=64), key
+  assert "+100.00%" not in format_report(r) and "+99." not in format_report(r)
+
+
+def test_bf16_compute_on_cpu_compares_with_the_f32_bytes():
+  """`paro-jax inspect` in bf16 on CPU: the bytes XLA:CPU moves are the formula at 4 bytes per
+  value, twice the bf16 formula, and the report's difference is against them."""
+  engine = Engine(
+    Llama(CFG, jnp.bfloat16), parse_strategy("IIG"), make_mesh(2, 4), OptimConfig(), 2
+  )
+  r = report(engine, compile_step(engine, batch_size=8, seq_len=8))
+  for key in ("inter_bytes", "intra_bytes"):
+    assert r["expected_here"][key] == pytest.approx(2 * r["expected"][key]), key
+    assert r["measured"][key] == pytest.approx(r["expected_here"][key], rel=0.01, abs=64), key
+  rows = [line.split() for line in format_report(r).splitlines() if line.startswith("in")]
+  assert [row[0] for row in rows] == ["inter_bytes", "intra_bytes"]
+  assert all(abs(float(row[-1].rstrip("%"))) < 1 for row in rows), rows
 
 
 def test_fp32_grads_double_boundary_bytes():
