@@ -614,7 +614,18 @@ def _log_place(args, child_argv: list[str]) -> tuple[str | None, str]:
 
 
 def main(argv=None) -> None:
-  report.install()
+  """The `paro-jax` command. Its reporter (paro_jax/report.py) stays installed until the process
+  exits (libraries print their noise at shutdown too); a caller in Python that passes `argv`
+  gets its own warning, logging and exception hooks back on return."""
+  restore = report.install()
+  try:
+    _main(argv)
+  finally:
+    if argv is not None:
+      restore()
+
+
+def _main(argv) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
   child_argv = []
   if argv[:1] == ["launch"] and "--" in argv:  # everything after -- is the child train command

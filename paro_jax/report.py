@@ -184,10 +184,26 @@ def _unraisablehook(u) -> None:
     sys.__unraisablehook__(u)
 
 
-def install() -> None:
-  """Route Python warnings, logging and uncaught exceptions through this module (idempotent)."""
-  warnings.showwarning = _show_warning
+def install():
+  """Route Python warnings, logging and uncaught exceptions through this module (idempotent).
+  Returns a function that puts back what was there (for callers of the CLI inside Python)."""
   root = logging.getLogger()
+  saved = (
+    warnings.showwarning,
+    sys.excepthook,
+    sys.unraisablehook,
+    threading.excepthook,
+    list(root.handlers),
+    root.level,
+  )
+
+  def restore() -> None:
+    warnings.showwarning, sys.excepthook, sys.unraisablehook, threading.excepthook = saved[:4]
+    root.handlers[:] = saved[4]
+    root.setLevel(saved[5])
+    set_log_dir(None)
+
+  warnings.showwarning = _show_warning
   if not any(isinstance(h, _Handler) for h in root.handlers):
     for h in list(root.handlers):  # e.g. a basicConfig's stderr handler
       if getattr(h, "stream", None) in (sys.stderr, sys.__stderr__):
@@ -200,3 +216,4 @@ def install() -> None:
   sys.excepthook = _excepthook
   sys.unraisablehook = _unraisablehook
   threading.excepthook = _thread_excepthook
+  return restore

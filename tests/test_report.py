@@ -18,14 +18,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["train", "--model", "test", "--steps", "1", "--warmup", "1", "--batch-size", "8"]
 
 
-@pytest.fixture(autouse=True)
-def restore_hooks():
-  """main() installs the reporter's hooks process-wide; give the next test Python's own."""
-  saved = (sys.excepthook, sys.unraisablehook, warnings.showwarning, logging.getLogger().handlers)
+@pytest.fixture
+def hooks():
+  """The tests that install the reporter themselves give the next test Python's hooks back."""
+  restore = report.install()
   yield
-  sys.excepthook, sys.unraisablehook, warnings.showwarning = saved[:3]
-  logging.getLogger().handlers[:] = saved[3]
-  report.set_log_dir(None)
+  restore()
+
+
+def test_main_called_from_python_leaves_no_hooks(capsys):
+  def hooks_now():
+    root = logging.getLogger()
+    return sys.excepthook, sys.unraisablehook, warnings.showwarning, list(root.handlers), root.level
+
+  before = hooks_now()
+  main(["plan", "--model", "tiny", "--nodes", "2", "--json"])
+  assert hooks_now() == before
+  assert not any(isinstance(h, report._Handler) for h in logging.getLogger().handlers)
 
 
 def test_one_line_drops_newlines_and_object_reprs():
@@ -59,8 +68,7 @@ def test_project_warning_is_one_line_and_the_log_keeps_it(tmp_path, capsys):
   assert "warning: --warmup 5 is more than --steps 1" in log and "empty.txt" in log
 
 
-def test_third_party_records_and_warnings_go_to_the_log(tmp_path, capsys):
-  report.install()
+def test_third_party_records_and_warnings_go_to_the_log(tmp_path, capsys, hooks):
   report.set_log_dir(str(tmp_path))
   logging.getLogger("absl").error("Metadata file does not exist: /x/_CHECKPOINT_METADATA")
   logging.getLogger("absl").info("Saving checkpoint at step 3")
@@ -77,9 +85,8 @@ def test_third_party_records_and_warnings_go_to_the_log(tmp_path, capsys):
     assert text in log
 
 
-def test_unraisable_event_loop_closed_is_logged_not_shown(tmp_path, capsys):
+def test_unraisable_event_loop_closed_is_logged_not_shown(tmp_path, capsys, hooks):
   """What TensorStore's callbacks into a closed asyncio loop raise after a failed save."""
-  report.install()
   report.set_log_dir(str(tmp_path))
 
   class Unraisable:
