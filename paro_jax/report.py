@@ -36,9 +36,12 @@ NOISE = (
   "No space left on device",
   "Jax plugin configuration error",
 )
-# Object reprs that third-party errors embed (TensorStore's bound pybind11 methods, addresses).
+# Object reprs that third-party errors embed: TensorStore's bound pybind11 method (whole, or cut
+# short by the message that quotes it, with its "See full TensorStore details:" lead), addresses.
 _REPRS = re.compile(
-  r"<bound method pybind11_detail_function_record[^>]*>+|<[\w.]+ object at 0x[0-9a-fA-F]+>"
+  r"(See full TensorStore details: )?<bound method pybind11_detail_function_record[\w.<>]*"
+  r"(?: of <[^>]*>)?>?"
+  r"|<[\w.]+ object at 0x[0-9a-fA-F]+>"
 )
 _PROJECT = tuple(
   os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep

@@ -47,6 +47,16 @@ def test_one_line_drops_newlines_and_object_reprs():
   assert "\n" not in line and "pybind11" not in line and "0x" not in line
   assert line.startswith('step 4 is damaged (ValueError: Error opening "zarr" driver:')
   assert line.endswith("at ; next")
+  # As the damaged-checkpoint warning quotes it: cut short, after TensorStore's lead.
+  cut = (
+    "step 2 is damaged (Exception: Encountered error while reading array index: (slice(0, 256, "
+    "1), slice(0, 4, 1)). See full TensorStore details: <bound method pybind11_detail_function_"
+    "record_v1_system_libstdcpp_gxx_abi_1xxx_use_cxx11_); falling back to step 1"
+  )
+  assert report.one_line(cut) == (
+    "step 2 is damaged (Exception: Encountered error while reading array index: (slice(0, 256, "
+    "1), slice(0, 4, 1)). ); falling back to step 1"
+  )
 
 
 def test_project_warning_is_one_line_and_the_log_keeps_it(tmp_path, capsys):
