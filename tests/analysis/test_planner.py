@@ -6,6 +6,7 @@ sequence per device.
 """
 
 import json
+import os
 
 import pytest
 
@@ -294,6 +295,10 @@ def test_probe_measures_every_collective_and_level(tmp_path):
       assert (fit["bandwidth"], fit["latency"]) == fit_line(fit["points"])
   # A CPU device's matmul rate: GFLOP/s, not a zero or a unit error of 1e3 either way.
   assert 1e7 < profile["flop_per_s"] < 1e13
+  # A CPU device's memory: its share of the host's available memory (plan --profile uses it).
+  assert (
+    0 < profile["device_memory"] * 8 <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  )
   path = tmp_path / "probe.json"
   write_profile(profile, str(path))
   assert len(planner.measured_links(planner.load_profile(str(path)))) == 9

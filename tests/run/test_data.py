@@ -190,7 +190,7 @@ def test_plot_writes_a_png(jsonl_run, tmp_path):
     main(["plot", str(tmp_path / "nope"), "--out", str(png)])
 
 
-def test_plot_marks_non_finite_steps_and_writes_the_file_named(tmp_path, monkeypatch):
+def test_plot_marks_non_finite_steps_and_writes_the_file_named(tmp_path, monkeypatch, capsys):
   """null (and an older run's NaN) losses are marked, not dropped; a truncated last line is
   ignored with a warning naming the file; --out without a suffix is written as named."""
   pytest.importorskip("matplotlib", reason="paro-jax plot needs matplotlib (the plots extra)")
@@ -216,8 +216,9 @@ def test_plot_marks_non_finite_steps_and_writes_the_file_named(tmp_path, monkeyp
 
   monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
   out = tmp_path / "curves"
-  with pytest.warns(UserWarning, match=r"metrics.jsonl:5: ignoring a truncated last line"):
-    main(["plot", str(run), "--out", str(out)])
+  main(["plot", str(run), "--out", str(out)])  # the CLI's warning: one line, the file named
+  err = capsys.readouterr().err.splitlines()
+  assert err == [f"paro-jax: warning: {run / 'metrics.jsonl'}:5: ignoring a truncated last line"]
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert ("run: 2 non-finite steps", [2, 3]) in labels
   (run / "metrics.jsonl").write_text("\n".join(lines[:2] + ["{oops", *lines[3:4]]) + "\n")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from models.hf import config_to_hf, load_hf, read_config, save_hf
+from models.hf import WEIGHTS, config_to_hf, load_hf, read_config, save_hf
 from models.llama import Llama, next_token_loss
 from paro_jax import cli
 from paro_jax.run.checkpoint import Checkpointer
@@ -102,6 +102,9 @@ def test_save_load_round_trip(tmp_path):
   cfg2, params2 = load_hf(tmp_path / "out")
   assert cfg2 == cfg
   leaves_equal(params, params2)
+  # model.safetensors is readable like config.json (safetensors itself creates it 0600).
+  modes = [os.stat(tmp_path / "out" / n).st_mode & 0o777 for n in ("config.json", WEIGHTS)]
+  assert modes[0] == modes[1], [oct(m) for m in modes]
   written = json.loads((tmp_path / "out" / "config.json").read_text())
   assert written["architectures"] == ["LlamaForCausalLM"]
   assert written["tie_word_embeddings"] is False and written["head_dim"] == 16
