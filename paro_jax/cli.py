@@ -15,6 +15,7 @@ from paro_jax.core.names import (
   DEFAULT_INT8_BLOCK,
   GRAD_DTYPES,
   WIRE_FORMATS,
+  check_batch_divides,
   parse_mesh_shape,
 )
 from paro_jax.core.strategy import ALIASES
@@ -54,13 +55,8 @@ def _check_shape(args, mesh) -> None:
     value = getattr(args, name, None)
     if value is not None and value < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-  if mesh and args.command == "inspect" and args.batch_size % (mesh[0] * mesh[1]):
-    n = mesh[0] * mesh[1]
-    raise ValueError(
-      f"--batch-size {args.batch_size} is not divisible by the {n} devices of --mesh "
-      f"{mesh[0]}x{mesh[1]}: each device holds whole sequences; use a multiple of {n}, e.g. "
-      f"{max(n, args.batch_size // n * n)}"
-    )
+  if mesh and args.command in ("inspect", "train"):
+    check_batch_divides(args.batch_size, *mesh)
 
 
 def _lora_config(args):

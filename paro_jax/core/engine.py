@@ -47,7 +47,7 @@ from paro_jax.core.sharding import (
   shard_dims,
   state_specs,
 )
-from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES, GRAD_DTYPES
+from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES, GRAD_DTYPES, check_batch_divides
 from paro_jax.core.strategy import Strategy
 
 DTYPES = {
@@ -272,12 +272,7 @@ class Engine:
     )()
 
   def check_batch_size(self, batch_size: int) -> None:
-    n = self.inter * self.intra
-    if batch_size % n:
-      raise ValueError(
-        f"micro-batch size {batch_size} is not divisible by the {n} devices of the "
-        f"mesh {self.inter}x{self.intra}: use a batch size that is a multiple of {n}"
-      )
+    check_batch_divides(batch_size, self.inter, self.intra)
 
   def shard_batch(self, tokens_AxBxL1, any_micro_batches: bool = False) -> jax.Array:
     """Place a global (A, B, L+1) token array (identical on every process) on the mesh.

@@ -55,6 +55,17 @@ def parse_mesh_shape(text: str) -> tuple[int, int]:
   return int(parts[0]), int(parts[1])
 
 
+def check_batch_divides(batch_size: int, inter: int, intra: int) -> None:
+  """The one wording of a --batch-size the mesh cannot split (train, inspect, the engine)."""
+  n = inter * intra
+  if batch_size % n:
+    raise ValueError(
+      f"--batch-size {batch_size} is not divisible by the {n} devices of --mesh {inter}x{intra}: "
+      f"each device holds whole sequences; use a multiple of {n}, e.g. "
+      f"{max(n, batch_size // n * n)}"
+    )
+
+
 def resolve_collectives(
   requested: str, platform: str, processes: int, strategy=None
 ) -> tuple[str, str]:

@@ -165,7 +165,7 @@ def test_bad_train_argument_fails_fast_naming_the_node(tmp_path, monkeypatch):
   text = err.getvalue()
   assert "not root: running 2 plain processes on 127.0.0.1; the link is NOT shaped" in text
   assert "failed with exit code 2" in text and "node " in text, text
-  assert "micro-batch size 3 is not divisible" in text  # the child's own stderr, quoted
+  assert "--batch-size 3 is not divisible" in text  # the child's own stderr, quoted
   assert _children(os.getpid()) == []
 
 
