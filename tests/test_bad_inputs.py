@@ -69,7 +69,12 @@ def _cases():
     # models, meshes and strategies
     ("unknown-model", t("--model", "70b"), "unknown model preset '70b'"),
     ("missing-model-json", t("--model", "{f}/cfg.json"), "cfg.json does not exist"),
-    ("mesh-too-big", t("--mesh", "3x3"), "mesh 3x3 needs 9 devices but 8 are available"),
+    (
+      "mesh-too-big",  # (a CLI process of its own would make the 9 devices; this one has 8)
+      t("--mesh", "3x3", "--batch-size", "18"),
+      "mesh 3x3 needs 9 devices but 8 are available",
+    ),
+    ("mesh-splits-no-batch", t("--mesh", "3x3"), "--batch-size 8 is not divisible by the 9"),
     ("mesh-zero", t("--mesh", "0x4"), "bad --mesh '0x4'"),
     ("mesh-garbled", t("--mesh", "2by4"), "bad --mesh '2by4'"),
     ("mesh-huge", t("--mesh", "1000x1000"), "asks for 1000000 devices per process"),

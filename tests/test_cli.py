@@ -55,7 +55,7 @@ def test_train_quick_start_run(tmp_path):
   [
     (["--strategy", "GNI"], "invalid strategy 'GNI'"),
     (["--strategy", "IXG"], "unknown strategy 'IXG'"),
-    (["--mesh", "3x3"], "mesh 3x3 needs 9 devices but 8 are available"),
+    (["--mesh", "3x3", "--batch-size", "18"], "mesh 3x3 needs 9 devices but 8 are available"),
     (["--mesh", "2by4"], "bad --mesh '2by4'"),
     (["--data", "/nonexistent/corpus.txt"], "data file '/nonexistent/corpus.txt' does not exist"),
     (["--batch-size", "12"], "--batch-size 12 is not divisible by the 8 devices of --mesh 2x4"),
