@@ -128,6 +128,11 @@ def _cases():
     ),
     ("plot-no-metrics", lambda f, o: ["plot", str(f / "dir")], "metrics.jsonl does not exist"),
     (
+      "prepare-missing-input",
+      lambda f, o: ["prepare-data", str(f / "nope.txt"), "--out", o],
+      "does not exist: pass existing text or .jsonl files",
+    ),
+    (
       "prepare-shard-zero",
       lambda f, o: ["prepare-data", str(f / "d.jsonl"), "--out", o, "--shard-tokens", "0"],
       "--shard-tokens must be >= 1, got 0",

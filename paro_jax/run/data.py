@@ -101,24 +101,28 @@ def bin_dtype_for(cfg: DataConfig, vocab_size: int) -> np.dtype:
 
 
 # --- sources ---------------------------------------------------------------------------------
-def expand_paths(patterns) -> list[str]:
-  """Files named or matched by globs, each pattern's matches sorted; loud on a miss."""
+def expand_paths(patterns, flag: str = "--data") -> list[str]:
+  """Files named or matched by globs, each pattern's matches sorted; loud on a miss. `flag`
+  names them in errors: train's --data, or prepare-data's inputs (an empty `flag`)."""
   files = []
+  named = f"{flag} " if flag else ""
   for pattern in patterns:
     matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
     if not matches:
-      raise FileNotFoundError(f"--data {pattern!r} matches no file")
+      raise FileNotFoundError(f"{named or 'input '}{pattern!r} matches no file")
     for path in matches:
       if os.path.isdir(path):
         raise IsADirectoryError(
-          f"--data {path!r} is a directory: pass its files, e.g. --data "
+          f"{named or 'input '}{path!r} is a directory: pass its files, e.g. {named}"
           f"'{os.path.join(path, '*.txt')}' (quoted: paro-jax expands the glob, in sorted order)"
         )
       if not os.path.isfile(path):
-        raise FileNotFoundError(
-          f"data file {path!r} does not exist: pass --data with existing "
-          f"files, or leave --data out to train on the built-in corpus"
+        fix = (
+          f"pass {flag} with existing files, or leave {flag} out to train on the built-in corpus"
+          if flag
+          else "pass existing text or .jsonl files"
         )
+        raise FileNotFoundError(f"data file {path!r} does not exist: {fix}")
       files.append(path)
   return files
 

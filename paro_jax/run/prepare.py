@@ -108,7 +108,7 @@ def prepare_data(
   """Tokenize `paths` (files and globs) into shards in `out`; returns the meta.json contents."""
   if shard_tokens < 1:
     raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
-  files = expand_paths(paths)
+  files = expand_paths(paths, flag="")
   bins = [p for p in files if p.endswith(".bin")]
   if bins:
     raise ValueError(
