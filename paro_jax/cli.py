@@ -595,10 +595,8 @@ def _log_place(args, child_argv: list[str]) -> tuple[str | None, str]:
   if args.command == "train":
     rank = args.process_id
     if rank is None:  # under SLURM / Open MPI the rank is in the environment
-      rank = next(
-        (int(os.environ[v]) for v in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK") if v in os.environ),
-        0,
-      )
+      ranks = (os.environ.get(v, "") for v in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
+      rank = next((int(r) for r in ranks if r.isdigit()), 0)
     return args.out, report.LOG_NAME if not rank else f"paro-jax.node{rank}.log"
   if args.command == "export":
     return args.run, report.LOG_NAME
