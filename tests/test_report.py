@@ -245,3 +245,17 @@ def test_launch_folds_gloo_chatter_and_tracebacks():
     assert "[node 3] step 1\n" in out.getvalue()
     assert err.getvalue() == "[node 3] after it\n", err.getvalue()
     assert list(node.tail)[-1] == "after it" and "ValueError: second" in node.tail
+
+
+def test_each_process_and_command_has_its_log(monkeypatch):
+  monkeypatch.delenv("SLURM_PROCID", raising=False)
+  monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+  place = lambda argv, child=(): cli._log_place(cli._parse(argv), list(child))
+  assert place(["train", "--out", "r"]) == ("r", "paro-jax.log")
+  assert place(["train", "--out", "r", "--process-id", "2"]) == ("r", "paro-jax.node2.log")
+  monkeypatch.setenv("SLURM_PROCID", "3")
+  assert place(["train", "--out", "r"]) == ("r", "paro-jax.node3.log")
+  assert place(["export", "r", "--out", "hf"]) == ("r", "paro-jax.log")
+  launch = ["launch", "--nodes", "2", "--devices-per-node", "2"]
+  assert place(launch, ["train", "--out", "r"]) == ("r", "paro-jax.launch.log")
+  assert place(["plan", "--nodes", "2"]) == (None, "paro-jax.log")
