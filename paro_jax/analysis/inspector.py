@@ -116,8 +116,9 @@ def report(engine: Engine, compiled) -> dict:
   )
   if as_f32:
     notes.append(
-      "XLA:CPU runs bf16 collectives in f32: `expected` is the bf16 formula (what GPUs move), "
-      "`expected_here` the same formula in f32, the bytes this compile moves (int8 stays int8)"
+      "XLA:CPU runs bf16 collectives in f32: the expected bytes above are the formula in f32, "
+      "what this compile moves (int8 stays int8); GPUs move the bf16 formula's (JSON: "
+      "`expected`), half of the bf16 traffic (--target compiles for one)"
     )
   here = expected_traffic(engine, bf16_as_f32=True) if as_f32 else exp
   return {
