@@ -194,3 +194,31 @@ def _cmdline(pid: str) -> bytes:
       return f.read()
   except OSError:
     return b""
+
+
+def test_checkpoint_unreadable_on_one_node(cluster, reference, tmp_path):
+  """Step 12 is unreadable on pjnode1 only (an empty directory over its `meta` in that node's
+  mount namespace): both processes fall back to step 8 together and redo steps 9-12."""
+  out = tmp_path / "run"
+  srun = ["srun", "--label", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+  train = [*srun, sys.executable, "-m", "paro_jax", *TRAIN, "--checkpoint-every", "4"]
+  first = cluster.run([*train, "--out", str(out)], env=_env(), timeout=600)
+  assert first.returncode == 0, first.stderr[-3000:]
+  meta = out / "checkpoints" / str(STEPS) / "meta"
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  slurmd1 = str(cluster.state["pids"][-1])  # pjnode1's slurmd: its jobs share its mounts
+  mount = ["nsenter", "--mount", "--target", slurmd1, "mount", "--bind", str(empty), str(meta)]
+  subprocess.run(mount, check=True, capture_output=True)
+  try:
+    again = cluster.run([*train, "--resume", "--out", str(out)], env=_env(), timeout=600)
+  finally:  # the step was set aside (renamed) with the mount inside it
+    for path in (meta, out / "checkpoints" / f"damaged-{STEPS}" / "meta"):
+      umount = ["nsenter", "--mount", "--target", slurmd1, "umount", "-l", str(path)]
+      subprocess.run(umount, capture_output=True)
+  assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+  for task in (0, 1):
+    assert f"{task}: paro-jax: resumed from {out}/checkpoints/8 " in again.stdout, again.stdout
+  assert "unreadable on another process of the run" in again.stderr, again.stderr[-3000:]
+  assert (out / "checkpoints" / f"damaged-{STEPS}").is_dir()
+  np.testing.assert_allclose(_losses(out), reference, rtol=RTOL)
