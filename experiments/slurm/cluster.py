@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from paro_jax.cluster.launch import NamespaceNetwork
+from paro_jax.cluster.netns import NamespaceNetwork
 
 STATE = "/tmp/paro-jax-slurm.json"  # where `down` finds a cluster started by another process
 NODES = ("pjnode0", "pjnode1")
@@ -259,6 +259,10 @@ def down(state: dict | None = None) -> None:
     try:
       os.killpg(pid, signal.SIGKILL)  # each daemon was started in a session of its own
     except (ProcessLookupError, PermissionError):
+      pass
+    try:
+      os.waitpid(pid, 0)  # reaped, where this process started it (not left a zombie)
+    except ChildProcessError:
       pass
   for ns in state["namespaces"]:
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
