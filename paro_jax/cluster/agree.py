@@ -29,6 +29,7 @@ class Agreement:
 
     self.jax = jax
     self.many = jax.process_count() > 1
+    self._min = self._max = None  # one process: its own value is the answer
     if not self.many:
       return
     # One device per process carries its value (the others pad with the neutral element).
