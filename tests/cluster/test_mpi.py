@@ -14,12 +14,14 @@ import sys
 import numpy as np
 import pytest
 
+from tests.cluster.repro_bound import multiprocess_bound
+
 pytestmark = pytest.mark.mpi
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = "train --model tiny --strategy IIG --batch-size 8 --seq-len 16 --warmup 1 --steps 6 "
 TRAIN += "--dtype fp32 --mesh 2x4"
-RTOL = 1e-5  # as tests/cluster/test_slurm.py: two processes sum through gloo
+RTOL = multiprocess_bound()  # measured: two-process fp32 runs are not bit-reproducible
 
 
 def _env() -> dict:
