@@ -175,7 +175,10 @@ def up(inter_bandwidth: str = "10gbit", timeout: float = 60.0) -> Cluster:
     net = NamespaceNetwork(2, inter_bandwidth, None, None, tag=holder.pid)
     state["namespaces"] = net.all_namespaces()
     _save(state)
-    net.open()
+    try:
+      net.open()
+    except (RuntimeError, OSError) as e:  # no netns here (a container without the capability)
+      raise Unavailable(f"could not create the nodes' network namespaces: {e}") from e
     hosts = "127.0.0.1 localhost\n" + "".join(
       f"{addr} {name}\n" for addr, name in zip(net.addresses, NODES)
     )
