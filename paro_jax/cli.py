@@ -601,7 +601,7 @@ def _log_place(args, child_argv: list[str]) -> tuple[str | None, str]:
   if args.command == "export":
     return args.run, report.LOG_NAME
   if args.command == "launch" and child_argv[:1] == ["train"]:
-    from paro_jax.cluster.launch import _flag  # no jax
+    from paro_jax.cluster.restart import _flag  # no jax
 
     return _flag(child_argv, "--out", "runs/latest"), "paro-jax.launch.log"
   return None, report.LOG_NAME

@@ -220,7 +220,7 @@ def test_launch_folds_gloo_chatter_and_tracebacks():
   log); its other lines pass, and the failure message's tail keeps the whole stderr."""
   import threading
 
-  from paro_jax.cluster.launch import _Node
+  from paro_jax.cluster.supervise import Node
 
   script = (
     "import sys\n"
@@ -237,7 +237,7 @@ def test_launch_folds_gloo_chatter_and_tracebacks():
     proc = subprocess.Popen(
       [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    node = _Node(3, proc, out, err, threading.Lock(), show_gloo)
+    node = Node(3, proc, out, err, threading.Lock(), show_gloo)
     proc.wait()
     node.join()
     gloo = "[node 3] [Gloo] Rank 0 is connected to 1 peer ranks."

@@ -25,12 +25,14 @@ the env var PARO_JAX_LINK describes the link (shaped or not).
 
 From Python: `launch(["train", "--steps", "2", ...], nodes=2, devices_per_node=2)` returns the
 exit code.
+
+This module starts and watches a launch; the rest lives beside it: the namespaces, links and byte
+counts in netns.py, stopping and reaping the processes in supervise.py (and reaper.py), the
+heartbeats in watch.py, and continuing after a lost node in restart.py.
 """
 
 from __future__ import annotations
 
-import collections
-import math
 import os
 import re
 import shutil
@@ -43,271 +45,31 @@ import threading
 import time
 
 from paro_jax import report
+from paro_jax.cluster.netns import (  # noqa: F401 - NS_PREFIX, node_link, sent_bytes: re-exported
+  NS_PREFIX,
+  NamespaceNetwork,
+  node_link,
+  remove_stale_namespaces,
+  sent_bytes,
+)
+from paro_jax.cluster.restart import restart_argv
+from paro_jax.cluster.supervise import (
+  Interrupted,
+  Node,
+  Reaper,
+  describe_exit,
+  signal_all,
+  stop,
+  stop_together,
+)
 from paro_jax.cluster.watch import HEARTBEAT_ENV, Watch
 from paro_jax.core.names import parse_mesh_shape
 from paro_jax.core.units import parse_delay, parse_rate
 from paro_jax.core.xla_flags import DEVICE_COUNT_FLAG
 
-NS_PREFIX = "paro"  # namespaces: paro<pid>n<k>, paro<pid>br (bridge)
-IF_PREFIX = "pj"  # interfaces: pj<pid>v<k> (node side), pj<pid>p<k> (bridge side)
-SUBNET = "10.77.0"  # node k has 10.77.0.(k+1), only inside our own namespaces
 COORD_PORT = 29500  # free: each namespace is fresh
 MAX_NODES, MAX_DEVICES_PER_NODE = 64, 1024  # processes / virtual CPU devices one machine emulates
 RESERVED = ("--coordinator", "--num-processes", "--process-id")
-_NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)(?:n\d+|br)$")
-
-
-def _tbf(dev: str, rate: str, latency: str) -> list[str]:
-  burst = max(32 * 1024, int(parse_rate(rate) / 8 / 500))  # >= 2 ms of traffic at the rate
-  return [
-    "tc",
-    "qdisc",
-    "add",
-    "dev",
-    dev,
-    "root",
-    "handle",
-    "1:",
-    "tbf",
-    "rate",
-    rate,
-    "burst",
-    str(burst),
-    "latency",
-    latency,
-  ]
-
-
-def _run(cmd: list[str]) -> None:
-  proc = subprocess.run(cmd, capture_output=True, text=True)
-  if proc.returncode:
-    raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.returncode}")
-
-
-def _quiet(cmd: list[str]) -> None:
-  subprocess.run(cmd, capture_output=True)
-
-
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
-def _our_namespaces() -> list[str]:
-  out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-  return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def node_link(tag: int, node: int) -> tuple[str, str]:
-  """(network namespace, node-side veth) of node `node` in the launch whose names carry `tag`
-  (the launcher's PID): where `tc` shapes and counts that node's inter-node traffic."""
-  return f"{NS_PREFIX}{tag}n{node}", f"{IF_PREFIX}{tag}v{node}"
-
-
-def sent_bytes(tag: int, node: int) -> int | None:
-  """Bytes node `node` of launch `tag` has sent over its link so far, as `tc -s qdisc` counts
-  them at the root qdisc of its veth; None where there is none (not namespaced, or removed, or
-  no `ip`).
-  Safe to call while the launch runs (experiments/bench/runs.py samples it per step)."""
-  namespace, dev = node_link(tag, node)
-  try:
-    out = subprocess.run(
-      ["ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", dev],
-      capture_output=True,
-      text=True,
-    ).stdout
-  except FileNotFoundError:  # no `ip`: the launcher ran unshaped
-    return None
-  m = re.search(r"Sent (\d+) bytes", out)
-  return int(m.group(1)) if m else None
-
-
-def remove_stale_namespaces() -> list[str]:
-  """Delete namespaces (and /etc/netns dirs) of launchers whose PID no longer exists."""
-  removed = []
-  for name in _our_namespaces():
-    m = _NS_RE.match(name)
-    if m and not _pid_alive(int(m.group(1))):
-      _quiet(["ip", "netns", "del", name])
-      shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
-      removed.append(name)
-  return removed
-
-
-class NamespaceNetwork:
-  """Namespaces, veths, bridge and tc shaping for one launch; `close()` removes all of it."""
-
-  def __init__(
-    self,
-    nodes: int,
-    inter_bandwidth: str,
-    inter_latency: str | None,
-    intra_bandwidth: str | None,
-    tag: int | None = None,
-  ):
-    tag = self.tag = os.getpid() if tag is None else tag
-    self.nodes = nodes
-    links = [node_link(tag, k) for k in range(nodes)]
-    self.namespaces = [ns for ns, _ in links]
-    self.bridge_ns = f"{NS_PREFIX}{tag}br" if nodes > 2 else None
-    self.ifaces = [dev for _, dev in links]
-    self.peers = [f"{IF_PREFIX}{tag}p{k}" for k in range(nodes)]
-    self.bridge = f"{IF_PREFIX}{tag}br"
-    self.addresses = [f"{SUBNET}.{k + 1}" for k in range(nodes)]
-    self.inter_bandwidth, self.intra_bandwidth = inter_bandwidth, intra_bandwidth
-    self.delay = parse_delay(inter_latency)
-    self.inter_latency = inter_latency
-    self.notes: list[str] = []
-    self._created: list[str] = []
-
-  def all_namespaces(self) -> list[str]:
-    return self.namespaces + ([self.bridge_ns] if self.bridge_ns else [])
-
-  def open(self) -> None:
-    try:
-      self._open()
-    except BaseException:
-      self.close()
-      raise
-
-  def _open(self) -> None:
-    hostname = socket.gethostname()
-    for ns in self.all_namespaces():
-      _run(["ip", "netns", "add", ns])
-      self._created.append(ns)
-    for k, ns in enumerate(self.namespaces):
-      # `ip netns exec` bind-mounts /etc/netns/NS/hosts over /etc/hosts: gloo binds to the
-      # address the host name resolves to, which must be this node's, not 127.0.0.1.
-      os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-      with open(f"/etc/netns/{ns}/hosts", "w") as f:
-        f.write(f"127.0.0.1 localhost\n{self.addresses[k]} {hostname}\n")
-      _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-    if self.nodes == 2:
-      _run(
-        [
-          "ip",
-          "link",
-          "add",
-          self.ifaces[0],
-          "netns",
-          self.namespaces[0],
-          "type",
-          "veth",
-          "peer",
-          "name",
-          self.ifaces[1],
-          "netns",
-          self.namespaces[1],
-        ]
-      )
-    elif self.nodes > 2:
-      br = self.bridge_ns
-      _run(["ip", "-n", br, "link", "add", self.bridge, "type", "bridge"])
-      _run(["ip", "-n", br, "link", "set", self.bridge, "up"])
-      for k, ns in enumerate(self.namespaces):
-        _run(
-          [
-            "ip",
-            "link",
-            "add",
-            self.ifaces[k],
-            "netns",
-            ns,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            self.peers[k],
-            "netns",
-            br,
-          ]
-        )
-        _run(["ip", "-n", br, "link", "set", self.peers[k], "master", self.bridge])
-        _run(["ip", "-n", br, "link", "set", self.peers[k], "up"])
-    if self.nodes >= 2:
-      for k, ns in enumerate(self.namespaces):
-        _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", self.ifaces[k]])
-        _run(["ip", "-n", ns, "link", "set", self.ifaces[k], "up"])
-      self._shape_inter()
-    if self.intra_bandwidth:
-      for ns in self.namespaces:
-        _run(["ip", "netns", "exec", ns, *_tbf("lo", self.intra_bandwidth, "100ms")])
-
-  def _shape_inter(self) -> None:
-    """Each node's egress: tbf at the rate, netem delay below it (when the kernel has netem)."""
-    netem_ok = True
-    for k, ns in enumerate(self.namespaces):
-      dev = self.ifaces[k]
-      _run(["ip", "netns", "exec", ns, *_tbf(dev, self.inter_bandwidth, "50ms")])
-      if self.delay and netem_ok:
-        proc = subprocess.run(
-          [
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "parent",
-            "1:1",
-            "handle",
-            "10:",
-            "netem",
-            "delay",
-            f"{self.delay * 1e6:.0f}us",
-            "limit",
-            "100000",
-          ],
-          capture_output=True,
-          text=True,
-        )
-        if proc.returncode:
-          netem_ok = False
-          self.notes.append(
-            f"latency {self.inter_latency} NOT emulated: tc netem is not available "
-            f"({proc.stderr.strip()}); only the rate is shaped"
-          )
-
-  def link_bytes(self) -> dict[int, int]:
-    """Bytes each node has sent over its shaped link (tc's count: real inter-node traffic)."""
-    sent = {}
-    for k in range(self.nodes if self.nodes >= 2 else 0):
-      if (nbytes := sent_bytes(self.tag, k)) is not None:
-        sent[k] = nbytes
-    return sent
-
-  def describe(self) -> str:
-    if self.nodes == 1:
-      return f"1 node in namespace {self.namespaces[0]}"
-    link = "veth pair" if self.nodes == 2 else f"bridge in namespace {self.bridge_ns}"
-    text = (
-      f"{self.nodes} namespaces {self.namespaces[0]}..{self.namespaces[-1]} joined by a "
-      f"{link}, {SUBNET}.1-{self.nodes}; each node's link shaped to {self.inter_bandwidth}"
-    )
-    if self.delay and not self.notes:
-      text += f" + {self.inter_latency} delay"
-    if self.intra_bandwidth:
-      text += f"; intra (loopback) {self.intra_bandwidth}"
-    return text
-
-  def close(self) -> None:
-    """Remove everything this launch created; safe to call twice or after a partial open()."""
-    for ns in reversed(self._created):
-      _quiet(["ip", "netns", "del", ns])  # takes its veths, bridge and qdiscs with it
-    for dev in self.ifaces + self.peers + [self.bridge]:  # any left in the root namespace
-      if os.path.exists(f"/sys/class/net/{dev}"):
-        _quiet(["ip", "link", "del", dev])
-    for ns in self.all_namespaces():
-      shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-    self._created = []
 
 
 def _free_port() -> int:
@@ -375,229 +137,6 @@ def child_env(devices_per_node: int, env: dict | None = None) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
   return env
-
-
-_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
-
-
-class _Node:
-  """A node's process and the threads that pass its output on, each line prefixed `[node K]`.
-
-  Kept out of the terminal (into the launcher's log): Gloo's connection messages, unless
-  `show_gloo`, and Python tracebacks, which are those of nodes that lost a peer (the launcher's
-  own line names the node that failed first and shows the end of its stderr).
-  """
-
-  def __init__(self, index: int, proc: subprocess.Popen, out, err, lock, show_gloo=False):
-    self.index, self.proc, self.show_gloo = index, proc, show_gloo
-    self.tail = collections.deque(maxlen=15)
-    self.in_traceback = self.after_traceback = False
-    self.threads = [
-      threading.Thread(target=self._pump, args=(proc.stdout, out, lock, False), daemon=True),
-      threading.Thread(target=self._pump, args=(proc.stderr, err, lock, True), daemon=True),
-    ]
-    for t in self.threads:
-      t.start()
-
-  def _pump(self, pipe, sink, lock, keep) -> None:
-    prefix = f"[node {self.index}] "
-    for raw in iter(pipe.readline, b""):
-      line = raw.decode(errors="replace").rstrip("\r\n")
-      if keep:
-        self.tail.append(line)
-      if self._hidden(line, keep):
-        report.log(prefix + line)
-        continue
-      with lock:
-        sink.write(prefix + line + "\n")
-        sink.flush()
-    pipe.close()
-
-  def _hidden(self, line: str, stderr: bool) -> bool:
-    if line.startswith("[Gloo] "):
-      return not self.show_gloo
-    if not stderr:
-      return False
-    if line.startswith(("Traceback (most recent call last)", *_CHAINED)):
-      self.in_traceback = True
-      return True
-    if self.in_traceback:
-      if line and not line[0].isspace():
-        self.in_traceback = False  # the exception's own line ends the block (into the log too)
-        self.after_traceback = True
-      return True
-    if self.after_traceback and not line.strip():
-      return True  # the blank line before a chained exception's "During handling ..."
-    self.after_traceback = False
-    return False
-
-  def join(self, timeout: float = 5.0) -> None:
-    for t in self.threads:
-      t.join(timeout)
-
-
-def _describe_exit(code: int) -> str:
-  if code < 0:
-    try:
-      return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-      return f"killed by signal {-code}"
-  return f"exit code {code}"
-
-
-def _signal_all(nodes: list[_Node], sig: signal.Signals) -> None:
-  for n in nodes:
-    if n.proc.poll() is None:
-      try:
-        os.killpg(n.proc.pid, sig)  # its own session: the group id is its pid
-      except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop(nodes: list[_Node], first: signal.Signals = signal.SIGKILL, grace: float = 10.0) -> None:
-  """Send `first` to each live child's process group; SIGKILL what is left after `grace` s.
-
-  Not SIGTERM: jax.distributed's preemption notifier catches it and the process runs on.
-  SIGINT lets `paro-jax train` checkpoint and stop (on Ctrl-C); after a failure the others
-  are likely blocked in a collective with the dead process, so they get SIGKILL at once.
-  """
-  live = [n for n in nodes if n.proc.poll() is None]
-  for sig in dict.fromkeys((first, signal.SIGKILL)):
-    _signal_all(live, sig)
-    deadline = time.monotonic() + grace
-    while live and time.monotonic() < deadline:
-      live = [n for n in live if n.proc.poll() is None]
-      time.sleep(0.05)
-    if not live:
-      break
-  for n in nodes:
-    try:
-      n.proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-      pass
-
-
-def _stop_together(nodes: list[_Node], grace: float, straggle: float = 30.0) -> None:
-  """After Ctrl-C: SIGINT to every node; they checkpoint an agreed step and exit together. Who is
-  still running `grace` s later, or `straggle` s after the first node exited (a node that got the
-  signal before its handler was in place exits alone, and its peers then hang), gets SIGKILL."""
-  _signal_all(nodes, signal.SIGINT)
-  deadline = time.monotonic() + grace
-  while time.monotonic() < deadline:
-    codes = [n.proc.poll() for n in nodes]
-    if all(c is not None for c in codes):
-      return
-    if any(c is not None for c in codes):
-      deadline = min(deadline, time.monotonic() + straggle)
-      straggle = float("inf")  # set the deadline once
-    time.sleep(0.05)
-  _stop(nodes)
-
-
-class _Interrupted(Exception):
-  def __init__(self, signum):
-    super().__init__(signum)
-    self.signum = signum
-
-
-class _Reaper:
-  """The process that cleans up if this launcher is SIGKILLed (paro_jax/cluster/reaper.py)."""
-
-  def __init__(self, env: dict):
-    self.proc = subprocess.Popen(
-      [sys.executable, "-m", "paro_jax.cluster.reaper"],
-      stdin=subprocess.PIPE,
-      stdout=subprocess.DEVNULL,
-      env=env,
-      start_new_session=True,  # Ctrl-C on the terminal is not for it
-      text=True,
-    )
-
-  def tell(self, kind: str, value) -> None:
-    try:
-      self.proc.stdin.write(f"{kind} {value}\n")
-      self.proc.stdin.flush()
-    except (BrokenPipeError, OSError):
-      pass
-
-  def done(self) -> None:
-    try:
-      self.proc.stdin.write("done\n")
-      self.proc.stdin.close()
-    except (BrokenPipeError, OSError):
-      pass
-    try:
-      self.proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-      self.proc.kill()
-
-
-def _flag(argv: list[str], name: str, default: str | None) -> str | None:
-  """The last value of `--name V` / `--name=V` in argv."""
-  value = default
-  for i, a in enumerate(argv):
-    if a == name and i + 1 < len(argv):
-      value = argv[i + 1]
-    elif a.startswith(name + "="):
-      value = a.split("=", 1)[1]
-  return value
-
-
-def _without(argv: list[str], name: str) -> list[str]:
-  """argv without `--name V` / `--name=V`."""
-  out, skip = [], False
-  for a in argv:
-    if skip:
-      skip = False
-    elif a == name:
-      skip = True
-    elif not a.startswith(name + "="):
-      out.append(a)
-  return out
-
-
-def checkpoint_steps(out: str) -> list[int]:
-  """The finished checkpoints of run directory `out` (paro_jax/run/checkpoint.py, no jax)."""
-  d = os.path.join(out, "checkpoints")
-  return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
-
-
-def restart_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> tuple[list, str]:
-  """The train command continuing a failed run on `nodes` nodes, and what changes; ValueError
-  where the run cannot continue there."""
-  if not train_argv or train_argv[0] != "train":
-    raise ValueError("only a `train` command can be restarted")
-  if nodes < 1:
-    raise ValueError("no node is left")
-  out = _flag(train_argv, "--out", "runs/latest")
-  steps = checkpoint_steps(out)
-  if not steps:
-    raise ValueError(
-      f"{out} holds no checkpoint to continue from: pass --checkpoint-every N to the train "
-      f"command so that a run can restart"
-    )
-  batch = int(_flag(train_argv, "--batch-size", "16"))
-  old = [a for i, a in enumerate(train_argv) if a == "--mesh" or a.startswith("--mesh=")]
-  was = nodes + 1
-  devices = nodes * devices_per_node
-  if batch % devices:
-    raise ValueError(
-      f"the global batch of {batch} sequences cannot be kept on {nodes} nodes x "
-      f"{devices_per_node} devices ({batch} is not divisible by {devices}): pass a --batch-size "
-      f"divisible by the device counts the run may shrink to (e.g. "
-      f"{math.lcm(devices, was * devices_per_node)})"
-    )
-  argv = _without(train_argv, "--mesh") if old else list(train_argv)
-  if "--resume" not in argv:
-    argv.append("--resume")
-  rows = (batch // (was * devices_per_node), batch // devices)
-  why = (
-    f"continuing on {nodes} nodes (mesh {nodes}x{devices_per_node}) from checkpoint step "
-    f"{steps[-1]} in {out}/checkpoints (states resharded, the steps after it redone): the global "
-    f"batch stays {batch} sequences per micro-batch, in the same order, now {rows[1]} rows per "
-    f"device instead of {rows[0]}"
-  )
-  return argv, why
 
 
 def launch(
@@ -697,16 +236,16 @@ def _launch_once(
   def warn(msg: str) -> None:
     print(report.line("warning", f"launch: {msg}"), file=err, flush=True)
 
-  children: list[_Node] = []
+  children: list[Node] = []
   lock = threading.Lock()
   old_handlers, interrupted = {}, []
 
   def on_signal(signum, _frame):
     if not interrupted:
       interrupted.append(signum)
-      raise _Interrupted(signum)
+      raise Interrupted(signum)
     # A second Ctrl-C: the nodes stop at once (their own second-signal rule); the cleanup goes on.
-    _signal_all(children, signal.SIGINT)
+    signal_all(children, signal.SIGINT)
 
   if threading.current_thread() is threading.main_thread():
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -714,7 +253,7 @@ def _launch_once(
   network = None
   base_env = child_env(devices_per_node, env)
   beats = tempfile.mkdtemp(prefix=f"paro-jax-launch-{os.getpid()}-")
-  reaper = _Reaper(base_env)
+  reaper = Reaper(base_env)
   reaper.tell("dir", beats)
   watch = None
   if argv[0] == "train":
@@ -782,7 +321,7 @@ def _launch_once(
         start_new_session=True,
       )
       reaper.tell("group", proc.pid)
-      children.append(_Node(k, proc, out, err, lock, show_gloo))
+      children.append(Node(k, proc, out, err, lock, show_gloo))
     if watch:
       watch.started = watch.clock()
     next_read = 0.0
@@ -799,7 +338,7 @@ def _launch_once(
           # The node killed by a signal, if any: its peers fail after it (broken connections).
           bad = min(failed, key=lambda n: n.proc.returncode >= 0)
           code = bad.proc.returncode
-          what = f"failed with {_describe_exit(code)}"
+          what = f"failed with {describe_exit(code)}"
         else:
           bad, code = children[verdict[0]], 124
           what = verdict[1]
@@ -807,7 +346,7 @@ def _launch_once(
           failure.update(node=bad.index, lost=code < 0 or code == 124)
         if watch:
           watch.read()
-        _stop(children)
+        stop(children)
         bad.join()
         steps = f" Last step finished: {watch.last_steps()}." if watch else ""
         last = next((t.strip() for t in reversed(bad.tail) if t.strip()), "(nothing)")
@@ -832,19 +371,19 @@ def _launch_once(
           )
         return 0
       time.sleep(0.1)
-  except _Interrupted as e:
+  except Interrupted as e:
     say(
       f"got {signal.Signals(e.signum).name}: passing SIGINT on to the {nodes} nodes (they "
       f"checkpoint an agreed step and stop; SIGKILL after {stop_grace:g} s; Ctrl-C again to "
       f"stop them at once), then cleaning up"
     )
-    _stop_together(children, stop_grace)
+    stop_together(children, stop_grace)
     if watch:
       watch.read()
       say(f"stopped. Last step finished: {watch.last_steps()}")
     return 128 + e.signum
   finally:
-    _stop(children)
+    stop(children)
     for sig, handler in old_handlers.items():
       signal.signal(sig, handler)
     if network:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax import lax
 
+from paro_jax.cluster.agree import Agreement, agreed_steps, local_verdict
 from paro_jax.core.engine import Engine, TrainState
 
 STATE, META = "state", "meta"
@@ -195,15 +196,24 @@ class Checkpointer:
     back to the previous step; with `set_aside` the damaged steps are then renamed to
     `damaged-<step>` (no longer steps), so that training can save those steps again.
     """
+    # With several processes, each step is taken or skipped by all of them together
+    # (paro_jax/cluster/agree.py): one may fail to read a step that another can.
+    agreement = Agreement()
     steps = self.steps()
-    if not steps:
+    if not agreement.max(len(steps)):
       raise FileNotFoundError(
         f"no checkpoint in {self.directory} to resume from: start the run "
         f"without --resume first (it saves checkpoints there)"
       )
     target = abstract_state(engine)
     failures = []
-    for step in reversed(steps):
+    for step, listed in agreed_steps(steps, agreement):
+      error = FileNotFoundError("not listed on this process")
+      if listed:
+        error = local_verdict(os.path.join(self.directory, str(step)), META)
+      if not agreement.all(error is None):
+        failures.append((step, error or _UnreadableElsewhere()))
+        continue
       try:
         meta = self.read_meta(step)
       except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
@@ -214,7 +224,7 @@ class Checkpointer:
         restored = self._manager.restore(
           step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
         )[STATE]
-        _verify(restored, meta)
+        _verify(restored, meta)  # the checksums are global: the same verdict on every process
       except Exception as e:  # noqa: BLE001
         failures.append((step, e))
         continue
@@ -240,7 +250,7 @@ class Checkpointer:
         n += 1
         name = f"damaged-{step}-{n}"
       names.append(name)
-      if jax.process_index() == 0:
+      if jax.process_index() == 0 and os.path.exists(os.path.join(self.directory, str(step))):
         os.rename(os.path.join(self.directory, str(step)), os.path.join(self.directory, name))
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
@@ -369,6 +379,13 @@ def _model_flag(model_name: str) -> str:
   return (
     f"--init-from {model_name[3:]}" if model_name.startswith("hf:") else f"--model {model_name}"
   )
+
+
+class _UnreadableElsewhere(OSError):
+  """A step this process read but another process could not."""
+
+  def __init__(self):
+    super().__init__("unreadable on another process of the run")
 
 
 def _describe(failures) -> str:

@@ -3,7 +3,8 @@ its tc byte counter, and a child's environment (experiments/bench/ uses all thre
 
 import os
 
-from paro_jax.cluster.launch import NamespaceNetwork, child_env, node_link, sent_bytes
+from paro_jax.cluster.launch import child_env
+from paro_jax.cluster.netns import NamespaceNetwork, node_link, sent_bytes
 from paro_jax.core.xla_flags import DEVICE_COUNT_FLAG
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

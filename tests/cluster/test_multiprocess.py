@@ -19,7 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from paro_jax.cluster.launch import NS_PREFIX, launch
+from paro_jax.cluster.launch import launch
+from paro_jax.cluster.netns import NS_PREFIX
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAST_COMPILE = "--xla_backend_optimization_level=0"
@@ -521,7 +522,7 @@ def test_watchdog_exits_a_process_without_progress(capsys):
 
 
 def test_restart_argv_keeps_the_batch_or_says_why(tmp_path):
-  from paro_jax.cluster.launch import restart_argv
+  from paro_jax.cluster.restart import restart_argv
 
   argv = _train("IIG", tmp_path, 8, "--batch-size", "12", "--mesh", "3x2")
   with pytest.raises(ValueError, match="holds no checkpoint to continue from: pass --checkpoint"):
