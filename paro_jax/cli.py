@@ -124,6 +124,14 @@ def _add_wire(p: argparse.ArgumentParser) -> None:
     help=f"elements per fp32 scale of the int8 format (default {DEFAULT_INT8_BLOCK})",
   )
   w.add_argument(
+    "--error-feedback",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="keep each device's int8 gradient rounding error and add it to the next step's "
+    "gradient (default: on with --inter-grads int8 where the strategy reduces gradients across "
+    "nodes at the step's end; --no-error-feedback to compare)",
+  )
+  w.add_argument(
     "--grad-dtype",
     default="compute",
     type=str.lower,

@@ -135,6 +135,7 @@ def report(engine: Engine, compiled) -> dict:
         engine.intra,
         itemsize,
         jnp.dtype(engine.grad_dtype).itemsize,
+        residual_bytes=4 * engine.residual_size,
       ),
       "compiled": {
         "argument_bytes": mem.argument_size_in_bytes,

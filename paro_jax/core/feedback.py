@@ -1,0 +1,95 @@
+"""Error feedback for int8 gradients (`--inter-grads int8`; `--no-error-feedback` turns it off).
+
+Each device keeps, in fp32, the residual of its last gradient quantization (what the int8 wire
+did not carry) and adds it to the next step's gradient before quantizing, as error-feedback SGD
+and 1-bit Adam do. Summed over steps, what the wire delivers then differs from the exact sum by
+one step's quantization error rather than the sum of all of them (tests/core/test_feedback.py).
+
+Where: the accumulation boundary's gradient sync, whose inter level is the one gradient
+quantization of the strategies whose Gr does not shard `inter` (P and Gr at N or I). The residual
+is what the device quantizes there: its accumulated gradient at Gr (one flat bucket of its
+trained leaves), or with a two-level reduction its share of its node's partial sums, 1/intra of
+that. It lives in the TrainState (`residual`: one fp32 vector per device, sharded over both mesh
+axes), so checkpoints carry it and a resumed run continues exactly. The strategies whose Gr is G
+quantize each layer's gradient in backward, once per micro-batch: error feedback does not cover
+them (asking for it is an error; by default it is then off, and the run's header says so). It
+also keeps the layers' sync out of the last micro-batch's backward (`sync_in_backward`): the
+residual is applied once per step, at the boundary.
+"""
+
+from __future__ import annotations
+
+import math
+
+from paro_jax.core import buckets
+from paro_jax.core import collectives as comm
+from paro_jax.core.compress import WireConfig
+from paro_jax.core.names import INTER
+from paro_jax.core.strategy import Strategy
+
+
+def resolve(strategy: Strategy, wire: WireConfig, grad_dtype, requested: bool | None):
+  """(on, why): whether error feedback runs, and a phrase saying why (for the run's header).
+
+  `requested`: None (the default: on with int8 gradients where it applies), True or False."""
+  codec = wire.grads_codec
+  if requested is False:
+    return False, "off (--no-error-feedback)"
+  if not codec.active_for(grad_dtype):
+    if requested:
+      raise ValueError(
+        f"error feedback corrects compressed gradients, but --inter-grads {wire.grads} does not "
+        f"compress {grad_dtype} gradients: pass --inter-grads int8 or drop --error-feedback"
+      )
+    return False, "off (gradients not compressed)"
+  if INTER in strategy.grad_scatter_axes:
+    if requested:
+      raise ValueError(
+        f"{strategy.name} reduces each layer's gradient over nodes in backward (Gr = G); error "
+        f"feedback covers the accumulation boundary's reduction only: pass --no-error-feedback, "
+        f"or a strategy whose gradients are not sharded across nodes"
+      )
+    return False, f"off ({strategy.name} quantizes per layer in backward: not covered)"
+  if requested is None and wire.grads != "int8":
+    return False, f"off (default with --inter-grads {wire.grads})"
+  return True, "on"
+
+
+def residual_size(strategy: Strategy, local_sizes: tuple[int, int], inter: int, intra: int):
+  """Elements of one device's residual. `local_sizes`: (elements of its trained leaves at Gr,
+  at OS). The inter level is the boundary's reduce-scatter if OS shards `inter`, else its
+  all-reduce (after the reduce-scatter over the intra axis, if any)."""
+  size = {INTER: inter}
+  scatter, reduce = strategy.sync_scatter_axes, strategy.sync_reduce_axes
+  if INTER in scatter:
+    n, axes = local_sizes[0], scatter
+  else:
+    n, axes = local_sizes[1], reduce
+  devices = math.prod(size.get(a, intra) for a in axes)
+  return comm.feedback_size(n, devices, inter)
+
+
+def boundary_sync(acc, dims, residual, strategy: Strategy, impl: str, wire: WireConfig):
+  """The boundary's gradient sync (Engine._boundary_sync) with error feedback on its inter
+  level: (gradients at OS, new residual)."""
+  scatter, reduce, codec = strategy.sync_scatter_axes, strategy.sync_reduce_axes, wire.grads_codec
+  if INTER in scatter:
+    grads, residual = buckets.tree_reduce_scatter_feedback(
+      acc, dims, scatter, residual, impl, codec
+    )
+    return buckets.tree_all_reduce(grads, reduce, impl, codec), residual
+  grads = buckets.tree_reduce_scatter(acc, dims, scatter, impl, codec)
+  return buckets.tree_all_reduce_feedback(grads, reduce, residual, impl, codec)
+
+
+def residual_bytes(strategy, trainable: int, inter: int, intra: int, wire, grad_itemsize: int):
+  """Per-device bytes of the residual, for the memory models (0 where error feedback is off by
+  default)."""
+  import jax.numpy as jnp
+
+  grad_dtype = jnp.float32 if grad_itemsize == 4 else jnp.bfloat16
+  if not resolve(strategy, wire, grad_dtype, None)[0]:
+    return 0
+  placements = (strategy.grads, strategy.opt)
+  local = tuple(-(-trainable // p.shard_count(inter, intra)) for p in placements)
+  return 4 * residual_size(strategy, local, inter, intra)
