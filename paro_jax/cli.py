@@ -132,6 +132,14 @@ def _add_wire(p: argparse.ArgumentParser) -> None:
     "nodes at the step's end; --no-error-feedback to compare)",
   )
   w.add_argument(
+    "--param-delta",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="int8 parameter syncs send each weight's change since the last step against a copy "
+    "every device keeps (default: on with --inter-params int8 where the step's parameter sync "
+    "crosses nodes; --no-param-delta to compare)",
+  )
+  w.add_argument(
     "--grad-dtype",
     default="compute",
     type=str.lower,

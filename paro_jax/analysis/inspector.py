@@ -136,6 +136,7 @@ def report(engine: Engine, compiled) -> dict:
         itemsize,
         jnp.dtype(engine.grad_dtype).itemsize,
         residual_bytes=4 * engine.residual_size,
+        reference_bytes=engine.reference_bytes,
       ),
       "compiled": {
         "argument_bytes": mem.argument_size_in_bytes,

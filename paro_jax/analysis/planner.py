@@ -396,6 +396,9 @@ def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
     residual_bytes=feedback.residual_bytes(
       strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, w.acc_itemsize
     ),
+    reference_bytes=feedback.reference_bytes(
+      strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, w.itemsize
+    ),
   )
   acts = activation_bytes(strategy, w, cluster.nodes, cluster.devices_per_node)
   memory = {"model_states": states, "activations": acts, "total": states["total"] + acts["total"]}

@@ -120,6 +120,7 @@ class TrainState(NamedTuple):
   opt_state: Any  # optax state; moments at the OS placement
   frozen: Any = None  # LoRA: the frozen base weights, compute dtype, P placement
   residual: Any = None  # error feedback (core/feedback.py): fp32, one vector per device
+  reference: Any = None  # delta parameter sync (core/feedback.py): compute dtype, P placement
 
 
 def split_trainable(tree, mask, trained: bool = True):
@@ -162,6 +163,7 @@ class Engine:
     prefetch: bool = True,
     sync_in_backward: bool | None = None,
     error_feedback: bool | None = None,
+    param_delta: bool | None = None,
   ):
     if grad_dtype not in GRAD_DTYPES:
       raise ValueError(f"unknown grad dtype {grad_dtype!r}; choose one of {GRAD_DTYPES}")
@@ -189,6 +191,9 @@ class Engine:
     )
     if self.error_feedback:
       self.sync_in_backward = False
+    # int8 parameter syncs send each weight's change since the last sync (core/feedback.py).
+    self.param_delta, self.param_delta_note = feedback.resolve_params(strategy, wire, param_delta)
+    self.reference_bytes = 0  # set with the shapes below
     # XLA's collectives in the prefetching stack: one bucket per layer on GPUs, where the
     # scheduler overlaps one gather per layer better than nine (`_make_prefetch_stack`); per
     # leaf on XLA:CPU, where unpacking a bucket is a copy of the layer's weights.
@@ -235,8 +240,23 @@ class Engine:
         for p in (strategy.grads, strategy.opt)
       )
       self.residual_size = feedback.residual_size(strategy, local, self.inter, self.intra)
+    self.reference_specs = self.trained_specs.params if self.param_delta else None
+    if self.param_delta:
+      self.reference_bytes = feedback.reference_bytes(
+        strategy,
+        model.trainable_count(),
+        self.inter,
+        self.intra,
+        wire,
+        jnp.dtype(self.compute_dtype).itemsize,
+      )
     self.state_specs = TrainState(
-      PartitionSpec(), self.trained_specs.opt, self.opt_specs, self.frozen_specs, self.residual_spec
+      PartitionSpec(),
+      self.trained_specs.opt,
+      self.opt_specs,
+      self.frozen_specs,
+      self.residual_spec,
+      self.reference_specs,
     )
     self.state_shardings = named(mesh, self.state_specs)
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
@@ -267,7 +287,12 @@ class Engine:
     residual = None
     if self.error_feedback:  # one vector per device, laid end to end
       residual = jnp.zeros((self.inter * self.intra * self.residual_size,), jnp.float32)
-    return TrainState(jnp.zeros((), jnp.int32), master, self.tx.init(master), frozen, residual)
+    reference = None
+    if self.param_delta:  # the exact weights: the first sync sends the first step's change
+      reference = jax.tree.map(lambda w: w.astype(self.compute_dtype), master)
+    return TrainState(
+      jnp.zeros((), jnp.int32), master, self.tx.init(master), frozen, residual, reference
+    )
 
   def params(self, state: TrainState):
     """The compute-dtype parameters at their P placement (what the step holds while it runs)."""
@@ -431,22 +456,25 @@ class Engine:
         self.opt_specs,
         self.frozen_specs,
         self.residual_spec,
+        self.reference_specs,
         self.batch_spec,
       ),
       out_specs=(
         self.trained_specs.opt,
         self.opt_specs,
         self.residual_spec,
+        self.reference_specs,
         PartitionSpec(),
         PartitionSpec(),
       ),
       check_vma=check_vma,
     )
-    master, opt_state, residual, loss, grad_norm = step_fn(
-      state.master, state.opt_state, state.frozen, state.residual, tokens_AxBxL1
+    master, opt_state, residual, reference, loss, grad_norm = step_fn(
+      state.master, state.opt_state, state.frozen, state.residual, state.reference, tokens_AxBxL1
     )
     metrics = {"loss": loss, "grad_norm": grad_norm}
-    return TrainState(state.step + 1, master, opt_state, state.frozen, residual), metrics
+    new = TrainState(state.step + 1, master, opt_state, state.frozen, residual, reference)
+    return new, metrics
 
   def _sinks(self, synced: bool = False):
     """Zero gradient sinks at the Gr placement, trained leaves only (inside the shard_map), typed
@@ -473,7 +501,9 @@ class Engine:
     logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize, run_layers)
     return next_token_loss(logits, tokens_BxL1[:, 1:])
 
-  def _local_step(self, master, opt_state, frozen, residual, tokens_AxBxL1, *, tokens_per_step):
+  def _local_step(
+    self, master, opt_state, frozen, residual, reference, tokens_AxBxL1, *, tokens_per_step
+  ):
     s, impl, compute_dtype = self.strategy, self.collectives, self.compute_dtype
     materialize = self._materializer()
 
@@ -487,13 +517,19 @@ class Engine:
       # sync_in_backward): one more copy of the parameters (7b NGG with XLA's collectives: 44%
       # above the plan; NII, NIG: 30%). A flat bucket is unpacked by a fusion whose layout XLA
       # picks for its users, and the gathered buffer dies there. Same bytes either way.
-      params = jax.tree.map(
-        lambda w, dim: buckets.all_gather_bucket(
-          [w.astype(compute_dtype)], s.param_sync_axes, [dim], impl, wire=self.wire.params_codec
-        )[0],
-        master,
-        self.trained_dims,
-      )
+      if self.param_delta:
+        params = feedback.delta_param_sync(
+          master, reference, self.trained_dims, s.param_sync_axes, impl, self.wire, compute_dtype
+        )
+        reference = params
+      else:
+        params = jax.tree.map(
+          lambda w, dim: buckets.all_gather_bucket(
+            [w.astype(compute_dtype)], s.param_sync_axes, [dim], impl, wire=self.wire.params_codec
+          )[0],
+          master,
+          self.trained_dims,
+        )
       if self.lora:  # the frozen base is already at P, in the compute dtype
         params = join_trainable(self.mask, params, frozen)
 
@@ -576,7 +612,7 @@ class Engine:
       if self.error_feedback:
         residual = keep(new_residual, residual)
 
-    return master, opt_state, residual, loss, grad_norm
+    return master, opt_state, residual, reference, loss, grad_norm
 
 
 def _gather_invariant(x, axes, dim):

@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+
 from paro_jax.core import buckets
 from paro_jax.core import collectives as comm
 from paro_jax.core.compress import WireConfig
@@ -85,11 +89,57 @@ def boundary_sync(acc, dims, residual, strategy: Strategy, impl: str, wire: Wire
 def residual_bytes(strategy, trainable: int, inter: int, intra: int, wire, grad_itemsize: int):
   """Per-device bytes of the residual, for the memory models (0 where error feedback is off by
   default)."""
-  import jax.numpy as jnp
-
   grad_dtype = jnp.float32 if grad_itemsize == 4 else jnp.bfloat16
   if not resolve(strategy, wire, grad_dtype, None)[0]:
     return 0
   placements = (strategy.grads, strategy.opt)
   local = tuple(-(-trainable // p.shard_count(inter, intra)) for p in placements)
   return 4 * residual_size(strategy, local, inter, intra)
+
+
+def reference_bytes(strategy, trainable: int, inter: int, intra: int, wire, itemsize: int):
+  """Per-device bytes of the delta parameter sync's reference (0 where it is off by default)."""
+  if not resolve_params(strategy, wire, None)[0]:
+    return 0
+  return itemsize * -(-trainable // strategy.params.shard_count(inter, intra))
+
+
+# --- parameters: the step's int8 parameter sync sends each weight's change since the last one
+def resolve_params(strategy: Strategy, wire: WireConfig, requested: bool | None):
+  """(on, why) for the delta parameter sync (`delta_param_sync`). `requested`: None (the
+  default: on with int8 parameters where the step's parameter sync crosses nodes), True, False."""
+  if requested is False:
+    return False, "off (--no-param-delta)"
+  if wire.params != "int8" or INTER not in strategy.param_sync_axes:
+    if requested:
+      raise ValueError(
+        f"--param-delta applies to an int8 parameter sync across nodes: {strategy.name} with "
+        f"--inter-params {wire.params} has none; pass --inter-params int8 and a strategy whose "
+        f"parameters are not sharded across nodes (P = N or I), or drop --param-delta"
+      )
+    return False, "off"
+  return True, "on"
+
+
+def delta_param_sync(master, reference, dims, axes, impl: str, wire: WireConfig, dtype):
+  """The parameter sync (master shards at OS -> the compute-dtype weights at P) as the change
+  against `reference`, the weights every device received at the previous sync (P placement,
+  compute dtype): each device sends its shard of `master - reference` in int8, and every device,
+  the owner included, adds what it received. The weights a step computes with are then the
+  master's within one quantization of a step's change (plus the compute dtype's rounding), not
+  of the weight itself; what the quantization leaves out is in the next change. Returns the new
+  weights, which are also the next reference."""
+  sizes = [lax.axis_size(a) for a in axes]
+  index = 0
+  for a, n in zip(axes, sizes):  # this device's chunk: combined index over `axes`, major first
+    index = index * n + lax.axis_index(a)
+
+  def sync(w, ref, dim):
+    dim = dim % w.ndim
+    chunk = w.shape[dim]
+    own = lax.dynamic_slice_in_dim(ref, index * chunk, chunk, axis=dim)
+    delta = (w - own.astype(jnp.float32)).astype(dtype)
+    got = buckets.all_gather_bucket([delta], axes, [dim], impl, wire=wire.params_codec)[0]
+    return (ref.astype(jnp.float32) + got.astype(jnp.float32)).astype(dtype)
+
+  return jax.tree.map(sync, master, reference, dims)
