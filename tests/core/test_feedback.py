@@ -120,12 +120,19 @@ def test_where_error_feedback_applies():
     feedback.resolve(s("IIG"), WireConfig(), jnp.bfloat16, True)
 
 
-def _engine(strategy, wire=INT8, error_feedback=None):
+def _engine(strategy, wire=INT8, error_feedback=None, param_delta=None):
   optim = OptimConfig(learning_rate=1e-3, warmup_steps=1, total_steps=4)
   model = Llama(get_config("test"), jnp.float32)
   mesh = make_mesh(2, 4)
   return Engine(
-    model, parse_strategy(strategy), mesh, optim, 2, wire=wire, error_feedback=error_feedback
+    model,
+    parse_strategy(strategy),
+    mesh,
+    optim,
+    2,
+    wire=wire,
+    error_feedback=error_feedback,
+    param_delta=param_delta,
   )
 
 
@@ -164,3 +171,34 @@ def test_step_updates_each_devices_residual():
   assert len(shards) == 8 and all(s.shape == (engine.residual_size,) for s in shards)
   assert all(np.abs(s).max() > 0 for s in shards)
   assert len({s.tobytes() for s in shards}) == 8
+
+
+def test_param_delta_weights_track_the_master():
+  """With the delta parameter sync the weights a step computes with (the state's reference, at
+  P) are the master's within a quantized change: far closer than int8 of the weight itself
+  (the numpy quantizer's error on the master), though not equal (int8 did cross the wire)."""
+  engine = _engine("IIG", wire=WireConfig("int8", "same"))
+  assert engine.param_delta and engine.state_specs.reference == engine.trained_specs.params
+  state = engine.init_state(jax.random.key(0))
+  rng = np.random.default_rng(0)
+  for _ in range(3):  # the reference is the weights the last step used: its master before it
+    before = jax.device_get(state.master)
+    tokens = rng.integers(0, engine.model.cfg.vocab, size=(2, 8, 9)).astype(np.int32)
+    state, _ = engine.train_step(state, engine.shard_batch(tokens))
+  master = np.concatenate([np.ravel(a) for a in jax.tree.leaves(before)])
+  ref = np.concatenate([np.ravel(a) for a in jax.tree.leaves(jax.device_get(state.reference))])
+  rms = lambda a: float(np.sqrt(np.mean(np.square(a))))
+  int8_error = rms(np_roundtrip(master) - master)
+  assert 0 < rms(ref - master) < 0.05 * int8_error
+
+
+def test_where_param_delta_applies():
+  s = parse_strategy
+  int8_params = WireConfig("int8", "same")
+  assert feedback.resolve_params(s("IIG"), int8_params, None) == (True, "on")
+  assert feedback.resolve_params(s("IIG"), int8_params, False)[0] is False
+  assert feedback.resolve_params(s("IIG"), WireConfig("bf16", "same"), None)[0] is False
+  assert feedback.resolve_params(s("GGG"), int8_params, None)[0] is False  # no sync across nodes
+  with pytest.raises(ValueError, match="drop --param-delta"):
+    feedback.resolve_params(s("GGG"), int8_params, True)
+  assert _engine("IIG", wire=int8_params, param_delta=False).state_specs.reference is None
