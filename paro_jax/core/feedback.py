@@ -15,6 +15,16 @@ quantize each layer's gradient in backward, once per micro-batch: error feedback
 them (asking for it is an error; by default it is then off, and the run's header says so). It
 also keeps the layers' sync out of the last micro-batch's backward (`sync_in_backward`): the
 residual is applied once per step, at the boundary.
+
+Parameters (`--inter-params int8`; `--no-param-delta` turns it off): where the step's parameter
+sync (OS -> P) crosses nodes, it sends each weight's change since the last sync, quantized,
+against a copy every device keeps of what it last received (the TrainState's `reference`, the
+weights at P in the compute dtype); what the quantization leaves out goes into the next change.
+The weights a step computes with are then the master's within one quantized change (an update
+is about the learning rate: its int8 error is that of the weight's rounding to the compute dtype
+or less) instead of within a quantization of the weight itself (measured in
+experiments/results/compress_parity/). The per-layer gathers of
+strategies whose P spans nodes (P = G) quantize the weights themselves, as before.
 """
 
 from __future__ import annotations
