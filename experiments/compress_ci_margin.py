@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 
 # The CI test's run (tests/run/test_compress_parity.py imports it).
 CI_RUN = dict(
@@ -35,8 +36,14 @@ CI_RUN = dict(
   dtype="fp32",
 )
 # |eval-loss gap| the CI test allows: between the measured gaps of the correct and the broken
-# quantizers (OUT/margin.md).
-THRESHOLD = 0.01
+# quantizers (OUT/margin.md). One pair of runs differs by about 1-2% with no compression error at
+# all (a trajectory perturbed anywhere drifts: experiments/results/compress_parity/), so the
+# threshold catches gross breaks (saturation, misplaced scales), not subtle ones: those are
+# tests/core/test_compress.py's (its round-trip bounds).
+THRESHOLD = 0.04
+# The broken quantizers the threshold must catch (measured beyond it); the others are listed on
+# the page with their gap.
+CAUGHT = ("saturating", "swapped")
 
 
 def eval_loss(tmp: str, wire: str, seed: int) -> float:
@@ -52,6 +59,7 @@ def eval_loss(tmp: str, wire: str, seed: int) -> float:
     out=os.path.join(tmp, f"{wire}-{seed}"),
   )
   rows = [json.loads(line) for line in open(train(cfg))]
+  shutil.rmtree(cfg.out, ignore_errors=True)  # its checkpoints: not needed
   return [r["eval_loss"] for r in rows if "eval_loss" in r][-1]
 
 
@@ -108,14 +116,19 @@ def main(argv=None):
   p.add_argument("--kinds", nargs="+", default=["correct", "saturating", "truncating", "swapped"])
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/compress_ci_margin")
+  p.add_argument("--report-only", action="store_true", help="rewrite the page from margin.json")
   args = p.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
-  same = eval_loss(os.path.join(args.out, "runs"), "same", args.seed)
-  results = {}
-  for kind in args.kinds:
-    with quantizer(kind):
-      int8 = eval_loss(os.path.join(args.out, "runs", kind), "int8", args.seed)
-    results[kind] = {"same": same, "int8": int8, "gap": int8 / same - 1}
+  if args.report_only:
+    with open(os.path.join(args.out, "margin.json")) as f:
+      results = json.load(f)["results"]
+  else:
+    same = eval_loss(os.path.join(args.out, "runs"), "same", args.seed)
+    results = {}
+    for kind in args.kinds:
+      with quantizer(kind):
+        int8 = eval_loss(os.path.join(args.out, "runs", kind), "int8", args.seed)
+      results[kind] = {"same": same, "int8": int8, "gap": int8 / same - 1}
   lines = [
     "# Margins of the CI loss-parity test",
     "",
@@ -128,16 +141,31 @@ def main(argv=None):
     "feedback and the delta parameter sync on, their defaults) against the uncompressed run. "
     f"The test allows an eval-loss gap of {THRESHOLD:.1%}.",
     "",
-    "| quantizer | eval loss, same | eval loss, int8 | gap | within the threshold |",
-    "|---|---:|---:|---:|---|",
+    "| quantizer | eval loss, same | eval loss, int8 | gap | within the threshold | must be |",
+    "|---|---:|---:|---:|---|---|",
   ]
   for kind, r in results.items():
     ok = "yes" if abs(r["gap"]) <= THRESHOLD else "no"
-    lines.append(f"| {kind} | {r['same']:.4f} | {r['int8']:.4f} | {r['gap']:+.2%} | {ok} |")
+    want = {"correct": "yes"}.get(kind, "no" if kind in CAUGHT else "(not caught here)")
+    lines.append(
+      f"| {kind} | {r['same']:.4f} | {r['int8']:.4f} | {r['gap']:+.2%} | {ok} | {want} |"
+    )
+  correct = abs(results["correct"]["gap"])
+  caught = min((abs(results[k]["gap"]) for k in CAUGHT if k in results), default=None)
+  if caught is not None:
+    lines += [
+      "",
+      f"Margins: the correct quantizer's gap is {THRESHOLD - correct:.2%} inside the threshold, "
+      f"the smallest caught broken one's {caught - THRESHOLD:.2%} beyond it. Truncation (no "
+      "rounding) is within noise here: error feedback and the delta sync carry what it drops "
+      "into the next step; tests/core/test_compress.py's round-trip bound catches it.",
+    ]
   with open(os.path.join(args.out, "margin.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   with open(os.path.join(args.out, "margin.json"), "w") as f:
-    json.dump({"threshold": THRESHOLD, "ci_run": CI_RUN, "results": results}, f, indent=1)
+    json.dump(
+      {"threshold": THRESHOLD, "caught": CAUGHT, "ci_run": CI_RUN, "results": results}, f, indent=1
+    )
   print("\n".join(lines))
 
 

@@ -7,8 +7,9 @@ compute dtype and the same --grad-dtype.
       --out experiments/results/compress_parity/tiny-300-bf16 --resume
 
 A variant is `p<params wire>-g<grads wire>` with optional suffixes `-noef` (--no-error-feedback),
-`-nodelta` (--no-param-delta) and `-b<N>` (--int8-block N); `psame-gsame` is the baseline and is
-always run. Each run writes one JSON, OUT/runs/<variant>/seed<k>.json (its eval curve and per-step
+`-nodelta` (--no-param-delta), `-b<N>` (--int8-block N) and `-ring` (--collectives ring: the
+same sums in another order, a control that perturbs the run without compressing anything);
+`psame-gsame` is the baseline and is always run. Each run writes one JSON, OUT/runs/<variant>/seed<k>.json (its eval curve and per-step
 train loss); with --resume the runs whose JSON exists are not run again, so a long grid can be
 stopped and continued. Then
 OUT/parity.md (per-seed eval losses, each variant's paired gap against the baseline per seed, and
@@ -33,7 +34,7 @@ BASELINE = "psame-gsame"
 # Mean paired eval-loss gap allowed against the baseline (over the seeds), by the variant's wire:
 # the bf16 wire and int8 parameters and gradients (README.md, docs/collectives.md).
 TARGETS = {"bf16": 0.003, "int8": 0.005}
-VARIANT = re.compile(r"^p(same|bf16|int8)-g(same|bf16|int8)((?:-noef|-nodelta|-b\d+)*)$")
+VARIANT = re.compile(r"^p(same|bf16|int8)-g(same|bf16|int8)((?:-noef|-nodelta|-ring|-b\d+)*)$")
 
 
 def parse_variant(name: str) -> dict:
@@ -42,7 +43,7 @@ def parse_variant(name: str) -> dict:
   if not m:
     raise ValueError(
       f"bad variant {name!r}: write p<wire>-g<wire> with wires same, bf16 or int8, and optional "
-      f"-noef, -nodelta and -b<block> (e.g. pint8-gint8-noef)"
+      f"-noef, -nodelta, -ring and -b<block> (e.g. pint8-gint8-noef)"
     )
   suffix = m.group(3)
   block = re.search(r"-b(\d+)", suffix)
@@ -51,6 +52,7 @@ def parse_variant(name: str) -> dict:
     "inter_grads": m.group(2),
     "error_feedback": False if "-noef" in suffix else None,
     "param_delta": False if "-nodelta" in suffix else None,
+    "collectives": "ring" if "-ring" in suffix else "xla",
     "int8_block": int(block.group(1)) if block else DEFAULT_INT8_BLOCK,
   }
 
