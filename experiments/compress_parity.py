@@ -9,9 +9,9 @@ compute dtype and the same --grad-dtype.
 A variant is `p<params wire>-g<grads wire>` with optional suffixes `-noef` (--no-error-feedback),
 `-nodelta` (--no-param-delta), `-b<N>` (--int8-block N) and `-ring` (--collectives ring: the
 same sums in another order, a control that perturbs the run without compressing anything);
-`psame-gsame` is the baseline and is always run. Each run writes one JSON, OUT/runs/<variant>/seed<k>.json (its eval curve and per-step
-train loss); with --resume the runs whose JSON exists are not run again, so a long grid can be
-stopped and continued. Then
+`psame-gsame` is the baseline and is always run. Each run writes one JSON,
+OUT/runs/<variant>/seed<k>.json (its eval curve and per-step train loss); with --resume the runs
+whose JSON exists are not run again, so a long grid can be stopped and continued. Then
 OUT/parity.md (per-seed eval losses, each variant's paired gap against the baseline per seed, and
 their mean, standard deviation and range, against the targets), OUT/parity.json and OUT/parity.png
 (the eval-loss curves: mean over seeds with the band from the lowest to the highest seed).
