@@ -202,3 +202,22 @@ def test_where_param_delta_applies():
   with pytest.raises(ValueError, match="drop --param-delta"):
     feedback.resolve_params(s("GGG"), int8_params, True)
   assert _engine("IIG", wire=int8_params, param_delta=False).state_specs.reference is None
+
+
+def test_planner_counts_the_residual_and_the_reference():
+  """The planner's model states hold the fp32 residual (IIG on 4x8: Ψ/8 values per device, its
+  gradient at Gr) and the compute-dtype weights at P (Ψ/8 x 2 bytes) with int8 on both paths,
+  and neither without it."""
+  from paro_jax.analysis.planner import Cluster, Links, Workload, estimate
+
+  cfg = get_config("7b")
+  links = Links(100e9 / 8, 300e9, 50e-6, 10e-6, "hierarchical")
+  cluster = Cluster(4, 8, links, 312e12, 0.4, 80 * 2**30, 0.9, 0.0)
+  iig = parse_strategy("IIG")
+  plain = estimate(iig, Workload(cfg), cluster).memory["model_states"]
+  states = estimate(iig, Workload(cfg, wire=WireConfig("int8", "int8")), cluster).memory
+  states = states["model_states"]
+  psi = cfg.param_count()
+  assert states["residual"] == 4 * (psi // 8) and states["reference"] == 2 * (psi // 8)
+  assert states["total"] == plain["total"] + states["residual"] + states["reference"]
+  assert "residual" not in plain and "reference" not in plain
