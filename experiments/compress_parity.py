@@ -164,18 +164,33 @@ def report(records: dict, stats: dict, args) -> str:
     "",
     "Paired gap (variant / baseline - 1, per seed) over the seeds:",
     "",
-    "| variant | seeds | mean gap | std | min | max | target (mean) | met |",
-    "|---|---:|---:|---:|---:|---:|---:|---|",
+    "| variant | seeds | mean gap | std | std error | min | max | target (mean) | met |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---|",
   ]
   for v, st in stats.items():
-    target = target_of(v)
-    met = "" if target is None else ("yes" if st["mean"] <= target else "**no**")
+    target, se = target_of(v), st["std"] / st["n"] ** 0.5
     tgt = "" if target is None else f"{target:.1%}"
     lines.append(
-      f"| {v} | {st['n']} | {st['mean']:+.2%} | {st['std']:.2%} | {st['min']:+.2%} | "
-      f"{st['max']:+.2%} | {tgt} | {met} |"
+      f"| {v} | {st['n']} | {st['mean']:+.2%} | {st['std']:.2%} | {se:.2%} | {st['min']:+.2%} | "
+      f"{st['max']:+.2%} | {tgt} | {verdict(st, target)} |"
     )
+  lines += [
+    "",
+    "Met: the mean plus two standard errors within the target; not met: the mean minus two",
+    "standard errors beyond it; otherwise the seeds do not resolve it.",
+  ]
   return "\n".join(lines) + "\n"
+
+
+def verdict(st: dict, target: float | None) -> str:
+  if target is None or st["n"] < 2:
+    return ""
+  se = st["std"] / st["n"] ** 0.5
+  if st["mean"] + 2 * se <= target:
+    return "yes"
+  if st["mean"] - 2 * se > target:
+    return "**no**"
+  return "not resolved"
 
 
 def plot(records: dict, args, path: str) -> str:
