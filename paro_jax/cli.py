@@ -124,6 +124,18 @@ def _add_wire(p: argparse.ArgumentParser) -> None:
     help=f"elements per fp32 scale of the int8 format (default {DEFAULT_INT8_BLOCK})",
   )
   w.add_argument(
+    "--grad-dtype",
+    default="compute",
+    type=str.lower,
+    choices=GRAD_DTYPES,
+    help="gradient accumulation and boundary reduction dtype (default: the compute dtype)",
+  )
+
+
+def _add_feedback(p: argparse.ArgumentParser) -> None:
+  """--error-feedback, --param-delta (train, inspect; `plan` counts their defaults' memory)."""
+  w = p.add_argument_group("int8 corrections")
+  w.add_argument(
     "--error-feedback",
     action=argparse.BooleanOptionalAction,
     default=None,
@@ -138,13 +150,6 @@ def _add_wire(p: argparse.ArgumentParser) -> None:
     help="int8 parameter syncs send each weight's change since the last step against a copy "
     "every device keeps (default: on with --inter-params int8 where the step's parameter sync "
     "crosses nodes; --no-param-delta to compare)",
-  )
-  w.add_argument(
-    "--grad-dtype",
-    default="compute",
-    type=str.lower,
-    choices=GRAD_DTYPES,
-    help="gradient accumulation and boundary reduction dtype (default: the compute dtype)",
   )
 
 
@@ -185,6 +190,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     "(GPUs, bf16); auto: cudnn where it applies, else xla",
   )
   _add_wire(p)
+  _add_feedback(p)
   p.add_argument(
     "--remat",
     default="full",
