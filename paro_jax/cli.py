@@ -130,6 +130,27 @@ def _add_wire(p: argparse.ArgumentParser) -> None:
   )
 
 
+def _add_feedback(p: argparse.ArgumentParser) -> None:
+  """--error-feedback, --param-delta (train, inspect; `plan` counts their defaults' memory)."""
+  w = p.add_argument_group("int8 corrections")
+  w.add_argument(
+    "--error-feedback",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="keep each device's int8 gradient rounding error and add it to the next step's "
+    "gradient (default: on with --inter-grads int8 where the strategy reduces gradients across "
+    "nodes at the step's end; --no-error-feedback to compare)",
+  )
+  w.add_argument(
+    "--param-delta",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="int8 parameter syncs send each weight's change since the last step against a copy "
+    "every device keeps (default: on with --inter-params int8 where the step's parameter sync "
+    "crosses nodes; --no-param-delta to compare)",
+  )
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="tiny", type=_model_arg, help=MODEL_HELP)
   p.add_argument(
@@ -167,6 +188,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     "(GPUs, bf16); auto: cudnn where it applies, else xla",
   )
   _add_wire(p)
+  _add_feedback(p)
   p.add_argument(
     "--remat",
     default="full",

@@ -24,14 +24,22 @@ def model_state_bytes(
   param_bytes: int = 2,
   grad_bytes: int = 2,
   opt_bytes: int = 12,
+  residual_bytes: int = 0,
+  reference_bytes: int = 0,
 ) -> dict:
-  """Per-device bytes: params at P, gradients at Gr, fp32 master + Adam moments at OS."""
+  """Per-device bytes: params at P, gradients at Gr, fp32 master + Adam moments at OS, and with
+  error feedback (`residual_bytes`, core/feedback.py) the fp32 residual of the int8 gradients,
+  and with the delta parameter sync (`reference_bytes`) the weights at P kept between steps."""
   f = lambda placement: placement.shard_count(inter, intra)
   out = {
     "params": param_bytes * params // f(strategy.params),
     "grads": grad_bytes * trainable // f(strategy.grads),
     "opt": opt_bytes * trainable // f(strategy.opt),
   }
+  if residual_bytes:
+    out["residual"] = residual_bytes
+  if reference_bytes:
+    out["reference"] = reference_bytes
   out["total"] = sum(out.values())
   return out
 

@@ -151,6 +151,8 @@ def report(engine: Engine, compiled) -> dict:
         engine.intra,
         itemsize,
         jnp.dtype(engine.grad_dtype).itemsize,
+        residual_bytes=4 * engine.residual_size,
+        reference_bytes=engine.reference_bytes,
       ),
       "compiled": {
         "argument_bytes": mem.argument_size_in_bytes,
@@ -311,6 +313,8 @@ def inspect(
   int8_block: int = DEFAULT_INT8_BLOCK,
   grad_dtype: str = "compute",
   attention: str = "auto",
+  error_feedback: bool | None = None,
+  param_delta: bool | None = None,
 ) -> dict:
   """Build the engine for a configuration, compile its step and print the report.
 
@@ -349,6 +353,8 @@ def inspect(
     wire=WireConfig(inter_params, inter_grads, int8_block),
     grad_dtype=grad_dtype,
     prefetch=not no_prefetch,
+    error_feedback=error_feedback,
+    param_delta=param_delta,
   )
   with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
     try:

@@ -36,6 +36,7 @@ import json
 from typing import TYPE_CHECKING
 
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
+from paro_jax.core import feedback_rules  # no jax
 from paro_jax.core.wire import WireConfig  # no jax
 from paro_jax.analysis.hardware import GPUS
 from paro_jax.core.names import (
@@ -393,6 +394,12 @@ def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
     cluster.devices_per_node,
     w.itemsize,
     w.acc_itemsize,
+    residual_bytes=feedback_rules.residual_bytes(
+      strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, w.acc_itemsize
+    ),
+    reference_bytes=feedback_rules.reference_bytes(
+      strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, w.itemsize
+    ),
   )
   acts = activation_bytes(strategy, w, cluster.nodes, cluster.devices_per_node)
   memory = {"model_states": states, "activations": acts, "total": states["total"] + acts["total"]}

@@ -55,9 +55,12 @@ def all_gather_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wire=N
   return out
 
 
-def reduce_scatter_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wire=None) -> list:
+def reduce_scatter_bucket(
+  xs: list, axes, dims: list[int], impl: str = "xla", wire=None, residual=None
+) -> list:
   """Reduce-scatter (sum) each of `xs` along its dim over `axes`, as one collective (`wire`: as
-  collectives.reduce_scatter)."""
+  collectives.reduce_scatter). With `residual` (error feedback of the bucket's inter level:
+  collectives.reduce_scatter_feedback), returns (the list, the new residual)."""
   axes = tuple(axes) if not isinstance(axes, str) else (axes,)
   if not axes or not xs:
     return list(xs)
@@ -72,14 +75,19 @@ def reduce_scatter_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wi
       )
   # Row r of each (k, -1) view is chunk r of that array: concatenated, row r is device r's.
   rows = jnp.concatenate([m.reshape(k, -1) for m in moved], axis=1)
-  local = comm.reduce_scatter(rows.reshape(-1), axes, dim=0, impl=impl, wire=wire)
+  if residual is None:
+    local = comm.reduce_scatter(rows.reshape(-1), axes, dim=0, impl=impl, wire=wire)
+  else:
+    local, residual = comm.reduce_scatter_feedback(
+      rows.reshape(-1), residual, axes, impl=impl, wire=wire
+    )
   out, offset = [], 0
   for x, d, m in zip(xs, dims, moved):
     chunk = (m.shape[0] // k,) + m.shape[1:]
     n = math.prod(chunk)
     out.append(jnp.moveaxis(local[offset : offset + n].reshape(chunk), 0, d % x.ndim))
     offset += n
-  return out
+  return out if residual is None else (out, residual)
 
 
 # --- whole trees: one bucket with the hand-written rings, XLA's own collectives per leaf unless
@@ -136,3 +144,24 @@ def tree_all_reduce(tree, axes, impl: str = "xla", wire=None):
     out.append(total[offset : offset + x.size].reshape(x.shape))
     offset += x.size
   return _unflat(tree, out)
+
+
+# --- error feedback (collectives.reduce_scatter_feedback): a tree's leaves always as one bucket,
+# so that one residual covers them all.
+def tree_reduce_scatter_feedback(tree, dims, axes, residual, impl: str = "xla", wire=None):
+  """`tree_reduce_scatter` as one bucket whose inter level adds `residual`: (tree, residual)."""
+  leaves, flat_dims = _flat(tree, dims)
+  out, residual = reduce_scatter_bucket(leaves, axes, flat_dims, impl, wire, residual)
+  return _unflat(tree, out), residual
+
+
+def tree_all_reduce_feedback(tree, axes, residual, impl: str = "xla", wire=None):
+  """`tree_all_reduce` of one flat buffer whose inter level adds `residual`: (tree, residual)."""
+  leaves, _ = _flat(tree)
+  flat = jnp.concatenate([x.reshape(-1) for x in leaves])
+  total, residual = comm.all_reduce_feedback(flat, residual, axes, impl=impl, wire=wire)
+  out, offset = [], 0
+  for x in leaves:
+    out.append(total[offset : offset + x.size].reshape(x.shape))
+    offset += x.size
+  return _unflat(tree, out), residual

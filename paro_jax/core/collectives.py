@@ -63,6 +63,7 @@ from jax import lax
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from paro_jax.core import compress
+from paro_jax.core.feedback_rules import feedback_size  # noqa: F401 - comm.feedback_size too
 from paro_jax.core.names import COLLECTIVE_IMPLS, INTER, MIXED_IMPLS
 from paro_jax.core.names import resolve_collectives as resolve
 
@@ -535,8 +536,9 @@ def _ag_c_stacked(x, axes, impl, codec):
   return out
 
 
-def _rs_c_stacked(x, axes, impl, codec):
-  """[k, *S] (combined axes order) -> S; the inter level is compress.scatter_axis."""
+def _rs_c_stacked(x, axes, impl, codec, residual=None):
+  """[k, *S] (combined axes order) -> S; the inter level is compress.scatter_axis (with
+  `residual`: error feedback, and the result is (S, new residual))."""
   rest, inter_major = _split_inter(axes)
   g = lax.axis_size(INTER)
   S = x.shape[1:]
@@ -546,7 +548,7 @@ def _rs_c_stacked(x, axes, impl, codec):
     if inter_major:
       x = jnp.swapaxes(x, 0, 1)
     x = _plain_rs_stacked(x, rest, impl)  # [g, *S], summed over the node
-  return compress.scatter_axis(x, INTER, codec, impl, _inter_permute)
+  return compress.scatter_axis(x, INTER, codec, impl, _inter_permute, residual)
 
 
 def _ag_c_impl(x, axes, dim, impl, codec):
@@ -680,3 +682,39 @@ def all_reduce(x, axes, *, impl: str = "xla", wire=None):
   if impl == "xla":
     return lax.psum(x, _lax_axes(axes))
   return _ar(to_varying(x, axes), axes, impl)
+
+
+# --------------------------------------------------------------------------
+# error feedback: the compressed inter level with a residual (not differentiable: for the
+# accumulation boundary's gradient sync, which nothing differentiates)
+# --------------------------------------------------------------------------
+
+
+def reduce_scatter_feedback(flat, residual, axes, *, impl: str, wire):
+  """Reduce-scatter (sum) of the flat `flat` over `axes` (spanning `inter`, its length divisible
+  by their devices), the inter level carrying `wire` with error feedback: `residual` (fp32,
+  `feedback_size` elements) is added to what this device quantizes. Returns (its chunk, the
+  new residual)."""
+  axes = _norm_axes(axes)
+  _check_impl(impl)
+  impl = "xla" if impl in MIXED_IMPLS else impl
+  k = math.prod(_sizes(axes))
+  return _rs_c_stacked(to_varying(flat, axes).reshape(k, -1), axes, impl, wire, residual)
+
+
+def all_reduce_feedback(flat, residual, axes, *, impl: str, wire):
+  """Sum of the flat `flat` over `axes` (spanning `inter`): `reduce_scatter_feedback`, then the
+  compressed all-gather of the reduced chunk (quantized once, by its owner). Returns (the sum,
+  the new residual)."""
+  axes = _norm_axes(axes)
+  _check_impl(impl)
+  impl = "xla" if impl in MIXED_IMPLS else impl
+  k = math.prod(_sizes(axes))
+  n = flat.shape[0]
+  pad = (-n) % k
+  flat = to_varying(flat, axes)
+  if pad:
+    flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
+  part, residual = _rs_c_stacked(flat.reshape(k, -1), axes, impl, wire, residual)
+  full = _ag_c_stacked(part, axes, impl, wire).reshape(-1)
+  return full[:n], residual

@@ -101,16 +101,21 @@ def gather_axis(x, axis: str, codec: Codec, impl: str, ring_ag, permute):
   )
 
 
-def scatter_axis(x, axis: str, codec: Codec, impl: str, permute):
+def scatter_axis(x, axis: str, codec: Codec, impl: str, permute, residual=None):
   """Reduce-scatter (sum) of stacked `x` ([k, *S]) over one mesh `axis`: S, in x.dtype.
 
   Quantize once, send chunk j straight to device j (an all-to-all: `lax.all_to_all` for `xla`,
   k-1 direct permutes for the rings), dequantize and sum in fp32. `permute(payload, axis, perm)`
   is the hand-written rings' ppermute.
+
+  With `residual` (fp32, x.size elements: error feedback), what is sent is `x + residual`, and
+  the result is (sum, new residual): `x + residual` minus what its quantized chunks carry.
   """
   k = x.shape[0]
   r = lax.axis_index(axis)
-  S = x.shape[1:]
+  S, dtype = x.shape[1:], x.dtype
+  if residual is not None:
+    x, residual = with_feedback(x, residual, codec)
   payloads = [quantize(x[j], codec) for j in range(k)]
   if impl == "xla":
     stacked = _stack_payload(payloads)  # [k, ...]: row j is for device j
@@ -128,4 +133,17 @@ def scatter_axis(x, axis: str, codec: Codec, impl: str, permute):
   total = terms[0]
   for t in terms[1:]:
     total = total + t
-  return total.astype(x.dtype)
+  if residual is not None:
+    return total.astype(dtype), residual
+  return total.astype(dtype)
+
+
+def with_feedback(x, residual, codec: Codec):
+  """Error feedback (as error-feedback SGD and 1-bit Adam do): the stacked chunks `x` ([k, *S])
+  corrected by the fp32 `residual` of the last quantization (x.size elements), and the new
+  residual, what quantizing the corrected chunks loses. Returns (corrected x in fp32, new flat
+  residual). The chunks are quantized as `scatter_axis` quantizes them (one chunk at a time), so
+  the residual is exactly what the wire did not carry."""
+  corrected = x.astype(jnp.float32) + residual.reshape(x.shape)
+  sent = jnp.stack([roundtrip(corrected[j], codec, jnp.float32) for j in range(x.shape[0])])
+  return corrected, (corrected - sent).reshape(-1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -37,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.llama import Llama, next_token_loss
 from paro_jax.core import buckets
 from paro_jax.core import collectives as comm
+from paro_jax.core import feedback
 from paro_jax.core.compress import WireConfig
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.sharding import (
@@ -47,7 +49,13 @@ from paro_jax.core.sharding import (
   shard_dims,
   state_specs,
 )
-from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES, GRAD_DTYPES, check_batch_divides
+from paro_jax.core.names import (
+  BATCH_AXES,
+  GLOBAL_AXES,
+  GRAD_DTYPES,
+  MESH_AXES,
+  check_batch_divides,
+)
 from paro_jax.core.strategy import Strategy
 
 DTYPES = {
@@ -117,6 +125,8 @@ class TrainState(NamedTuple):
   master: Any  # fp32 trained parameters at the OS placement
   opt_state: Any  # optax state; moments at the OS placement
   frozen: Any = None  # LoRA: the frozen base weights, compute dtype, P placement
+  residual: Any = None  # error feedback (core/feedback.py): fp32, one vector per device
+  reference: Any = None  # delta parameter sync (core/feedback.py): compute dtype, P placement
 
 
 def split_trainable(tree, mask, trained: bool = True):
@@ -158,6 +168,8 @@ class Engine:
     grad_dtype: str = "compute",
     prefetch: bool = True,
     sync_in_backward: bool | None = None,
+    error_feedback: bool | None = None,
+    param_delta: bool | None = None,
   ):
     if grad_dtype not in GRAD_DTYPES:
       raise ValueError(f"unknown grad dtype {grad_dtype!r}; choose one of {GRAD_DTYPES}")
@@ -176,13 +188,23 @@ class Engine:
     if sync_in_backward is None:
       sync_in_backward = mesh.devices.flat[0].platform in ("gpu", "cuda")
     self.sync_in_backward = sync_in_backward and self.prefetch
+    # Gradient accumulator and boundary reduction: the compute dtype or fp32 (--grad-dtype).
+    self.grad_dtype = jnp.float32 if grad_dtype == "fp32" else model.dtype
+    # Error feedback of the gradients' quantization (core/feedback.py; None: on with int8
+    # gradients where it applies). It syncs at the boundary only, once per step.
+    self.error_feedback, self.feedback_note = feedback.resolve(
+      strategy, wire, self.grad_dtype, error_feedback
+    )
+    if self.error_feedback:
+      self.sync_in_backward = False
+    # int8 parameter syncs send each weight's change since the last sync (core/feedback.py).
+    self.param_delta, self.param_delta_note = feedback.resolve_params(strategy, wire, param_delta)
+    self.reference_bytes = 0  # set with the shapes below
     # XLA's collectives in the prefetching stack: one bucket per layer on GPUs, where the
     # scheduler overlaps one gather per layer better than nine (`_make_prefetch_stack`); per
     # leaf on XLA:CPU, where unpacking a bucket is a copy of the layer's weights.
     self.bucket_layers = mesh.devices.flat[0].platform in ("gpu", "cuda")
     self.compute_dtype = model.dtype
-    # Gradient accumulator and boundary reduction: the compute dtype or fp32 (--grad-dtype).
-    self.grad_dtype = jnp.float32 if grad_dtype == "fp32" else model.dtype
     self.wire = wire  # inter-node wire precision (paro_jax/core/compress.py)
     self.inter, self.intra = mesh_shape(mesh)
     self.logical = model.logical_axes()
@@ -213,8 +235,34 @@ class Engine:
       transform_non_params=lambda _: PartitionSpec(),
       is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+    self.residual_spec = PartitionSpec(MESH_AXES) if self.error_feedback else None
+    self.residual_size = 0
+    if self.error_feedback:
+      local = tuple(
+        sum(
+          math.prod(local_shape(t.shape, d, p.shard_count(self.inter, self.intra)))
+          for t, d in zip(jax.tree.leaves(self.trained_shapes), jax.tree.leaves(self.trained_dims))
+        )
+        for p in (strategy.grads, strategy.opt)
+      )
+      self.residual_size = feedback.residual_size(strategy, local, self.inter, self.intra)
+    self.reference_specs = self.trained_specs.params if self.param_delta else None
+    if self.param_delta:
+      self.reference_bytes = feedback.reference_bytes(
+        strategy,
+        model.trainable_count(),
+        self.inter,
+        self.intra,
+        wire,
+        jnp.dtype(self.compute_dtype).itemsize,
+      )
     self.state_specs = TrainState(
-      PartitionSpec(), self.trained_specs.opt, self.opt_specs, self.frozen_specs
+      PartitionSpec(),
+      self.trained_specs.opt,
+      self.opt_specs,
+      self.frozen_specs,
+      self.residual_spec,
+      self.reference_specs,
     )
     self.state_shardings = named(mesh, self.state_specs)
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
@@ -242,7 +290,15 @@ class Engine:
       frozen = jax.tree.map(
         lambda w: w.astype(self.compute_dtype), split_trainable(params, self.mask, False)
       )
-    return TrainState(jnp.zeros((), jnp.int32), master, self.tx.init(master), frozen)
+    residual = None
+    if self.error_feedback:  # one vector per device, laid end to end
+      residual = jnp.zeros((self.inter * self.intra * self.residual_size,), jnp.float32)
+    reference = None
+    if self.param_delta:  # the exact weights: the first sync sends the first step's change
+      reference = jax.tree.map(lambda w: w.astype(self.compute_dtype), master)
+    return TrainState(
+      jnp.zeros((), jnp.int32), master, self.tx.init(master), frozen, residual, reference
+    )
 
   def params(self, state: TrainState):
     """The compute-dtype parameters at their P placement (what the step holds while it runs)."""
@@ -396,15 +452,30 @@ class Engine:
     step_fn = jax.shard_map(
       functools.partial(self._local_step, tokens_per_step=tokens_AxBxL1[..., 1:].size),
       mesh=self.mesh,
-      in_specs=(self.trained_specs.opt, self.opt_specs, self.frozen_specs, self.batch_spec),
-      out_specs=(self.trained_specs.opt, self.opt_specs, PartitionSpec(), PartitionSpec()),
+      in_specs=(
+        self.trained_specs.opt,
+        self.opt_specs,
+        self.frozen_specs,
+        self.residual_spec,
+        self.reference_specs,
+        self.batch_spec,
+      ),
+      out_specs=(
+        self.trained_specs.opt,
+        self.opt_specs,
+        self.residual_spec,
+        self.reference_specs,
+        PartitionSpec(),
+        PartitionSpec(),
+      ),
       check_vma=check_vma,
     )
-    master, opt_state, loss, grad_norm = step_fn(
-      state.master, state.opt_state, state.frozen, tokens_AxBxL1
+    master, opt_state, residual, reference, loss, grad_norm = step_fn(
+      state.master, state.opt_state, state.frozen, state.residual, state.reference, tokens_AxBxL1
     )
     metrics = {"loss": loss, "grad_norm": grad_norm}
-    return TrainState(state.step + 1, master, opt_state, state.frozen), metrics
+    new = TrainState(state.step + 1, master, opt_state, state.frozen, residual, reference)
+    return new, metrics
 
   def _sinks(self, synced: bool = False):
     """Zero gradient sinks at the Gr placement, trained leaves only (inside the shard_map), typed
@@ -431,7 +502,9 @@ class Engine:
     logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize, run_layers)
     return next_token_loss(logits, tokens_BxL1[:, 1:])
 
-  def _local_step(self, master, opt_state, frozen, tokens_AxBxL1, *, tokens_per_step):
+  def _local_step(
+    self, master, opt_state, frozen, residual, reference, tokens_AxBxL1, *, tokens_per_step
+  ):
     s, impl, compute_dtype = self.strategy, self.collectives, self.compute_dtype
     materialize = self._materializer()
 
@@ -445,13 +518,19 @@ class Engine:
       # sync_in_backward): one more copy of the parameters (7b NGG with XLA's collectives: 44%
       # above the plan; NII, NIG: 30%). A flat bucket is unpacked by a fusion whose layout XLA
       # picks for its users, and the gathered buffer dies there. Same bytes either way.
-      params = jax.tree.map(
-        lambda w, dim: buckets.all_gather_bucket(
-          [w.astype(compute_dtype)], s.param_sync_axes, [dim], impl, wire=self.wire.params_codec
-        )[0],
-        master,
-        self.trained_dims,
-      )
+      if self.param_delta:
+        params = feedback.delta_param_sync(
+          master, reference, self.trained_dims, s.param_sync_axes, impl, self.wire, compute_dtype
+        )
+        reference = params
+      else:
+        params = jax.tree.map(
+          lambda w, dim: buckets.all_gather_bucket(
+            [w.astype(compute_dtype)], s.param_sync_axes, [dim], impl, wire=self.wire.params_codec
+          )[0],
+          master,
+          self.trained_dims,
+        )
       if self.lora:  # the frozen base is already at P, in the compute dtype
         params = join_trainable(self.mask, params, frozen)
 
@@ -489,7 +568,12 @@ class Engine:
       with jax.named_scope("micro_batches"):
         acc, losses = lax.scan(micro_step, sinks, tokens_AxBxL1)
       with jax.named_scope("grad_sync"):  # in the accumulator's dtype (compute or fp32)
-        grads = self._boundary_sync(acc, self.trained_dims)
+        if self.error_feedback:
+          grads, new_residual = feedback.boundary_sync(
+            acc, self.trained_dims, residual, s, impl, self.wire
+          )
+        else:
+          grads = self._boundary_sync(acc, self.trained_dims)
     else:
       # The layers' gradients are synced inside the last micro-batch's backward, each as soon
       # as it is final (the last layer's first), beside the backward of the layers below it;
@@ -526,8 +610,10 @@ class Engine:
       keep = lambda new, old: jnp.where(finite, new, old)
       master = jax.tree.map(keep, optax.apply_updates(master, updates), master)
       opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+      if self.error_feedback:
+        residual = keep(new_residual, residual)
 
-    return master, opt_state, loss, grad_norm
+    return master, opt_state, residual, reference, loss, grad_norm
 
 
 def _gather_invariant(x, axes, dim):

@@ -221,13 +221,16 @@ class Checkpointer:
         continue
       check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
       try:
+        step_target, carried = _residual_target(target, meta, engine, self._saved_residual(step))
         restored = self._manager.restore(
-          step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
+          step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(step_target)})
         )[STATE]
         _verify(restored, meta)  # the checksums are global: the same verdict on every process
       except Exception as e:  # noqa: BLE001
         failures.append((step, e))
         continue
+      if not carried:
+        restored = _restart_residual(restored, engine, meta)
       if failures:
         moved = self._set_aside([s for s, _ in failures]) if set_aside else ""
         warnings.warn(
@@ -240,6 +243,13 @@ class Checkpointer:
       f"no intact checkpoint in {self.directory}: {_describe(failures)}. "
       f"Delete the damaged step directories or start a new run with another --out"
     )
+
+  def _saved_residual(self, step: int):
+    """The saved error-feedback residual's metadata (shape), or None if the step has none."""
+    path = ocp.path.step.epath.Path(os.path.join(self.directory, str(step), STATE))
+    tree = ocp.StandardCheckpointHandler().metadata(path)
+    tree = getattr(tree, "item_metadata", tree)
+    return tree["residual"] if "residual" in tree else None
 
   def _set_aside(self, steps: list[int]) -> str:
     """Rename damaged step directories to `damaged-<step>` (process 0; the others wait)."""
@@ -258,6 +268,40 @@ class Checkpointer:
       multihost_utils.sync_global_devices("paro-jax: damaged checkpoints set aside")
     self._manager.reload()
     return f" (the damaged ones are kept as {', '.join(names)} in {self.directory})"
+
+
+def _residual_target(target: TrainState, meta: RunMeta, engine: Engine, saved):
+  """(what to read, whether the error-feedback residual carries over). The residual is each
+  device's own (core/feedback.py): laid out by strategy and mesh, it carries over only to the
+  same strategy on the same mesh; otherwise it is read as saved (or not at all) and restarts."""
+  want = target.residual
+  same = meta.strategy == engine.strategy.name and tuple(meta.mesh) == (engine.inter, engine.intra)
+  if saved is None or want is None or not same or tuple(saved.shape) != tuple(want.shape):
+    if saved is None:
+      return target._replace(residual=None), want is None
+    replicated = jax.sharding.NamedSharding(engine.mesh, jax.sharding.PartitionSpec())
+    read = jax.ShapeDtypeStruct(tuple(saved.shape), jnp.float32, sharding=replicated)
+    return target._replace(residual=read), False
+  return target, True
+
+
+def _restart_residual(state: TrainState, engine: Engine, meta: RunMeta) -> TrainState:
+  """The state with the engine's fresh residual (zeros, or none), said in one line."""
+  fresh = None
+  if engine.error_feedback:
+    sharding = engine.state_shardings.residual
+    fresh = jax.device_put(jnp.zeros(engine.inter * engine.intra * engine.residual_size), sharding)
+  if state.residual is None:
+    what = f"step {meta.step}'s checkpoint has no error-feedback residual: this run's starts at 0"
+  else:
+    what = (
+      f"the error-feedback residual of step {meta.step}'s checkpoint ({meta.strategy} on "
+      f"{meta.mesh[0]}x{meta.mesh[1]}) does not carry over to {engine.strategy.name} on "
+      f"{engine.inter}x{engine.intra} with error feedback {engine.feedback_note}: "
+      f"{'it restarts at 0' if fresh is not None else 'dropped'} (one step's rounding error)"
+    )
+  warnings.warn(what, stacklevel=3)
+  return state._replace(residual=fresh)
 
 
 def _verify(state: TrainState, meta: RunMeta) -> None:

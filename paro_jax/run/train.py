@@ -51,6 +51,8 @@ class RunConfig:
   inter_grads: str = "same"
   int8_block: int = DEFAULT_INT8_BLOCK
   grad_dtype: str = "compute"  # gradient accumulation / boundary reduction: compute or fp32
+  error_feedback: bool | None = None  # of int8 gradients (core/feedback.py); None: where it applies
+  param_delta: bool | None = None  # int8 parameter syncs send changes; None: where it applies
   remat: str = "full"  # models/llama.py REMAT_POLICIES
   attention: str = "auto"  # models/llama.py resolve_attention: auto, xla or cudnn
   steps: int = 50
@@ -187,6 +189,8 @@ def build(cfg: RunConfig):
     collectives=collectives,
     wire=cfg.wire(),
     grad_dtype=cfg.grad_dtype,
+    error_feedback=cfg.error_feedback,
+    param_delta=cfg.param_delta,
   )
   engine.check_batch_size(cfg.batch_size)
   batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
@@ -400,7 +404,15 @@ def train(cfg: RunConfig) -> str:
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
   grad_itemsize = jnp.dtype(engine.grad_dtype).itemsize
   mem = model_state_bytes(
-    engine.strategy, n_params, n_trained, inter, intra, itemsize, grad_itemsize
+    engine.strategy,
+    n_params,
+    n_trained,
+    inter,
+    intra,
+    itemsize,
+    grad_itemsize,
+    residual_bytes=4 * engine.residual_size,
+    reference_bytes=engine.reference_bytes,
   )
   main = jax.process_index() == 0  # with several processes only process 0 logs and writes
   if cfg.progress_timeout:
@@ -423,8 +435,9 @@ def train(cfg: RunConfig) -> str:
         f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
         f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
         f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={engine.collectives}, inter "
-        f"wire params={cfg.inter_params} grads={cfg.inter_grads}, grads in {cfg.grad_dtype}; model "
-        f"states {mem['total'] / 2**20:.2f} MiB/device",
+        f"wire params={cfg.inter_params} (delta {engine.param_delta_note}) grads="
+        f"{cfg.inter_grads} (error feedback {engine.feedback_note}), grads in {cfg.grad_dtype}; "
+        f"model states {mem['total'] / 2**20:.2f} MiB/device",
         flush=True,
       )
     return _train_locked(cfg, engine, batches, eval_batches, main, stop)

@@ -66,9 +66,9 @@ def test_bf16_roundtrip_and_dtype():
 def test_codec_refuses_bad_settings():
   with pytest.raises(ValueError, match="wire precision"):
     Codec("int4")
-  with pytest.raises(ValueError, match="block size"):
+  with pytest.raises(ValueError, match="int8-block"):
     Codec("int8", 0)
-  with pytest.raises(ValueError, match="block size"):
+  with pytest.raises(ValueError, match="int8-block"):
     WireConfig(grads="int8", block=-4)
   assert not Codec("bf16").active_for(jnp.bfloat16) and Codec("bf16").active_for(jnp.float32)
   assert Codec("int8").active_for(jnp.bfloat16) and not Codec("int8").active_for(jnp.int32)

@@ -1,0 +1,77 @@
+"""Error feedback across checkpoints: the residual is saved with the state, so a run resumed
+with it continues exactly; a checkpoint whose residual does not fit the resuming run (none saved,
+or another strategy) restarts it at zero and says so."""
+
+import json
+import os
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+
+from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.train import RunConfig, train
+
+RUN = dict(
+  model="test",
+  strategy="IIG",
+  mesh=(2, 4),
+  micro_batches=2,
+  batch_size=8,
+  seq_len=16,
+  dtype="fp32",
+  steps=6,
+  warmup=2,
+  inter_params="int8",
+  inter_grads="int8",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="paro-jax-jit-"))
+
+
+def losses(run_dir):
+  rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+  return [r["step"] for r in rows], [r["loss"] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  out = tmp_path_factory.mktemp("ef-straight")
+  train(RunConfig(**RUN, out=str(out), checkpoint_every=2))
+  return out
+
+
+def test_resume_with_error_feedback_equals_uninterrupted(straight, tmp_path):
+  out = tmp_path / "run"
+  shutil.copytree(straight, out)
+  shutil.rmtree(out / "checkpoints" / "6")
+  shutil.rmtree(out / "checkpoints" / "4")
+  train(RunConfig(**RUN, out=str(out), checkpoint_every=2, resume=True))
+  steps, resumed = losses(out)
+  assert steps == [1, 2, 3, 4, 5, 6]
+  assert resumed == losses(straight)[1]  # bit for bit
+
+
+def test_resume_without_the_residual_differs_and_says_so(straight, tmp_path):
+  """Resuming at step 2 a run saved with --no-error-feedback (the same two first steps: the
+  residual starts at zero): the checkpoint has no residual, the run's restarts at zero (a
+  warning), and its later losses are not the uninterrupted run's: the saved residual is what
+  made the resume above exact."""
+  out = tmp_path / "run"
+  train(RunConfig(**RUN, out=str(out), checkpoint_every=2, error_feedback=False))
+  shutil.rmtree(out / "checkpoints" / "6")
+  shutil.rmtree(out / "checkpoints" / "4")
+  assert Checkpointer(out / "checkpoints").steps() == [2]
+  with pytest.warns(UserWarning, match="has no error-feedback residual: this run's starts at 0"):
+    train(RunConfig(**RUN, out=str(out), checkpoint_every=2, resume=True))
+  steps, resumed = losses(out)
+  assert steps == [1, 2, 3, 4, 5, 6]
+  expected = losses(straight)[1]
+  assert resumed[:2] == expected[:2]
+  np.testing.assert_allclose(resumed[2:], expected[2:], rtol=2e-2)
+  assert resumed[2:] != expected[2:]
