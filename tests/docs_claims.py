@@ -15,7 +15,11 @@ import re
 import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOC_FILES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("docs/*.md"))]
+DOC_FILES = [
+  "README.md",
+  *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("docs/*.md")),
+  "experiments/results/README.md",
+]
 # Files whose comments and docstrings name paths of the repository.
 SOURCE_DIRS = ["paro_jax", "models", "tests", "experiments", "examples"]
 UNKNOWN = object()  # a default argparse computes (not a literal in the source)

@@ -66,6 +66,18 @@ def test_paths_in_comments_exist():
   assert not problems, "\n".join(problems)
 
 
+def test_every_results_folder_is_in_the_index():
+  index = _read("experiments/results/README.md")
+  entries = sorted(
+    p.name for p in (ROOT / "experiments/results").iterdir() if p.name != "README.md"
+  )
+  missing = [e for e in entries if f"[`{e}" not in index and f"`{e}/`" not in index]
+  assert not missing, (
+    "add these to experiments/results/README.md (what, command, date, current or superseded): "
+    + ", ".join(missing)
+  )
+
+
 # The checkers fail where they should: synthetic pages, each with one wrong claim.
 
 
