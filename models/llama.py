@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -20,91 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.config import HIDDEN_PRESETS, PRESETS, LlamaConfig, get_config  # noqa: F401 - re-exported
+
 LAYERS = "layers"
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  vocab: int = 256
-  dim: int = 128
-  layers: int = 4
-  heads: int = 4
-  kv_heads: int = 2
-  head_dim: int = 32
-  mlp: int = 512
-  rope_theta: float = 10_000.0
-  norm_eps: float = 1e-5
-  init_std: float = 0.02
-
-  def __post_init__(self):
-    for field in ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp"):
-      if getattr(self, field) <= 0:
-        raise ValueError(f"LlamaConfig.{field} must be positive, got {getattr(self, field)}")
-    if self.heads % self.kv_heads:
-      raise ValueError(
-        f"LlamaConfig: heads ({self.heads}) must be a multiple of kv_heads "
-        f"({self.kv_heads}) for grouped-query attention"
-      )
-    if self.head_dim % 2:
-      raise ValueError(f"LlamaConfig: head_dim ({self.head_dim}) must be even for RoPE")
-
-  def layer_param_count(self) -> int:
-    """Parameters of one transformer layer: attention, MLP and the two norms."""
-    attn = self.dim * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-    return attn + 3 * self.dim * self.mlp + 2 * self.dim
-
-  def outer_param_count(self) -> int:
-    """Parameters outside the layer stack: embedding, final norm and the untied head."""
-    return 2 * self.vocab * self.dim + self.dim
-
-  def param_count(self) -> int:
-    return self.layers * self.layer_param_count() + self.outer_param_count()
-
-  def flops_per_token(self, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul params + attention scores (forward + backward)."""
-    matmul = self.param_count() - self.vocab * self.dim - (2 * self.layers + 1) * self.dim
-    return 6 * matmul + 12 * self.layers * self.heads * self.head_dim * seq_len
-
-
-PRESETS: dict[str, LlamaConfig] = {
-  # ~1.05M parameters: tests and quick starts.
-  "tiny": LlamaConfig(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, head_dim=32, mlp=512),
-  # ~25M parameters: CPU benchmarks.
-  "small": LlamaConfig(vocab=256, dim=512, layers=8, heads=8, kv_heads=4, head_dim=64, mlp=1536),
-  # The LLaMA-1 shapes (Touvron et al., 2023), for the inspector and planning.
-  "7b": LlamaConfig(
-    vocab=32000, dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11008, norm_eps=1e-6
-  ),
-  "13b": LlamaConfig(
-    vocab=32000, dim=5120, layers=40, heads=40, kv_heads=40, head_dim=128, mlp=13824, norm_eps=1e-6
-  ),
-  "65b": LlamaConfig(
-    vocab=32000, dim=8192, layers=80, heads=64, kv_heads=64, head_dim=128, mlp=22016, norm_eps=1e-5
-  ),
-}
-
-
-# Not listed in help or errors: a model that compiles and trains in moments, for tests.
-HIDDEN_PRESETS: dict[str, LlamaConfig] = {
-  "test": LlamaConfig(vocab=256, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64),
-}
-
-
-def get_config(name: str) -> LlamaConfig:
-  """A preset by name, or the shapes of an HF LLaMA `config.json` (the file or its directory;
-  no weights are read: the model starts from scratch)."""
-  if name in HIDDEN_PRESETS:
-    return HIDDEN_PRESETS[name]
-  if name in PRESETS:
-    return PRESETS[name]
-  if os.path.isdir(name) or (name.endswith(".json") and os.path.isfile(name)):
-    from models.hf import read_config  # here: models.hf imports this module
-
-    return read_config(name)
-  raise ValueError(
-    f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or give the path of an "
-    f"HF LLaMA config.json"
-  )
 
 
 # What each layer keeps for backward. "full": nothing (all of the layer, its weight gather
@@ -468,8 +385,9 @@ class Llama:
     )
     return axes
 
-  def layer_param_count(self) -> int:
-    """Parameters inside the scanned layer stack (the ones recomputed in backward)."""
+  def stack_param_count(self) -> int:
+    """Parameters of the whole scanned layer stack, adapters included (the ones recomputed in
+    backward); `LlamaConfig.layer_param_count` counts one layer without adapters."""
     c = self.cfg
     adapters = self.lora.layer_params(c) if self.lora else 0
     return c.layers * (c.layer_param_count() + adapters)

@@ -14,24 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from paro_jax.analysis import hlo
+from paro_jax.analysis.abstract import abstract_inputs  # noqa: F401 - also imported from here
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
 from paro_jax.core.engine import Engine
 from paro_jax.core.names import DEFAULT_INT8_BLOCK, MIXED_IMPLS
-
-
-def abstract_inputs(engine: Engine, batch_size: int, seq_len: int):
-  """Abstract (state, batch) for engine.train_step, with shardings and no memory behind them."""
-  engine.check_batch_size(batch_size)
-  shapes = jax.eval_shape(lambda: engine.init_state(jax.random.key(0)))
-  state = jax.tree.map(
-    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-    shapes,
-    engine.state_shardings,
-  )
-  batch = jax.ShapeDtypeStruct(
-    (engine.micro_batches, batch_size, seq_len + 1), jnp.int32, sharding=engine.batch_sharding
-  )
-  return state, batch
 
 
 def compile_step(engine: Engine, batch_size: int, seq_len: int):
@@ -43,7 +29,7 @@ def expected_traffic(engine: Engine):
   psi, trained = engine.model.param_count(), engine.model.trainable_count()
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
   # Only the layer stack is gathered again in backward (models/llama.py: Llama.apply).
-  regathered = engine.model.layer_param_count() if engine.model.remat != "none" else 0
+  regathered = engine.model.stack_param_count() if engine.model.remat != "none" else 0
   return step_traffic(
     engine.strategy,
     psi,

@@ -1,0 +1,214 @@
+"""The model's configuration: `LlamaConfig`, the presets, and the mapping to and from an HF
+LLaMA `config.json`.
+
+Pure Python (no jax, no numpy): what the planner, the CLI's argument checks and the HF reader
+need before anything is compiled. models/llama.py (the Flax model) and models/hf.py (the HF
+weights) both import it; it imports neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+CONFIG = "config.json"  # an HF model directory's config file
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab: int = 256
+  dim: int = 128
+  layers: int = 4
+  heads: int = 4
+  kv_heads: int = 2
+  head_dim: int = 32
+  mlp: int = 512
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    for field in ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp"):
+      if getattr(self, field) <= 0:
+        raise ValueError(f"LlamaConfig.{field} must be positive, got {getattr(self, field)}")
+    if self.heads % self.kv_heads:
+      raise ValueError(
+        f"LlamaConfig: heads ({self.heads}) must be a multiple of kv_heads "
+        f"({self.kv_heads}) for grouped-query attention"
+      )
+    if self.head_dim % 2:
+      raise ValueError(f"LlamaConfig: head_dim ({self.head_dim}) must be even for RoPE")
+
+  def layer_param_count(self) -> int:
+    """Parameters of one transformer layer: attention, MLP and the two norms."""
+    attn = self.dim * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+    return attn + 3 * self.dim * self.mlp + 2 * self.dim
+
+  def outer_param_count(self) -> int:
+    """Parameters outside the layer stack: embedding, final norm and the untied head."""
+    return 2 * self.vocab * self.dim + self.dim
+
+  def param_count(self) -> int:
+    return self.layers * self.layer_param_count() + self.outer_param_count()
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul params + attention scores (forward + backward)."""
+    matmul = self.param_count() - self.vocab * self.dim - (2 * self.layers + 1) * self.dim
+    return 6 * matmul + 12 * self.layers * self.heads * self.head_dim * seq_len
+
+
+PRESETS: dict[str, LlamaConfig] = {
+  # ~1.05M parameters: tests and quick starts.
+  "tiny": LlamaConfig(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, head_dim=32, mlp=512),
+  # ~25M parameters: CPU benchmarks.
+  "small": LlamaConfig(vocab=256, dim=512, layers=8, heads=8, kv_heads=4, head_dim=64, mlp=1536),
+  # The LLaMA-1 shapes (Touvron et al., 2023), for the inspector and planning.
+  "7b": LlamaConfig(
+    vocab=32000, dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11008, norm_eps=1e-6
+  ),
+  "13b": LlamaConfig(
+    vocab=32000, dim=5120, layers=40, heads=40, kv_heads=40, head_dim=128, mlp=13824, norm_eps=1e-6
+  ),
+  "65b": LlamaConfig(
+    vocab=32000, dim=8192, layers=80, heads=64, kv_heads=64, head_dim=128, mlp=22016, norm_eps=1e-5
+  ),
+}
+
+
+# Not listed in help or errors: a model that compiles and trains in moments, for tests.
+HIDDEN_PRESETS: dict[str, LlamaConfig] = {
+  "test": LlamaConfig(vocab=256, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64),
+}
+
+
+def get_config(name: str) -> LlamaConfig:
+  """A preset by name, or the shapes of an HF LLaMA `config.json` (the file or its directory;
+  no weights are read: the model starts from scratch)."""
+  if name in HIDDEN_PRESETS:
+    return HIDDEN_PRESETS[name]
+  if name in PRESETS:
+    return PRESETS[name]
+  if os.path.isdir(name) or (name.endswith(".json") and os.path.isfile(name)):
+    return read_config(name)
+  raise ValueError(
+    f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or give the path of an "
+    f"HF LLaMA config.json"
+  )
+
+
+# --- HF config.json -------------------------------------------------------------------------
+def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
+  """Our LlamaConfig for an HF LLaMA config.json (as a dict); anything we cannot run is an error."""
+
+  def refuse(why):
+    raise ValueError(f"{where}: unsupported HF config: {why}")
+
+  archs = hf.get("architectures") or []
+  if hf.get("model_type", "llama") != "llama" or (archs and "LlamaForCausalLM" not in archs):
+    refuse(
+      f"model_type {hf.get('model_type')!r}, architectures {archs}: only LLaMA "
+      f"(LlamaForCausalLM) is supported"
+    )
+  missing = [
+    k
+    for k in (
+      "vocab_size",
+      "hidden_size",
+      "num_hidden_layers",
+      "num_attention_heads",
+      "intermediate_size",
+    )
+    if k not in hf
+  ]
+  if missing:
+    refuse(f"missing field(s) {', '.join(missing)}")
+  if hf.get("tie_word_embeddings", False):
+    refuse("tie_word_embeddings is true, but our model has a separate output head (lm_head)")
+  for key in ("attention_bias", "mlp_bias"):
+    if hf.get(key, False):
+      refuse(f"{key} is true; our model has no biases")
+  if hf.get("hidden_act", "silu") != "silu":
+    refuse(f"hidden_act {hf['hidden_act']!r}; our MLP is SwiGLU (silu)")
+  if hf.get("rope_scaling"):
+    refuse(f"rope_scaling {hf['rope_scaling']}; only plain RoPE (no scaling) is supported")
+  rope = hf.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta here
+  if rope.get("rope_type", "default") != "default":
+    refuse(f"rope_parameters {rope}; only plain RoPE (rope_type 'default') is supported")
+  heads, dim = hf["num_attention_heads"], hf["hidden_size"]
+  head_dim = hf.get("head_dim")
+  if head_dim is None:
+    if dim % heads:
+      refuse(
+        f"hidden_size {dim} is not a multiple of num_attention_heads {heads} and no "
+        f"head_dim is given"
+      )
+    head_dim = dim // heads
+  kv_heads = hf.get("num_key_value_heads") or heads
+  try:
+    return LlamaConfig(
+      vocab=hf["vocab_size"],
+      dim=dim,
+      layers=hf["num_hidden_layers"],
+      heads=heads,
+      kv_heads=kv_heads,
+      head_dim=head_dim,
+      mlp=hf["intermediate_size"],
+      rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      init_std=float(hf.get("initializer_range", 0.02)),
+    )
+  except ValueError as e:
+    refuse(str(e))
+
+
+def config_to_hf(c: LlamaConfig) -> dict:
+  """The config.json of a LlamaForCausalLM with our model's shapes."""
+  return {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": c.vocab,
+    "hidden_size": c.dim,
+    "num_hidden_layers": c.layers,
+    "num_attention_heads": c.heads,
+    "num_key_value_heads": c.kv_heads,
+    "head_dim": c.head_dim,
+    "intermediate_size": c.mlp,
+    "hidden_act": "silu",
+    "rms_norm_eps": c.norm_eps,
+    "rope_theta": c.rope_theta,
+    "rope_scaling": None,
+    "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": c.init_std,
+    "torch_dtype": "float32",
+  }
+
+
+def read_config(directory: str) -> LlamaConfig:
+  """Only the model config of an HF LLaMA directory, or of its config.json (no weights)."""
+  if os.path.isfile(directory) and directory.endswith(".json"):
+    path = directory
+  else:
+    path = os.path.join(check_hf_dir(directory), CONFIG)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{directory} has no {CONFIG}: not an HF model directory")
+  try:
+    with open(path) as f:
+      hf = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  return config_from_hf(hf, path)
+
+
+def check_hf_dir(directory: str) -> str:
+  """The directory, if it is one; else an error saying what an HF model directory holds."""
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(
+      f"HF model directory {directory} does not exist (or is not a "
+      f"directory); pass a local directory holding config.json and "
+      f"model.safetensors"
+    )
+  return directory
