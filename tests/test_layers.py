@@ -9,6 +9,8 @@ models/config.py (the planner's model shapes). No two modules import each other,
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -139,3 +141,18 @@ def test_mutual_import_check_catches_a_circle(tmp_path):
   (tmp_path / "models" / "a.py").write_text("from models.b import f\n")
   (tmp_path / "models" / "b.py").write_text("def g():\n  from models import a\n")
   assert mutual_imports(import_graph(tmp_path)) == ["models.a <-> models.b"]
+
+
+def test_package_and_cli_start_without_jax():
+  """`import paro_jax`, the CLI's parser and the model config import no jax (nor numpy): the CLI
+  sets the device flags before jax starts, and `plan` needs no jax at all. This is why the jax
+  imports of cli.py sit inside its command functions."""
+  code = (
+    "import sys; import paro_jax, paro_jax.cli, models.config; paro_jax.cli.build_parser(); "
+    "print(sorted(m for m in ('jax', 'jaxlib', 'flax', 'optax', 'numpy') if m in sys.modules))"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+  )
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip() == "[]", f"imported at start: {done.stdout.strip()}"
