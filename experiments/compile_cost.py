@@ -101,7 +101,8 @@ def main(argv=None) -> None:
     " seconds of `lowered.compile()` (all threads), summed over "
     + ", ".join(STRATEGIES)
     + ". The bytes are what the compiled programs send (`paro-jax inspect`'s measured traffic)."
-    " CPU time, not wall time: other jobs may share the machine (they inflate both rows alike).",
+    " CPU time, not wall time: other jobs may share the machine (contention inflates CPU time"
+    " somewhat; the rows ran one after the other).",
     "",
     "| flags | compile CPU s | inter bytes | intra bytes | same bytes as XLA's defaults |",
     "|---|---:|---:|---:|---|",
