@@ -1,15 +1,18 @@
-"""The LLaMA model config, its presets, and the attention implementation a run gets.
+"""The model's configuration: `LlamaConfig`, the presets, and the mapping to and from an HF
+LLaMA `config.json`.
 
-No jax at import (`paro-jax plan` sizes models without it); models/llama.py re-exports all of it.
+Pure Python (no jax, no numpy): what the planner, the CLI's argument checks and the HF reader
+need before anything is compiled. models/llama.py (the Flax model) and models/hf.py (the HF
+weights) both import it; it imports neither.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
-import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy (np.dtype("bfloat16"))
-import numpy as np
+CONFIG = "config.json"  # an HF model directory's config file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +90,6 @@ def get_config(name: str) -> LlamaConfig:
   if name in PRESETS:
     return PRESETS[name]
   if os.path.isdir(name) or (name.endswith(".json") and os.path.isfile(name)):
-    from models.hf import read_config  # here: models.hf imports this module
-
     return read_config(name)
   if name.endswith(".json") or os.sep in name:
     raise FileNotFoundError(
@@ -99,6 +100,123 @@ def get_config(name: str) -> LlamaConfig:
     f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or give the path of an "
     f"HF LLaMA config.json"
   )
+
+
+# --- HF config.json -------------------------------------------------------------------------
+def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
+  """Our LlamaConfig for an HF LLaMA config.json (as a dict); anything we cannot run is an error."""
+
+  def refuse(why):
+    raise ValueError(f"{where}: unsupported HF config: {why}")
+
+  archs = hf.get("architectures") or []
+  if hf.get("model_type", "llama") != "llama" or (archs and "LlamaForCausalLM" not in archs):
+    refuse(
+      f"model_type {hf.get('model_type')!r}, architectures {archs}: only LLaMA "
+      f"(LlamaForCausalLM) is supported"
+    )
+  missing = [
+    k
+    for k in (
+      "vocab_size",
+      "hidden_size",
+      "num_hidden_layers",
+      "num_attention_heads",
+      "intermediate_size",
+    )
+    if k not in hf
+  ]
+  if missing:
+    refuse(f"missing field(s) {', '.join(missing)}")
+  if hf.get("tie_word_embeddings", False):
+    refuse("tie_word_embeddings is true, but our model has a separate output head (lm_head)")
+  for key in ("attention_bias", "mlp_bias"):
+    if hf.get(key, False):
+      refuse(f"{key} is true; our model has no biases")
+  if hf.get("hidden_act", "silu") != "silu":
+    refuse(f"hidden_act {hf['hidden_act']!r}; our MLP is SwiGLU (silu)")
+  if hf.get("rope_scaling"):
+    refuse(f"rope_scaling {hf['rope_scaling']}; only plain RoPE (no scaling) is supported")
+  rope = hf.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta here
+  if rope.get("rope_type", "default") != "default":
+    refuse(f"rope_parameters {rope}; only plain RoPE (rope_type 'default') is supported")
+  heads, dim = hf["num_attention_heads"], hf["hidden_size"]
+  head_dim = hf.get("head_dim")
+  if head_dim is None:
+    if dim % heads:
+      refuse(
+        f"hidden_size {dim} is not a multiple of num_attention_heads {heads} and no "
+        f"head_dim is given"
+      )
+    head_dim = dim // heads
+  kv_heads = hf.get("num_key_value_heads") or heads
+  try:
+    return LlamaConfig(
+      vocab=hf["vocab_size"],
+      dim=dim,
+      layers=hf["num_hidden_layers"],
+      heads=heads,
+      kv_heads=kv_heads,
+      head_dim=head_dim,
+      mlp=hf["intermediate_size"],
+      rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      init_std=float(hf.get("initializer_range", 0.02)),
+    )
+  except ValueError as e:
+    refuse(str(e))
+
+
+def config_to_hf(c: LlamaConfig) -> dict:
+  """The config.json of a LlamaForCausalLM with our model's shapes."""
+  return {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": c.vocab,
+    "hidden_size": c.dim,
+    "num_hidden_layers": c.layers,
+    "num_attention_heads": c.heads,
+    "num_key_value_heads": c.kv_heads,
+    "head_dim": c.head_dim,
+    "intermediate_size": c.mlp,
+    "hidden_act": "silu",
+    "rms_norm_eps": c.norm_eps,
+    "rope_theta": c.rope_theta,
+    "rope_scaling": None,
+    "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": c.init_std,
+    "torch_dtype": "float32",
+  }
+
+
+def read_config(directory: str) -> LlamaConfig:
+  """Only the model config of an HF LLaMA directory, or of its config.json (no weights)."""
+  if os.path.isfile(directory) and directory.endswith(".json"):
+    path = directory
+  else:
+    path = os.path.join(check_hf_dir(directory), CONFIG)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{directory} has no {CONFIG}: not an HF model directory")
+  try:
+    with open(path) as f:
+      hf = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  return config_from_hf(hf, path)
+
+
+def check_hf_dir(directory: str) -> str:
+  """The directory, if it is one; else an error saying what an HF model directory holds."""
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(
+      f"HF model directory {directory} does not exist (or is not a "
+      f"directory); pass a local directory holding config.json and "
+      f"model.safetensors"
+    )
+  return directory
 
 
 # How attention is computed. "xla" writes it out: scores in fp32, causal mask, softmax, weighted
@@ -112,6 +230,9 @@ FUSED_DTYPES = ("bfloat16", "float16")
 def resolve_attention(requested: str, platform: str, dtype, head_dim: int) -> tuple[str, str]:
   """(the attention implementation to run, why) for --attention on `platform` ("cpu", "gpu",
   "cuda"). Asking for cudnn where it cannot run is an error, not a quiet fallback."""
+  import ml_dtypes  # noqa: F401 - here: this module starts without numpy; registers bfloat16
+  import numpy as np
+
   if requested not in ATTENTION_IMPLS:
     raise ValueError(f"unknown --attention {requested!r}; choose one of {ATTENTION_IMPLS}")
   gpu = platform in ("gpu", "cuda")

@@ -21,9 +21,16 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so bf16 safetens
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from models.config import LlamaConfig
+from models.config import (  # noqa: F401 - the config functions are re-exported
+  CONFIG,
+  LlamaConfig,
+  check_hf_dir,
+  config_from_hf,
+  config_to_hf,
+  read_config,
+)
 
-CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry; recomputed here
 
 
@@ -65,123 +72,7 @@ def _global_map(c: LlamaConfig) -> dict:
   }
 
 
-# --- config ----------------------------------------------------------------------------------
-def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
-  """Our LlamaConfig for an HF LLaMA config.json (as a dict); anything we cannot run is an error."""
-
-  def refuse(why):
-    raise ValueError(f"{where}: unsupported HF config: {why}")
-
-  archs = hf.get("architectures") or []
-  if hf.get("model_type", "llama") != "llama" or (archs and "LlamaForCausalLM" not in archs):
-    refuse(
-      f"model_type {hf.get('model_type')!r}, architectures {archs}: only LLaMA "
-      f"(LlamaForCausalLM) is supported"
-    )
-  missing = [
-    k
-    for k in (
-      "vocab_size",
-      "hidden_size",
-      "num_hidden_layers",
-      "num_attention_heads",
-      "intermediate_size",
-    )
-    if k not in hf
-  ]
-  if missing:
-    refuse(f"missing field(s) {', '.join(missing)}")
-  if hf.get("tie_word_embeddings", False):
-    refuse("tie_word_embeddings is true, but our model has a separate output head (lm_head)")
-  for key in ("attention_bias", "mlp_bias"):
-    if hf.get(key, False):
-      refuse(f"{key} is true; our model has no biases")
-  if hf.get("hidden_act", "silu") != "silu":
-    refuse(f"hidden_act {hf['hidden_act']!r}; our MLP is SwiGLU (silu)")
-  if hf.get("rope_scaling"):
-    refuse(f"rope_scaling {hf['rope_scaling']}; only plain RoPE (no scaling) is supported")
-  rope = hf.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta here
-  if rope.get("rope_type", "default") != "default":
-    refuse(f"rope_parameters {rope}; only plain RoPE (rope_type 'default') is supported")
-  heads, dim = hf["num_attention_heads"], hf["hidden_size"]
-  head_dim = hf.get("head_dim")
-  if head_dim is None:
-    if dim % heads:
-      refuse(
-        f"hidden_size {dim} is not a multiple of num_attention_heads {heads} and no "
-        f"head_dim is given"
-      )
-    head_dim = dim // heads
-  kv_heads = hf.get("num_key_value_heads") or heads
-  try:
-    return LlamaConfig(
-      vocab=hf["vocab_size"],
-      dim=dim,
-      layers=hf["num_hidden_layers"],
-      heads=heads,
-      kv_heads=kv_heads,
-      head_dim=head_dim,
-      mlp=hf["intermediate_size"],
-      rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      init_std=float(hf.get("initializer_range", 0.02)),
-    )
-  except ValueError as e:
-    refuse(str(e))
-
-
-def config_to_hf(c: LlamaConfig) -> dict:
-  """The config.json of a LlamaForCausalLM with our model's shapes."""
-  return {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": c.vocab,
-    "hidden_size": c.dim,
-    "num_hidden_layers": c.layers,
-    "num_attention_heads": c.heads,
-    "num_key_value_heads": c.kv_heads,
-    "head_dim": c.head_dim,
-    "intermediate_size": c.mlp,
-    "hidden_act": "silu",
-    "rms_norm_eps": c.norm_eps,
-    "rope_theta": c.rope_theta,
-    "rope_scaling": None,
-    "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-    "attention_bias": False,
-    "mlp_bias": False,
-    "tie_word_embeddings": False,
-    "initializer_range": c.init_std,
-    "torch_dtype": "float32",
-  }
-
-
-def read_config(directory: str) -> LlamaConfig:
-  """Only the model config of an HF LLaMA directory, or of its config.json (no weights)."""
-  if os.path.isfile(directory) and directory.endswith(".json"):
-    path = directory
-  else:
-    path = os.path.join(_check_dir(directory), CONFIG)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{directory} has no {CONFIG}: not an HF model directory")
-  try:
-    with open(path) as f:
-      hf = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path} is not valid JSON: {e}") from e
-  return config_from_hf(hf, path)
-
-
 # --- weights ---------------------------------------------------------------------------------
-def _check_dir(directory: str) -> str:
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(
-      f"HF model directory {directory} does not exist (or is not a "
-      f"directory); pass a local directory holding config.json and "
-      f"model.safetensors"
-    )
-  return directory
-
-
 def _load_file(path: str) -> dict[str, np.ndarray]:
   """safetensors' load_file, with a damaged file as one clear ValueError."""
   try:

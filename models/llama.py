@@ -19,11 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-LAYERS = "layers"
-
-
-# The config, presets and attention choice need no jax (`paro-jax plan`): models/config.py.
-from models.config import (  # noqa: E402,F401 - re-exported
+from models.config import (  # noqa: F401 - re-exported: the config needs no jax (`paro-jax plan`)
   ATTENTION_IMPLS,
   FUSED_DTYPES,
   HIDDEN_PRESETS,
@@ -32,6 +28,8 @@ from models.config import (  # noqa: E402,F401 - re-exported
   get_config,
   resolve_attention,
 )
+
+LAYERS = "layers"
 
 
 # What each layer keeps for backward. "full": nothing (all of the layer, its weight gather
@@ -362,8 +360,9 @@ class Llama:
     )
     return axes
 
-  def layer_param_count(self) -> int:
-    """Parameters inside the scanned layer stack (the ones recomputed in backward)."""
+  def stack_param_count(self) -> int:
+    """Parameters of the whole scanned layer stack, adapters included (the ones recomputed in
+    backward); `LlamaConfig.layer_param_count` counts one layer without adapters."""
     c = self.cfg
     adapters = self.lora.layer_params(c) if self.lora else 0
     return c.layers * (c.layer_param_count() + adapters)

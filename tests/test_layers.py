@@ -2,12 +2,16 @@
 
 models/ knows nothing of paro_jax; core/ imports only core/ and models/; analysis/ never imports
 cluster/ or run/; cluster/ imports only core/ (a run may use the cluster's heartbeats, the cluster
-never the run); nothing in the library imports experiments/.
-core/names.py and core/units.py import no jax (the CLI reads them before jax starts).
+never the run); nothing in the library imports experiments/. paro_jax/report.py (the one voice of
+warnings and errors) imports nothing of the project, and every layer may use it.
+core/names.py and core/units.py import no jax (the CLI reads them before jax starts), nor does
+models/config.py (the planner's model shapes). No two modules import each other, at any depth.
 """
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -27,7 +31,17 @@ ALLOWED = {
   },
   "paro_jax.cluster": {"paro_jax.core", "paro_jax.cluster"},
 }
-JAX_FREE = ("paro_jax/core/names.py", "paro_jax/core/units.py", "paro_jax/core/xla_flags.py")
+REPORT = "paro_jax.report"  # the reporter: below every layer
+for _layer_name in ALLOWED:
+  if _layer_name.startswith("paro_jax."):
+    ALLOWED[_layer_name].add(REPORT)
+JAX_FREE = (
+  "paro_jax/core/names.py",
+  "paro_jax/core/units.py",
+  "paro_jax/core/xla_flags.py",
+  "models/config.py",
+)
+PACKAGES = ("paro_jax", "models", "experiments")
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -46,7 +60,7 @@ def _layer(module: str) -> str | None:
   parts = module.split(".")
   if parts[0] == "models":
     return "models"
-  if parts[0] == "paro_jax" and len(parts) > 1 and parts[1] in LAYERS:
+  if parts[0] == "paro_jax" and len(parts) > 1 and (parts[1] in LAYERS or module == REPORT):
     return f"paro_jax.{parts[1]}"
   if parts[0] in ("paro_jax", "experiments"):
     return ".".join(parts[:2]) if parts[0] == "experiments" else "paro_jax"
@@ -63,10 +77,13 @@ def test_layer_imports_only_downward(layer):
   bad = []
   for path in _files(layer):
     for module in _imports(path):
+      if module == "paro_jax":
+        continue  # `from paro_jax import X`: X is judged (its own entry)
       target = _layer(module)
       # `from paro_jax import X` names the layer X: judge the layer, not the bare package.
       if target == "paro_jax" and module.count(".") == 1 and module.split(".")[1] in LAYERS:
         target = module
+
       if target is not None and target not in ALLOWED[layer]:
         bad.append(f"{path.relative_to(REPO)} imports {module}")
   assert not bad, "imports against the layer contract:\n" + "\n".join(bad)
@@ -91,3 +108,59 @@ def test_contract_catches_a_violation(tmp_path, monkeypatch):
   monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
   with pytest.raises(AssertionError, match="paro_jax/core/bad.py imports paro_jax.run"):
     test_layer_imports_only_downward("paro_jax.core")
+
+
+def import_graph(repo: pathlib.Path) -> dict[str, set[str]]:
+  """module -> the repository modules it imports (function-level imports included); a name
+  imported from a package counts as its submodule when there is one."""
+  paths = [p for pkg in PACKAGES for p in sorted((repo / pkg).glob("**/*.py"))]
+  modules = {_module_of(p, repo): p for p in paths}
+  graph = {}
+  for name, path in modules.items():
+    targets = set()
+    for imported in _imports(path):
+      while imported and imported not in modules:
+        imported = imported.rpartition(".")[0]  # `from a.b import f`: the module a.b
+      if imported and imported != name:
+        targets.add(imported)
+    graph[name] = targets
+  return graph
+
+
+def _module_of(path: pathlib.Path, repo: pathlib.Path) -> str:
+  parts = path.relative_to(repo).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def mutual_imports(graph: dict[str, set[str]]) -> list[str]:
+  return sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if a < b and a in graph.get(b, ()))
+
+
+def test_no_two_modules_import_each_other():
+  pairs = mutual_imports(import_graph(REPO))
+  assert not pairs, (
+    "modules that import each other (move what both need into a third module, as models/config.py "
+    "is for models/llama.py and models/hf.py):\n" + "\n".join(pairs)
+  )
+
+
+def test_mutual_import_check_catches_a_circle(tmp_path):
+  (tmp_path / "models").mkdir()
+  (tmp_path / "models" / "a.py").write_text("from models.b import f\n")
+  (tmp_path / "models" / "b.py").write_text("def g():\n  from models import a\n")
+  assert mutual_imports(import_graph(tmp_path)) == ["models.a <-> models.b"]
+
+
+def test_package_and_cli_start_without_jax():
+  """`import paro_jax`, the CLI's parser and the model config import no jax (nor numpy): the CLI
+  sets the device flags before jax starts, and `plan` needs no jax at all. This is why the jax
+  imports of cli.py sit inside its command functions."""
+  code = (
+    "import sys; import paro_jax, paro_jax.cli, models.config; paro_jax.cli.build_parser(); "
+    "print(sorted(m for m in ('jax', 'jaxlib', 'flax', 'optax', 'numpy') if m in sys.modules))"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+  )
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip() == "[]", f"imported at start: {done.stdout.strip()}"

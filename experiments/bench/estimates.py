@@ -85,7 +85,7 @@ def estimate(
           a,
           itemsize,
           itemsize,
-          regathered=model.layer_param_count(),
+          regathered=model.stack_param_count(),
         )
         inter, intra = t.inter, t.intra
       per_step[(name, a)] = (

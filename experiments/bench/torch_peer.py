@@ -7,7 +7,7 @@ device (gloo, CPU),
 rank = node x devices per node + device, so the ranks of a node share its network namespace and
 its shaped link, and the link counters count torch's inter-node bytes as they count ours.
 
-The model is the preset written as an HF LLaMA config (`models/hf.config_to_hf`) and built by
+The model is the preset as an HF LLaMA config (`config_to_hf`, models/config.py), built by
 transformers' `LlamaForCausalLM`; the batches are the built-in corpus's (`paro_jax.run.data.
 Batches`, same seed: the same tokens per step and micro-batches as `train`); AdamW in fp32 (or
 bf16 autocast with `--dtype bf16`); `--remat full` checkpoints every decoder layer, so backward

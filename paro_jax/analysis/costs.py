@@ -112,7 +112,7 @@ def step_traffic(
 
   `regathered` is how many parameters are gathered a second time in backward (rematerialised);
   docs/design.md's formula assumes all of them (the default); paro_jax's LLaMA recomputes only its
-  layer stack (Llama.layer_param_count), not the embedding and head.
+  layer stack (Llama.stack_param_count), not the embedding and head.
   `wire` (a compress.WireConfig): the inter level's precision of parameter gathers and gradient
   reductions; `acc_bytes`: the gradient accumulator's element size (--grad-dtype; default
   `grad_bytes`), what the boundary sync reduces. Per-micro-batch gradients are reduce-scattered

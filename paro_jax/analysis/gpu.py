@@ -117,7 +117,7 @@ def devices(name: str, inter: int, intra: int) -> list:
 
 def compile_step(engine, target: str, batch_size: int, seq_len: int, flags: dict, dump_dir: str):
   """engine.train_step compiled for the engine's (GPU-topology) mesh, dumped into dump_dir."""
-  from paro_jax.analysis.inspector import abstract_inputs
+  from paro_jax.analysis.abstract import abstract_inputs
 
   state, batch = abstract_inputs(engine, batch_size, seq_len)
   with cudnn_checks(target):

@@ -15,25 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from paro_jax.analysis import hlo
+from paro_jax.analysis.abstract import abstract_inputs  # noqa: F401 - also imported from here
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
 from paro_jax.core.engine import Engine
 from paro_jax.core.names import DEFAULT_INT8_BLOCK, MIXED_IMPLS
 from paro_jax.core.units import human_bytes
-
-
-def abstract_inputs(engine: Engine, batch_size: int, seq_len: int):
-  """Abstract (state, batch) for engine.train_step, with shardings and no memory behind them."""
-  engine.check_batch_size(batch_size)
-  shapes = jax.eval_shape(lambda: engine.init_state(jax.random.key(0)))
-  state = jax.tree.map(
-    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-    shapes,
-    engine.state_shardings,
-  )
-  batch = jax.ShapeDtypeStruct(
-    (engine.micro_batches, batch_size, seq_len + 1), jnp.int32, sharding=engine.batch_sharding
-  )
-  return state, batch
 
 
 def compile_step(engine: Engine, batch_size: int, seq_len: int):
@@ -54,7 +40,7 @@ def expected_traffic(engine: Engine, bf16_as_f32: bool = False):
       wire, **{k: "same" for k in ("params", "grads") if getattr(wire, k) == "bf16"}
     )
   # Only the layer stack is gathered again in backward (models/llama.py: Llama.apply).
-  regathered = engine.model.layer_param_count() if engine.model.remat != "none" else 0
+  regathered = engine.model.stack_param_count() if engine.model.remat != "none" else 0
   return step_traffic(
     engine.strategy,
     psi,

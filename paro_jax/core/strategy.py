@@ -11,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-INTRA = "intra"
-INTER = "inter"
-MESH_AXES = (INTER, INTRA)  # mesh shape is (inter, intra)
+from paro_jax.core.names import INTER, INTRA
 
 
 class Placement(enum.Enum):

@@ -80,7 +80,7 @@ def test_traffic_is_costs_step_traffic():
   cfg = get_config("7b")
   w = planner.Workload(cfg, micro_batches=4, trainable=cfg.param_count() // 100)
   cluster = planner.Cluster(4, 8, planner.Links(12.5e9, 300e9), 312e12)
-  regathered = Llama(cfg).layer_param_count()
+  regathered = Llama(cfg).stack_param_count()
   assert w.layer_params == regathered
   for name in VALID_NAMES:
     s = parse_strategy(name)
@@ -122,7 +122,7 @@ def test_global_collective_models_and_overlap():
 
 def test_layer_params_match_the_model():
   for cfg in PRESETS.values():
-    assert planner.Workload(cfg).layer_params == Llama(cfg).layer_param_count()
+    assert planner.Workload(cfg).layer_params == Llama(cfg).stack_param_count()
 
 
 def test_fused_attention_keeps_no_scores():

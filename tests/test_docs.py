@@ -1,0 +1,214 @@
+"""What README.md and docs/ claim about the code and the results is true of them.
+
+Flags named exist and quoted defaults are argparse's; repository paths named in the docs and in
+comments exist; XLA flag values quoted are those of core/xla_flags.py; the headline figures are
+derived again from the results pages they cite; the sample outputs are what the current code
+prints (experiments/docs_samples.py). The checkers are shown to fail on synthetic pages.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from paro_jax.core.xla_flags import GPU_FLAGS
+from tests import docs_claims
+from tests.docs_claims import ROOT, markdown_table
+
+HEADLINE = ROOT / "experiments/results/strategies_headline/README.md"
+PLANNER_HEADLINE = ROOT / "experiments/results/planner_headline/validate.md"
+LINK_BOUND = ("infiniband", "paper_cloud", "commodity")
+
+
+@pytest.fixture(scope="module")
+def flags():
+  return docs_claims.parser_flags()
+
+
+def _read(path) -> str:
+  return (ROOT / path).read_text()
+
+
+def _flat(text: str) -> str:
+  """Whitespace collapsed: a figure may be quoted across a line break."""
+  return " ".join(text.split())
+
+
+@pytest.mark.parametrize("doc", docs_claims.DOC_FILES)
+def test_flags_exist_and_quoted_defaults_are_argparses(doc, flags):
+  problems = docs_claims.check_flags(_read(doc), flags, doc)
+  assert not problems, "fix the page or the flag:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("doc", docs_claims.DOC_FILES)
+def test_xla_flag_values_are_the_ones_set(doc):
+  problems = docs_claims.check_xla_flags(_read(doc), GPU_FLAGS, doc)
+  assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("doc", docs_claims.DOC_FILES)
+def test_paths_and_links_in_docs_exist(doc):
+  problems = docs_claims.check_paths(_read(doc), (ROOT / doc).parent, doc)
+  assert not problems, "\n".join(problems)
+
+
+def test_paths_in_comments_exist():
+  sources = [p for d in docs_claims.SOURCE_DIRS for p in sorted((ROOT / d).glob("**/*.py"))]
+  problems = []
+  for path in sources:
+    prose = docs_claims.comments_and_docstrings(path.read_text())
+    problems += docs_claims.check_paths(prose, path.parent, str(path.relative_to(ROOT)))
+  # pyproject.toml's comments (the whole file: its strings name no repository paths).
+  problems += docs_claims.check_paths(_read("pyproject.toml"), ROOT, "pyproject.toml")
+  # Line numbers in comments count comment blocks, not lines: the file and the path say where.
+  assert not problems, "\n".join(problems)
+
+
+def test_every_results_folder_is_in_the_index():
+  index = _read("experiments/results/README.md")
+  entries = sorted(
+    p.name for p in (ROOT / "experiments/results").iterdir() if p.name != "README.md"
+  )
+  missing = [e for e in entries if f"[`{e}" not in index and f"`{e}/`" not in index]
+  assert not missing, (
+    "add these to experiments/results/README.md (what, command, date, current or superseded): "
+    + ", ".join(missing)
+  )
+
+
+# The checkers fail where they should: synthetic pages, each with one wrong claim.
+
+
+def test_checker_reports_a_wrong_quoted_default(flags):
+  page = "Keep the newest checkpoints (`--keep K` (default 4)); the `--lr`, default 3e-3."
+  problems = docs_claims.check_flags(page, flags, "page.md")
+  assert len(problems) == 1 and "--keep quoted with default '4', argparse has 3" in problems[0]
+  right = "Keep the newest checkpoints (`--keep K` (default 3)); the `--lr`, default 3e-3."
+  assert docs_claims.check_flags(right, flags, "page.md") == []
+
+
+def test_checker_reports_an_unknown_flag(flags):
+  problems = docs_claims.check_flags("run `paro-jax train --no-such-flag`", flags, "page.md")
+  assert problems == ["page.md:1: --no-such-flag is no flag of paro-jax or of a script"]
+
+
+def test_checker_reports_a_wrong_xla_value():
+  page = "```\n--xla_gpu_experimental_parallel_collective_overlap_limit=2\n```"
+  problems = docs_claims.check_xla_flags(page, GPU_FLAGS, "page.md")
+  assert problems and "overlap_limit=2, but paro_jax/core/xla_flags.py sets 4" in problems[0]
+
+
+def test_checker_reports_a_missing_path_and_link(tmp_path):
+  page = "See `paro_jax/core/nothing_here.py`, [a page](missing.md) and [one](../README.md)."
+  problems = docs_claims.check_paths(page, ROOT / "docs", "page.md")
+  assert problems == [
+    "page.md:1: paro_jax/core/nothing_here.py does not exist",
+    "page.md:1: link missing.md does not exist",
+  ]
+  both = "`experiments/results/strategies_1gbit{,_9}/`"
+  assert docs_claims.check_paths(both, ROOT, "p") == [
+    "p:1: experiments/results/strategies_1gbit_9/ does not exist"
+  ]
+
+
+# Headline figures, derived again from the results pages they cite.
+
+
+@pytest.fixture(scope="module")
+def headline():
+  text = HEADLINE.read_text()
+  rows = [
+    r
+    for r in markdown_table(text, "| regime (link per node) | A |")
+    if r["regime (link per node)"].split()[0] in LINK_BOUND
+  ]
+  return text, rows
+
+
+def _x(cell: str) -> float:
+  return float(cell.split("x")[0])
+
+
+def _span(values, digits, suffix=""):
+  return f"{min(values):.{digits}f}-{max(values):.{digits}f}{suffix}"
+
+
+def test_readme_headline_figures_are_the_results_pages(headline):
+  text, rows = headline
+  readme = _flat(_read("README.md"))
+  by_regime = lambda name: [
+    _x(r["vs GGG (fair)"]) for r in rows if name in r["regime (link per node)"]
+  ]
+  ours = [float(r["overhead: ours / torch"].split("/")[0]) for r in rows]
+  torch = [float(r["overhead: ours / torch"].split("/")[1]) for r in rows]
+  expected = [
+    f"the best strategy runs {_span(by_regime('infiniband'), 1, 'x')} (InfiniBand-class links) "
+    f"to {_span(by_regime('commodity'), 1, 'x')}",
+    f"communication overhead {_span(ours, 2)} against {_span(torch, 2)}",
+    f"reaches {_span([_x(r['ours / torch']) for r in rows], 2, 'x')} its tokens/s",
+    f"(ours {_span([_x(r['ours / torch']) for r in rows], 2, 'x')})",
+  ]
+  # ZeRO-3's bytes against FSDP2 full shard, A = 1 and 4 (the bytes table).
+  zero3 = markdown_table(text, "| | ours | torch |")[0]
+  ours_mib = [float(v) for v in re.findall(r"[\d.]+", zero3["ours"].split(":")[1])]
+  torch_mib = [float(v) for v in re.findall(r"[\d.]+", zero3["torch"].split(":")[1])]
+  ratios = {f"{o / t:.2f}" for o, t in zip(ours_mib, torch_mib)}
+  assert len(ratios) == 1, f"ZeRO-3's byte ratio differs between A=1 and A=4: {ratios}"
+  expected.append(f"ZeRO-3 (GGG) sends {ratios.pop()}x the bytes of FSDP2's full shard")
+  int8 = markdown_table(text, "| A | fastest, int8 |")
+  a1, a4 = (next(r["ours / torch"] for r in int8 if r["A"] == a) for a in ("1", "4"))
+  expected.append(f"reaches {a1} torch's best tokens/s at A=1 and {a4} at A=4")
+  expected.append(f"met at A=1 ({a1}) but not at A=4 ({a4})")
+  missing = [e for e in expected if e not in readme]
+  assert not missing, (
+    f"README.md no longer quotes {HEADLINE.relative_to(ROOT)}; expected:\n" + "\n".join(missing)
+  )
+
+
+def test_benchmarks_headline_table_is_the_results_pages(headline):
+  _, rows = headline
+  results = {(r["regime (link per node)"].split()[0], r["A"]): r for r in rows}
+  quoted = markdown_table(_read("docs/benchmarks.md"), "| regime | A | fastest of ours |")
+  assert len(quoted) == len(results)
+  for q in quoted:
+    r = results[(q["regime"], q["A"])]
+    assert q["fastest of ours"] == r["fastest of ours"].split(" (")[0], q
+    assert q["vs GGG (fair)"] == r["vs GGG (fair)"], q
+    assert q["ours / torch's best, tokens/s"].startswith(r["ours / torch"] + " "), q
+    assert q["overhead: ours / torch"] == r["overhead: ours / torch"], q
+    assert q["exposed s: ours / torch"] == r["exposed communication (s): ours / torch"], q
+
+
+def test_planner_figures_are_the_validation_pages():
+  rows = markdown_table(PLANNER_HEADLINE.read_text(), "| regime | link | A |")
+  rho = {(r["regime"], r["A"]): float(r["Spearman"]) for r in rows}
+  speed = [float(r["pick speed / best"]) for r in rows]
+  spearman = f"{min(rho.values()):.2f} to {max(rho.values()):.2f}"
+  assert f"Spearman correlation is {spearman}" in _flat(_read("README.md"))
+  assert f"runs at {_span(speed, 2)} of the measured best" in _flat(_read("README.md"))
+  per_cell = ", ".join(
+    f"{rho[(g, '1')]:.2f} / {rho[(g, '4')]:.2f} ({name})"
+    for g, name in [("infiniband", "infiniband A=1 / 4"), ("paper_cloud", "paper_cloud")]
+  )
+  planner = _flat(_read("docs/planner.md"))
+  assert f"Spearman is {per_cell}, " in planner
+  assert f"runs at {_span(speed, 2)} of the measured best" in planner
+
+
+def test_sample_outputs_are_what_the_code_prints():
+  """`$ paro-jax plan|inspect ...` blocks in README.md and docs/ match the current output."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a user runs it
+  done = subprocess.run(
+    [sys.executable, "experiments/docs_samples.py", "--check"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert done.returncode == 0, (
+    "a sample output in the docs is stale: run `python experiments/docs_samples.py`, review "
+    f"the diff (and the prose around it), commit:\n{done.stdout}{done.stderr[-3000:]}"
+  )
