@@ -328,6 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     "(--mesh NODESxGPUS); reports async collectives, streams, overlap and memory vs the plan",
   )
   inspect.add_argument(
+    "--inter-bandwidth",
+    default=None,
+    metavar="RATE",
+    help="with --target: each node's inter-node link for XLA's network model in the step time "
+    "estimate, a tc rate such as 100gbit (default: XLA's own network defaults, named in the "
+    "output)",
+  )
+  inspect.add_argument(
     "--no-prefetch",
     action="store_true",
     help="compile without the prefetching layer stack (each layer's gather waits for its use), "
@@ -617,6 +625,13 @@ def main(argv=None) -> None:
       _check_shape(args, mesh)
       args.target = gpu.check_target(args.target)
       gpu.prepare_environment()
+      from paro_jax.analysis import estimate
+      from paro_jax.core.units import parse_rate
+
+      if mesh is None:
+        raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
+      rate = parse_rate(args.inter_bandwidth) if args.inter_bandwidth else None
+      estimate.prepare_environment(rate, mesh[1])  # before jax starts: XLA reads it once
       from paro_jax.analysis.inspector import inspect
 
       inspect(**_by_name(args, inspect, mesh=mesh, lora=_lora_config(args), as_json=args.json))

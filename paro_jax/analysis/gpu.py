@@ -98,6 +98,18 @@ def cudnn_checks(name: str):
     yield
 
 
+def compute_capability(name: str) -> tuple[int, int]:
+  return _target_version(name, "cuda_compute_capability")[:2]
+
+
+def memory_bandwidth(name: str) -> float:
+  """The target's memory bandwidth in bytes per second, from its description."""
+  m = re.search(r"memory_bandwidth:\s*(\d+)", target_config(name))
+  if m is None:
+    raise ValueError(f"target {name!r} has no memory_bandwidth")
+  return float(m.group(1))
+
+
 def target_gpu(name: str):
   """The planner's entry (peak FLOP/s, memory) for a target."""
   from paro_jax.analysis.hardware import GPUS
@@ -117,7 +129,7 @@ def devices(name: str, inter: int, intra: int) -> list:
 
 def compile_step(engine, target: str, batch_size: int, seq_len: int, flags: dict, dump_dir: str):
   """engine.train_step compiled for the engine's (GPU-topology) mesh, dumped into dump_dir."""
-  from paro_jax.analysis.inspector import abstract_inputs
+  from paro_jax.analysis.inputs import abstract_inputs
 
   state, batch = abstract_inputs(engine, batch_size, seq_len)
   with cudnn_checks(target):
