@@ -461,6 +461,19 @@ def _add_planner_commands(sub) -> None:
     "--gpu", default="a100-80gb", help=f"device model for peak FLOP/s and memory: {', '.join(GPUS)}"
   )
   plan.add_argument(
+    "--target",
+    default=None,
+    help="compile the top strategies for this GPU (h100, h200; no GPU needed) and pick by XLA's "
+    "estimate of the compiled step; sets --gpu",
+  )
+  plan.add_argument(
+    "--compile-top",
+    type=int,
+    default=3,
+    metavar="K",
+    help="with --target: compile the analytic top K, and any within 10%% of the first (default 3)",
+  )
+  plan.add_argument(
     "--device-memory", default=None, help="per device, e.g. 80GB or 80GiB (default: the GPU's)"
   )
   plan.add_argument(

@@ -62,6 +62,7 @@ class Plan:
   explain: str
   ranking: list[Estimate]  # the pick first, then the other fitting ones by step time, then the rest
   inputs: dict
+  xla: dict | None = None  # --compile-top: the candidates' XLA estimates (plan_compile.py)
 
   def get(self, name: str) -> Estimate:
     return next(e for e in self.ranking if e.strategy == name)
@@ -72,6 +73,7 @@ class Plan:
       "explain": self.explain,
       "inputs": self.inputs,
       "ranking": [e.as_dict() for e in self.ranking],
+      **({"xla": self.xla} if self.xla is not None else {}),
     }
 
   def format(self) -> str:
@@ -258,8 +260,21 @@ def run_plan(
   int8_block: int = DEFAULT_INT8_BLOCK,
   grad_dtype: str = "compute",
   attention: str = "auto",
+  target: str | None = None,
+  compile_top: int = 3,
 ) -> Plan:
-  """`paro-jax plan`: build the inputs from the command line's strings, plan, print."""
+  """`paro-jax plan`: build the inputs from the command line's strings, plan, print.
+
+  With `target` (a GPU of `inspect --target`), the GPU is that target's and the top
+  `compile_top` strategies are compiled for it and re-ranked by XLA's estimate (plan_compile.py).
+  """
+  if target is not None:
+    from paro_jax.analysis import gpu as targets, plan_compile
+
+    target = plan_compile.check_target(target)
+    gpu = targets.TARGETS[target][1]
+    if compile_top < 1:
+      raise ValueError(f"--compile-top must be >= 1, got {compile_top}")
   from models.llama import get_config, resolve_attention  # import jax (no devices are touched)
 
   gpu = gpu.strip().lower()  # names compare case-insensitively (--gpu H100)
@@ -343,6 +358,8 @@ def run_plan(
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),
   }
   p = plan(w, cluster, inputs)
+  if target is not None:
+    p.xla = plan_compile.rerank(p, compile_top, target, attention)
   if as_json:
     print(json.dumps(p.as_dict(), indent=2))
   else:
@@ -359,4 +376,6 @@ def run_plan(
     )
     print("memory = model states + activations per device; times in seconds per optimizer step\n")
     print(p.format())
+    if p.xla is not None:
+      print("\n" + plan_compile.format_rerank(p, p.xla))
   return p
