@@ -46,6 +46,7 @@ class Instr:
   op: str
   operands: list[str]
   attrs: str
+  args: str = ""  # the text between the parentheses (a parameter's number)
 
 
 def _split_operands(rest: str) -> tuple[str, str]:
@@ -143,12 +144,42 @@ def instruction_flops(instr: Instr, comps: dict[str, list[Instr]], types: dict) 
   return total
 
 
+def _sliced_operands(fused: list[Instr]) -> tuple[dict[int, int], int | None]:
+  """What a fusion really touches of the parameters it only slices: operand index -> bytes
+  (a layer's weights read out of the stacked [L, ...] array with dynamic-slice, or an update
+  written into a parameter's buffer in place with dynamic-update-slice, not the whole array),
+  and the bytes written in place (the result's real traffic), if any."""
+  index = {i.name: int(i.args) for i in fused if i.op == "parameter" and i.args.isdigit()}
+  types = {i.name: i.type_text for i in fused}
+  touched, whole, written = {}, set(), None
+  for i in fused:
+    for pos, o in enumerate(i.operands):
+      if o not in index:
+        continue
+      k = index[o]
+      if i.op == "dynamic-slice" and pos == 0:
+        touched[k] = touched.get(k, 0) + type_bytes(i.type_text)
+      elif i.op == "dynamic-update-slice" and pos == 0 and len(i.operands) > 1:
+        update = type_bytes(types.get(i.operands[1], ""))
+        touched[k] = touched.get(k, 0) + update
+        written = (written or 0) + update
+      else:
+        whole.add(k)
+  return {k: v for k, v in touched.items() if k not in whole}, written
+
+
 def instruction_seconds(
   instr: Instr, comps: dict, types: dict, peak_flops: float, memory_bandwidth: float
 ) -> float:
   if instr.op in FREE_OPS or instr.op.endswith("-done") or instr.op.endswith("-start"):
     return 0.0
-  moved = type_bytes(instr.type_text) + sum(type_bytes(types.get(o, "")) for o in instr.operands)
+  sliced, written = {}, None
+  if instr.op == "fusion" and (callee := _CALLS_RE.search(instr.attrs)):
+    sliced, written = _sliced_operands(comps.get(callee.group(1), []))
+  result = type_bytes(instr.type_text) if written is None else written
+  moved = result + sum(
+    sliced.get(k, type_bytes(types.get(o, ""))) for k, o in enumerate(instr.operands)
+  )
   flops = instruction_flops(instr, comps, types)
   return max(flops / peak_flops, moved / memory_bandwidth)
 
