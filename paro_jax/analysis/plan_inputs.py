@@ -14,12 +14,15 @@ from paro_jax.core.names import MIXED_IMPLS
 if TYPE_CHECKING:  # models/llama.py imports jax; the planner needs only the config's numbers
   from models.llama import LlamaConfig
 
-GLOBAL_MODELS = ("flat", "hierarchical", "overlapped")
-# How each --collectives implementation runs a collective over both axes. xla on GPUs is NCCL,
-# whose rings visit the devices node by node, so a node's link carries about 1/m of the payload
-# per device, as hring does; on CPU (gloo) it is flat (validate_planner.py passes "flat").
+GLOBAL_MODELS = ("flat", "hierarchical", "overlapped", "rings")
+# How each --collectives implementation runs a collective over both axes. xla on GPUs is NCCL's
+# ring over all n devices, one ring per NIC: each of a ring's n-1 steps moves one chunk over every
+# link, so a node's link carries every device's ring bytes once (XLA's own model of it,
+# `SolGPUCostModel::RingLatency`: (n-1)/n of the payload per GPU, over m NICs of a node); hring
+# sends only (g-1)/g of the payload's 1/m between nodes; on CPU (gloo) it is flat
+# (validate_planner.py passes "flat").
 GLOBAL_MODEL_OF = {
-  "xla": "hierarchical",
+  "xla": "rings",
   "ring": "flat",
   "hring": "hierarchical",
   "horing": "overlapped",

@@ -10,8 +10,10 @@ Pure Python (no jax), so a laptop can plan a 128-GPU run. For every strategy:
   axes (global) is modelled by `global_collectives`: "flat" (docs/design.md: every device's ring
   bytes cross the node link at its share; what XLA:CPU over gloo does, checked on the wire by tc
   in the strategy benchmark), "hierarchical" (an intra part, then an inter part carrying 1/m of the
-  payload: NCCL's node-ordered rings, paro_jax's hring) or "overlapped" (the two parts at once:
-  horing). A probe profile replaces any of these by measured (bandwidth, latency) per
+  payload: paro_jax's hring), "overlapped" (the two parts at once: horing) or "rings" (NCCL's
+  rings over all devices, one per NIC: a node's link carries each device's ring bytes once, the
+  NVLink hops beside them; as XLA's cost model prices NCCL's collectives). A probe profile
+  replaces any of these by measured (bandwidth, latency) per
   (collective, level);
 - compute: model FLOPs (`LlamaConfig.flops_per_token`, 6 per parameter and token, less the
   weight-gradient third for frozen parameters) / (peak FLOP/s x MFU). Communication and compute
@@ -92,6 +94,9 @@ def collective_seconds(
     return count * net.intra_latency + nbytes / net.intra_bandwidth
   if level == "inter" or net.global_collectives == "flat":
     return count * net.inter_latency + nbytes / inter_share
+  if net.global_collectives == "rings":  # the slowest link of a pipelined ring sets its pace
+    over_nodes = count * net.inter_latency + nbytes / net.inter_bandwidth
+    return max(over_nodes, count * net.intra_latency + nbytes / net.intra_bandwidth)
   # Two levels: the ring bytes over n devices name the payload S; an intra ring moves
   # (m-1)/m S per device, the inter rings (g-1)/g S/m (x2 for an all-reduce).
   n, twice = m * g, 2 if kind == ALL_REDUCE else 1
