@@ -92,6 +92,8 @@ def summarize(cell: dict, planner_key: str = "planner") -> dict:
     for s, r in cell["xla"].items()
     if "error" not in r and r["fits"] and r["estimate"].get("step_s")
   }
+  if planner_key not in cell:
+    return {"strategies": 0}
   plan = {s: t for s, t in cell[planner_key]["step_s"].items() if t is not None}
   both = sorted(set(xla) & set(plan))
   out = {"strategies": len(both)}
