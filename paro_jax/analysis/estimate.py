@@ -32,7 +32,7 @@ from paro_jax.analysis import hlo, roofline
 
 STATS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
 NETWORK_FLAG = "--xla_gpu_analytical_latency_estimator_options"
-XLA_DEFAULTS = "XLA's defaults (its network model's built-in NIC speed, 8 GPUs per node)"
+XLA_DEFAULTS = "XLA's defaults for the rest (its network model's built-in NIC speed per GPU)"
 SOURCE = "XLA latency-hiding scheduler (SolLatencyEstimator), composed over the loops"
 # What XLA's SoL cost model prices (sol_latency_estimator.cc: HasOnlySupportedCollectives);
 # any other collective makes XLA fall back to fixed-size costs, which are not times.
