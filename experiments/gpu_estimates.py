@@ -130,11 +130,13 @@ def write(args, command: str, results: dict) -> None:
   import jax
 
   with open(os.path.join(args.out, "gpu_estimates.json"), "w") as f:
-    json.dump({"command": command, "cells": results}, f, indent=1)
+    json.dump({"commands": command.split("\n"), "cells": results}, f, indent=1)
   lines = [
     "# XLA's estimate of the step against the analytic planner",
     "",
-    f"`{command}`",
+    "```",
+    command,
+    "```",
     "",
     f"Compiled on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs, no GPU; "
     f"jax {jax.__version__}) for {args.target}, {GPUS_PER_NODE} GPUs per node, one "
@@ -244,10 +246,13 @@ def main(argv=None) -> int:
     argv if argv is not None else sys.argv[1:]
   )
   path = os.path.join(args.out, "gpu_estimates.json")
-  results = {}
+  results, commands = {}, []
   if args.resume and os.path.exists(path):
     with open(path) as f:
-      results = json.load(f)["cells"]
+      saved = json.load(f)
+    results = saved["cells"]
+    commands = saved.get("commands", [saved["command"]] if "command" in saved else [])
+  command = "\n".join(commands + [command])  # every run that wrote these results, in order
   cells = itertools.product(
     args.models.split(","),
     [int(n) for n in args.nodes.split(",")],
