@@ -77,7 +77,8 @@ def parse_computations(hlo_text: str) -> tuple[dict[str, list[Instr]], str | Non
       continue
     name, type_text, op, rest = m.groups()
     operands, attrs = _split_operands(rest)
-    comps[comp].append(Instr(name, type_text, op, re.findall(r"%([\w.\-]+)", operands), attrs))
+    names = re.findall(r"%([\w.\-]+)", operands)
+    comps[comp].append(Instr(name, type_text, op, names, attrs, operands.strip()))
   return comps, entry
 
 
