@@ -348,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     "(--mesh NODESxGPUS); reports async collectives, streams, overlap and memory vs the plan",
   )
   inspect.add_argument(
+    "--inter-bandwidth",
+    default=None,
+    metavar="RATE",
+    help="with --target: each node's inter-node link for XLA's network model in the step time "
+    "estimate, a tc rate such as 100gbit (default: XLA's own network defaults, named in the "
+    "output)",
+  )
+  inspect.add_argument(
     "--no-prefetch",
     action="store_true",
     help="compile without the prefetching layer stack (each layer's gather waits for its use), "
@@ -477,6 +485,19 @@ def _add_planner_commands(sub) -> None:
 
   plan.add_argument(
     "--gpu", default="a100-80gb", help=f"device model for peak FLOP/s and memory: {', '.join(GPUS)}"
+  )
+  plan.add_argument(
+    "--target",
+    default=None,
+    help="compile the top strategies for this GPU (h100, h200; no GPU needed) and pick by XLA's "
+    "estimate of the compiled step; sets --gpu",
+  )
+  plan.add_argument(
+    "--compile-top",
+    type=int,
+    default=3,
+    metavar="K",
+    help="with --target: compile the analytic top K, and any within 10%% of the first (default 3)",
   )
   plan.add_argument(
     "--device-memory", default=None, help="per device, e.g. 80GB or 80GiB (default: the GPU's)"
@@ -708,6 +729,13 @@ def _main(argv) -> None:
       _check_shape(args, mesh)
       args.target = gpu.check_target(args.target)
       gpu.prepare_environment()
+      from paro_jax.analysis import estimate
+      from paro_jax.core.units import parse_rate
+
+      if mesh is None:
+        raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
+      rate = parse_rate(args.inter_bandwidth) if args.inter_bandwidth else None
+      estimate.prepare_environment(rate, mesh[1])  # before jax starts: XLA reads it once
       from paro_jax.analysis.inspector import inspect
 
       inspect(**_by_name(args, inspect, mesh=mesh, lora=_lora_config(args), as_json=args.json))

@@ -98,6 +98,18 @@ def cudnn_checks(name: str):
     yield
 
 
+def compute_capability(name: str) -> tuple[int, int]:
+  return _target_version(name, "cuda_compute_capability")[:2]
+
+
+def memory_bandwidth(name: str) -> float:
+  """The target's memory bandwidth in bytes per second, from its description."""
+  m = re.search(r"memory_bandwidth:\s*(\d+)", target_config(name))
+  if m is None:
+    raise ValueError(f"target {name!r} has no memory_bandwidth")
+  return float(m.group(1))
+
+
 def target_gpu(name: str):
   """The planner's entry (peak FLOP/s, memory) for a target."""
   from paro_jax.analysis.hardware import GPUS

@@ -134,10 +134,11 @@ def _parse_pairs(attrs: str) -> list[tuple[int, int]] | None:
   return [(int(a), int(b)) for a, b in re.findall(r"\{?(\d+),(\d+)\}?", m.group(1) + "}")]
 
 
-def parse_collectives(hlo_text: str) -> list[Collective]:
-  """All collectives of an HLO module with their per-step execution counts."""
+def computation_counts(hlo_text: str) -> dict[str, int]:
+  """Executions per step of every computation reached from the entry: the sum over its call
+  sites of the caller's count x the trip count of a calling while loop (1 for other callers)."""
   calls = defaultdict(list)  # computation -> [(callee, factor)]
-  found, entry, comp = [], None, None
+  entry, comp = None, None
   for line in hlo_text.splitlines():
     # Computation headers start at column 0 and open a block; instructions are indented.
     if not line[:1].isspace() and line.rstrip().endswith("{") and (m := _COMP_RE.match(line)):
@@ -148,7 +149,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     m = _INSTR_RE.match(line)
     if not m or comp is None:
       continue
-    name, type_text, op, rest = m.groups()
+    _, _, op, rest = m.groups()
     trip = _TRIP_RE.search(rest)
     # An async-done names the computation its async-start already called: count it once.
     for role, callee in [] if op.endswith("-done") else _CALLEE_RE.findall(rest):
@@ -157,6 +158,31 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     for b in _BRANCHES_RE.findall(rest):
       for callee in re.findall(r"%?([\w.\-]+)", b):
         calls[comp].append((callee, 1))
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  mult = defaultdict(int)
+
+  def visit(c, m):
+    mult[c] += m
+    for callee, factor in calls.get(c, ()):
+      if factor:
+        visit(callee, m * factor)
+
+  visit(entry, 1)
+  return dict(mult)
+
+
+def parse_collectives(hlo_text: str) -> list[Collective]:
+  """All collectives of an HLO module with their per-step execution counts."""
+  found, comp = [], None
+  for line in hlo_text.splitlines():
+    if not line[:1].isspace() and line.rstrip().endswith("{") and (m := _COMP_RE.match(line)):
+      comp = m.group(2)
+      continue
+    m = _INSTR_RE.match(line)
+    if not m or comp is None:
+      continue
+    name, type_text, op, rest = m.groups()
     base = op[: -len("-start")] if op.endswith("-start") else op
     if base in HLO_COLLECTIVE_OPS and not op.endswith("-done"):
       nbytes, dtypes = _array_bytes(_result_type(op, type_text))
@@ -173,18 +199,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
           opname.group(1) if opname else "",
         )
       )
-  # Multiplicity of each computation: sum over call sites of caller multiplicity x trip count.
-  mult = defaultdict(int)
-
-  def visit(c, m):
-    mult[c] += m
-    for callee, factor in calls.get(c, ()):
-      if factor:
-        visit(callee, m * factor)
-
-  if entry is None:
-    raise ValueError("no ENTRY computation in the HLO text")
-  visit(entry, 1)
+  mult = computation_counts(hlo_text)
   for c in found:
     c.count = mult.get(c.computation, 0)
   return [c for c in found if c.count]

@@ -202,8 +202,18 @@ def format_report(r: dict) -> str:
   return "\n".join(lines)
 
 
-def gpu_report(engine: Engine, compiled, target: str, batch_size: int, seq_len: int, dump: str):
-  """report() plus what the GPU compile shows: async collectives, streams, overlap, memory."""
+def gpu_report(
+  engine: Engine,
+  compiled,
+  target: str,
+  batch_size: int,
+  seq_len: int,
+  dump: str,
+  log: str | None = None,
+  inter_bits_per_s: float | None = None,
+) -> dict:
+  """report() plus what the GPU compile shows: async collectives, streams, overlap, memory,
+  and, given the compile's stderr (`log`), XLA's estimate of the step's time."""
   from paro_jax.analysis import gpu, schedule
   from paro_jax.analysis.planner import Workload, activation_bytes
 
@@ -235,7 +245,27 @@ def gpu_report(engine: Engine, compiled, target: str, batch_size: int, seq_len: 
     device_bytes=device,
     fits=compiled_bytes <= device,
   )
+  if log is not None:
+    r["estimate"] = step_estimate(engine, text, log, target, batch_size, seq_len, inter_bits_per_s)
   return r
+
+
+def step_estimate(engine, text, log, target, batch_size, seq_len, inter_bits_per_s) -> dict:
+  from paro_jax.analysis import estimate, gpu
+
+  tokens = engine.micro_batches * batch_size * seq_len
+  return estimate.estimate(
+    text,
+    log,
+    compute_capability=gpu.compute_capability(target),
+    peak_flops=gpu.target_gpu(target).peak_flops,
+    memory_bandwidth=gpu.memory_bandwidth(target),
+    devices=engine.inter * engine.intra,
+    tokens_per_step=tokens,
+    flops_per_step=engine.model.cfg.flops_per_token(seq_len) * tokens,
+    inter_bits_per_s=inter_bits_per_s,
+    gpus_per_node=engine.intra,
+  )
 
 
 def format_gpu_report(r: dict) -> str:
@@ -301,11 +331,14 @@ def inspect(
   attention: str = "auto",
   error_feedback: bool | None = None,
   param_delta: bool | None = None,
+  inter_bandwidth: str | None = None,
 ) -> dict:
   """Build the engine for a configuration, compile its step and print the report.
 
   With `target` (a GPU name), the step is compiled for a cluster of those GPUs (`mesh` nodes x
-  GPUs per node) without one, and the report adds the GPU schedule and memory against the plan.
+  GPUs per node) without one, and the report adds the GPU schedule and memory against the plan
+  and XLA's estimate of the step's time (its network model set from `inter_bandwidth`, a rate
+  per node, by cli.py before jax started: estimate.prepare_environment).
   """
   import json
   import tempfile
@@ -347,7 +380,10 @@ def inspect(
       if target is None:
         compiled = compile_step(engine, batch_size, seq_len)
       else:
-        compiled = gpu.compile_step(engine, target, batch_size, seq_len, GPU_FLAGS, dump)
+        from paro_jax.analysis.estimate import captured_stderr
+
+        with captured_stderr() as log:
+          compiled = gpu.compile_step(engine, target, batch_size, seq_len, GPU_FLAGS, dump)
     except Exception as e:  # XLA's own limits (e.g. out of host memory while compiling)
       raise RuntimeError(
         f"XLA could not compile the {model} step for {strategy} "
@@ -356,7 +392,10 @@ def inspect(
     if target is None:
       r = report(engine, compiled)
     else:
-      r = gpu_report(engine, compiled, target, batch_size, seq_len, dump)
+      from paro_jax.core.units import parse_rate
+
+      rate = parse_rate(inter_bandwidth) if inter_bandwidth else None
+      r = gpu_report(engine, compiled, target, batch_size, seq_len, dump, log[0], rate)
     if hlo_out:
       _write_hlo(compiled.as_text(), dump, hlo_out)
   if as_json:
@@ -364,7 +403,10 @@ def inspect(
   else:
     print(format_report(r), flush=True)
     if target is not None:
+      from paro_jax.analysis.estimate import format_estimate
+
       print("\n" + format_gpu_report(r), flush=True)
+      print("\n" + format_estimate(r["estimate"]), flush=True)
   return r
 
 

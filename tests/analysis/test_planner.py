@@ -375,3 +375,20 @@ def test_compressed_inter_traffic_in_the_plan():
   # GGG: its global collectives become two levels; every phase key has a schedule entry
   g = estimate(parse_strategy("GGG"), w, cluster)
   assert g.traffic["intra_bytes"] > 0 and g.traffic["inter_bytes"] > 0
+
+
+def test_rings_model_is_xlas_ring_over_all_gpus():
+  """`rings` (--collectives xla): a global collective over n = g x m GPUs moves (n-1)/n of its
+  payload per GPU through m NICs of a node's link (XLA's SolGPUCostModel::RingLatency:
+  (n-1) chunks of payload / n per NIC, over n / g NICs), i.e. ring bytes per device / node rate."""
+  g, m, payload, node_rate = 4, 8, 1e9, 25e9 / 8
+  n = g * m
+  ring_bytes = (n - 1) / n * payload
+  xla_formula = (n - 1) * (payload / n) / (node_rate / m) / m
+  links = planner.Links(node_rate, 300e9, 0.0, 0.0, global_collectives="rings")
+  cluster = planner.Cluster(g, m, links, 989e12)
+  t = planner.collective_seconds("reduce-scatter", ("inter", "intra"), ring_bytes, 1, cluster)
+  assert t == pytest.approx(xla_formula, rel=1e-9)
+  two_level = planner.Cluster(g, m, planner.Links(node_rate, 300e9, 0.0, 0.0), 989e12)
+  t2 = planner.collective_seconds("reduce-scatter", ("inter", "intra"), ring_bytes, 1, two_level)
+  assert t > t2  # hring sends only (g-1)/g of the payload's 1/m per device between nodes

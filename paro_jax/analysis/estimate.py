@@ -1,0 +1,275 @@
+"""XLA's own estimate of a GPU step's time, read from the compile for a target.
+
+While it orders each computation that holds async collectives, XLA's latency-hiding scheduler
+costs every instruction for the target: fusions and matmuls from its GPU performance model,
+collectives from its network model (`SolLatencyEstimator`, Hopper and Blackwell only). It logs,
+per computation and after scheduling, the simulated time (`Total cycles`, microseconds for this
+estimator) and the part of it spent waiting on collectives (`Total wasted cycles`). No API of
+the pinned jaxlib returns these figures, so they are read from that log (VLOG 1 of
+`latency_hiding_scheduler`), which must be switched on before jax starts
+(`prepare_environment`) and is captured from stderr while the step compiles (`captured_stderr`).
+
+The step's time is composed from the scheduled program (`compose`): each computation that runs
+as a sequence of its own (the entry, while bodies, called computations, conditional branches)
+costs its logged time times its executions per step (the product of the enclosing loops' trip
+counts, peeled iterations being computations of their own). Compute alone is the same sum of the
+logged times less the waiting (the sum of non-collective costs). Computations without an async
+collective are never scheduled, hence never costed by XLA: they are charged the roofline of
+their kernels (paro_jax/analysis/roofline.py) scaled by how XLA's costs compare with the same
+roofline on the computations it did cost, and their share is reported. XLA charges cuDNN's
+fused attention nothing; its roofline is reported beside the estimate, not added to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+
+from paro_jax.analysis import hlo, roofline
+
+STATS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
+NETWORK_FLAG = "--xla_gpu_analytical_latency_estimator_options"
+XLA_DEFAULTS = "XLA's defaults for the rest (its network model's built-in NIC speed per GPU)"
+SOURCE = "XLA latency-hiding scheduler (SolLatencyEstimator), composed over the loops"
+# What XLA's SoL cost model prices (sol_latency_estimator.cc: HasOnlySupportedCollectives);
+# any other collective makes XLA fall back to fixed-size costs, which are not times.
+UNSUPPORTED_OPS = ("collective-broadcast", "send", "recv", "ragged-all-to-all")
+_STAT_RE = re.compile(r"latency_hiding_scheduler\.cc:\d+\]\s*(.*)$")
+_INFO_RE = re.compile(r"^I\d{4} |^I0000 |^WARNING: All log messages before absl")
+
+
+def network_options(inter_bits_per_s: float | None, gpus_per_node: int) -> str:
+  """The value of NETWORK_FLAG for a node link of `inter_bits_per_s` shared by its GPUs.
+
+  Despite its name, XLA's `nic_speed_gbps` is gigabytes per second per GPU
+  (`SolGPUCostModel::TransferDuration` divides bytes by 1e9 x it; its ring model gives each GPU
+  its own NIC): a node whose M GPUs share R bit/s is R / 8 / M / 1e9.
+  """
+  options = [f"gpus_per_node={gpus_per_node}"]
+  if inter_bits_per_s is not None:
+    options.insert(0, f"nic_speed_gbps={inter_bits_per_s / 8 / gpus_per_node / 1e9:.6g}")
+  return ",".join(options)
+
+
+def prepare_environment(inter_bits_per_s: float | None, gpus_per_node: int) -> None:
+  """Before jax starts: switch the scheduler's statistics on and set XLA's network model.
+
+  Both are read once, when XLA starts (the network options only from XLA_FLAGS), so a process
+  that already imported jax cannot be changed: that is an error here, not a silent estimate
+  for another network. A network option the user set in XLA_FLAGS is an error too.
+  """
+  if "jax" in sys.modules:
+    raise RuntimeError(
+      "the GPU step estimate must be set up before jax is imported (XLA reads its logging and "
+      "network options once): call estimate.prepare_environment first"
+    )
+  if NETWORK_FLAG in os.environ.get("XLA_FLAGS", ""):
+    raise ValueError(
+      f"XLA_FLAGS already sets {NETWORK_FLAG}: remove it and give --inter-bandwidth instead"
+    )
+  os.environ.update(STATS_ENV)
+  flag = f"{NETWORK_FLAG}={network_options(inter_bits_per_s, gpus_per_node)}"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+@contextlib.contextmanager
+def captured_stderr():
+  """Collect what XLA writes to stderr (file descriptor 2) meanwhile; yields a list that holds
+  the text afterwards. Lines other than the INFO logging switched on here are written back."""
+  out: list[str] = []
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield out
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      tmp.seek(0)
+      text = tmp.read().decode(errors="replace")
+      out.append(text)
+      kept = [line for line in text.splitlines(keepends=True) if not _INFO_RE.match(line)]
+      sys.stderr.write("".join(kept))
+
+
+def parse_statistics(log: str) -> dict[str, dict[str, float]]:
+  """computation -> {"total_us", "wasted_us"} after scheduling (the last block of each name)."""
+  stats, name = {}, None
+  for line in log.splitlines():
+    m = _STAT_RE.search(line)
+    if not m:
+      continue
+    text = m.group(1)
+    if text.startswith("For computation:"):
+      name = text[len("For computation:") :].split(",")[0].strip()
+      stats[name] = {}
+    elif name is not None and text.startswith("Total wasted cycles:"):
+      stats[name]["wasted_us"] = float(text.split(":")[1])
+    elif name is not None and text.startswith("Total cycles:"):
+      stats[name]["total_us"] = float(text.split(":")[1])
+  return {k: v for k, v in stats.items() if {"total_us", "wasted_us"} <= set(v)}
+
+
+def sequenced_computations(comps: dict) -> set[str]:
+  """Computations that run as an instruction sequence of their own: while bodies, called
+  computations and conditional branches (fusions, reducers and async wrappers are parts of
+  one instruction and costed with it). Loop conditions, a compare each, are left out."""
+  out = set()
+  for instrs in comps.values():
+    for i in instrs:
+      if i.op == "while":
+        out.update(re.findall(r"\bbody=%?([\w.\-]+)", i.attrs))
+      elif i.op == "call":
+        out.update(re.findall(r"\bto_apply=%?([\w.\-]+)", i.attrs))
+      elif i.op == "conditional":
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", i.attrs):
+          out.update(re.findall(r"%?([\w.\-]+)", group))
+        out.update(re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", i.attrs))
+  return out
+
+
+def compose(hlo_text: str, stats: dict, peak_flops: float, memory_bandwidth: float) -> dict:
+  """The step's time from the per-computation figures and the program's loop structure.
+
+  Returns seconds: step, compute (step less waiting on collectives), the part charged for
+  computations XLA did not schedule, the attention XLA left out, and per computation its
+  executions per step and time per execution. An unscheduled computation is charged its
+  roofline times the ratio of XLA's compute to the roofline over the scheduled computations
+  of the same program (kernel launches and small-kernel inefficiency, which XLA's model
+  prices and a roofline does not); `roofline_over_xla` reports that ratio.
+  """
+  comps, entry = roofline.parse_computations(hlo_text)
+  counts = hlo.computation_counts(hlo_text)
+  names = [
+    c
+    for c in sorted({entry} | sequenced_computations(comps), key=lambda c: (c != entry, c))
+    if counts.get(c, 0)
+  ]
+
+  def cost(name, only=None):
+    return roofline.computation_seconds(comps, name, peak_flops, memory_bandwidth, only=only)
+
+  attention = {c: cost(c, roofline.is_attention) for c in names}
+  logged = [c for c in names if c in stats]
+  xla_compute = sum(
+    counts[c] * (stats[c]["total_us"] - stats[c]["wasted_us"]) * 1e-6 for c in logged
+  )
+  roofline_logged = sum(counts[c] * (cost(c) - attention[c]) for c in logged)
+  ratio = roofline_logged / xla_compute if xla_compute and roofline_logged else None
+  step = compute = unscheduled = left_out = 0.0
+  rows = []
+  for name in names:
+    n = counts[name]
+    if name in stats:
+      total, wasted = stats[name]["total_us"] * 1e-6, stats[name]["wasted_us"] * 1e-6
+      source = "xla"
+      left_out += n * attention[name]
+    else:
+      total = cost(name) / (ratio or 1.0)
+      wasted, source = 0.0, "roofline" if ratio is None else "roofline, scaled"
+      unscheduled += n * total
+    step += n * total
+    compute += n * (total - wasted)
+    rows.append(
+      {"computation": name, "executions": n, "time_s": total, "wait_s": wasted, "source": source}
+    )
+  return {
+    "step_s": step,
+    "compute_s": compute,
+    "exposed_comm_s": step - compute,
+    "unscheduled_s": unscheduled,
+    "attention_left_out_s": left_out,
+    "roofline_over_xla": ratio,
+    "computations": rows,
+  }
+
+
+def unavailable_reason(hlo_text: str, compute_capability: tuple[int, ...]) -> str | None:
+  """Why XLA gives no time for this program on this target, in one line; None when it does."""
+  if compute_capability[:1] < (9,):
+    cc = ".".join(str(x) for x in compute_capability[:2])
+    return (
+      f"XLA has no time-based estimator for compute capability {cc}: its SoL cost model is "
+      "for Hopper and Blackwell only, older GPUs get fixed-size costs that are not times"
+    )
+  for op in UNSUPPORTED_OPS:
+    if re.search(rf"\s{op}(-start)?\(", hlo_text):
+      return f"the program holds a {op}, which XLA's SoL cost model does not price"
+  return None
+
+
+def estimate(
+  hlo_text: str,
+  log: str,
+  *,
+  compute_capability: tuple[int, ...],
+  peak_flops: float,
+  memory_bandwidth: float,
+  devices: int,
+  tokens_per_step: int,
+  flops_per_step: float,
+  inter_bits_per_s: float | None,
+  gpus_per_node: int,
+) -> dict:
+  """The `estimate` section of `inspect --target`: XLA's step time, compute, exposed
+  communication, tokens/s and MFU; a one-line reason and no numbers where XLA has none."""
+  network = {
+    "inter_bandwidth_gbps": None if inter_bits_per_s is None else inter_bits_per_s / 1e9,
+    "network": network_options(inter_bits_per_s, gpus_per_node)
+    + ("" if inter_bits_per_s is not None else f" and {XLA_DEFAULTS}"),
+  }
+  reason = unavailable_reason(hlo_text, compute_capability)
+  if reason is not None:
+    return {"source": None, "unavailable": reason, **network}
+  stats = parse_statistics(log)
+  if not stats:
+    raise RuntimeError(
+      "XLA logged no latency-hiding scheduler statistics while compiling for the target: "
+      f"was {', '.join(f'{k}={v}' for k, v in STATS_ENV.items())} set before jax started? "
+      "If it was, this jaxlib no longer logs them and the estimate must be read another way"
+    )
+  c = compose(hlo_text, stats, peak_flops, memory_bandwidth)
+  return {
+    "step_s": c["step_s"],
+    "compute_s": c["compute_s"],
+    "exposed_comm_s": c["exposed_comm_s"],
+    "tokens_per_s": tokens_per_step / c["step_s"],
+    "mfu": flops_per_step / (c["step_s"] * peak_flops * devices),
+    **network,
+    "source": SOURCE,
+    "unscheduled_s": c["unscheduled_s"],
+    "attention_left_out_s": c["attention_left_out_s"],
+    "roofline_over_xla": c["roofline_over_xla"],
+    "computations": c["computations"],
+  }
+
+
+def format_estimate(e: dict) -> str:
+  if e.get("source") is None:
+    return f"step time estimate: none ({e['unavailable']})"
+  bw = e["inter_bandwidth_gbps"]
+  lines = [
+    f"step time estimated by XLA (its cost model, not a measurement; network "
+    f"{'%g Gbit/s per node' % bw if bw is not None else 'defaults'}: {e['network']})",
+    f"  step {e['step_s'] * 1e3:.2f} ms = compute {e['compute_s'] * 1e3:.2f} ms + exposed "
+    f"communication {e['exposed_comm_s'] * 1e3:.2f} ms; {e['tokens_per_s']:,.0f} tokens/s, "
+    f"MFU {e['mfu']:.1%}",
+  ]
+  if e["unscheduled_s"]:
+    ratio = e["roofline_over_xla"]
+    lines.append(
+      f"  {e['unscheduled_s'] * 1e3:.2f} ms of it from computations XLA did not schedule (no "
+      f"async collective), charged by a roofline"
+      + (f" scaled by 1/{ratio:.2f} (roofline / XLA on the ones it costed)" if ratio else "")
+    )
+  if e["attention_left_out_s"]:
+    lines.append(
+      f"  not included: cuDNN attention, which XLA charges nothing "
+      f"(roofline {e['attention_left_out_s'] * 1e3:.2f} ms per step)"
+    )
+  return "\n".join(lines)

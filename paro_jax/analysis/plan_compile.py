@@ -1,0 +1,105 @@
+"""`paro-jax plan --target GPU --compile-top K`: the analytic ranking checked by XLA's estimate.
+
+The analytic model ranks the 14 strategies in microseconds; XLA's estimate of the compiled step
+(paro_jax/analysis/estimate.py) takes a compile each, minutes for a 7B model. So the top K that
+fit, and every other fitting strategy within `WITHIN` (10%) of the first, are compiled for the
+target (`paro-jax inspect --target`, a process each: XLA reads its network model at start-up),
+and the pick is the fastest by XLA's estimate among those that fit the compiled memory. Both
+rankings are printed side by side, with each compile's time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+WITHIN = 0.10
+
+
+def candidates(plan, k: int) -> list[str]:
+  """The top k fitting strategies by the analytic model, plus any within WITHIN of the first."""
+  fitting = sorted((e for e in plan.ranking if e.fits), key=lambda e: e.step_time_s)
+  if not fitting:
+    return []
+  first = fitting[0].step_time_s
+  return [
+    e.strategy for i, e in enumerate(fitting) if i < k or e.step_time_s <= first * (1 + WITHIN)
+  ]
+
+
+def compile_estimate(strategy: str, inputs: dict, target: str, attention: str) -> dict:
+  """XLA's estimate of one strategy's step for the plan's cluster and workload."""
+  devices = inputs["nodes"] * inputs["devices_per_node"]
+  rate = inputs["inter_bandwidth_bytes_per_s"] * 8
+  cmd = [
+    sys.executable, "-m", "paro_jax", "inspect", "--target", target,
+    "--mesh", f"{inputs['nodes']}x{inputs['devices_per_node']}", "--model", inputs["model"],
+    "--strategy", strategy, "--collectives", inputs["collectives"],
+    "--micro-batches", str(inputs["micro_batches"]),
+    "--batch-size", str(inputs["micro_batch"] * devices), "--seq-len", str(inputs["seq_len"]),
+    "--dtype", inputs["dtype"], "--attention", attention,
+    "--inter-bandwidth", f"{rate / 1e9:g}gbit", "--json",
+  ]  # fmt: skip
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the child sets XLA's network model from --inter-bandwidth
+  t = time.perf_counter()
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+  seconds = time.perf_counter() - t
+  if proc.returncode:
+    lines = proc.stderr.strip().splitlines() or ["no output"]
+    return {"strategy": strategy, "error": lines[-1][:300], "compile_s": seconds}
+  r = json.loads(proc.stdout)
+  e = {k: v for k, v in r["estimate"].items() if k != "computations"}
+  return {"strategy": strategy, "estimate": e, "fits": r["memory"]["fits"], "compile_s": seconds}
+
+
+def check_target(target: str) -> str:
+  from paro_jax.analysis import estimate, gpu
+
+  key = gpu.check_target(target)
+  if not gpu.plugin_available():
+    raise ValueError(f"--target compiles with JAX's CUDA plugin, not installed: {gpu.INSTALL_HINT}")
+  reason = estimate.unavailable_reason("", gpu.compute_capability(key))
+  if reason is not None:
+    raise ValueError(f"--target {key}: no step time from XLA to rank by ({reason})")
+  return key
+
+
+def rerank(plan, k: int, target: str, attention: str = "auto") -> dict:
+  """Compile the candidates and pick by XLA's estimate; returns what `format_rerank` prints."""
+  compiled = [compile_estimate(s, plan.inputs, target, attention) for s in candidates(plan, k)]
+  usable = [c for c in compiled if "error" not in c and c["fits"] and c["estimate"].get("step_s")]
+  pick = min(usable, key=lambda c: c["estimate"]["step_s"])["strategy"] if usable else None
+  return {"target": target, "k": k, "within": WITHIN, "pick": pick, "compiled": compiled}
+
+
+def format_rerank(plan, r: dict) -> str:
+  analytic = {e.strategy: e.step_time_s for e in plan.ranking if e.fits}
+  by_xla = sorted(r["compiled"], key=lambda c: c.get("estimate", {}).get("step_s") or float("inf"))
+  lines = [
+    f"compiled for {r['target']}: the analytic top {r['k']} and any within {r['within']:.0%} "
+    "of its first; ranked by XLA's estimate (its cost model, not a measurement)",
+    f"{'#':>3s} {'strategy':9s}{'XLA step s':>11s}{'compute':>9s}{'exposed':>9s}"
+    f"{'analytic s':>11s}{'analytic #':>11s}{'compile s':>10s}",
+  ]
+  order = sorted(analytic, key=analytic.get)
+  for i, c in enumerate(by_xla, 1):
+    s = c["strategy"]
+    tail = f"{analytic[s]:11.3f}{order.index(s) + 1:11d}{c['compile_s']:10.0f}"
+    e = c.get("estimate", {})
+    if "error" in c or not e.get("step_s"):
+      lines.append(f"{i:3d} {s:9s}{'-':>11s}{'':9s}{'':9s}{tail}  {c.get('error', '')[:60]}")
+      continue
+    fit = "" if c["fits"] else "  (compiled memory does not fit)"
+    lines.append(
+      f"{i:3d} {s:9s}{e['step_s']:11.3f}{e['compute_s']:9.3f}{e['exposed_comm_s']:9.3f}{tail}{fit}"
+    )
+  if r["pick"] is None:
+    lines.append("no compiled candidate fits: the analytic pick stands unchecked")
+  else:
+    agree = "agrees with" if r["pick"] == plan.pick else f"differs from the analytic {plan.pick}"
+    lines.append(f"pick by XLA's estimate: {r['pick']} ({agree})")
+  return "\n".join(lines)

@@ -1,0 +1,292 @@
+"""The planner's model of one strategy's step: time per phase, memory, fit.
+
+Pure Python (no jax), so a laptop can plan a 128-GPU run. For every strategy:
+
+- traffic: `costs.step_traffic`, bytes each device sends per optimizer step and phase (the one
+  formula, docs/design.md's; nothing here re-derives it);
+- time of a phase: bytes / bandwidth of its level + latency x collectives. A collective over
+  `intra` runs at the intra bandwidth; one over `inter` at each device's share of its node's
+  link (node bandwidth / devices per node: all devices of a node send at once). One over both
+  axes (global) is modelled by `global_collectives`: "flat" (docs/design.md: every device's ring
+  bytes cross the node link at its share; what XLA:CPU over gloo does, checked on the wire by tc
+  in the strategy benchmark), "hierarchical" (an intra part, then an inter part carrying 1/m of the
+  payload: paro_jax's hring), "overlapped" (the two parts at once: horing) or "rings" (NCCL's
+  rings over all devices, one per NIC: a node's link carries each device's ring bytes once, the
+  NVLink hops beside them; as XLA's cost model prices NCCL's collectives). A probe profile
+  replaces any of these by measured (bandwidth, latency) per
+  (collective, level);
+- compute: model FLOPs (`LlamaConfig.flops_per_token`, 6 per parameter and token, less the
+  weight-gradient third for frozen parameters) / (peak FLOP/s x MFU). Communication and compute
+  add up (no overlap) unless `overlap` says what fraction of the per-micro-batch traffic hides
+  behind compute; the boundary syncs never overlap;
+- memory: model states (`costs.model_state_bytes`: 2Ψ/f(P) + 2Ψ'/f(Gr) + 12Ψ'/f(OS)) plus an
+  activation estimate (`activation_bytes`); a strategy fits when that is at most `usable_memory`
+  (0.9) of the device memory, leaving room for the CUDA context, communication buffers and
+  fragmentation. JAX preallocates 75% of a GPU by default: raise XLA_PYTHON_CLIENT_MEM_FRACTION
+  (e.g. to 0.95) for plans that need more.
+
+The pick is the fastest strategy that fits. Predictions within `TIE` (1%) of the fastest are a tie
+the model cannot resolve (e.g. ING, INI and IIG with few trainable parameters); among those it
+takes the one with the fewest collectives per step (per-collective overhead is the least certain
+part of the model), then the least memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paro_jax.core import feedback_rules  # no jax
+from paro_jax.analysis.costs import model_state_bytes, step_traffic
+from paro_jax.analysis.plan_inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
+from paro_jax.core.names import ALL_GATHER, ALL_REDUCE, INTER, REDUCE_SCATTER
+from paro_jax.core.strategy import KNOWN_NAMES, Strategy
+
+
+def _level(axes: tuple[str, ...]) -> str:
+  return "global" if len(axes) == 2 else axes[0]
+
+
+def schedule(strategy: Strategy, w: Workload) -> dict[str, tuple[str, tuple[str, ...], int]]:
+  """`costs.step_traffic` phase key ('phase/level') -> (collective, mesh axes, collectives per
+  step), from the strategy's letters; phases without axes move nothing."""
+  s, a, layers = strategy, w.micro_batches, w.model.layers
+  per_mb = a * (LEAVES_PER_LAYER * layers + OTHER_LEAVES)
+  stacked = LEAVES_PER_LAYER + OTHER_LEAVES
+  items = [
+    ("forward params", s.param_gather_axes, ALL_GATHER, per_mb),
+    ("backward params (remat)", s.param_gather_axes, ALL_GATHER, a * LEAVES_PER_LAYER * layers),
+    ("backward grads", s.grad_scatter_axes, REDUCE_SCATTER, per_mb),
+    ("grad sync", s.sync_scatter_axes, REDUCE_SCATTER, stacked),
+    ("grad sync", s.sync_reduce_axes, ALL_REDUCE, stacked),
+    ("param sync", s.param_sync_axes, ALL_GATHER, stacked),
+  ]
+  out = {}
+  for phase, axes, kind, count in items:
+    # A compressed collective spanning both axes runs as two levels (costs._add_collective).
+    codec = w.wire.params_codec if "params" in phase else w.wire.grads_codec
+    item = w.acc_itemsize if phase == "grad sync" else w.itemsize
+    if INTER in axes and len(axes) == 2 and codec.compresses(item):
+      for level in axes:
+        key = f"{phase}/{level}"
+        assert key not in out, f"two collectives in phase {key} of {s}"
+        out[key] = (kind, (level,), count)
+      continue
+    if axes:
+      key = f"{phase}/{'inter' if INTER in axes else 'intra'}"
+      assert key not in out, (
+        f"two collectives in phase {key} of {s}"
+      )  # see docs/design.md's schedule
+      out[key] = (kind, axes, count)
+  return out
+
+
+def collective_seconds(
+  kind: str, axes: tuple[str, ...], nbytes: float, count: int, cluster: Cluster
+) -> float:
+  """Time of `count` collectives over `axes` that send `nbytes` per device in all (ring bytes,
+  as costs.step_traffic counts them)."""
+  net, m, g = cluster.network, cluster.devices_per_node, cluster.nodes
+  level = _level(axes)
+  if (kind, level) in net.measured:
+    bandwidth, latency = net.measured[(kind, level)]
+    return count * latency + nbytes / bandwidth
+  inter_share = net.inter_bandwidth / m  # all m devices of a node send at once
+  if level == "intra":
+    return count * net.intra_latency + nbytes / net.intra_bandwidth
+  if level == "inter" or net.global_collectives == "flat":
+    return count * net.inter_latency + nbytes / inter_share
+  if net.global_collectives == "rings":  # the slowest link of a pipelined ring sets its pace
+    over_nodes = count * net.inter_latency + nbytes / net.inter_bandwidth
+    return max(over_nodes, count * net.intra_latency + nbytes / net.intra_bandwidth)
+  # Two levels: the ring bytes over n devices name the payload S; an intra ring moves
+  # (m-1)/m S per device, the inter rings (g-1)/g S/m (x2 for an all-reduce).
+  n, twice = m * g, 2 if kind == ALL_REDUCE else 1
+  payload = nbytes * n / (n - 1) / twice
+  t_intra = count * net.intra_latency + twice * (m - 1) / m * payload / net.intra_bandwidth
+  t_inter = count * net.inter_latency + twice * (g - 1) / g * payload / m / inter_share
+  if net.global_collectives == "overlapped":
+    return max(t_intra, t_inter)
+  return t_intra + t_inter
+
+
+def compute_seconds(w: Workload, cluster: Cluster) -> float:
+  """Model FLOPs of one step on one device over its FLOP/s x MFU; 0 when FLOP/s is unknown.
+
+  Frozen parameters need no weight gradient: one of the three 2-FLOP matmuls per parameter and
+  token (flops_per_token(0) / 3 is that third for all parameters) shrinks by Ψ'/Ψ.
+  """
+  if not cluster.flop_per_s:
+    return 0.0
+  frozen = 1 - w.psi_trained / w.psi
+  per_token = w.model.flops_per_token(w.seq_len) - frozen * w.model.flops_per_token(0) / 3
+  return per_token * w.tokens_per_device / (cluster.flop_per_s * cluster.mfu)
+
+
+def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int = 1) -> dict:
+  """Per-device activation memory of one micro-batch with full remat (a rough estimate).
+
+  - boundary: each layer's input, kept for backward: L x b x s x D;
+  - layer: one layer's recomputed intermediates and their gradients (x2): q, k, v, attention
+    output, gate, up, the two norms, and either the fp32 scores with their probabilities
+    (attention written out) or, with the fused kernel, its fp32 softmax statistics per query;
+  - logits: fp32 logits and their gradient, b x s x V x 4 x 2;
+  - gathered: with P sharded, the full weights of the head and of one layer, two with the
+    prefetching layer stack (full remat: this layer's and the next one's); the full gradient of
+    one layer before its reduce-scatter, two with the stack (one waits a layer for its
+    reduce-scatter);
+  - synced_grads: the layers' synced gradients at the OS placement, written while the
+    accumulator (at Gr) is still alive: in the last micro-batch's backward on GPUs, at the
+    boundary's sync elsewhere. The stack adds each micro-batch's gradients into the accumulator
+    in place, so no other gradient buffer of the layer stack is held (engine.py,
+    `_make_prefetch_stack`).
+  """
+  c, b, s, item = w.model, w.micro_batch, w.seq_len, w.itemsize
+  q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+  layer_w = w.layer_params // c.layers
+  layer_grads = layer_w * w.psi_trained // w.psi
+  depth = 2 if w.remat else 1  # the prefetching stack runs with full remat
+  # per query and head: a row of fp32 scores and its probabilities, or the kernel's fp32 statistic
+  scores = 4 if w.fused_attention else s * (4 + item)
+  out = {
+    "boundary": c.layers * b * s * c.dim * item,
+    "layer": 2
+    * (b * s * (2 * q + 2 * kv + 3 * c.mlp + 2 * c.dim) * item + b * c.heads * s * scores),
+    "logits": 2 * b * s * c.vocab * 4,
+    "gathered": item
+    * (
+      (strategy.params.name != "N") * (depth * layer_w + c.vocab * c.dim)
+      + (depth if w.remat else strategy.grads.name != "N") * layer_grads
+    ),
+    "synced_grads": w.acc_itemsize
+    * c.layers
+    * layer_grads
+    // strategy.opt.shard_count(inter, intra),
+  }
+  out["total"] = sum(out.values())
+  return out
+
+
+@dataclasses.dataclass
+class Estimate:
+  """The planner's prediction for one strategy."""
+
+  strategy: str
+  memory: dict  # model_states (params, grads, opt, total), activations (...), total
+  fits: bool
+  feasible: bool  # the model's sharded dimension divides into the placements
+  times: dict  # seconds: compute, param_gathers, grad_traffic, grad_sync, param_sync
+  step_time_s: float
+  tokens_per_s: float
+  traffic: dict  # bytes per device and step: inter, intra, phases (costs.step_traffic)
+  collectives: int = 0  # collectives per step
+  note: str = ""
+
+  @property
+  def memory_bytes(self) -> float:
+    return self.memory["total"]
+
+  def as_dict(self) -> dict:
+    return {
+      "strategy": self.strategy,
+      "known_as": KNOWN_NAMES.get(self.strategy),
+      "fits": self.fits,
+      "feasible": self.feasible,
+      "memory_bytes": self.memory_bytes,
+      "step_time_s": self.step_time_s,
+      "tokens_per_s": self.tokens_per_s,
+      "times": self.times,
+      "memory": self.memory,
+      "traffic": self.traffic,
+      "collectives": self.collectives,
+      "note": self.note,
+    }
+
+
+PHASE_GROUPS = {
+  "forward params": "param_gathers",
+  "backward params (remat)": "param_gathers",
+  "backward grads": "grad_traffic",
+  "grad sync": "grad_sync",
+  "param sync": "param_sync",
+}
+
+
+def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster, two_level: bool = False):
+  """costs.step_traffic for the workload on the cluster (the bytes every estimate uses);
+  `two_level`: each level's bytes of a collective over both axes apart (the two-level rings)."""
+  return step_traffic(
+    strategy,
+    w.psi,
+    w.psi_trained,
+    cluster.nodes,
+    cluster.devices_per_node,
+    w.micro_batches,
+    w.itemsize,
+    w.itemsize,
+    regathered=w.layer_params if w.remat else 0,
+    wire=w.wire,
+    acc_bytes=w.acc_itemsize,
+    two_level=two_level,
+  )
+
+
+def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
+  traffic = traffic_of(strategy, w, cluster)
+  sched = schedule(strategy, w)
+  times = {
+    "compute": compute_seconds(w, cluster),
+    "param_gathers": 0.0,
+    "grad_traffic": 0.0,
+    "grad_sync": 0.0,
+    "param_sync": 0.0,
+  }
+  collectives = 0
+  for key, nbytes in traffic.phases.items():
+    kind, axes, count = sched[key]
+    times[PHASE_GROUPS[key.split("/")[0]]] += collective_seconds(kind, axes, nbytes, count, cluster)
+    collectives += count
+  per_mb = times["param_gathers"] + times["grad_traffic"]
+  hidden = cluster.overlap * min(per_mb, times["compute"])
+  step = times["compute"] + per_mb - hidden + times["grad_sync"] + times["param_sync"]
+  states = model_state_bytes(
+    strategy,
+    w.psi,
+    w.psi_trained,
+    cluster.nodes,
+    cluster.devices_per_node,
+    w.itemsize,
+    w.acc_itemsize,
+    residual_bytes=feedback_rules.residual_bytes(
+      strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, w.acc_itemsize
+    ),
+    reference_bytes=feedback_rules.reference_bytes(
+      strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, w.itemsize
+    ),
+  )
+  acts = activation_bytes(strategy, w, cluster.nodes, cluster.devices_per_node)
+  memory = {"model_states": states, "activations": acts, "total": states["total"] + acts["total"]}
+  ways = strategy.opt.shard_count(cluster.nodes, cluster.devices_per_node)
+  feasible = w.model.dim % ways == 0
+  usable = cluster.usable_bytes
+  fits = feasible and (usable is None or memory["total"] <= usable)
+  note = (
+    ""
+    if feasible
+    else (
+      f"the model dimension {w.model.dim} does not split {ways} ways "
+      f"(paro_jax shards every leaf along it)"
+    )
+  )
+  tokens = w.tokens_per_device * cluster.devices
+  return Estimate(
+    strategy.name,
+    memory,
+    fits,
+    feasible,
+    times,
+    step,
+    tokens / step if step > 0 else 0.0,
+    {"inter_bytes": traffic.inter, "intra_bytes": traffic.intra, "phases": dict(traffic.phases)},
+    collectives,
+    note,
+  )

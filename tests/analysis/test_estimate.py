@@ -1,0 +1,206 @@
+"""XLA's estimate of a GPU step's time (paro_jax/analysis/estimate.py) and `inspect --target`'s
+`estimate` section.
+
+The composition is checked on programs whose answer is known by hand: a written HLO module with
+nested loops, and a compiled scan of N identical bodies (N x one body plus the entry). The
+compiles run in subprocesses: XLA reads its logging and network options once, at start-up.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from paro_jax.analysis import estimate, gpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+needs_plugin = pytest.mark.skipif(
+  not gpu.plugin_available(),
+  reason=f"compiling for a GPU target needs JAX's CUDA plugin: {gpu.INSTALL_HINT}",
+)
+
+# An entry that runs the outer loop 3 times, whose body runs the inner loop 4 times, and calls
+# a computation without collectives (one elementwise kernel over 3 x 4 MB) once.
+NESTED_HLO = """HloModule m, is_scheduled=true
+
+%fused_add (a: f32[1000000], b: f32[1000000]) -> f32[1000000] {
+  %a = f32[1000000]{0} parameter(0)
+  %b = f32[1000000]{0} parameter(1)
+  ROOT %add = f32[1000000]{0} add(%a, %b)
+}
+
+%plain (x: f32[1000000]) -> f32[1000000] {
+  %x = f32[1000000]{0} parameter(0)
+  ROOT %add.f = f32[1000000]{0} fusion(%x, %x), kind=kLoop, calls=%fused_add
+}
+
+%cond (c: s32[]) -> pred[] {
+  %c = s32[] parameter(0)
+  ROOT %lt = pred[] compare(%c, %c), direction=LT
+}
+
+%inner (i: s32[]) -> s32[] {
+  ROOT %i = s32[] parameter(0)
+}
+
+%outer (o: s32[]) -> s32[] {
+  %o = s32[] parameter(0)
+  ROOT %w.in = s32[] while(%o), condition=%cond, body=%inner, backend_config=TRIP4
+}
+
+ENTRY %main (e: s32[], v: f32[1000000]) -> s32[] {
+  %e = s32[] parameter(0)
+  %v = f32[1000000]{0} parameter(1)
+  %called = f32[1000000]{0} call(%v), to_apply=%plain
+  ROOT %w.out = s32[] while(%e), condition=%cond, body=%outer, backend_config=TRIP3
+}
+"""
+for _n in (3, 4):
+  NESTED_HLO = NESTED_HLO.replace(f"TRIP{_n}", '{"known_trip_count":{"n":"%d"}}' % _n)
+
+
+def _stats_block(name: str, wasted: float, total: float) -> str:
+  head = "I1125 03:00:00.000000    1 latency_hiding_scheduler.cc:4341] "
+  return "".join(
+    head + line + "\n"
+    for line in (
+      f"For computation: {name}, module m",
+      f"Total wasted cycles: {wasted}",
+      "Wasted cycles for all-gather: 0",
+      f"Total cycles: {total}",
+    )
+  )
+
+
+def test_nested_loops_compose_by_hand():
+  log = (
+    _stats_block("inner", 99, 999)  # before scheduling: superseded by the next block
+    + _stats_block("main", 10, 100)
+    + _stats_block("outer", 5, 20)
+    + _stats_block("inner", 1, 7)
+  )
+  stats = estimate.parse_statistics(log)
+  assert stats["inner"] == {"wasted_us": 1.0, "total_us": 7.0}
+  bw = 2e12
+  c = estimate.compose(NESTED_HLO, stats, 1e15, bw)
+  plain = 3 * 4e6 / bw  # two operands and a result of 4 MB, once per step
+  assert c["step_s"] == pytest.approx((100 + 3 * 20 + 12 * 7) * 1e-6 + plain, rel=1e-9)
+  assert c["compute_s"] == pytest.approx((90 + 3 * 15 + 12 * 6) * 1e-6 + plain, rel=1e-9)
+  assert c["unscheduled_s"] == pytest.approx(plain, rel=1e-9)
+  assert {r["computation"]: r["executions"] for r in c["computations"]} == {
+    "main": 1,
+    "outer": 3,
+    "inner": 12,
+    "plain": 1,
+  }
+
+
+def test_network_options_are_gigabytes_per_gpu():
+  # 25 Gbit/s shared by 8 GPUs: 25e9 / 8 bits -> bytes, / 8 GPUs, in units of 1e9 bytes/s.
+  assert estimate.network_options(25e9, 8) == "nic_speed_gbps=0.390625,gpus_per_node=8"
+  assert estimate.network_options(None, 4) == "gpus_per_node=4"
+
+
+def test_a100_has_no_time_estimate():
+  line = estimate.unavailable_reason("", gpu.compute_capability("a100-80gb"))
+  assert line is not None and "8.0" in line
+  assert estimate.unavailable_reason("", gpu.compute_capability("h100")) is None
+
+
+def _run(args: list[str]) -> dict:
+  env = {**os.environ, "PYTHONPATH": REPO}
+  p = subprocess.run(
+    [sys.executable, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=900
+  )
+  assert p.returncode == 0, p.stderr[-3000:]
+  return json.loads(p.stdout)
+
+
+@pytest.fixture(scope="module")
+def scans():
+  script = os.path.join("tests", "analysis", "scan_program.py")
+  return {n: _run([script, str(n)]) for n in (3, 6)}
+
+
+@needs_plugin
+def test_scan_is_n_bodies_plus_the_entry(scans):
+  bodies = {}
+  for n, r in scans.items():
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", r["hlo"], re.M).group(1)
+    (body,) = set(r["stats"]) - {entry}  # the scan's body: the other logged computation
+    bodies[n] = r["stats"][body]["total_us"]
+    expected = r["stats"][entry]["total_us"] + n * bodies[n]
+    assert r["compose"]["step_s"] * 1e6 == pytest.approx(expected, rel=0.01)
+    assert r["compose"]["unscheduled_s"] == 0
+  assert bodies[3] == pytest.approx(bodies[6], rel=1e-6)
+  step = {n: r["compose"]["step_s"] * 1e6 for n, r in scans.items()}
+  assert step[6] - step[3] == pytest.approx(3 * bodies[3], rel=0.01)
+
+
+def _inspect(strategy: str, *extra: str, target: str = "h100") -> dict:
+  return _run(
+    [
+      "-m",
+      "paro_jax",
+      "inspect",
+      "--target",
+      target,
+      "--model",
+      "test",
+      "--mesh",
+      "2x4",
+      "--strategy",
+      strategy,
+      "--collectives",
+      "xla",
+      "--micro-batches",
+      "2",
+      "--batch-size",
+      "8",
+      "--seq-len",
+      "64",
+      "--json",
+      *extra,
+    ]
+  )
+
+
+@pytest.fixture(scope="module")
+def reports():
+  return {
+    "IIG@100": _inspect("IIG", "--inter-bandwidth", "100gbit"),
+    "GGG@25": _inspect("GGG", "--inter-bandwidth", "25gbit"),
+    "GGG@400": _inspect("GGG", "--inter-bandwidth", "400gbit"),
+    "IIG@defaults": _inspect("IIG"),
+  }
+
+
+@needs_plugin
+def test_inspect_reports_xla_estimate(reports):
+  """Fails loudly when the pinned XLA stops logging the scheduler's figures."""
+  e = reports["IIG@100"]["estimate"]
+  for key in ("step_s", "compute_s", "exposed_comm_s", "tokens_per_s", "mfu"):
+    assert e[key] is not None and e[key] >= 0, key
+  assert e["source"] == estimate.SOURCE and e["inter_bandwidth_gbps"] == 100
+  assert 0 < e["mfu"] < 1 and 0 < e["compute_s"] <= e["step_s"]
+  assert e["tokens_per_s"] == pytest.approx(2 * 8 * 64 / e["step_s"])
+  assert any(r["source"] == "xla" for r in e["computations"])
+  d = reports["IIG@defaults"]["estimate"]
+  assert d["inter_bandwidth_gbps"] is None and "XLA's defaults" in d["network"]
+
+
+@needs_plugin
+def test_slower_link_gives_longer_step(reports):
+  slow, fast = reports["GGG@25"]["estimate"], reports["GGG@400"]["estimate"]
+  assert slow["step_s"] > fast["step_s"]
+  assert slow["compute_s"] == pytest.approx(fast["compute_s"], rel=0.05)
+
+
+@needs_plugin
+def test_a100_inspect_says_why_no_number():
+  e = _inspect("IIG", "--inter-bandwidth", "100gbit", target="a100-80gb")["estimate"]
+  assert e["source"] is None and "step_s" not in e
+  assert estimate.format_estimate(e).count("\n") == 0
