@@ -122,18 +122,22 @@ def abstract_state(engine: Engine) -> TrainState:
 class Checkpointer:
   """Asynchronous, atomic checkpoints of a run in `directory`, keeping the newest `keep`."""
 
-  def __init__(self, directory: str, keep: int = 3):
+  def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
+    """`read_only`: a reader (export) that changes nothing in `directory`, not even the
+    leftovers of a save in flight of a run that is still writing there."""
     if keep < 1:
       raise ValueError(f"keep must be >= 1 (checkpoints to keep), got {keep}")
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep,
-      create=True,
+      max_to_keep=None if read_only else keep,  # only a save rotates
+      create=not read_only,
       enable_async_checkpointing=True,
       # Leftovers of saves that were killed halfway: never a step, removed on start.
-      cleanup_tmp_directories=True,
+      cleanup_tmp_directories=not read_only,
     )
-    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+    handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    self._read_only = read_only
     self._saving: int | None = None  # the step being written in the background
     for name in ("absl", ""):  # orbax logs through absl's logger (or the root one)
       logging.getLogger(name).addFilter(_QUIET)
@@ -143,6 +147,8 @@ class Checkpointer:
   # --- writing -----------------------------------------------------------------------------
   def save(self, state: TrainState, meta: RunMeta) -> None:
     """Start writing `state` as step meta.step; returns once the arrays are copied to host."""
+    if self._read_only:
+      raise ValueError(f"{self.directory} was opened read-only (to export it): not saved")
     if int(state.step) != meta.step:
       raise ValueError(f"state is at step {int(state.step)} but the metadata says {meta.step}")
     sums, finite = state_checksums(state)
@@ -202,6 +208,7 @@ class Checkpointer:
         f"without --resume first (it saves checkpoints there)"
       )
     target = abstract_state(engine)
+    to_target = jax.jit(_cast_like(target), out_shardings=engine.state_shardings)
     failures = []
     for step in reversed(steps):
       try:
@@ -211,13 +218,18 @@ class Checkpointer:
         continue
       check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
       try:
+        # Read every array as it was written (a bf16 run's frozen LoRA base in bf16, even
+        # when an fp32 engine reads it): the checksums are of the written bits. Only a verified
+        # state is then converted to this engine's dtypes.
+        stored = self._stored_like(step, target)
         restored = self._manager.restore(
-          step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
+          step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(stored)})
         )[STATE]
         _verify(restored, meta)
       except Exception as e:  # noqa: BLE001
         failures.append((step, e))
         continue
+      restored = to_target(restored)
       if failures:
         moved = self._set_aside([s for s, _ in failures]) if set_aside else ""
         warnings.warn(
@@ -227,8 +239,23 @@ class Checkpointer:
         )
       return restored, meta
     raise ValueError(
-      f"no intact checkpoint in {self.directory}: {_describe(failures)}. "
-      f"Delete the damaged step directories or start a new run with another --out"
+      f"no intact checkpoint in {self.directory}: {_describe(failures)}. Nothing was "
+      f"changed there: restore its files from a copy, or start a new run with another --out"
+    )
+
+  def _stored_like(self, step: int, target: TrainState) -> TrainState:
+    """`target` (shapes and shardings) with the dtypes step `step` was written in."""
+    written = self._manager.item_metadata(step)[STATE]
+    dtypes = {_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(written)}
+    missing = [
+      jax.tree_util.keystr(p)
+      for p, _ in jax.tree_util.tree_leaves_with_path(target)
+      if _names(p) not in dtypes
+    ]
+    if missing:
+      raise ValueError(f"{len(missing)} arrays are missing (first: {missing[0]})")
+    return jax.tree_util.tree_map_with_path(
+      lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[_names(p)], sharding=s.sharding), target
     )
 
   def _set_aside(self, steps: list[int]) -> str:
@@ -248,6 +275,22 @@ class Checkpointer:
       multihost_utils.sync_global_devices("paro-jax: damaged checkpoints set aside")
     self._manager.reload()
     return f" (the damaged ones are kept as {', '.join(names)} in {self.directory})"
+
+
+def _names(path) -> tuple:
+  """A leaf's path as plain names and indices: orbax's metadata tree spells the TrainState's
+  fields and optax's named tuples as dict keys."""
+  return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
+
+
+def _cast_like(target):
+  """A function converting a state (as written) to the dtypes of `target`; bf16 to fp32 is
+  exact, so resume and export see the same values whichever dtype they run in."""
+
+  def cast(state):
+    return jax.tree.map(lambda x, t: x.astype(t.dtype), state, target)
+
+  return cast
 
 
 def _verify(state: TrainState, meta: RunMeta) -> None:
