@@ -120,7 +120,8 @@ def abstract_state(engine: Engine) -> TrainState:
 
 
 class Checkpointer:
-  """Asynchronous, atomic checkpoints of a run in `directory`, keeping the newest `keep`."""
+  """Asynchronous, atomic checkpoints of a run in `directory`, keeping the newest `keep` and the
+  one `protect` names (the newest known good one: a run that diverges later still has it)."""
 
   def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
     """`read_only`: a reader (export) that changes nothing in `directory`, not even the
@@ -129,7 +130,7 @@ class Checkpointer:
       raise ValueError(f"keep must be >= 1 (checkpoints to keep), got {keep}")
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=None if read_only else keep,  # only a save rotates
+      max_to_keep=None,  # rotated here (_rotate), where a protected step is kept
       create=not read_only,
       enable_async_checkpointing=True,
       # Leftovers of saves that were killed halfway: never a step, removed on start.
@@ -138,6 +139,8 @@ class Checkpointer:
     handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._read_only = read_only
+    self.keep = keep
+    self._protected: int | None = None
     self._saving: int | None = None  # the step being written in the background
     for name in ("absl", ""):  # orbax logs through absl's logger (or the root one)
       logging.getLogger(name).addFilter(_QUIET)
@@ -163,14 +166,29 @@ class Checkpointer:
     )
     # A background save that failed raises here, at the start of the next one.
     with self._errors_as_checkpoint_error():
+      self._manager.wait_until_finished()
+      self._rotate()  # once the previous save is complete: it counts among the newest
       self._manager.save(meta.step, args=args, force=True)
       self._saving = meta.step
+
+  def protect(self, step: int) -> None:
+    """Keep checkpoint `step` whatever `keep` says, until another step is protected."""
+    self._protected = step
 
   def wait(self) -> None:
     """Block until the background save is complete (raises its error, if it failed)."""
     with self._errors_as_checkpoint_error():
       self._manager.wait_until_finished()
     self._saving = None
+    if not self._read_only:
+      self._rotate()
+
+  def _rotate(self) -> None:
+    """Delete the complete checkpoints older than the newest `keep`, except the protected one."""
+    steps = sorted(self._manager.all_steps())
+    for step in steps[: max(0, len(steps) - self.keep)]:
+      if step != self._protected:
+        self._manager.delete(step)
 
   def close(self) -> None:
     self.wait()
@@ -231,7 +249,7 @@ class Checkpointer:
         continue
       restored = to_target(restored)
       if failures:
-        moved = self._set_aside([s for s, _ in failures]) if set_aside else ""
+        moved = self.set_aside([s for s, _ in failures], "damaged") if set_aside else ""
         warnings.warn(
           f"{_describe(failures)}; falling back to step {step}, the newest intact "
           f"checkpoint{moved}",
@@ -258,14 +276,15 @@ class Checkpointer:
       lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[_names(p)], sharding=s.sharding), target
     )
 
-  def _set_aside(self, steps: list[int]) -> str:
-    """Rename damaged step directories to `damaged-<step>` (process 0; the others wait)."""
+  def set_aside(self, steps: list[int], why: str) -> str:
+    """Rename step directories to `<why>-<step>` (no longer steps; process 0, the others wait),
+    and say where they are."""
     names = []
     for step in steps:
-      name, n = f"damaged-{step}", 1
+      name, n = f"{why}-{step}", 1
       while os.path.exists(os.path.join(self.directory, name)):
         n += 1
-        name = f"damaged-{step}-{n}"
+        name = f"{why}-{step}-{n}"
       names.append(name)
       if jax.process_index() == 0:
         os.rename(os.path.join(self.directory, str(step)), os.path.join(self.directory, name))
@@ -274,7 +293,7 @@ class Checkpointer:
 
       multihost_utils.sync_global_devices("paro-jax: damaged checkpoints set aside")
     self._manager.reload()
-    return f" (the damaged ones are kept as {', '.join(names)} in {self.directory})"
+    return f" (the {why} ones are kept as {', '.join(names)} in {self.directory})"
 
 
 def _names(path) -> tuple:

@@ -22,6 +22,7 @@ from models.hf import load_hf, read_config
 from models.llama import Llama, LoraConfig, get_config, resolve_attention
 from paro_jax.cluster import watch
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
+from paro_jax.run.divergence import DivergenceGuard, GuardConfig
 from paro_jax.analysis.costs import model_state_bytes
 from paro_jax.run.metrics import dump_row, read_rows
 from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
@@ -74,6 +75,13 @@ class RunConfig:
   lora_alpha: float = 16.0
   lora_targets: str = "wq,wv"
   max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss/grad
+  # run/divergence.py: a loss or gradient norm that leaves its running band
+  divergence_guard: str = "stop"  # off, warn or stop
+  divergence_window: int = GuardConfig.window
+  divergence_loss_factor: float = GuardConfig.loss_factor
+  divergence_grad_factor: float = GuardConfig.grad_factor
+  divergence_patience: int = GuardConfig.patience
+  divergence_loss_cap: float = GuardConfig.loss_cap  # 0: a multiple of ln(vocab)
   progress_timeout: float = 0.0  # > 0: exit when no step finished for this many s (SLURM)
 
   def __post_init__(self):
@@ -113,6 +121,17 @@ class RunConfig:
       raise ValueError(f"unknown grad dtype {self.grad_dtype!r}; choose one of {GRAD_DTYPES}")
     self.data_config()  # its checks
     self.lora()  # its checks
+    self.guard()  # its checks
+
+  def guard(self) -> GuardConfig:
+    return GuardConfig(
+      mode=self.divergence_guard,
+      window=self.divergence_window,
+      loss_factor=self.divergence_loss_factor,
+      grad_factor=self.divergence_grad_factor,
+      patience=self.divergence_patience,
+      loss_cap=self.divergence_loss_cap,
+    )
 
   def wire(self) -> WireConfig:
     return WireConfig(self.inter_params, self.inter_grads, self.int8_block)
@@ -293,6 +312,10 @@ class NonFiniteSteps(ValueError):
   """Too many consecutive steps with a non-finite loss or gradient norm."""
 
 
+class Diverged(ValueError):
+  """The divergence guard stopped the run: too many steps in a row out of their band."""
+
+
 class Interrupted(KeyboardInterrupt):
   """The run was stopped by a signal (SIGINT, SIGTERM) after checkpointing."""
 
@@ -462,6 +485,16 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   saved = start if cfg.resume else None
   bad = {"total": 0, "streak": 0}  # steps with a non-finite loss or gradient norm (skipped)
   done = []  # this process's rows (for the summary)
+  guard = DivergenceGuard(cfg.guard(), model_cfg.vocab)
+  for line in rows:  # the band of the run so far
+    old = json.loads(line)
+    guard.seed(old["loss"], old["grad_norm"])
+  # The newest checkpoint whose weights the next step found in band (its loss and gradient
+  # norm are those of the checkpoint's weights): kept by --keep, and where a stop points. The
+  # checkpoint a run resumes from counts as good.
+  good = {"step": saved, "candidate": saved}
+  if saved is not None:
+    ckpt.protect(saved)
 
   def save(state, why=""):
     nonlocal saved
@@ -472,8 +505,12 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
       if main:
         bar.write(f"paro-jax: step {step} was non-finite (skipped): no checkpoint of it{why}")
       return
+    if guard.streak and cfg.divergence_guard == "stop":
+      if main:
+        bar.write(f"paro-jax: step {step} is out of its band: no checkpoint of it{why}")
+      return
     ckpt.save(state, run_meta(cfg, engine, step))
-    saved = step
+    saved = good["candidate"] = step
 
   def record(step, metrics):
     nonlocal last_time
@@ -493,6 +530,18 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
     bad["total"] += skipped
     if skipped:
       row["skipped"] = True  # the weights and optimizer state were left as they were
+    out_of_band = guard.observe(step, row["loss"], row["grad_norm"])
+    if out_of_band is None and good["candidate"] == step - 1:
+      good["step"] = step - 1  # this step's loss and norm are the checkpoint's weights'
+      ckpt.protect(good["step"])
+    elif out_of_band is not None and not skipped:
+      row["out_of_band"] = True
+      if cfg.divergence_guard == "warn" and guard.streak == guard.cfg.patience and main:
+        warnings.warn(
+          f"training may diverge: step {guard.first}: {guard.first_why}, and {guard.streak} "
+          f"steps in a row out of band since; {_good_line(good['step'], ckpt)}",
+          stacklevel=2,
+        )
     done.append(row)
     line = dump_row(row)
     log.write(line)
@@ -510,17 +559,19 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
     if bar.disable and main:  # no terminal: one line per step instead of a bar
       print(line, end="", flush=True)
     if bad["streak"] >= cfg.max_bad_steps:
-      newest = (
-        f"the newest checkpoint is step {saved} in {ckpt.directory}: continue from it with "
-        f"--resume (and a lower --lr)"
-        if saved is not None
-        else "no checkpoint was written"
-      )
       raise NonFiniteSteps(
         f"step {step}: loss {row['loss']}, gradient norm {row['grad_norm']}: "
         f"{bad['streak']} non-finite steps in a row (steps {step - bad['streak'] + 1}-{step}; "
-        f"--max-bad-steps {cfg.max_bad_steps}). They did not change the weights; {newest}. "
+        f"--max-bad-steps {cfg.max_bad_steps}). They did not change the weights; first sign of "
+        f"divergence: step {guard.first} ({guard.first_why}); {_keep_good(good['step'], ckpt)}. "
         f"Lower --lr or check the data"
+      )
+    if guard.tripped and cfg.divergence_guard == "stop":
+      raise Diverged(
+        f"training diverged at step {guard.first}: {guard.first_why}; {guard.streak} steps in a "
+        f"row out of band (steps {guard.first}-{step}; --divergence-patience "
+        f"{guard.cfg.patience}); {_keep_good(good['step'], ckpt)}. Lower --lr, or pass "
+        f"--divergence-guard warn (or off) to train on regardless"
       )
 
   pending = None
@@ -585,6 +636,26 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   if main:
     print(_summary(done, bad["total"], metrics_path, saved, ckpt.directory), flush=True)
   return metrics_path
+
+
+def _good_line(good: int | None, ckpt: Checkpointer) -> str:
+  if good is None:
+    return "no checkpoint was saved before it"
+  return f"the newest checkpoint before it is step {good} in {ckpt.directory}"
+
+
+def _keep_good(good: int | None, ckpt: Checkpointer) -> str:
+  """Set aside the checkpoints newer than `good` (saved after divergence began) and say where
+  the run continues from."""
+  ckpt.wait()
+  later = [s for s in ckpt.steps() if good is None or s > good]
+  moved = ckpt.set_aside(later, "diverged") if later else ""
+  if good is None:
+    return f"no checkpoint was saved before it{moved}"
+  return (
+    f"the newest checkpoint before it is step {good} in {ckpt.directory}{moved}: continue from "
+    f"it with the same command and --resume"
+  )
 
 
 def _stopped(main: bool, saved: int | None, ckpt: Checkpointer) -> None:
