@@ -339,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
     "after N such steps in a row (default 3)",
   )
   _divergence_args(train)
+  train.add_argument(
+    "--no-memory-check",
+    dest="memory_check",
+    action="store_false",
+    help="compile even when the planner's memory estimate exceeds the devices' memory (by "
+    "default such a run is refused before compiling)",
+  )
   ckpt.add_argument(
     "--resume",
     action="store_true",

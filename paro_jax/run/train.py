@@ -23,6 +23,7 @@ from models.llama import Llama, LoraConfig, get_config, resolve_attention
 from paro_jax.cluster import watch
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
 from paro_jax.run.divergence import DivergenceGuard, GuardConfig
+from paro_jax.run.fit import check_fits
 from paro_jax.analysis.costs import model_state_bytes
 from paro_jax.run.metrics import dump_row, read_rows
 from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
@@ -83,6 +84,9 @@ class RunConfig:
   divergence_patience: int = GuardConfig.patience
   divergence_loss_cap: float = GuardConfig.loss_cap  # 0: a multiple of ln(vocab)
   progress_timeout: float = 0.0  # > 0: exit when no step finished for this many s (SLURM)
+  memory_check: bool = (
+    True  # refuse, before compiling, a run the planner's estimate says cannot fit
+  )
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -189,6 +193,7 @@ def build(cfg: RunConfig):
     if jax.process_index() == 0:
       print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
     strategy = parse_strategy(name)
+  check_fits(cfg, model, strategy, *mesh.devices.shape, attention, jax.local_devices())
   collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
   if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
     print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
