@@ -142,7 +142,9 @@ class Checkpointer:
     self.keep = keep
     self._protected: int | None = None
     self._saving: int | None = None  # the step being written in the background
-    for name in ("absl", ""):  # orbax logs through absl's logger (or the root one)
+    # orbax logs through absl's logger (or the root one); asyncio reports each of orbax's write
+    # tasks that failed on a full disk once more, at exit
+    for name in ("absl", "", "asyncio"):
       logging.getLogger(name).addFilter(_QUIET)
       for handler in logging.getLogger(name).handlers:
         handler.addFilter(_QUIET)
@@ -170,6 +172,12 @@ class Checkpointer:
       self._rotate()  # once the previous save is complete: it counts among the newest
       self._manager.save(meta.step, args=args, force=True)
       self._saving = meta.step
+
+  def writing(self) -> int | None:
+    """The step being written in the background right now, if any."""
+    if self._saving is None or not self._manager.is_saving_in_progress():
+      return None
+    return self._saving
 
   def protect(self, step: int) -> None:
     """Keep checkpoint `step` whatever `keep` says, until another step is protected."""
@@ -345,6 +353,8 @@ class _QuietOrbaxErrors(logging.Filter):
   disk (the CheckpointError says it all)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if record.name == "asyncio":
+      return not _no_space(record.exc_info[1] if record.exc_info else None)
     if "orbax" not in record.pathname or record.levelno < logging.ERROR:
       return True
     if _no_space(record.exc_info[1] if record.exc_info else None) or "No space left" in str(
@@ -377,9 +387,13 @@ class _ErrorsAsCheckpointError:
     step, self.ckpt._saving = self.ckpt._saving, None
     where = os.path.join(self.ckpt.directory, f"{step}" if step is not None else "")
     previous = [s for s in self.ckpt._manager.all_steps() if s != step]
+    # What the failed save loses: the steps trained since the previous checkpoint.
     kept = (
-      f"the previous checkpoint (step {max(previous)}) is intact"
+      f"the previous checkpoint (step {max(previous)}) is intact; steps {max(previous) + 1}-{step} "
+      f"are not saved"
       if previous
+      else f"no earlier checkpoint exists: the {step} steps trained are not saved"
+      if step is not None
       else "no earlier checkpoint exists"
     )
     if full:

@@ -306,6 +306,19 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
   return state
 
 
+def _set_aside_metrics(metrics_path: str) -> None:
+  """Rename the metrics of a run that saved no checkpoint to metrics.unsaved-<n>.jsonl."""
+  stem, n = metrics_path[: -len(".jsonl")], 1
+  while os.path.exists(f"{stem}.unsaved-{n}.jsonl"):
+    n += 1
+  os.rename(metrics_path, f"{stem}.unsaved-{n}.jsonl")
+  print(
+    f"paro-jax: {os.path.dirname(metrics_path) or '.'} holds the metrics of a run that stopped "
+    f"before its first checkpoint: kept as {stem}.unsaved-{n}.jsonl; starting from step 0",
+    flush=True,
+  )
+
+
 def kept_rows(metrics_path: str, upto: int) -> list[str]:
   """The metrics rows of steps <= upto: a resumed run redoes (and rewrites) the later ones."""
   if not os.path.exists(metrics_path):
@@ -342,6 +355,7 @@ class StopSignals:
     self.signum: int | None = None
     self.dispatched = 0  # train_step calls returned (the first one includes the compile)
     self.dispatched_at_signal = 0
+    self.ckpt: Checkpointer | None = None  # the run's, once opened: what a stop interrupts
     self._old = {}
 
   def __enter__(self):
@@ -356,7 +370,7 @@ class StopSignals:
 
   def _handle(self, signum, frame):
     if self.signum is not None:
-      os.write(2, b"\nparo-jax: stopped at once; the checkpoint being written is not kept\n")
+      os.write(2, f"\nparo-jax: stopped at once; {self._interrupted()}\n".encode())
       os._exit(128 + signum)
     self.signum, self.dispatched_at_signal = signum, self.dispatched
     what = (
@@ -368,6 +382,14 @@ class StopSignals:
     )
     name = signal.Signals(signum).name
     os.write(2, f"\nparo-jax: {name}: {what}; send it again to stop at once\n".encode())
+
+  def _interrupted(self) -> str:
+    """What stopping at once leaves behind."""
+    step = self.ckpt.writing() if self.ckpt is not None else None
+    if step is not None:
+      return f"checkpoint step {step} was being written and is not kept (the previous one is)"
+    when = " during the first compile" if self.dispatched == 0 else ""
+    return f"no checkpoint was being written{when}"
 
 
 class StopVote:
@@ -461,18 +483,22 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   model_cfg = engine.model.cfg
   metrics_path = os.path.join(cfg.out, METRICS)
   ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.keep)
+  stop.ckpt = ckpt
   try:
+    written = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
+    if not ckpt.steps() and (written or not main):
+      # A run that stopped before its first checkpoint: nothing to resume; its metrics are
+      # set aside (not deleted) and the run starts over, with or without --resume. (Process 0
+      # decides: the others follow, or it fails alone.)
+      cfg = dataclasses.replace(cfg, resume=False)
+      if main:
+        _set_aside_metrics(metrics_path)
     state = start_state(cfg, engine, ckpt)
-    if main and not cfg.resume and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
-      raise ValueError(
-        f"{cfg.out} already holds {METRICS} of an earlier run (and no checkpoint): pass "
-        f"another --out, or delete {metrics_path} to start over there"
-      )
   except BaseException:
     ckpt.close()
     raise
   start = int(state.step)
-  rows = kept_rows(metrics_path, start) if main else []
+  rows = kept_rows(metrics_path, start) if main and cfg.resume else []
   tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
   flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
   device_kind = jax.devices()[0].device_kind
