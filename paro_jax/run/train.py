@@ -716,7 +716,6 @@ def _summary(rows, skipped, metrics_path, saved, directory) -> str:
   ]
   if skipped:
     parts.append(f"{skipped} non-finite steps skipped")
-  return (
-    f"paro-jax: done, {', '.join(parts)}; wrote {metrics_path} and checkpoint step {saved} in "
-    f"{directory}"
+  return f"paro-jax: done, {', '.join(parts)}; wrote {metrics_path} and " + (
+    f"checkpoint step {saved} in {directory}" if saved is not None else "no checkpoint"
   )
