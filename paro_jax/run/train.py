@@ -84,9 +84,8 @@ class RunConfig:
   divergence_patience: int = GuardConfig.patience
   divergence_loss_cap: float = GuardConfig.loss_cap  # 0: a multiple of ln(vocab)
   progress_timeout: float = 0.0  # > 0: exit when no step finished for this many s (SLURM)
-  memory_check: bool = (
-    True  # refuse, before compiling, a run the planner's estimate says cannot fit
-  )
+  # run/fit.py: refuse, before compiling, a run the planner's estimate says cannot fit
+  memory_check: bool = True
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -682,7 +681,7 @@ def _keep_good(good: int | None, ckpt: Checkpointer) -> str:
   later = [s for s in ckpt.steps() if good is None or s > good]
   moved = ckpt.set_aside(later, "diverged") if later else ""
   if good is None:
-    return f"no checkpoint was saved before it{moved}"
+    return f"no checkpoint was saved before it{moved}: the same command starts over"
   return (
     f"the newest checkpoint before it is step {good} in {ckpt.directory}{moved}: continue from "
     f"it with the same command and --resume"

@@ -133,6 +133,6 @@ def test_lr_30_on_tiny_stops_in_one_line(tmp_path, capsys):
   lines = [x for x in err.splitlines() if x.startswith("paro-jax: error:")]
   assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in err
   assert "training diverged at step" in lines[0] and "above the loss cap 11.09" in lines[0]
-  assert "no checkpoint was saved before it" in lines[0]
+  assert "no checkpoint was saved before it: the same command starts over" in lines[0]
   rows = rows_of(out)
   assert len(rows) < 10 and rows[-1]["step"] < 50
