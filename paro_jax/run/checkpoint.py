@@ -23,6 +23,7 @@ import dataclasses
 import errno
 import logging
 import os
+import sys
 import warnings
 
 import jax
@@ -144,6 +145,8 @@ class Checkpointer:
     self._saving: int | None = None  # the step being written in the background
     # orbax logs through absl's logger (or the root one); asyncio reports each of orbax's write
     # tasks that failed on a full disk once more, at exit
+    if not getattr(sys.unraisablehook, "paro_jax", False):
+      sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
     for name in ("absl", "", "asyncio"):
       logging.getLogger(name).addFilter(_QUIET)
       for handler in logging.getLogger(name).handlers:
@@ -366,6 +369,21 @@ class _QuietOrbaxErrors(logging.Filter):
 
 
 _QUIET = _QuietOrbaxErrors()
+
+
+def _quiet_closed_loop(hook):
+  """sys.unraisablehook without orbax's leftovers: after a failed (e.g. full-disk) save,
+  TensorStore completes the writes still in flight into orbax's closed event loop, once each;
+  the CheckpointError has said what happened."""
+
+  def filtered(unraisable):
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    hook(unraisable)
+
+  filtered.paro_jax = True
+  return filtered
 
 
 class _ErrorsAsCheckpointError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import math
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from models.hf import load_hf, read_config
 from models.llama import Llama, LoraConfig, get_config, resolve_attention
 from paro_jax.cluster import watch
-from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
+from paro_jax.run.checkpoint import CHECKPOINTS, CheckpointError, Checkpointer, RunMeta
 from paro_jax.run.divergence import DivergenceGuard, GuardConfig
 from paro_jax.run.fit import check_fits
 from paro_jax.analysis.costs import model_state_bytes
@@ -574,8 +575,7 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
         )
     done.append(row)
     line = dump_row(row)
-    log.write(line)
-    log.flush()
+    _append(log, [line], metrics_path, saved, ckpt)
     fmt = lambda v, spec: "nan" if not math.isfinite(v) else format(v, spec)  # noqa: E731
     bar.set_postfix(
       loss=fmt(row["loss"], ".3f"),
@@ -607,8 +607,7 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   pending = None
   vote = StopVote() if jax.process_count() > 1 else None
   with open(metrics_path if main else os.devnull, "w") as log:
-    log.writelines(rows)
-    log.flush()
+    _append(log, rows, metrics_path, saved, ckpt)
     try:
       bar.set_postfix_str("compiling the training step", refresh=True)
       for step in range(start, cfg.steps):
@@ -666,6 +665,24 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   if main:
     print(_summary(done, bad["total"], metrics_path, saved, ckpt.directory), flush=True)
   return metrics_path
+
+
+def _append(log, lines: list[str], path: str, saved: int | None, ckpt: Checkpointer) -> None:
+  """Write metrics rows; a full disk (the checkpoints may have filled it) is one clear line."""
+  try:
+    log.writelines(lines)
+    log.flush()
+  except OSError as e:
+    kept = (
+      f"checkpoint step {saved} in {ckpt.directory} is intact; the steps after it are not saved"
+      if saved is not None
+      else "no checkpoint was saved"
+    )
+    what = "the disk is full" if e.errno == errno.ENOSPC else e.strerror or str(e)
+    raise CheckpointError(
+      e.errno,
+      f"{what}: could not write {path}; {kept}. Free space on its disk or pass another --out",
+    ) from None
 
 
 def _good_line(good: int | None, ckpt: Checkpointer) -> str:
