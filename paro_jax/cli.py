@@ -73,6 +73,62 @@ def _note_cpu_platform(args) -> None:
     report.note(note, file=sys.stderr if getattr(args, "json", False) else sys.stdout)
 
 
+def _divergence_args(train) -> None:
+  """The divergence guard's flags (paro_jax/run/divergence.py; docs/failures.md)."""
+  from paro_jax.run.divergence import MODES, GuardConfig  # imports no jax
+
+  g = train.add_argument_group(
+    "divergence guard",
+    "a step is out of band when its loss or gradient norm is NaN/Inf, its loss is above the "
+    "cap, or either is more than a factor above the mean of the previous in-band steps; "
+    "--divergence-patience such steps in a row stop the run, naming the newest checkpoint "
+    "saved before it (never rotated away; later ones are set aside as diverged-<step>)",
+  )
+  d = GuardConfig()
+  g.add_argument(
+    "--divergence-guard",
+    choices=MODES,
+    default=d.mode,
+    help=f"stop the run, warn once, or only check NaN/Inf (default {d.mode})",
+  )
+  g.add_argument(
+    "--divergence-window",
+    type=int,
+    default=d.window,
+    metavar="N",
+    help=f"the band: the mean of the previous N in-band steps (default {d.window})",
+  )
+  g.add_argument(
+    "--divergence-loss-factor",
+    type=float,
+    default=d.loss_factor,
+    metavar="X",
+    help=f"out of band: loss above X times its band (default {d.loss_factor:g})",
+  )
+  g.add_argument(
+    "--divergence-grad-factor",
+    type=float,
+    default=d.grad_factor,
+    metavar="X",
+    help=f"out of band: gradient norm above X times its band (default {d.grad_factor:g})",
+  )
+  g.add_argument(
+    "--divergence-patience",
+    type=int,
+    default=d.patience,
+    metavar="N",
+    help=f"stop after N out-of-band steps in a row (default {d.patience})",
+  )
+  g.add_argument(
+    "--divergence-loss-cap",
+    type=float,
+    default=d.loss_cap,
+    metavar="L",
+    help=f"out of band: loss above L (default 0: {d.cap_times_uniform:g} x "
+    f"ln(vocab), twice the loss of a uniform guess)",
+  )
+
+
 def _by_name(args, target, **given):
   """The keyword arguments of `target` (a function or dataclass) that `args` has, by name."""
   import inspect
@@ -301,6 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
     metavar="N",
     help="a step whose loss or gradient norm is NaN/Inf leaves the weights as they were; stop "
     "after N such steps in a row (default 3)",
+  )
+  _divergence_args(train)
+  train.add_argument(
+    "--no-memory-check",
+    dest="memory_check",
+    action="store_false",
+    help="compile even when the planner's memory estimate exceeds the devices' memory (by "
+    "default such a run is refused before compiling)",
   )
   ckpt.add_argument(
     "--resume",

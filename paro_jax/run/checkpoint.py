@@ -23,6 +23,7 @@ import dataclasses
 import errno
 import logging
 import os
+import sys
 import warnings
 
 import jax
@@ -121,22 +122,33 @@ def abstract_state(engine: Engine) -> TrainState:
 
 
 class Checkpointer:
-  """Asynchronous, atomic checkpoints of a run in `directory`, keeping the newest `keep`."""
+  """Asynchronous, atomic checkpoints of a run in `directory`, keeping the newest `keep` and the
+  one `protect` names (the newest known good one: a run that diverges later still has it)."""
 
-  def __init__(self, directory: str, keep: int = 3):
+  def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
+    """`read_only`: a reader (export) that changes nothing in `directory`, not even the
+    leftovers of a save in flight of a run that is still writing there."""
     if keep < 1:
       raise ValueError(f"keep must be >= 1 (checkpoints to keep), got {keep}")
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep,
-      create=True,
+      max_to_keep=None,  # rotated here (_rotate), where a protected step is kept
+      create=not read_only,
       enable_async_checkpointing=True,
       # Leftovers of saves that were killed halfway: never a step, removed on start.
-      cleanup_tmp_directories=True,
+      cleanup_tmp_directories=not read_only,
     )
-    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+    handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    self._read_only = read_only
+    self.keep = keep
+    self._protected: int | None = None
     self._saving: int | None = None  # the step being written in the background
-    for name in ("absl", ""):  # orbax logs through absl's logger (or the root one)
+    # orbax logs through absl's logger (or the root one); asyncio reports each of orbax's write
+    # tasks that failed on a full disk once more, at exit
+    if not getattr(sys.unraisablehook, "paro_jax", False):
+      sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+    for name in ("absl", "", "asyncio"):
       logging.getLogger(name).addFilter(_QUIET)
       for handler in logging.getLogger(name).handlers:
         handler.addFilter(_QUIET)
@@ -144,6 +156,8 @@ class Checkpointer:
   # --- writing -----------------------------------------------------------------------------
   def save(self, state: TrainState, meta: RunMeta) -> None:
     """Start writing `state` as step meta.step; returns once the arrays are copied to host."""
+    if self._read_only:
+      raise ValueError(f"{self.directory} was opened read-only (to export it): not saved")
     if int(state.step) != meta.step:
       raise ValueError(f"state is at step {int(state.step)} but the metadata says {meta.step}")
     sums, finite = state_checksums(state)
@@ -158,14 +172,35 @@ class Checkpointer:
     )
     # A background save that failed raises here, at the start of the next one.
     with self._errors_as_checkpoint_error():
+      self._manager.wait_until_finished()
+      self._rotate()  # once the previous save is complete: it counts among the newest
       self._manager.save(meta.step, args=args, force=True)
       self._saving = meta.step
+
+  def writing(self) -> int | None:
+    """The step being written in the background right now, if any."""
+    if self._saving is None or not self._manager.is_saving_in_progress():
+      return None
+    return self._saving
+
+  def protect(self, step: int) -> None:
+    """Keep checkpoint `step` whatever `keep` says, until another step is protected."""
+    self._protected = step
 
   def wait(self) -> None:
     """Block until the background save is complete (raises its error, if it failed)."""
     with self._errors_as_checkpoint_error():
       self._manager.wait_until_finished()
     self._saving = None
+    if not self._read_only:
+      self._rotate()
+
+  def _rotate(self) -> None:
+    """Delete the complete checkpoints older than the newest `keep`, except the protected one."""
+    steps = sorted(self._manager.all_steps())
+    for step in steps[: max(0, len(steps) - self.keep)]:
+      if step != self._protected:
+        self._manager.delete(step)
 
   def close(self) -> None:
     self.wait()
@@ -206,6 +241,7 @@ class Checkpointer:
         f"without --resume first (it saves checkpoints there)"
       )
     target = abstract_state(engine)
+    to_target = jax.jit(_cast_like(target), out_shardings=engine.state_shardings)
     failures = []
     for step, listed in agreed_steps(steps, agreement):
       error = FileNotFoundError("not listed on this process")
@@ -222,8 +258,12 @@ class Checkpointer:
       check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
       try:
         step_target, carried = _residual_target(target, meta, engine, self._saved_residual(step))
+        # Read every array as it was written (a bf16 run's frozen LoRA base in bf16, even
+        # when an fp32 engine reads it): the checksums are of the written bits. Only a verified
+        # state is then converted to this engine's dtypes.
+        stored = self._stored_like(step, step_target)
         restored = self._manager.restore(
-          step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(step_target)})
+          step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(stored)})
         )[STATE]
         _verify(restored, meta)  # the checksums are global: the same verdict on every process
       except Exception as e:  # noqa: BLE001
@@ -231,8 +271,9 @@ class Checkpointer:
         continue
       if not carried:
         restored = _restart_residual(restored, engine, meta)
+      restored = to_target(restored)
       if failures:
-        moved = self._set_aside([s for s, _ in failures]) if set_aside else ""
+        moved = self.set_aside([s for s, _ in failures], "damaged") if set_aside else ""
         warnings.warn(
           f"{_describe(failures)}; falling back to step {step}, the newest intact "
           f"checkpoint{moved}",
@@ -240,8 +281,8 @@ class Checkpointer:
         )
       return restored, meta
     raise ValueError(
-      f"no intact checkpoint in {self.directory}: {_describe(failures)}. "
-      f"Delete the damaged step directories or start a new run with another --out"
+      f"no intact checkpoint in {self.directory}: {_describe(failures)}. Nothing was "
+      f"changed there: restore its files from a copy, or start a new run with another --out"
     )
 
   def _saved_residual(self, step: int):
@@ -251,14 +292,30 @@ class Checkpointer:
     tree = getattr(tree, "item_metadata", tree)
     return tree["residual"] if "residual" in tree else None
 
-  def _set_aside(self, steps: list[int]) -> str:
-    """Rename damaged step directories to `damaged-<step>` (process 0; the others wait)."""
+  def _stored_like(self, step: int, target: TrainState) -> TrainState:
+    """`target` (shapes and shardings) with the dtypes step `step` was written in."""
+    written = self._manager.item_metadata(step)[STATE]
+    dtypes = {_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(written)}
+    missing = [
+      jax.tree_util.keystr(p)
+      for p, _ in jax.tree_util.tree_leaves_with_path(target)
+      if _names(p) not in dtypes
+    ]
+    if missing:
+      raise ValueError(f"{len(missing)} arrays are missing (first: {missing[0]})")
+    return jax.tree_util.tree_map_with_path(
+      lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[_names(p)], sharding=s.sharding), target
+    )
+
+  def set_aside(self, steps: list[int], why: str) -> str:
+    """Rename step directories to `<why>-<step>` (no longer steps; process 0, the others wait),
+    and say where they are."""
     names = []
     for step in steps:
-      name, n = f"damaged-{step}", 1
+      name, n = f"{why}-{step}", 1
       while os.path.exists(os.path.join(self.directory, name)):
         n += 1
-        name = f"damaged-{step}-{n}"
+        name = f"{why}-{step}-{n}"
       names.append(name)
       if jax.process_index() == 0 and os.path.exists(os.path.join(self.directory, str(step))):
         os.rename(os.path.join(self.directory, str(step)), os.path.join(self.directory, name))
@@ -267,7 +324,23 @@ class Checkpointer:
 
       multihost_utils.sync_global_devices("paro-jax: damaged checkpoints set aside")
     self._manager.reload()
-    return f" (the damaged ones are kept as {', '.join(names)} in {self.directory})"
+    return f" (the {why} ones are kept as {', '.join(names)} in {self.directory})"
+
+
+def _names(path) -> tuple:
+  """A leaf's path as plain names and indices: orbax's metadata tree spells the TrainState's
+  fields and optax's named tuples as dict keys."""
+  return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
+
+
+def _cast_like(target):
+  """A function converting a state (as written) to the dtypes of `target`; bf16 to fp32 is
+  exact, so resume and export see the same values whichever dtype they run in."""
+
+  def cast(state):
+    return jax.tree.map(lambda x, t: x.astype(t.dtype), state, target)
+
+  return cast
 
 
 def _residual_target(target: TrainState, meta: RunMeta, engine: Engine, saved):
@@ -337,6 +410,8 @@ class _QuietOrbaxErrors(logging.Filter):
   disk (the CheckpointError says it all)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if record.name == "asyncio":
+      return not _no_space(record.exc_info[1] if record.exc_info else None)
     if "orbax" not in record.pathname or record.levelno < logging.ERROR:
       return True
     if _no_space(record.exc_info[1] if record.exc_info else None) or "No space left" in str(
@@ -348,6 +423,21 @@ class _QuietOrbaxErrors(logging.Filter):
 
 
 _QUIET = _QuietOrbaxErrors()
+
+
+def _quiet_closed_loop(hook):
+  """sys.unraisablehook without orbax's leftovers: after a failed (e.g. full-disk) save,
+  TensorStore completes the writes still in flight into orbax's closed event loop, once each;
+  the CheckpointError has said what happened."""
+
+  def filtered(unraisable):
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    hook(unraisable)
+
+  filtered.paro_jax = True
+  return filtered
 
 
 class _ErrorsAsCheckpointError:
@@ -369,9 +459,13 @@ class _ErrorsAsCheckpointError:
     step, self.ckpt._saving = self.ckpt._saving, None
     where = os.path.join(self.ckpt.directory, f"{step}" if step is not None else "")
     previous = [s for s in self.ckpt._manager.all_steps() if s != step]
+    # What the failed save loses: the steps trained since the previous checkpoint.
     kept = (
-      f"the previous checkpoint (step {max(previous)}) is intact"
+      f"the previous checkpoint (step {max(previous)}) is intact; steps {max(previous) + 1}-{step} "
+      f"are not saved"
       if previous
+      else f"no earlier checkpoint exists: the {step} steps trained are not saved"
+      if step is not None
       else "no earlier checkpoint exists"
     )
     if full:

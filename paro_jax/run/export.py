@@ -53,7 +53,7 @@ def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
     raise FileNotFoundError(
       f"{run_dir} has no {CHECKPOINTS}/ directory: pass the --out of a `paro-jax train` run"
     )
-  ckpt = Checkpointer(directory)
+  ckpt = Checkpointer(directory, read_only=True)
   try:
     if not ckpt.steps():
       raise FileNotFoundError(f"no checkpoint in {directory} to export")
@@ -79,7 +79,8 @@ def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
       make_mesh(1, 1, jax.devices()[:1]),
       OptimConfig(),
     )
-    # restore() verifies the checksums and never returns NaN/Inf weights.
+    # The one restore path resume uses: it verifies the checksums of the arrays as written
+    # (whatever dtype the run trained in) and never returns NaN/Inf weights.
     state, meta = ckpt.restore(engine, meta.model_name)
   finally:
     ckpt.close()

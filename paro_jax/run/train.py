@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import math
@@ -21,7 +22,9 @@ from tqdm import tqdm
 from models.hf import load_hf, read_config
 from models.llama import Llama, LoraConfig, get_config, resolve_attention
 from paro_jax.cluster import watch
-from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer, RunMeta
+from paro_jax.run.checkpoint import CHECKPOINTS, CheckpointError, Checkpointer, RunMeta
+from paro_jax.run.divergence import DivergenceGuard, GuardConfig
+from paro_jax.run.fit import check_fits
 from paro_jax.analysis.costs import model_state_bytes
 from paro_jax.run.metrics import dump_row, read_rows
 from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
@@ -76,7 +79,16 @@ class RunConfig:
   lora_alpha: float = 16.0
   lora_targets: str = "wq,wv"
   max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss/grad
+  # run/divergence.py: a loss or gradient norm that leaves its running band
+  divergence_guard: str = "stop"  # off, warn or stop
+  divergence_window: int = GuardConfig.window
+  divergence_loss_factor: float = GuardConfig.loss_factor
+  divergence_grad_factor: float = GuardConfig.grad_factor
+  divergence_patience: int = GuardConfig.patience
+  divergence_loss_cap: float = GuardConfig.loss_cap  # 0: a multiple of ln(vocab)
   progress_timeout: float = 0.0  # > 0: exit when no step finished for this many s (SLURM)
+  # run/fit.py: refuse, before compiling, a run the planner's estimate says cannot fit
+  memory_check: bool = True
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -108,6 +120,7 @@ class RunConfig:
       raise ValueError(f"unknown grad dtype {self.grad_dtype!r}; choose one of {GRAD_DTYPES}")
     self.data_config()  # its checks
     self.lora()  # its checks
+    self.guard()  # its checks
     # Last: a run refused for another flag gets its one error line, not this warning first.
     if self.warmup > self.steps:
       warnings.warn(
@@ -116,6 +129,16 @@ class RunConfig:
         f"--warmup {self.steps} or less to silence this)",
         stacklevel=3,
       )
+
+  def guard(self) -> GuardConfig:
+    return GuardConfig(
+      mode=self.divergence_guard,
+      window=self.divergence_window,
+      loss_factor=self.divergence_loss_factor,
+      grad_factor=self.divergence_grad_factor,
+      patience=self.divergence_patience,
+      loss_cap=self.divergence_loss_cap,
+    )
 
   def wire(self) -> WireConfig:
     return WireConfig(self.inter_params, self.inter_grads, self.int8_block)
@@ -173,6 +196,7 @@ def build(cfg: RunConfig):
     if jax.process_index() == 0:
       print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
     strategy = parse_strategy(name)
+  check_fits(cfg, model, strategy, *mesh.devices.shape, attention, jax.local_devices())
   collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
   if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
     print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
@@ -287,6 +311,19 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
   return state
 
 
+def _set_aside_metrics(metrics_path: str) -> None:
+  """Rename the metrics of a run that saved no checkpoint to metrics.unsaved-<n>.jsonl."""
+  stem, n = metrics_path[: -len(".jsonl")], 1
+  while os.path.exists(f"{stem}.unsaved-{n}.jsonl"):
+    n += 1
+  os.rename(metrics_path, f"{stem}.unsaved-{n}.jsonl")
+  print(
+    f"paro-jax: {os.path.dirname(metrics_path) or '.'} holds the metrics of a run that stopped "
+    f"before its first checkpoint: kept as {stem}.unsaved-{n}.jsonl; starting from step 0",
+    flush=True,
+  )
+
+
 def kept_rows(metrics_path: str, upto: int) -> list[str]:
   """The metrics rows of steps <= upto: a resumed run redoes (and rewrites) the later ones."""
   if not os.path.exists(metrics_path):
@@ -296,6 +333,10 @@ def kept_rows(metrics_path: str, upto: int) -> list[str]:
 
 class NonFiniteSteps(ValueError):
   """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+class Diverged(ValueError):
+  """The divergence guard stopped the run: too many steps in a row out of their band."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -319,6 +360,7 @@ class StopSignals:
     self.signum: int | None = None
     self.dispatched = 0  # train_step calls returned (the first one includes the compile)
     self.dispatched_at_signal = 0
+    self.ckpt: Checkpointer | None = None  # the run's, once opened: what a stop interrupts
     self._old = {}
 
   def __enter__(self):
@@ -333,7 +375,7 @@ class StopSignals:
 
   def _handle(self, signum, frame):
     if self.signum is not None:
-      os.write(2, b"\nparo-jax: stopped at once; the checkpoint being written is not kept\n")
+      os.write(2, f"\nparo-jax: stopped at once; {self._interrupted()}\n".encode())
       os._exit(128 + signum)
     self.signum, self.dispatched_at_signal = signum, self.dispatched
     what = (
@@ -345,6 +387,14 @@ class StopSignals:
     )
     name = signal.Signals(signum).name
     os.write(2, f"\nparo-jax: {name}: {what}; send it again to stop at once\n".encode())
+
+  def _interrupted(self) -> str:
+    """What stopping at once leaves behind."""
+    step = self.ckpt.writing() if self.ckpt is not None else None
+    if step is not None:
+      return f"checkpoint step {step} was being written and is not kept (the previous one is)"
+    when = " during the first compile" if self.dispatched == 0 else ""
+    return f"no checkpoint was being written{when}"
 
 
 class StopVote:
@@ -447,18 +497,22 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   model_cfg = engine.model.cfg
   metrics_path = os.path.join(cfg.out, METRICS)
   ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.keep)
+  stop.ckpt = ckpt
   try:
+    written = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
+    if not ckpt.steps() and (written or not main):
+      # A run that stopped before its first checkpoint: nothing to resume; its metrics are
+      # set aside (not deleted) and the run starts over, with or without --resume. (Process 0
+      # decides: the others follow, or it fails alone.)
+      cfg = dataclasses.replace(cfg, resume=False)
+      if main:
+        _set_aside_metrics(metrics_path)
     state = start_state(cfg, engine, ckpt)
-    if main and not cfg.resume and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
-      raise ValueError(
-        f"{cfg.out} already holds {METRICS} of an earlier run (and no checkpoint): pass "
-        f"another --out, or delete {metrics_path} to start over there"
-      )
   except BaseException:
     ckpt.close()
     raise
   start = int(state.step)
-  rows = kept_rows(metrics_path, start) if main else []
+  rows = kept_rows(metrics_path, start) if main and cfg.resume else []
   tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
   flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
   device_kind = jax.devices()[0].device_kind
@@ -476,6 +530,16 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   saved = start if cfg.resume else None
   bad = {"total": 0, "streak": 0}  # steps with a non-finite loss or gradient norm (skipped)
   done = []  # this process's rows (for the summary)
+  guard = DivergenceGuard(cfg.guard(), model_cfg.vocab)
+  for line in rows:  # the band of the run so far
+    old = json.loads(line)
+    guard.seed(old["loss"], old["grad_norm"])
+  # The newest checkpoint whose weights the next step found in band (its loss and gradient
+  # norm are those of the checkpoint's weights): kept by --keep, and where a stop points. The
+  # checkpoint a run resumes from counts as good.
+  good = {"step": saved, "candidate": saved}
+  if saved is not None:
+    ckpt.protect(saved)
 
   def save(state, why=""):
     nonlocal saved
@@ -486,8 +550,12 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
       if main:
         bar.write(f"paro-jax: step {step} was non-finite (skipped): no checkpoint of it{why}")
       return
+    if guard.streak and cfg.divergence_guard == "stop":
+      if main:
+        bar.write(f"paro-jax: step {step} is out of its band: no checkpoint of it{why}")
+      return
     ckpt.save(state, run_meta(cfg, engine, step))
-    saved = step
+    saved = good["candidate"] = step
 
   def record(step, metrics):
     nonlocal last_time
@@ -507,10 +575,21 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
     bad["total"] += skipped
     if skipped:
       row["skipped"] = True  # the weights and optimizer state were left as they were
+    out_of_band = guard.observe(step, row["loss"], row["grad_norm"])
+    if out_of_band is None and good["candidate"] == step - 1:
+      good["step"] = step - 1  # this step's loss and norm are the checkpoint's weights'
+      ckpt.protect(good["step"])
+    elif out_of_band is not None and not skipped:
+      row["out_of_band"] = True
+      if cfg.divergence_guard == "warn" and guard.streak == guard.cfg.patience and main:
+        warnings.warn(
+          f"training may diverge: step {guard.first}: {guard.first_why}, and {guard.streak} "
+          f"steps in a row out of band since; {_good_line(good['step'], ckpt)}",
+          stacklevel=2,
+        )
     done.append(row)
     line = dump_row(row)
-    log.write(line)
-    log.flush()
+    _append(log, [line], metrics_path, saved, ckpt)
     fmt = lambda v, spec: "nan" if not math.isfinite(v) else format(v, spec)  # noqa: E731
     bar.set_postfix(
       loss=fmt(row["loss"], ".3f"),
@@ -524,24 +603,25 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
     if bar.disable and main:  # no terminal: one line per step instead of a bar
       print(line, end="", flush=True)
     if bad["streak"] >= cfg.max_bad_steps:
-      newest = (
-        f"the newest checkpoint is step {saved} in {ckpt.directory}: continue from it with "
-        f"--resume (and a lower --lr)"
-        if saved is not None
-        else "no checkpoint was written"
-      )
       raise NonFiniteSteps(
         f"step {step}: loss {row['loss']}, gradient norm {row['grad_norm']}: "
         f"{bad['streak']} non-finite steps in a row (steps {step - bad['streak'] + 1}-{step}; "
-        f"--max-bad-steps {cfg.max_bad_steps}). They did not change the weights; {newest}. "
+        f"--max-bad-steps {cfg.max_bad_steps}). They did not change the weights; first sign of "
+        f"divergence: step {guard.first} ({guard.first_why}); {_keep_good(good['step'], ckpt)}. "
         f"Lower --lr or check the data"
+      )
+    if guard.tripped and cfg.divergence_guard == "stop":
+      raise Diverged(
+        f"training diverged at step {guard.first}: {guard.first_why}; {guard.streak} steps in a "
+        f"row out of band (steps {guard.first}-{step}; --divergence-patience "
+        f"{guard.cfg.patience}); {_keep_good(good['step'], ckpt)}. Lower --lr, or pass "
+        f"--divergence-guard warn (or off) to train on regardless"
       )
 
   pending = None
   vote = StopVote() if jax.process_count() > 1 else None
   with open(metrics_path if main else os.devnull, "w") as log:
-    log.writelines(rows)
-    log.flush()
+    _append(log, rows, metrics_path, saved, ckpt)
     try:
       bar.set_postfix_str("compiling the training step", refresh=True)
       for step in range(start, cfg.steps):
@@ -601,6 +681,44 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   return metrics_path
 
 
+def _append(log, lines: list[str], path: str, saved: int | None, ckpt: Checkpointer) -> None:
+  """Write metrics rows; a full disk (the checkpoints may have filled it) is one clear line."""
+  try:
+    log.writelines(lines)
+    log.flush()
+  except OSError as e:
+    kept = (
+      f"checkpoint step {saved} in {ckpt.directory} is intact; the steps after it are not saved"
+      if saved is not None
+      else "no checkpoint was saved"
+    )
+    what = "the disk is full" if e.errno == errno.ENOSPC else e.strerror or str(e)
+    raise CheckpointError(
+      e.errno,
+      f"{what}: could not write {path}; {kept}. Free space on its disk or pass another --out",
+    ) from None
+
+
+def _good_line(good: int | None, ckpt: Checkpointer) -> str:
+  if good is None:
+    return "no checkpoint was saved before it"
+  return f"the newest checkpoint before it is step {good} in {ckpt.directory}"
+
+
+def _keep_good(good: int | None, ckpt: Checkpointer) -> str:
+  """Set aside the checkpoints newer than `good` (saved after divergence began) and say where
+  the run continues from."""
+  ckpt.wait()
+  later = [s for s in ckpt.steps() if good is None or s > good]
+  moved = ckpt.set_aside(later, "diverged") if later else ""
+  if good is None:
+    return f"no checkpoint was saved before it{moved}: the same command starts over"
+  return (
+    f"the newest checkpoint before it is step {good} in {ckpt.directory}{moved}: continue from "
+    f"it with the same command and --resume"
+  )
+
+
 def _stopped(main: bool, saved: int | None, ckpt: Checkpointer) -> None:
   if not main:
     return
@@ -628,7 +746,6 @@ def _summary(rows, skipped, metrics_path, saved, directory) -> str:
   ]
   if skipped:
     parts.append(f"{skipped} non-finite steps skipped")
-  return (
-    f"paro-jax: done, {', '.join(parts)}; wrote {metrics_path} and checkpoint step {saved} in "
-    f"{directory}"
+  return f"paro-jax: done, {', '.join(parts)}; wrote {metrics_path} and " + (
+    f"checkpoint step {saved} in {directory}" if saved is not None else "no checkpoint"
   )

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -25,6 +26,8 @@ from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 from paro_jax import cli
 from paro_jax.run.train import LOCK, NonFiniteSteps, RunConfig, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RUN = dict(
   model="test",
@@ -353,9 +356,12 @@ def test_full_disk_is_one_line(small_disk, capfd):
   assert "Traceback" not in err
   lines = [line for line in err.splitlines() if "disk is full" in line]
   assert len(lines) == 1, err[-3000:]
+  # The checkpoint fills the disk; its own write fails, or the metrics row written meanwhile.
   assert re.match(
-    r"paro-jax: error: the disk is full: could not write checkpoint .*/run/checkpoints/\d+; the "
-    r"previous checkpoint \(step \d+\) is intact\. Free space",
+    r"paro-jax: error: the disk is full: could not write (checkpoint .*/run/checkpoints/\d+; the "
+    r"previous checkpoint \(step \d+\) is intact; steps \d+-\d+ are not saved|"
+    r".*/run/metrics.jsonl; checkpoint step \d+ in .* is intact; the steps after it are not "
+    r"saved)\. Free space",
     lines[0],
   ), lines[0]
 
@@ -372,11 +378,21 @@ def test_a_run_directory_is_locked(tmp_path):
   assert not (tmp_path / "checkpoints").exists()
 
 
-def test_a_fresh_run_does_not_overwrite_metrics(tmp_path):
-  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
-  with pytest.raises(ValueError, match="already holds metrics.jsonl of an earlier run"):
-    train(RunConfig(**RUN, out=str(tmp_path)))
-  assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+@pytest.mark.parametrize("resume", [False, True])
+def test_metrics_of_a_run_that_saved_no_checkpoint_are_set_aside(tmp_path, capsys, resume):
+  """Killed before its first checkpoint: the same command, with or without --resume, keeps the
+  old metrics aside (saying where) and starts over."""
+  old = '{"step": 1, "loss": 5.0, "grad_norm": 1.0}\n'
+  (tmp_path / "metrics.jsonl").write_text(old)
+  (tmp_path / "metrics.unsaved-1.jsonl").write_text("an earlier one\n")
+  train(RunConfig(**{**RUN, "steps": 2}, out=str(tmp_path), resume=resume))
+  assert (tmp_path / "metrics.unsaved-2.jsonl").read_text() == old
+  assert (tmp_path / "metrics.unsaved-1.jsonl").read_text() == "an earlier one\n"
+  assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2]
+  assert (
+    f"stopped before its first checkpoint: kept as {tmp_path}/metrics.unsaved-2.jsonl; "
+    "starting from step 0" in capsys.readouterr().out
+  )
 
 
 MAGIC = 255  # a batch whose first token is this gets a NaN loss (and NaN gradients)
@@ -486,3 +502,26 @@ def test_bad_schedule_is_refused(change, message):
 def test_warmup_longer_than_the_run_is_said():
   with pytest.warns(UserWarning, match=r"--warmup 7 is more than --steps 6: .* all 6 steps"):
     RunConfig(**{**RUN, "warmup": 7})
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_a_first_save_on_a_full_disk_is_one_line_saying_what_is_lost(small_disk, every):
+  """In a real process (asyncio reports orbax's failed writes at exit): the first checkpoint,
+  the final one with --checkpoint-every 0, cannot be written. One line, which says that the
+  steps trained so far are not saved; no traceback, no asyncio report."""
+  free = shutil.disk_usage(small_disk).free
+  (small_disk / "filler").write_bytes(b"\0" * (free - 96 * 1024))  # room for metrics only
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  cmd = [sys.executable, "-m", "paro_jax", "train", "--model", "test", "--mesh", "2x4"]
+  cmd += ["--batch-size", "8", "--seq-len", "16", "--dtype", "fp32", "--warmup", "1"]
+  cmd += ["--steps", "2", "--checkpoint-every", str(every), "--out", str(small_disk / "run")]
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  errors = [x for x in proc.stderr.splitlines() if x.startswith("paro-jax: error:")]
+  assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert "never retrieved" not in proc.stderr and "Event loop is closed" not in proc.stderr
+  step = 2 if every == 0 else 1
+  assert errors[0].startswith(
+    f"paro-jax: error: the disk is full: could not write checkpoint {small_disk}/run/checkpoints/"
+    f"{step}; no earlier checkpoint exists: the {step} steps trained are not saved. Free space"
+  ), errors[0]

@@ -83,6 +83,21 @@ def test_a_stop_during_the_first_compile_leaves_nothing(tmp_path):
   assert _finish(proc)[0] == 0
 
 
+def test_two_sigterms_during_the_first_compile_say_nothing_was_being_written(tmp_path):
+  out = tmp_path / "run"
+  proc = _start(out)
+  for line in proc.stdout:  # the banner: the step is about to be compiled
+    if line.startswith("paro-jax: test"):
+      break
+  proc.send_signal(signal.SIGTERM)
+  time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  code, err = _finish(proc)
+  assert code == 128 + signal.SIGTERM, err[-3000:]
+  assert "stopped at once; no checkpoint was being written during the first compile" in err
+  assert "is not kept" not in err and _steps(out) == []
+
+
 @pytest.mark.parametrize("second", [False, True])
 def test_ctrl_c_during_asynchronous_saves(tmp_path, second):
   """A checkpoint every step: Ctrl-C lands while one is being written. The stop saves no step
