@@ -66,6 +66,9 @@ def run_sample(sample: Sample) -> str:
   # As a user runs it: the tests' XLA_FLAGS (fewer LLVM passes, forced devices) left out.
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+  # The samples are of the CPU program; naming the platform also keeps out the line that says
+  # which one a machine without an NVIDIA driver falls to (it differs between machines).
+  env["JAX_PLATFORMS"] = "cpu"
   done = subprocess.run(
     [sys.executable, "-m", "paro_jax", *argv[1:]],
     cwd=ROOT,

@@ -258,6 +258,7 @@ class Checkpointer:
       check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
       try:
         step_target, carried = _residual_target(target, meta, engine, self._saved_residual(step))
+        step_target, reference = _reference_target(step_target, self._saved_has(step, "reference"))
         # Read every array as it was written (a bf16 run's frozen LoRA base in bf16, even
         # when an fp32 engine reads it): the checksums are of the written bits. Only a verified
         # state is then converted to this engine's dtypes.
@@ -271,6 +272,8 @@ class Checkpointer:
         continue
       if not carried:
         restored = _restart_residual(restored, engine, meta)
+      if reference is not None:
+        restored = _restart_reference(restored, engine, meta, reference)
       restored = to_target(restored)
       if failures:
         moved = self.set_aside([s for s, _ in failures], "damaged") if set_aside else ""
@@ -285,12 +288,20 @@ class Checkpointer:
       f"changed there: restore its files from a copy, or start a new run with another --out"
     )
 
-  def _saved_residual(self, step: int):
-    """The saved error-feedback residual's metadata (shape), or None if the step has none."""
+  def _saved_tree(self, step: int):
     path = ocp.path.step.epath.Path(os.path.join(self.directory, str(step), STATE))
     tree = ocp.StandardCheckpointHandler().metadata(path)
-    tree = getattr(tree, "item_metadata", tree)
+    return getattr(tree, "item_metadata", tree)
+
+  def _saved_residual(self, step: int):
+    """The saved error-feedback residual's metadata (shape), or None if the step has none."""
+    tree = self._saved_tree(step)
     return tree["residual"] if "residual" in tree else None
+
+  def _saved_has(self, step: int, field: str) -> bool:
+    """Whether step `step` saved the TrainState field `field` (not None)."""
+    tree = self._saved_tree(step)
+    return field in tree and tree[field] is not None
 
   def _stored_like(self, step: int, target: TrainState) -> TrainState:
     """`target` (shapes and shardings) with the dtypes step `step` was written in."""
@@ -375,6 +386,31 @@ def _restart_residual(state: TrainState, engine: Engine, meta: RunMeta) -> Train
     )
   warnings.warn(what, stacklevel=3)
   return state._replace(residual=fresh)
+
+
+def _reference_target(target: TrainState, saved: bool):
+  """(what to read, what to do with the delta parameter sync's reference after the checks). The
+  reference is the weights every device received at the last sync (core/feedback.py): a run
+  with the delta sync resumed from a step saved without it starts one from the restored weights
+  ("start"); a run without it drops a saved one ("drop"), which is still read, so that the step's
+  checksums cover what was written."""
+  if saved and target.reference is None:
+    return target._replace(reference=target.master), "drop"  # the master's shapes and shardings
+  if not saved and target.reference is not None:
+    return target._replace(reference=None), "start"
+  return target, None
+
+
+def _restart_reference(state: TrainState, engine: Engine, meta: RunMeta, what: str) -> TrainState:
+  if what == "drop":
+    return state._replace(reference=None)
+  warnings.warn(
+    f"step {meta.step}'s checkpoint has no reference of the delta parameter sync: this run's "
+    f"starts from the restored weights",
+    stacklevel=3,
+  )
+  weights = jax.tree.map(lambda w: w.astype(engine.compute_dtype), state.master)
+  return state._replace(reference=weights)
 
 
 def _verify(state: TrainState, meta: RunMeta) -> None:

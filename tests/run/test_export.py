@@ -126,7 +126,11 @@ def test_damaged_checkpoint_is_refused_alike_by_export_and_resume(runs, tmp_path
   assert "checkpoint step 2 is damaged" in exported and "checkpoint step 2 is damaged" in str(
     resumed.value
   )
-  assert exported.split("damaged (")[1] == str(resumed.value).split("damaged (")[1]
+  # The same verdict: the same kind of error and advice (which damaged array the parallel reads
+  # meet first may differ from one read to the next).
+  verdicts = [text.split("damaged (")[1] for text in (exported, str(resumed.value))]
+  assert len({v.split(":")[0] for v in verdicts}) == 1
+  assert len({v.split(". ")[-1] for v in verdicts}) == 1
   assert "elete" not in exported
 
 
