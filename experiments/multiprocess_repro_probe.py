@@ -74,6 +74,7 @@ def main() -> None:
   p.add_argument("--cases", default=CASES, help="comma-separated COLLECTIVES:STRATEGY")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out", default="experiments/results/multiprocess_repro")
+  p.add_argument("--tag", default="", help="pages OUT/probe-TAG.json and .md (default probe.json)")
   p.add_argument("--mesh", required=True, help="GxM (appended by paro-jax launch)")
   p.add_argument("--coordinator")
   p.add_argument("--num-processes", type=int)
@@ -104,9 +105,10 @@ def main() -> None:
     "results": results,
   }
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "probe.json"), "w") as f:
+  name = f"probe-{args.tag}" if args.tag else "probe"
+  with open(os.path.join(args.out, f"{name}.json"), "w") as f:
     json.dump(page, f, indent=1)
-  with open(os.path.join(args.out, "probe.md"), "w") as f:
+  with open(os.path.join(args.out, f"{name}.md"), "w") as f:
     f.write(_page(page))
 
 
