@@ -28,6 +28,8 @@ import numpy as np
 CONFIGS = {
   "tests": ("--batch-size 8 --seq-len 16 --warmup 1 --steps 40", "2x4", (2, 4)),
   "issue": ("--batch-size 8 --seq-len 32 --steps 40", "2x2", (2, 2)),
+  # The same with the ring collectives (fixed-order sums; multiprocess_repro_probe.py).
+  "issue-ring": ("--batch-size 8 --seq-len 32 --steps 40 --collectives ring", "2x2", (2, 2)),
 }
 COMMON = "train --model tiny --strategy IIG --dtype fp32"
 
@@ -76,6 +78,14 @@ def main() -> None:
   p.add_argument("--out", default="experiments/results/multiprocess_repro")
   args = p.parse_args()
   results = {}
+  page_path = os.path.join(args.out, "repro.json")
+  if os.path.exists(page_path):  # keep the configurations not rerun now
+    with open(page_path) as f:
+      before = json.load(f)
+    results = before["configs"]
+    for r in results.values():  # pages written before each configuration kept its own run
+      r.setdefault("date", before["date"])
+      r.setdefault("run", before["command"])
   with tempfile.TemporaryDirectory() as tmp:
     for config in args.configs:
       one = [run(config, False, os.path.join(tmp, f"{config}-one-{k}")) for k in range(2)]
@@ -88,6 +98,8 @@ def main() -> None:
         "spread_one_process": spread(one),
         "spread_two_processes": spread(two),
         "two_vs_one": spread([one[0], *two]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "run": "python -m experiments.multiprocess_repro " + " ".join(sys.argv[1:]),
       }
       print(config, "done", flush=True)
   page = {
@@ -111,7 +123,7 @@ def _readme(page: dict) -> str:
   lines = [
     "# Reproducibility of fp32 runs, one process and two processes",
     "",
-    f"`{page['command']}`, {page['date']}, {page['machine']}, jax {page['jax']}.",
+    f"Latest run `{page['command']}`, {page['date']}, {page['machine']}, jax {page['jax']}.",
     "",
     "Largest relative loss difference between any two runs of a kind, per step (0: bit-exact).",
     "",
@@ -122,6 +134,7 @@ def _readme(page: dict) -> str:
     lines += [
       f"## {name}: `{r['command']}`, mesh {r['mesh']}",
       "",
+      *([f"Measured by `{r['run']}`, {r['date']}.", ""] if "date" in r else []),
       "| step | " + " | ".join(str(s) for s in shown) + " |",
       "|---|" + "---|" * len(shown),
     ]
