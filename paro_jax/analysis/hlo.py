@@ -134,22 +134,32 @@ def _parse_pairs(attrs: str) -> list[tuple[int, int]] | None:
   return [(int(a), int(b)) for a, b in re.findall(r"\{?(\d+),(\d+)\}?", m.group(1) + "}")]
 
 
+def walk(hlo_text: str):
+  """The computation headers and instructions of an HLO module's text, in order:
+  (computation, is_entry, None) at a header, (computation, is_entry, (name, type, op, rest)) at
+  each of its instructions."""
+  comp, entry = None, False
+  for line in hlo_text.splitlines():
+    # Computation headers start at column 0 and open a block; instructions are indented.
+    if not line[:1].isspace() and line.rstrip().endswith("{") and (m := _COMP_RE.match(line)):
+      comp, entry = m.group(2), bool(m.group(1))
+      yield comp, entry, None
+      continue
+    m = _INSTR_RE.match(line)
+    if m and comp is not None:
+      yield comp, entry, m.groups()
+
+
 def computation_counts(hlo_text: str) -> dict[str, int]:
   """Executions per step of every computation reached from the entry: the sum over its call
   sites of the caller's count x the trip count of a calling while loop (1 for other callers)."""
   calls = defaultdict(list)  # computation -> [(callee, factor)]
-  entry, comp = None, None
-  for line in hlo_text.splitlines():
-    # Computation headers start at column 0 and open a block; instructions are indented.
-    if not line[:1].isspace() and line.rstrip().endswith("{") and (m := _COMP_RE.match(line)):
-      comp = m.group(2)
-      if m.group(1):
-        entry = comp
+  entry = None
+  for comp, is_entry, instr in walk(hlo_text):
+    if instr is None:
+      entry = comp if is_entry else entry
       continue
-    m = _INSTR_RE.match(line)
-    if not m or comp is None:
-      continue
-    _, _, op, rest = m.groups()
+    _, _, op, rest = instr
     trip = _TRIP_RE.search(rest)
     # An async-done names the computation its async-start already called: count it once.
     for role, callee in [] if op.endswith("-done") else _CALLEE_RE.findall(rest):
@@ -174,15 +184,11 @@ def computation_counts(hlo_text: str) -> dict[str, int]:
 
 def parse_collectives(hlo_text: str) -> list[Collective]:
   """All collectives of an HLO module with their per-step execution counts."""
-  found, comp = [], None
-  for line in hlo_text.splitlines():
-    if not line[:1].isspace() and line.rstrip().endswith("{") and (m := _COMP_RE.match(line)):
-      comp = m.group(2)
+  found = []
+  for comp, _, instr in walk(hlo_text):
+    if instr is None:
       continue
-    m = _INSTR_RE.match(line)
-    if not m or comp is None:
-      continue
-    name, type_text, op, rest = m.groups()
+    name, type_text, op, rest = instr
     base = op[: -len("-start")] if op.endswith("-start") else op
     if base in HLO_COLLECTIVE_OPS and not op.endswith("-done"):
       nbytes, dtypes = _array_bytes(_result_type(op, type_text))

@@ -14,11 +14,10 @@ import dataclasses
 import math
 import re
 
+from paro_jax.analysis import hlo
 from paro_jax.analysis.hlo import DTYPE_BYTES
 
 _ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-_COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 # Bookkeeping ops: no kernel, no traffic of their own (a while's body is costed by itself).
 FREE_OPS = {
@@ -64,18 +63,13 @@ def _split_operands(rest: str) -> tuple[str, str]:
 
 def parse_computations(hlo_text: str) -> tuple[dict[str, list[Instr]], str | None]:
   """computation name -> its instructions (in scheduled order), and the entry's name."""
-  comps, entry, comp = {}, None, None
-  for line in hlo_text.splitlines():
-    if not line[:1].isspace() and line.rstrip().endswith("{") and (m := _COMP_RE.match(line)):
-      comp = m.group(2)
+  comps, entry = {}, None
+  for comp, is_entry, instr in hlo.walk(hlo_text):
+    if instr is None:
       comps[comp] = []
-      if m.group(1):
-        entry = comp
+      entry = comp if is_entry else entry
       continue
-    m = _INSTR_RE.match(line)
-    if not m or comp is None:
-      continue
-    name, type_text, op, rest = m.groups()
+    name, type_text, op, rest = instr
     operands, attrs = _split_operands(rest)
     names = re.findall(r"%([\w.\-]+)", operands)
     comps[comp].append(Instr(name, type_text, op, names, attrs, operands.strip()))
