@@ -63,7 +63,6 @@ from jax import lax
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from paro_jax.core import compress
-from paro_jax.core.feedback_rules import feedback_size  # noqa: F401 - comm.feedback_size too
 from paro_jax.core.names import COLLECTIVE_IMPLS, INTER, MIXED_IMPLS
 from paro_jax.core.names import resolve_collectives as resolve
 
@@ -693,8 +692,8 @@ def all_reduce(x, axes, *, impl: str = "xla", wire=None):
 def reduce_scatter_feedback(flat, residual, axes, *, impl: str, wire):
   """Reduce-scatter (sum) of the flat `flat` over `axes` (spanning `inter`, its length divisible
   by their devices), the inter level carrying `wire` with error feedback: `residual` (fp32,
-  `feedback_size` elements) is added to what this device quantizes. Returns (its chunk, the
-  new residual)."""
+  `feedback_rules.feedback_size` elements) is added to what this device quantizes. Returns (its
+  chunk, the new residual)."""
   axes = _norm_axes(axes)
   _check_impl(impl)
   impl = "xla" if impl in MIXED_IMPLS else impl

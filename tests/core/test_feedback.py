@@ -77,7 +77,7 @@ def test_reduce_scatter_with_feedback_matches_numpy(axes):
   n = k * 3 * BLOCK + k * 8  # a short last block in every chunk
   rng = np.random.default_rng(1)
   x = rng.normal(size=(g, d, n)).astype(np.float32)
-  size = comm.feedback_size(n, k, g)
+  size = feedback.feedback_size(n, k, g)
   e = (0.01 * rng.normal(size=(g, d, size))).astype(np.float32)
 
   def local(x, e):
