@@ -257,12 +257,15 @@ class Checkpointer:
         continue
       check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
       try:
-        step_target, carried = _residual_target(target, meta, engine, self._saved_residual(step))
-        step_target, reference = _reference_target(step_target, self._saved_has(step, "reference"))
+        written = self._manager.item_metadata(step)[STATE]  # shapes and dtypes as saved
+        step_target, carried = _residual_target(target, meta, engine, _saved(written, "residual"))
+        step_target, reference = _reference_target(
+          step_target, _saved(written, "reference") is not None
+        )
         # Read every array as it was written (a bf16 run's frozen LoRA base in bf16, even
         # when an fp32 engine reads it): the checksums are of the written bits. Only a verified
         # state is then converted to this engine's dtypes.
-        stored = self._stored_like(step, step_target)
+        stored = _stored_like(written, step_target)
         restored = self._manager.restore(
           step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(stored)})
         )[STATE]
@@ -288,36 +291,6 @@ class Checkpointer:
       f"changed there: restore its files from a copy, or start a new run with another --out"
     )
 
-  def _saved_tree(self, step: int):
-    path = ocp.path.step.epath.Path(os.path.join(self.directory, str(step), STATE))
-    tree = ocp.StandardCheckpointHandler().metadata(path)
-    return getattr(tree, "item_metadata", tree)
-
-  def _saved_residual(self, step: int):
-    """The saved error-feedback residual's metadata (shape), or None if the step has none."""
-    tree = self._saved_tree(step)
-    return tree["residual"] if "residual" in tree else None
-
-  def _saved_has(self, step: int, field: str) -> bool:
-    """Whether step `step` saved the TrainState field `field` (not None)."""
-    tree = self._saved_tree(step)
-    return field in tree and tree[field] is not None
-
-  def _stored_like(self, step: int, target: TrainState) -> TrainState:
-    """`target` (shapes and shardings) with the dtypes step `step` was written in."""
-    written = self._manager.item_metadata(step)[STATE]
-    dtypes = {_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(written)}
-    missing = [
-      jax.tree_util.keystr(p)
-      for p, _ in jax.tree_util.tree_leaves_with_path(target)
-      if _names(p) not in dtypes
-    ]
-    if missing:
-      raise ValueError(f"{len(missing)} arrays are missing (first: {missing[0]})")
-    return jax.tree_util.tree_map_with_path(
-      lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[_names(p)], sharding=s.sharding), target
-    )
-
   def set_aside(self, steps: list[int], why: str) -> str:
     """Rename step directories to `<why>-<step>` (no longer steps; process 0, the others wait),
     and say where they are."""
@@ -336,6 +309,26 @@ class Checkpointer:
       multihost_utils.sync_global_devices("paro-jax: damaged checkpoints set aside")
     self._manager.reload()
     return f" (the {why} ones are kept as {', '.join(names)} in {self.directory})"
+
+
+def _saved(written, field: str):
+  """The metadata of the TrainState field `field` as a step saved it, or None if it saved none."""
+  return written[field] if field in written else None
+
+
+def _stored_like(written, target: TrainState) -> TrainState:
+  """`target` (shapes and shardings) with the dtypes of `written` (a step's saved metadata)."""
+  dtypes = {_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(written)}
+  missing = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_leaves_with_path(target)
+    if _names(p) not in dtypes
+  ]
+  if missing:
+    raise ValueError(f"{len(missing)} arrays are missing (first: {missing[0]})")
+  return jax.tree_util.tree_map_with_path(
+    lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[_names(p)], sharding=s.sharding), target
+  )
 
 
 def _names(path) -> tuple:
