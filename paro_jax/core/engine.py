@@ -162,9 +162,10 @@ class Engine:
     self.reference_bytes = 0  # set with the shapes below
     # The platform's choices, made here only. `program` (core/step.py; `paro-jax inspect` prints
     # it; the argument None: the platform's): the layers' gradient sync inside the last
-    # micro-batch's backward on GPUs, which run it beside the backward's compute. XLA:CPU runs collectives in line, so there it would only add
-    # a second copy of the micro-batch program to compile (the tests force it to check it). It
-    # needs the prefetching stack, and error feedback syncs at the boundary only.
+    # micro-batch's backward on GPUs, which run it beside the backward's compute. XLA:CPU runs
+    # collectives in line, so there it would only add a second copy of the micro-batch program
+    # to compile (the tests force it to check it). It needs the prefetching stack, and error
+    # feedback syncs at the boundary only.
     # `bucket_layers`: the prefetching stack's XLA collectives one bucket per layer on GPUs, where
     # the scheduler overlaps one gather per layer better than nine (core/prefetch.py); per leaf on
     # XLA:CPU, where unpacking a bucket is a copy of the layer's weights.
