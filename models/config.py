@@ -13,6 +13,9 @@ import json
 import os
 
 CONFIG = "config.json"  # an HF model directory's config file
+# The stacked layers: the parameters' key of the layer stack (models/llama.py), and the logical
+# axis its leaves are stacked on.
+LAYERS = "layers"
 
 
 @dataclasses.dataclass(frozen=True)

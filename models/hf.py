@@ -23,6 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from models.config import (  # noqa: F401 - the config functions are re-exported
   CONFIG,
+  LAYERS,
   LlamaConfig,
   check_hf_dir,
   config_from_hf,
@@ -145,7 +146,7 @@ def load_hf(directory: str) -> tuple[LlamaConfig, dict]:
       to_ours(_take(tensors, f"model.layers.{i}.{suffix}", shape, directory))
       for i in range(cfg.layers)
     ]
-    _put(params, ("layers", *path), np.stack(stack))
+    _put(params, (LAYERS, *path), np.stack(stack))
   extra = sorted(n for n in tensors if not n.endswith(_IGNORED))
   if extra:
     raise ValueError(
@@ -161,7 +162,7 @@ def expected_shapes(cfg: LlamaConfig) -> dict:
   for path, shape, to_ours, _ in _global_map(cfg).values():
     _put(shapes, path, to_ours(np.empty(shape, np.float32)).shape)
   for path, shape, to_ours, _ in _layer_map(cfg).values():
-    _put(shapes, ("layers", *path), (cfg.layers, *to_ours(np.empty(shape, np.float32)).shape))
+    _put(shapes, (LAYERS, *path), (cfg.layers, *to_ours(np.empty(shape, np.float32)).shape))
   return shapes
 
 
@@ -186,7 +187,7 @@ def save_hf(cfg: LlamaConfig, params: dict, directory: str, base_config: dict | 
   for name, (path, _, _, to_hf) in _global_map(cfg).items():
     tensors[name] = np.ascontiguousarray(to_hf(fetch(path)))
   for suffix, (path, _, _, to_hf) in _layer_map(cfg).items():
-    stack = fetch(("layers", *path))
+    stack = fetch((LAYERS, *path))
     for i in range(cfg.layers):
       tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stack[i]))
   os.makedirs(directory, exist_ok=True)

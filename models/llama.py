@@ -5,7 +5,7 @@ Every parameter is declared once, with its logical axes (`embed`, `mlp`, `heads`
 stacked on a leading `layers` axis and run with `lax.scan`, so compile time does not grow with
 depth. `Llama.apply` takes a `materialize` hook that turns each stored parameter subtree into
 full weights just before use: the identity for a dense model, a per-layer all-gather for a
-sharded one (see paro_jax/core/engine.py).
+sharded one (see paro_jax/core/step.py).
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from models.config import (  # noqa: F401 - re-exported: the config needs no jax
   ATTENTION_IMPLS,
   FUSED_DTYPES,
   HIDDEN_PRESETS,
+  LAYERS,
   PRESETS,
   LlamaConfig,
   get_config,
   resolve_attention,
 )
-
-LAYERS = "layers"
 
 
 # What each layer keeps for backward. "full": nothing (all of the layer, its weight gather
@@ -339,7 +338,7 @@ class Llama:
     layers = jax.vmap(lambda k: block.init(k, x, sin, cos)["params"])(layer_keys)
     return {
       "embed": self.embed.init(k_embed, tokens)["params"],
-      "layers": layers,
+      LAYERS: layers,
       "head": self.head.init(k_head, x)["params"],
     }
 
@@ -355,8 +354,8 @@ class Llama:
     is_box = lambda x: isinstance(x, nn.Partitioned)
     axes = jax.tree.map(lambda b: tuple(b.names), boxed, is_leaf=is_box)
     # vmap stacked the layer leaves without recording the new leading axis: add it here.
-    axes["layers"] = jax.tree.map(
-      lambda a: (LAYERS, *a), axes["layers"], is_leaf=lambda x: isinstance(x, tuple)
+    axes[LAYERS] = jax.tree.map(
+      lambda a: (LAYERS, *a), axes[LAYERS], is_leaf=lambda x: isinstance(x, tuple)
     )
     return axes
 
@@ -419,12 +418,12 @@ class Llama:
       "w_down": "mlp",
     }
     for t in self.lora.targets:
-      mod = dict(params["layers"][owners[t]])
+      mod = dict(params[LAYERS][owners[t]])
       a, b = mod.pop(f"{t}_lora_a"), mod.pop(f"{t}_lora_b")
       w = mod[t]  # layers x in... x out...
       delta = jnp.einsum("lir,lro->lio", a, b) * self.lora.scale
       mod[t] = w + delta.reshape(w.shape).astype(w.dtype)
-      params["layers"] = {**params["layers"], owners[t]: mod}
+      params[LAYERS] = {**params[LAYERS], owners[t]: mod}
     return params
 
   def apply(
@@ -441,7 +440,7 @@ class Llama:
     layer whose weights are already full, and `stacked_layer_params` is `params["layers"]` as
     stored (leading `layers` axis, not materialized). The caller then owns the gathering,
     rematerialisation and gradient routing of the stack (the engine uses it to prefetch the
-    next layer's weights, paro_jax/core/engine.py). Without it: `lax.scan` over the layers, each
+    next layer's weights, paro_jax/core/prefetch.py). Without it: `lax.scan` over the layers, each
     under `jax.checkpoint` with the model's remat policy, weights through `materialize`.
     """
     sin, cos = rope_tables(tokens_BxL.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
@@ -464,14 +463,14 @@ class Llama:
       layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
     x_BxLxD = embed(params["embed"], tokens_BxL)
     if run_layers is None:
-      x_BxLxD, _ = lax.scan(layer, x_BxLxD, params["layers"])
+      x_BxLxD, _ = lax.scan(layer, x_BxLxD, params[LAYERS])
     else:
 
       def block_fn(x_BxLxD, layer_weights):
         with jax.named_scope("layer"):
           return self.block.apply({"params": layer_weights}, x_BxLxD, sin, cos)
 
-      x_BxLxD = run_layers(block_fn, x_BxLxD, params["layers"])
+      x_BxLxD = run_layers(block_fn, x_BxLxD, params[LAYERS])
     return head(params["head"], x_BxLxD)
 
 

@@ -6,6 +6,7 @@ never the run); nothing in the library imports experiments/. paro_jax/report.py 
 warnings and errors) imports nothing of the project, and every layer may use it.
 core/names.py and core/units.py import no jax (the CLI reads them before jax starts), nor does
 models/config.py (the planner's model shapes). No two modules import each other, at any depth.
+No module of paro_jax/core/ is longer than MAX_CORE_LINES (one concern per file).
 """
 
 import ast
@@ -42,6 +43,7 @@ JAX_FREE = (
   "models/config.py",
 )
 PACKAGES = ("paro_jax", "models", "experiments")
+MAX_CORE_LINES = 500
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -164,3 +166,25 @@ def test_package_and_cli_start_without_jax():
   )
   assert done.returncode == 0, done.stderr
   assert done.stdout.strip() == "[]", f"imported at start: {done.stdout.strip()}"
+
+
+def long_modules(folder: pathlib.Path, limit: int) -> list[str]:
+  """The modules of `folder` longer than `limit` lines, with their lengths."""
+  lengths = {p.name: len(p.read_text().splitlines()) for p in sorted(folder.glob("*.py"))}
+  return [f"{name}: {n} lines" for name, n in lengths.items() if n > limit]
+
+
+def test_core_modules_stay_small():
+  assert _files("paro_jax.core"), "no core modules found"
+  long = long_modules(REPO / "paro_jax" / "core", MAX_CORE_LINES)
+  assert not long, (
+    f"paro_jax/core/ modules over {MAX_CORE_LINES} lines (split one along its seams, as "
+    "collectives.py is split into rings.py, horing.py, stacked.py and compressed_collectives.py):\n"
+    + "\n".join(long)
+  )
+
+
+def test_module_length_check_catches_a_long_module(tmp_path):
+  (tmp_path / "short.py").write_text("x = 1\n" * 3)
+  (tmp_path / "long.py").write_text("x = 1\n" * 4)
+  assert long_modules(tmp_path, 3) == ["long.py: 4 lines"]

@@ -212,13 +212,13 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
 
 
 def phase_of(op_name: str) -> str:
-  """Which part of the step a collective belongs to, from the named scopes of engine.py."""
+  """Which part of the step a collective belongs to, from the named scopes of core/step.py."""
   if "param_sync" in op_name:
     return "parameter sync"
   if "grad_sync" in op_name:
     return "gradient sync"
   if "micro_batches" in op_name:
-    # The prefetching layer stack (engine.py: _make_prefetch_stack) names its collectives.
+    # The prefetching layer stack (core/prefetch.py) names its collectives.
     if "layer_regather" in op_name:
       return "backward (remat)"
     if "layer_grad_scatter" in op_name:

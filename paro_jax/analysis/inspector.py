@@ -112,6 +112,7 @@ def report(engine: Engine, compiled) -> dict:
     "mesh": {"inter": engine.inter, "intra": engine.intra},
     "micro_batches": engine.micro_batches,
     "collectives_impl": engine.collectives,
+    "step_program": engine.program.value,  # the platform's choice (core/step.py)
     "wire": {
       "inter_params": engine.wire.params,
       "inter_grads": engine.wire.grads,
@@ -172,7 +173,7 @@ def format_report(r: dict) -> str:
     f"collectives={r['collectives_impl']}, inter wire params={r['wire']['inter_params']} "
     f"grads={r['wire']['inter_grads']}"
     + (f" (int8 block {r['wire']['int8_block']})" if "int8" in r["wire"].values() else "")
-    + f", grads in {r['grad_dtype']}",
+    + f", grads in {r['grad_dtype']}, step program {r['step_program']}",
     "",
     f"{'kind':20s}{'phase':20s}{'level':8s}{'dtype':7s}{'ops':>5s}{'count/step':>12s}"
     f"{'MiB/device/step':>17s}",

@@ -32,6 +32,9 @@ from paro_jax.core.names import (
   ALL_GATHER,
   ALL_REDUCE,
   LEVEL_AXES,
+  LEVEL_GLOBAL,
+  LEVEL_INTER,
+  LEVEL_INTRA,
   LEVELS,
   MESH_AXES,
   REDUCE_SCATTER,
@@ -112,7 +115,7 @@ def measure_flops(mesh: Mesh, repeats: int = 5) -> float:
 def probe(mesh: Mesh, sizes=DEFAULT_SIZES, repeats: int = 5, flops: bool = True) -> dict:
   """The profile of `mesh`: per (collective, level) points and fit, and FLOP/s per device."""
   inter, intra = mesh_shape(mesh)
-  group = {"intra": intra, "inter": inter, "global": inter * intra}
+  group = {LEVEL_INTRA: intra, LEVEL_INTER: inter, LEVEL_GLOBAL: inter * intra}
   table, values = {}, []
   for kind in SCHEDULE_COLLECTIVES:
     for level in LEVELS:

@@ -38,12 +38,22 @@ import dataclasses
 from paro_jax.core import feedback_rules  # no jax
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
 from paro_jax.analysis.plan_inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
-from paro_jax.core.names import ALL_GATHER, ALL_REDUCE, INTER, REDUCE_SCATTER
+from paro_jax.core.names import (
+  ALL_GATHER,
+  ALL_REDUCE,
+  INTER,
+  INTRA,
+  LEVEL_GLOBAL,
+  LEVEL_INTER,
+  LEVEL_INTRA,
+  REDUCE_SCATTER,
+)
 from paro_jax.core.strategy import KNOWN_NAMES, Strategy
 
 
 def _level(axes: tuple[str, ...]) -> str:
-  return "global" if len(axes) == 2 else axes[0]
+  """The link level a collective over mesh `axes` (one or both) spans."""
+  return LEVEL_GLOBAL if len(axes) == 2 else {INTRA: LEVEL_INTRA, INTER: LEVEL_INTER}[axes[0]]
 
 
 def schedule(strategy: Strategy, w: Workload) -> dict[str, tuple[str, tuple[str, ...], int]]:
@@ -137,8 +147,7 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
   - synced_grads: the layers' synced gradients at the OS placement, written while the
     accumulator (at Gr) is still alive: in the last micro-batch's backward on GPUs, at the
     boundary's sync elsewhere. The stack adds each micro-batch's gradients into the accumulator
-    in place, so no other gradient buffer of the layer stack is held (engine.py,
-    `_make_prefetch_stack`).
+    in place, so no other gradient buffer of the layer stack is held (core/prefetch.py).
   """
   c, b, s, item = w.model, w.micro_batch, w.seq_len, w.itemsize
   q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim

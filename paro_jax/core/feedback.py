@@ -13,7 +13,7 @@ that. It lives in the TrainState (`residual`: one fp32 vector per device, sharde
 axes), so checkpoints carry it and a resumed run continues exactly. The strategies whose Gr is G
 quantize each layer's gradient in backward, once per micro-batch: error feedback does not cover
 them (asking for it is an error; by default it is then off, and the run's header says so). It
-also keeps the layers' sync out of the last micro-batch's backward (`sync_in_backward`): the
+also keeps the layers' sync out of the last micro-batch's backward (`StepProgram`): the
 residual is applied once per step, at the boundary.
 
 Parameters (`--inter-params int8`; `--no-param-delta` turns it off): where the step's parameter
@@ -49,7 +49,7 @@ from paro_jax.core.strategy import Strategy
 
 
 def boundary_sync(acc, dims, residual, strategy: Strategy, impl: str, wire: WireConfig):
-  """The boundary's gradient sync (Engine._boundary_sync) with error feedback on its inter
+  """The boundary's gradient sync (step.boundary_sync) with error feedback on its inter
   level: (gradients at OS, new residual)."""
   scatter, reduce, codec = strategy.sync_scatter_axes, strategy.sync_reduce_axes, wire.grads_codec
   if INTER in scatter:

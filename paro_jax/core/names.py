@@ -13,8 +13,10 @@ MESH_AXES = (INTER, INTRA)  # the mesh's shape is (inter, intra)
 GLOBAL_AXES = (INTRA, INTER)  # a G-sharded dimension: intra-major
 BATCH_AXES = (INTER, INTRA)  # process p (an inter row) reads a contiguous slice of the batch
 
-# Link levels a collective can span, and the mesh axes of each.
-LEVEL_AXES = {"intra": (INTRA,), "inter": (INTER,), "global": GLOBAL_AXES}
+# Link levels a collective can span, and the mesh axes of each. A level is not a mesh axis (the
+# global level spans both), though the intra and inter levels are spelled like their axes.
+LEVEL_INTRA, LEVEL_INTER, LEVEL_GLOBAL = "intra", "inter", "global"
+LEVEL_AXES = {LEVEL_INTRA: (INTRA,), LEVEL_INTER: (INTER,), LEVEL_GLOBAL: GLOBAL_AXES}
 LEVELS = tuple(LEVEL_AXES)
 
 # Implementations of the collectives (`--collectives`); see paro_jax/core/collectives.py.

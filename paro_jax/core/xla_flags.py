@@ -25,7 +25,7 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 GPU_FLAGS = {
   # Up to four collectives in flight at once (XLA's default is one; every async collective holds
   # the same scheduler resource, so this caps them all together): an HO-Ring step's intra and
-  # inter permutes (each pinned to its own communication stream by collectives.py) beside a
+  # inter permutes (each pinned to its own communication stream by horing.py) beside a
   # prefetched gather or a gradient reduce-scatter of another tensor. With 2, the embedding's and
   # the head's HO-Ring gathers outside the layer loops queue behind each other and some of their
   # inter steps run alone (`paro-jax inspect --target h100 --model 7b --mesh 2x4 --strategy GGG

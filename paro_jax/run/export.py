@@ -18,7 +18,8 @@ import numpy as np
 from models.hf import CONFIG, save_hf
 from models.llama import Llama, LlamaConfig, LoraConfig
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.core.engine import Engine, OptimConfig, join_trainable
+from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.shards import join_trainable
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 

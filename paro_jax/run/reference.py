@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from models.llama import Llama, next_token_loss
-from paro_jax.core.engine import OptimConfig, decay_mask, join_trainable, split_trainable
+from paro_jax.core.engine import OptimConfig, decay_mask
+from paro_jax.core.shards import join_trainable, split_trainable
 
 
 def reference_train(model: Llama, params, batches, optim: OptimConfig):

@@ -124,6 +124,7 @@ def test_gradient_sync_runs_inside_the_last_backward(strategy):
   backward's matmuls inside its window; the loop over the earlier micro-batches syncs nothing.
   `tiny` (4 layers): the test model's 2 layers leave no loop, and XLA combines their syncs."""
   r = gpu_report(strategy, "xla", micro_batches=2, model="tiny", seq=128)
+  assert r["step_program"] == "sync-in-backward"  # the GPUs' choice (core/step.py)
   synced = [c for c in r["overlap"]["collectives"] if "layer_grad_sync" in c["op_name"]]
   in_loop = _in_loop(synced, "layer_grad_sync")
   assert in_loop and all(c["async"] and c["compute_in_window"] > 0 for c in in_loop)

@@ -71,6 +71,7 @@ def test_json_fields(reports):
   r = json.loads(json.dumps(reports[("GGG", 4)]))
   assert r["strategy"] == "GGG" and r["mesh"] == {"inter": 2, "intra": 4}
   assert r["micro_batches"] == 4 and r["params"] == CFG.param_count()
+  assert r["step_program"] == "boundary-sync"  # the CPU's choice (core/step.py)
   assert set(r["measured"]) >= {"inter_bytes", "intra_bytes"}
   assert set(r["expected"]) >= {"inter_bytes", "intra_bytes"}
   # The state is an argument of the step: the compiled peak holds at least the model states.

@@ -20,6 +20,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from paro_jax.core import collectives as C
+from paro_jax.core.rings import lax_axes
 from paro_jax.core.compress import Codec, WireConfig, dequantize, quantize, roundtrip
 
 DEV = P(("inter", "intra"))
@@ -93,7 +94,7 @@ def _ref_rs(x, axes, codec):
 
 
 def _ref_ag(x, axes, codec):
-  return lax.all_gather(roundtrip(x, codec), C._lax_axes(axes), axis=0, tiled=True)
+  return lax.all_gather(roundtrip(x, codec), lax_axes(axes), axis=0, tiled=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ import pytest
 
 from models.llama import Llama, LlamaConfig, next_token_loss
 from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.compress import WireConfig
 from paro_jax.core.mesh import make_mesh
+from paro_jax.core.step import StepProgram
 from paro_jax.run.reference import reference_train
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
@@ -128,6 +130,7 @@ def test_mixed_collectives_equal_single_device(setup):
 # strategy per shape of the boundary sync (all-reduce over both axes; reduce-scatter intra and
 # all-reduce inter; reduce-scatter inter; reduce-scatter over both; nothing), on XLA's
 # collectives and on the rings.
+SYNC = StepProgram.SYNC_IN_BACKWARD
 SYNC_IN_BACKWARD = [
   ("NNN", "xla"),
   ("INI", "xla"),
@@ -143,9 +146,9 @@ SYNC_IN_BACKWARD = [
 def test_sync_in_backward_equals_single_device(setup, strategy, collectives):
   batches, params0, ref_losses, ref_params = setup
   losses, params, engine, _ = run_engine(
-    strategy, (2, 4), batches, params0, collectives=collectives, sync_in_backward=True
+    strategy, (2, 4), batches, params0, collectives=collectives, program=SYNC
   )
-  assert engine.sync_in_backward
+  assert engine.program is SYNC
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   assert_trees_close(params, ref_params, atol=2e-5)
 
@@ -154,7 +157,7 @@ def test_sync_in_backward_with_one_micro_batch(setup):
   """A=1: the only micro-batch is the last; the single-device loop on its batches."""
   batches, params0, _, _ = setup
   one = [b[:1] for b in batches]
-  engine = Engine(Llama(CFG), parse_strategy("NIG"), make_mesh(2, 4), OPTIM, sync_in_backward=True)
+  engine = Engine(Llama(CFG), parse_strategy("NIG"), make_mesh(2, 4), OPTIM, program=SYNC)
   assert_equals_reference(engine, params0, one)
 
 
@@ -169,9 +172,37 @@ def assert_equals_reference(engine, params0, batches):
   assert_trees_close(jax.device_get(state.master), ref_params, atol=2e-5)
 
 
-def test_sync_in_backward_is_off_on_cpu():
+def test_the_platform_picks_boundary_sync_on_cpu():
   engine = Engine(Llama(CFG), parse_strategy("IIG"), make_mesh(2, 4), OPTIM)
-  assert not engine.sync_in_backward  # XLA:CPU runs collectives in line: nothing to overlap
+  # XLA:CPU runs collectives in line: nothing to overlap
+  assert engine.program is StepProgram.BOUNDARY_SYNC
+
+
+@pytest.mark.parametrize("program", list(StepProgram))
+def test_each_step_program_equals_single_device(setup, program):
+  """The two programs the platform chooses between (Engine.program), each forced on CPU: the
+  same losses and parameters as the single-device loop."""
+  batches, params0, ref_losses, ref_params = setup
+  losses, params, engine, _ = run_engine("IIG", (2, 4), batches, params0, program=program)
+  assert engine.program is program
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(params, ref_params, atol=2e-5)
+
+
+@pytest.mark.parametrize("engine_args", [{"prefetch": False}, {"error_feedback": True}])
+def test_sync_in_backward_falls_back_to_the_boundary(engine_args):
+  """It needs the prefetching stack, and error feedback syncs at the boundary only."""
+  wire = WireConfig(grads="int8") if "error_feedback" in engine_args else WireConfig()
+  engine = Engine(
+    Llama(CFG),
+    parse_strategy("IIG"),
+    make_mesh(2, 4),
+    OPTIM,
+    program=SYNC,
+    wire=wire,
+    **engine_args,
+  )
+  assert engine.program is StepProgram.BOUNDARY_SYNC
 
 
 @pytest.mark.parametrize("strategy,collectives", [("ING", "xla"), ("IGG", "horing")])
@@ -187,6 +218,6 @@ def test_sync_in_backward_with_four_micro_batches(setup, strategy, collectives):
     OPTIM,
     micro_batches=4,
     collectives=collectives,
-    sync_in_backward=True,
+    program=SYNC,
   )
   assert_equals_reference(engine, params0, batches)

@@ -1,4 +1,4 @@
-"""The prefetching layer stack (engine.py: _make_prefetch_stack) gives the gradients of the plain
+"""The prefetching layer stack (core/prefetch.py) gives the gradients of the plain
 layer scan: the same Gr shards on every device, for stacks of 1, 2 and 3 layers (the peeled
 iterations and the loops of the backward are all exercised), with and without LoRA."""
 
@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.llama import Llama, LlamaConfig, LoraConfig
+from paro_jax.core import step
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES
@@ -27,10 +28,10 @@ def local_grads(engine, params, tokens_BxL1, collectives_check=True):
   batch_spec = PartitionSpec(BATCH_AXES, None)
 
   def local(params, tokens_BxL1):
-    loss_fn = lambda sinks: engine._micro_loss(
-      params, sinks, tokens_BxL1, engine._materializer(), engine._layer_runner()
+    loss_fn = lambda sinks: step.micro_loss(
+      engine, params, sinks, tokens_BxL1, step.materializer(engine)
     )
-    grads = jax.grad(loss_fn)(engine._sinks())
+    grads = jax.grad(loss_fn)(step.make_sinks(engine))
     return jax.tree.map(lambda g: g[None], grads)
 
   fn = jax.shard_map(
@@ -53,7 +54,7 @@ def both_grads(strategy, layers, lora=None, collectives="xla", bucket_layers=Fal
     )
     for pf in (False, True)
   ]
-  assert engines[1]._layer_runner() is not None and engines[0]._layer_runner() is None
+  assert [e.layer_stack for e in engines] == [step.LayerStack.MODEL_SCAN, step.LayerStack.PREFETCH]
   engines[1].bucket_layers = bucket_layers  # XLA's collectives one bucket per layer (GPUs)
   params0 = model.init(jax.random.key(0))
   if lora:  # non-zero B, so that every adapter has a gradient

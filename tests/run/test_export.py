@@ -17,7 +17,7 @@ import pytest
 from models.hf import load_hf
 from models.llama import Llama
 from paro_jax import cli
-from paro_jax.core.engine import join_trainable
+from paro_jax.core.shards import join_trainable
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.train import CHECKPOINTS, RunConfig, build, train
 

@@ -13,7 +13,9 @@ from models.llama import Llama, LlamaConfig, LoraConfig, is_lora_path
 from paro_jax import cli
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.analysis.costs import model_state_bytes
-from paro_jax.core.engine import Engine, OptimConfig, join_trainable
+from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.shards import join_trainable
+from paro_jax.core.step import StepProgram
 from paro_jax.analysis.inspector import compile_step, report
 from paro_jax.core.mesh import make_mesh
 from paro_jax.run.reference import reference_train
@@ -101,11 +103,12 @@ LORA_STRATEGIES = ["NNN", "III", "GGG", "IIG", "ING", "NGG", "GNG"]
 
 
 # With the layers' gradient sync inside the last backward (GPUs' default) for two of them.
-LORA_CASES = [(s, False) for s in LORA_STRATEGIES] + [("IIG", True), ("NNN", True)]
+BOUNDARY, SYNC = StepProgram.BOUNDARY_SYNC, StepProgram.SYNC_IN_BACKWARD
+LORA_CASES = [(s, BOUNDARY) for s in LORA_STRATEGIES] + [("IIG", SYNC), ("NNN", SYNC)]
 
 
-@pytest.mark.parametrize("strategy,sync_in_backward", LORA_CASES)
-def test_lora_equals_single_device(setup, strategy, sync_in_backward):
+@pytest.mark.parametrize("strategy,program", LORA_CASES)
+def test_lora_equals_single_device(setup, strategy, program):
   batches, params0, ref_losses, ref_trained = setup
   engine = Engine(
     Llama(CFG, lora=LORA),
@@ -113,9 +116,9 @@ def test_lora_equals_single_device(setup, strategy, sync_in_backward):
     make_mesh(2, 4),
     OPTIM,
     micro_batches=A,
-    sync_in_backward=sync_in_backward,
+    program=program,
   )
-  assert engine.sync_in_backward == sync_in_backward
+  assert engine.program is program
   state = engine.state_from_params(params0)
   losses = []
   for batch in batches:
