@@ -32,7 +32,7 @@ _EXPORTS = {
   "get_config": "models.llama",
   # data and checkpoints
   "Batches": "paro_jax.run.data",
-  "DataConfig": "paro_jax.run.data",
+  "DataConfig": "paro_jax.run.config",
   "load_tokens": "paro_jax.run.data",
   "default_corpus": "paro_jax.run.data",
   "Checkpointer": "paro_jax.run.checkpoint",

@@ -19,7 +19,7 @@ from paro_jax.cluster.watch import start_heartbeat
 from paro_jax.core.names import check_batch_divides, parse_mesh_shape
 from paro_jax.core.units import parse_rate
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
-from paro_jax.run.config import RunConfig
+from paro_jax.run.config import BIN_DTYPE_NAMES, RunConfig
 from paro_jax.run.plot import plot_runs
 
 # The modules that import jax (or numpy) are imported inside the commands, once the device flags
@@ -119,13 +119,8 @@ def _divergence_args(train) -> None:
     "--divergence-patience such steps in a row stop the run, naming the newest checkpoint "
     "saved before it (never rotated away; later ones are set aside as diverged-<step>)",
   )
-  add_options(
-    g,
-    RunConfig,
-    *(f"divergence_{k}" for k in ("guard", "window", "loss_factor", "grad_factor")),
-    "divergence_patience",
-    "divergence_loss_cap",
-  )
+  names = ("guard", "window", "loss_factor", "grad_factor", "patience", "loss_cap")
+  add_options(g, RunConfig, *(f"divergence_{name}" for name in names))
 
 
 def _add_wire(p: argparse.ArgumentParser, cls) -> None:
@@ -148,7 +143,7 @@ def _add_common(p: argparse.ArgumentParser, cls) -> None:
     *("collectives", "attention"),
   )
   _add_wire(p, cls)
-  # (`plan` counts the memory of these corrections' defaults)
+  # the int8 corrections are on where they apply; `plan` counts their memory
   add_options(p.add_argument_group("int8 corrections"), cls, "error_feedback", "param_delta")
   add_options(p, cls, "remat")
   lora = p.add_argument_group(
@@ -290,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     "--bin-dtype",
     default=None,
     type=str.lower,
-    choices=["uint16", "uint32"],
+    choices=BIN_DTYPE_NAMES,
     help="token dtype (default: uint16, or uint32 when the tokenizer's vocab exceeds 65536)",
   )
   _add_planner_commands(sub)

@@ -1,4 +1,5 @@
-"""`RunConfig`: what `paro-jax train` runs, a training step's configuration plus the run's.
+"""`RunConfig`: what `paro-jax train` runs, a training step's configuration plus the run's;
+`DataConfig`: where its tokens come from.
 
 Its flags are built from these fields by paro_jax/cli.py (analysis/config.py `option`). The
 module imports no jax or numpy: the CLI builds its parser before jax starts.
@@ -14,6 +15,26 @@ from paro_jax.analysis.config import StepConfig, option
 from paro_jax.run.divergence import MODES, GuardConfig
 
 _GUARD = GuardConfig()
+BIN_DTYPE_NAMES = ("uint16", "uint32")  # of .bin token files (run/data.py BIN_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where a run's tokens come from (run/data.py reads them)."""
+
+  paths: tuple[str, ...] = ()  # files and globs; empty: the built-in corpus
+  text_field: str = "text"  # the field of a JSONL record that holds its text
+  tokenizer: str | None = None  # an HF tokenizer.json; None: bytes
+  bin_dtype: str | None = None  # of .bin files; None: inferred (see bin_dtype_for)
+  eval_fraction: float = 0.01  # the last fraction of the tokens is held out for eval
+
+  def __post_init__(self):
+    if self.bin_dtype is not None and self.bin_dtype not in BIN_DTYPE_NAMES:
+      raise ValueError(
+        f"unknown --bin-dtype {self.bin_dtype!r}; choose one of {list(BIN_DTYPE_NAMES)}"
+      )
+    if not 0 <= self.eval_fraction < 1:
+      raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,28 +43,29 @@ class RunConfig(StepConfig):
   seed: int = option(0, "of the initial weights and the batches")
   lr: float = option(3e-3, "peak learning rate (AdamW)")
   warmup: int = option(10, "steps of linear warmup, then cosine decay")
-  # run/data.py DataConfig
+  # DataConfig's
   data: tuple[str, ...] = option(  # a str is one path; empty: the built-in corpus
-    (),
+    DataConfig.paths,
     "files and globs: *.jsonl (JSON lines), *.bin (token ids), else text",
     nargs="+",
     metavar="PATH",
   )
-  text_field: str = option("text", "the JSONL field holding the text")
+  text_field: str = option(DataConfig.text_field, "the JSONL field holding the text")
   tokenizer: str | None = option(
-    None,
+    DataConfig.tokenizer,
     "an HF tokenizer.json (needs the hf extra; default: bytes, vocab 256)",
     metavar="TOKENIZER_JSON",
   )
   bin_dtype: str | None = option(
-    None,
+    DataConfig.bin_dtype,
     ".bin token dtype (default: uint16, or uint32 when the tokenizer's "
     "vocab, else the model's, exceeds 65536)",
     type=str.lower,
-    choices=("uint16", "uint32"),
+    choices=BIN_DTYPE_NAMES,
   )
   eval_fraction: float = option(
-    0.01, "the last fraction of the tokens held out for eval (default %(default)s)"
+    DataConfig.eval_fraction,
+    "the last fraction of the tokens held out for eval (default %(default)s)",
   )
   eval_every: int = option(0, "eval loss every N steps (default %(default)s: never)", metavar="N")
   eval_batches: int = option(
@@ -159,9 +181,7 @@ class RunConfig(StepConfig):
       loss_cap=self.divergence_loss_cap,
     )
 
-  def data_config(self):
-    from paro_jax.run.data import DataConfig  # numpy: this module is read before jax starts
-
+  def data_config(self) -> DataConfig:
     return DataConfig(
       paths=tuple(self.data),
       text_field=self.text_field,
