@@ -24,6 +24,7 @@ from paro_jax.core.names import (
   WIRE_FORMATS,
 )
 from paro_jax.core.strategy import ALIASES
+from paro_jax.core.units import COMPUTE_DTYPE_BYTES
 from paro_jax.core.wire import WireConfig
 
 
@@ -40,7 +41,7 @@ def option(default=dataclasses.MISSING, help: str = "", *, flag: str | None = No
 MODEL_HELP = (
   "preset: tiny, small, 7b, 13b, 65b; or an HF LLaMA config.json (its shapes, from scratch)"
 )
-COMPUTE_DTYPES = ("bf16", "fp32")
+COMPUTE_DTYPES = tuple(COMPUTE_DTYPE_BYTES)  # bf16, fp32
 
 
 def model_name(value: str) -> str:
