@@ -67,18 +67,21 @@ def planner_times(args, model, nodes, gbit, a, global_model: str | None = None) 
   from unittest import mock
 
   from paro_jax.analysis import planner
+  from paro_jax.analysis.config import PlanConfig
 
   patch = {"xla": global_model} if global_model else {}
   with contextlib.redirect_stdout(io.StringIO()), mock.patch.dict(planner.GLOBAL_MODEL_OF, patch):
     p = planner.run_plan(
-      model,
-      nodes,
-      GPUS_PER_NODE,
-      gpu=args.target,
-      inter_bandwidth=f"{gbit:g}gbit",
-      micro_batches=a,
-      seq_len=args.seq_len,
-      as_json=True,
+      PlanConfig(
+        model=model,
+        nodes=nodes,
+        devices_per_node=GPUS_PER_NODE,
+        gpu=args.target,
+        inter_bandwidth=f"{gbit:g}gbit",
+        micro_batches=a,
+        seq_len=args.seq_len,
+        as_json=True,
+      )
     )
   steps = {e.strategy: e.step_time_s if e.fits else None for e in p.ranking}
   return {"pick": p.pick, "step_s": steps}

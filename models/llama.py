@@ -10,7 +10,6 @@ sharded one (see paro_jax/core/step.py).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Callable
 
@@ -24,8 +23,10 @@ from models.config import (  # noqa: F401 - re-exported: the config needs no jax
   FUSED_DTYPES,
   HIDDEN_PRESETS,
   LAYERS,
+  LORA_TARGETS,
   PRESETS,
   LlamaConfig,
+  LoraConfig,
   get_config,
   resolve_attention,
 )
@@ -47,64 +48,7 @@ def _init(std: float, axes: tuple[str, ...]):
 
 
 # --- LoRA ------------------------------------------------------------------------------------
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LORA_SUFFIXES = ("_lora_a", "_lora_b")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-  """Low-rank adapters W + (alpha/rank) A @ B on the named weights (Hu et al., 2021).
-
-  A (in x rank) starts random and B (rank x out) at zero, so an adapted model starts equal to its
-  base. Each adapter is stored as two 2-D matrices whose big dimension carries the shard: A's
-  input (`embed`, or `lora_in` for wo/w_down) and B's output (`embed`, or `lora_out`).
-  """
-
-  rank: int = 8
-  alpha: float = 16.0
-  targets: tuple[str, ...] = ("wq", "wv")  # as PEFT's default for LLaMA (q_proj, v_proj)
-
-  def __post_init__(self):
-    if isinstance(self.targets, str):
-      object.__setattr__(self, "targets", tuple(t for t in self.targets.split(",") if t))
-    object.__setattr__(self, "targets", tuple(self.targets))  # e.g. a list read from JSON
-    if self.rank < 1:
-      raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
-    bad = [t for t in self.targets if t not in LORA_TARGETS]
-    if bad or not self.targets:
-      raise ValueError(
-        f"unknown LoRA targets {bad or '(none)'}; choose from "
-        f"{', '.join(LORA_TARGETS)} (comma-separated, e.g. wq,wv)"
-      )
-
-  @classmethod
-  def from_flags(cls, rank: int, alpha: float, targets) -> LoraConfig | None:
-    """The adapters `--lora-rank/--lora-alpha/--lora-targets` ask for; None for rank 0."""
-    if rank < 0:
-      raise ValueError(f"--lora-rank must be >= 0 (0: full training), got {rank}")
-    return cls(rank, alpha, targets) if rank else None
-
-  @property
-  def scale(self) -> float:
-    return self.alpha / self.rank
-
-  def shapes(self, cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each target weight."""
-    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    io = {
-      "wq": (cfg.dim, q),
-      "wk": (cfg.dim, kv),
-      "wv": (cfg.dim, kv),
-      "wo": (q, cfg.dim),
-      "w_gate": (cfg.dim, cfg.mlp),
-      "w_up": (cfg.dim, cfg.mlp),
-      "w_down": (cfg.mlp, cfg.dim),
-    }
-    return {t: io[t] for t in self.targets}
-
-  def layer_params(self, cfg: LlamaConfig) -> int:
-    """Adapter parameters per layer."""
-    return sum(self.rank * (i + o) for i, o in self.shapes(cfg).values())
 
 
 def is_lora_path(path) -> bool:

@@ -28,17 +28,17 @@ _EXPORTS = {
   # the model
   "Llama": "models.llama",
   "LlamaConfig": "models.llama",
-  "LoraConfig": "models.llama",
+  "LoraConfig": "models.config",
   "get_config": "models.llama",
   # data and checkpoints
   "Batches": "paro_jax.run.data",
-  "DataConfig": "paro_jax.run.data",
+  "DataConfig": "paro_jax.run.config",
   "load_tokens": "paro_jax.run.data",
   "default_corpus": "paro_jax.run.data",
   "Checkpointer": "paro_jax.run.checkpoint",
   "RunMeta": "paro_jax.run.checkpoint",
   # the whole run, as `paro-jax train` does it
-  "RunConfig": "paro_jax.run.train",
+  "RunConfig": "paro_jax.run.config",
   "train": "paro_jax.run.train",
 }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import glob
+import importlib
 import io
 import pathlib
 import re
@@ -23,6 +24,7 @@ DOC_FILES = [
 # Files whose comments and docstrings name paths of the repository.
 SOURCE_DIRS = ["paro_jax", "models", "tests", "experiments", "examples"]
 UNKNOWN = object()  # a default argparse computes (not a literal in the source)
+REQUIRED = object()  # a flag without a default
 
 # Flags of other programs that the docs show beside ours (pip, pytest, SLURM, torchrun, ...).
 FOREIGN_FLAGS = {
@@ -73,15 +75,36 @@ def parser_flags() -> dict[str, list]:
     for action in sub._actions:
       for option in action.option_strings:
         if option.startswith("--"):
-          flags.setdefault(option[2:], []).append(action.default)
+          defaults = flags.setdefault(option[2:], [])
+          if not action.required:  # a required flag has no default to quote
+            defaults.append(action.default)
   for path in sorted(ROOT.glob("experiments/**/*.py")) + sorted(ROOT.glob("examples/*.py")):
     for flag, default in _source_flags(path.read_text()):
-      flags.setdefault(flag, []).append(default)
+      defaults = flags.setdefault(flag, [])
+      if default is not REQUIRED:
+        defaults.append(default)
   return flags
 
 
+# Modules of constants a script's default may name (they import no jax: reading them is cheap).
+CONSTANT_MODULES = ("paro_jax.core.names", "paro_jax.core.units")
+
+
+def _imported_constants(tree: ast.AST) -> dict:
+  """The names a script imports from CONSTANT_MODULES, with their values."""
+  constants = {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module in CONSTANT_MODULES:
+      module = importlib.import_module(node.module)
+      for alias in node.names:
+        constants[alias.asname or alias.name] = getattr(module, alias.name, UNKNOWN)
+  return constants
+
+
 def _source_flags(source: str):
-  for node in ast.walk(ast.parse(source)):
+  tree = ast.parse(source)
+  constants = _imported_constants(tree)
+  for node in ast.walk(tree):
     if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"):
       continue
     default = None
@@ -89,11 +112,16 @@ def _source_flags(source: str):
       if kw.arg == "default":
         try:
           default = ast.literal_eval(kw.value)
-        except ValueError:
-          default = UNKNOWN
+        except ValueError:  # a constant the script imports, else decided at run time
+          name = kw.value.id if isinstance(kw.value, ast.Name) else None
+          default = constants.get(name, UNKNOWN)
       if kw.arg == "action" and isinstance(kw.value, ast.Constant):
         if kw.value.value == "store_true" and default is None:
           default = False
+    if any(
+      kw.arg == "required" and getattr(kw.value, "value", None) is True for kw in node.keywords
+    ):
+      default = REQUIRED
     for arg in node.args:
       if isinstance(arg, ast.Constant) and str(arg.value).startswith("--"):
         yield arg.value[2:], default

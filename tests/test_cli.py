@@ -202,6 +202,8 @@ def test_help_shows_every_default_and_no_internal_remarks():
       assert action.help, (name, action.option_strings)  # argparse shows no default without
       if action.required or action.default is None or action.default is False:
         continue
+      if action.default is True and action.nargs == 0:  # --no-X: its default is not giving it
+        continue
       formatter = sub._get_formatter()
       shown = formatter._get_help_string(action) % {"default": action.default}
       assert shown.lower().count("default") == 1, (name, action.option_strings, shown)

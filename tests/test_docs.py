@@ -6,6 +6,7 @@ derived again from the results pages they cite; the sample outputs are what the 
 prints (experiments/docs_samples.py). The checkers are shown to fail on synthetic pages.
 """
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -13,6 +14,9 @@ import sys
 
 import pytest
 
+from paro_jax.analysis.config import InspectConfig, PlanConfig
+from paro_jax.core.names import DEFAULT_INT8_BLOCK
+from paro_jax.run.config import RunConfig
 from paro_jax.core.xla_flags import GPU_FLAGS
 from tests import docs_claims
 from tests.docs_claims import ROOT, markdown_table
@@ -87,6 +91,45 @@ def test_checker_reports_a_wrong_quoted_default(flags):
   assert len(problems) == 1 and "--keep quoted with default '4', argparse has 3" in problems[0]
   right = "Keep the newest checkpoints (`--keep K` (default 3)); the `--lr`, default 3e-3."
   assert docs_claims.check_flags(right, flags, "page.md") == []
+
+
+@pytest.mark.parametrize("cls", [RunConfig, InspectConfig, PlanConfig])
+def test_quoted_defaults_are_checked_against_the_config_fields(cls, flags):
+  """The defaults argparse has are the config dataclasses' (paro_jax/cli.py builds the flags from
+  their fields): for each field's flag, its default quoted passes, any other value fails."""
+  checked = 0
+  for field in dataclasses.fields(cls):
+    default = field.default
+    if default in (dataclasses.MISSING, None) or isinstance(default, (bool, tuple)):
+      continue  # required, computed at run time, or a flag without a value
+    if "," in str(default):
+      continue  # the checker reads a quoted default up to a comma
+    flag = field.metadata["flag"] or f"--{field.name.replace('_', '-')}"
+    right = f"Set `{flag}` (default {default})."
+    assert docs_claims.check_flags(right, flags, "page.md") == [], right
+    if any(d is None or d is docs_claims.UNKNOWN for d in flags[flag[2:]]):
+      continue  # a program decides this flag's default at run time: any quote may be right
+    wrong = f"Set `{flag}` (default {987654.5 if _is_number(default) else 'no-such-value'})."
+    problems = docs_claims.check_flags(wrong, flags, "page.md")
+    assert len(problems) == 1 and repr(default) in problems[0], (wrong, problems)
+    checked += 1
+  assert checked >= 10, checked
+
+
+def test_script_defaults_named_by_constant_or_required_are_read():
+  source = (
+    "from paro_jax.core.names import DEFAULT_INT8_BLOCK as B\n"
+    "ap.add_argument('--int8-block', type=int, default=B)\n"
+    "ap.add_argument('--nodes', type=int, required=True)\n"
+    "ap.add_argument('--sizes', default=SIZES)\n"
+  )
+  found = dict(docs_claims._source_flags(source))
+  assert found["int8-block"] == DEFAULT_INT8_BLOCK and found["nodes"] is docs_claims.REQUIRED
+  assert found["sizes"] is docs_claims.UNKNOWN  # not a constant of paro_jax/core/names.py
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def test_checker_reports_an_unknown_flag(flags):

@@ -10,16 +10,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import glob
+import json
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
 
-from paro_jax.analysis import hlo
+from models.llama import Llama, get_config, resolve_attention
+from paro_jax.analysis import estimate, gpu, hlo, schedule
 from paro_jax.analysis.abstract import abstract_inputs  # noqa: F401 - also imported from here
+from paro_jax.analysis.config import InspectConfig
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
-from paro_jax.core.engine import Engine
-from paro_jax.core.names import DEFAULT_INT8_BLOCK, MIXED_IMPLS
-from paro_jax.core.units import human_bytes
+from paro_jax.analysis.estimate import captured_stderr, format_estimate
+from paro_jax.analysis.planner import Workload, activation_bytes
+from paro_jax.core.collectives import resolve
+from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.names import MIXED_IMPLS
+from paro_jax.core.strategy import parse_strategy
+from paro_jax.core.units import human_bytes, parse_rate
+from paro_jax.core.xla_flags import GPU_FLAGS
 
 
 def compile_step(engine: Engine, batch_size: int, seq_len: int):
@@ -215,9 +227,6 @@ def gpu_report(
 ) -> dict:
   """report() plus what the GPU compile shows: async collectives, streams, overlap, memory,
   and, given the compile's stderr (`log`), XLA's estimate of the step's time."""
-  from paro_jax.analysis import gpu, schedule
-  from paro_jax.analysis.planner import Workload, activation_bytes
-
   r = report(engine, compiled)
   text = compiled.as_text()
   r["target"] = target
@@ -252,8 +261,6 @@ def gpu_report(
 
 
 def step_estimate(engine, text, log, target, batch_size, seq_len, inter_bits_per_s) -> dict:
-  from paro_jax.analysis import estimate, gpu
-
   tokens = engine.micro_batches * batch_size * seq_len
   return estimate.estimate(
     text,
@@ -310,102 +317,62 @@ def format_gpu_report(r: dict) -> str:
   return "\n".join(lines)
 
 
-def inspect(
-  model: str,
-  strategy: str,
-  mesh: tuple[int, int] | None,
-  micro_batches: int,
-  batch_size: int,
-  seq_len: int,
-  dtype: str,
-  collectives: str,
-  as_json: bool,
-  remat: str = "full",
-  lora=None,
-  target: str | None = None,
-  hlo_out: str | None = None,
-  no_prefetch: bool = False,
-  inter_params: str = "same",
-  inter_grads: str = "same",
-  int8_block: int = DEFAULT_INT8_BLOCK,
-  grad_dtype: str = "compute",
-  attention: str = "auto",
-  error_feedback: bool | None = None,
-  param_delta: bool | None = None,
-  inter_bandwidth: str | None = None,
-) -> dict:
+def inspect(cfg: InspectConfig) -> dict:
   """Build the engine for a configuration, compile its step and print the report.
 
-  With `target` (a GPU name), the step is compiled for a cluster of those GPUs (`mesh` nodes x
-  GPUs per node) without one, and the report adds the GPU schedule and memory against the plan
-  and XLA's estimate of the step's time (its network model set from `inter_bandwidth`, a rate
-  per node, by cli.py before jax started: estimate.prepare_environment).
+  With `cfg.target` (a GPU name), the step is compiled for a cluster of those GPUs (`cfg.mesh`
+  nodes x GPUs per node) without one, and the report adds the GPU schedule and memory against the
+  plan and XLA's estimate of the step's time (its network model set from `cfg.inter_bandwidth`, a
+  rate per node, by cli.py before jax started: estimate.prepare_environment).
   """
-  import json
-  import tempfile
-
-  from models.llama import Llama, get_config, resolve_attention
-  from paro_jax.core.compress import WireConfig
-  from paro_jax.core.engine import DTYPES, OptimConfig
-  from paro_jax.core.mesh import make_mesh
-  from paro_jax.core.strategy import parse_strategy
-
+  target, mesh = cfg.target, cfg.mesh
   if target is not None:
-    from paro_jax.analysis import gpu
-    from paro_jax.core.xla_flags import GPU_FLAGS
-
     if mesh is None:
       raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
     devices = gpu.devices(target, *mesh)
-  from paro_jax.core.collectives import resolve
-
   platform = "cuda" if target else jax.devices()[0].platform
-  collectives, _ = resolve(collectives, platform, jax.process_count(), parse_strategy(strategy))
-  cfg = get_config(model)
-  attention, _ = resolve_attention(attention, platform, DTYPES[dtype], cfg.head_dim)
+  strategy = parse_strategy(cfg.strategy)
+  collectives, _ = resolve(cfg.collectives, platform, jax.process_count(), strategy)
+  model_cfg = get_config(cfg.model)
+  dtype = DTYPES[cfg.dtype]
+  attention, _ = resolve_attention(cfg.attention, platform, dtype, model_cfg.head_dim)
   engine = Engine(
-    Llama(cfg, DTYPES[dtype], remat, lora, attention),
-    parse_strategy(strategy),
+    Llama(model_cfg, dtype, cfg.remat, cfg.lora(), attention),
+    strategy,
     make_mesh(*mesh, devices=devices) if target else make_mesh(*mesh) if mesh else make_mesh(),
     OptimConfig(),
-    micro_batches=micro_batches,
+    micro_batches=cfg.micro_batches,
     collectives=collectives,
-    wire=WireConfig(inter_params, inter_grads, int8_block),
-    grad_dtype=grad_dtype,
-    prefetch=not no_prefetch,
-    error_feedback=error_feedback,
-    param_delta=param_delta,
+    wire=cfg.wire(),
+    grad_dtype=cfg.grad_dtype,
+    prefetch=cfg.prefetch,
+    error_feedback=cfg.error_feedback,
+    param_delta=cfg.param_delta,
   )
   with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
     try:
       if target is None:
-        compiled = compile_step(engine, batch_size, seq_len)
+        compiled = compile_step(engine, cfg.batch_size, cfg.seq_len)
       else:
-        from paro_jax.analysis.estimate import captured_stderr
-
         with captured_stderr() as log:
-          compiled = gpu.compile_step(engine, target, batch_size, seq_len, GPU_FLAGS, dump)
+          compiled = gpu.compile_step(engine, target, cfg.batch_size, cfg.seq_len, GPU_FLAGS, dump)
     except Exception as e:  # XLA's own limits (e.g. out of host memory while compiling)
       raise RuntimeError(
-        f"XLA could not compile the {model} step for {strategy} "
+        f"XLA could not compile the {cfg.model} step for {cfg.strategy} "
         f"{'for ' + target if target else 'on this machine'}: {type(e).__name__}: {str(e)[:500]}"
       ) from e
     if target is None:
       r = report(engine, compiled)
     else:
-      from paro_jax.core.units import parse_rate
-
-      rate = parse_rate(inter_bandwidth) if inter_bandwidth else None
-      r = gpu_report(engine, compiled, target, batch_size, seq_len, dump, log[0], rate)
-    if hlo_out:
-      _write_hlo(compiled.as_text(), dump, hlo_out)
-  if as_json:
+      rate = parse_rate(cfg.inter_bandwidth) if cfg.inter_bandwidth else None
+      r = gpu_report(engine, compiled, target, cfg.batch_size, cfg.seq_len, dump, log[0], rate)
+    if cfg.hlo_out:
+      _write_hlo(compiled.as_text(), dump, cfg.hlo_out)
+  if cfg.as_json:
     print(json.dumps(r, indent=2), flush=True)
   else:
     print(format_report(r), flush=True)
     if target is not None:
-      from paro_jax.analysis.estimate import format_estimate
-
       print("\n" + format_gpu_report(r), flush=True)
       print("\n" + format_estimate(r["estimate"]), flush=True)
   return r
@@ -413,9 +380,6 @@ def inspect(
 
 def _write_hlo(text: str, dump: str, path: str) -> None:
   """The scheduled HLO at `path` and, for GPU compiles, the thunk sequence beside it."""
-  import glob
-  import shutil
-
   with open(path, "w") as f:
     f.write(text)
   for seq in glob.glob(f"{dump}/*.thunk_sequence.txt"):

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from paro_jax.analysis import gpu  # no jax at import
+
 WITHIN = 0.10
 
 
@@ -57,7 +59,8 @@ def compile_estimate(strategy: str, inputs: dict, target: str, attention: str) -
 
 
 def check_target(target: str) -> str:
-  from paro_jax.analysis import estimate, gpu
+  # numpy (estimate.py's HLO parsing): only for `plan --target`, not at the CLI's start
+  from paro_jax.analysis import estimate
 
   key = gpu.check_target(target)
   if not gpu.plugin_available():

@@ -15,6 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from models.config import get_config, resolve_attention  # no jax
+from paro_jax.analysis import gpu as targets, plan_compile  # no jax at import
+from paro_jax.analysis.config import PlanConfig
 from paro_jax.analysis.hardware import GPUS
 from paro_jax.analysis.plan_inputs import (  # noqa: F401  (re-exported)
   DEFAULT_MFU,
@@ -39,8 +42,6 @@ from paro_jax.analysis.step_model import (  # noqa: F401  (re-exported)
   schedule,
   traffic_of,
 )
-from paro_jax.core.wire import WireConfig  # no jax
-from paro_jax.core.names import DEFAULT_INT8_BLOCK
 from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, parse_strategy
 from paro_jax.core.units import (
   COMPUTE_DTYPE_BYTES,
@@ -234,150 +235,133 @@ def choose_strategy(
   return p.pick, p.explain
 
 
-def run_plan(
-  model: str,
-  nodes: int,
-  devices_per_node: int,
-  gpu: str = "a100-80gb",
-  device_memory: str | None = None,
-  peak_tflops: float | None = None,
-  mfu: float = DEFAULT_MFU,
-  inter_bandwidth: str = "100gbit",
-  intra_bandwidth: str = "300GB/s",
-  inter_latency: str = "50us",
-  intra_latency: str = "10us",
-  micro_batch: int = 1,
-  micro_batches: int = 8,
-  seq_len: int = 2048,
-  trainable_fraction: float = 1.0,
-  dtype: str = "bf16",
-  collectives: str = "xla",
-  overlap: float = 0.0,
-  usable_memory: float = USABLE_MEMORY,
-  profile: str | None = None,
-  as_json: bool = False,
-  inter_params: str = "same",
-  inter_grads: str = "same",
-  int8_block: int = DEFAULT_INT8_BLOCK,
-  grad_dtype: str = "compute",
-  attention: str = "auto",
-  target: str | None = None,
-  compile_top: int = 3,
-) -> Plan:
+def run_plan(cfg: PlanConfig) -> Plan:
   """`paro-jax plan`: build the inputs from the command line's strings, plan, print.
 
-  With `target` (a GPU of `inspect --target`), the GPU is that target's and the top
-  `compile_top` strategies are compiled for it and re-ranked by XLA's estimate (plan_compile.py).
+  With `cfg.target` (a GPU of `inspect --target`), the GPU is that target's and the top
+  `cfg.compile_top` strategies are compiled for it and re-ranked by XLA's estimate
+  (plan_compile.py).
   """
+  target, gpu = cfg.target, cfg.gpu
   if target is not None:
-    from paro_jax.analysis import gpu as targets, plan_compile
-
     target = plan_compile.check_target(target)
     gpu = targets.TARGETS[target][1]
-    if compile_top < 1:
-      raise ValueError(f"--compile-top must be >= 1, got {compile_top}")
-  from models.config import get_config, resolve_attention  # no jax
-
+    if cfg.compile_top < 1:
+      raise ValueError(f"--compile-top must be >= 1, got {cfg.compile_top}")
   gpu = gpu.strip().lower()  # names compare case-insensitively (--gpu H100)
   if gpu not in GPUS:
     raise ValueError(
       f"unknown --gpu {gpu!r}; choose one of {', '.join(GPUS)} (or give "
       f"--device-memory and --peak-tflops)"
     )
-  if not 0 < trainable_fraction <= 1:
+  if not 0 < cfg.trainable_fraction <= 1:
     raise ValueError(
       f"--trainable-fraction must be in (0, 1] (1: full training, e.g. 0.003 for "
-      f"LoRA), got {trainable_fraction}"
+      f"LoRA), got {cfg.trainable_fraction}"
     )
-  itemsize = COMPUTE_DTYPE_BYTES.get(dtype)
+  itemsize = COMPUTE_DTYPE_BYTES.get(cfg.dtype)
   if itemsize is None:
-    raise ValueError(f"unknown --dtype {dtype!r}; choose bf16 or fp32")
-  cfg = get_config(model)
+    raise ValueError(f"unknown --dtype {cfg.dtype!r}; choose bf16 or fp32")
+  model_cfg = get_config(cfg.model)
   card = GPUS[gpu]
+  device_memory, peak_tflops = cfg.device_memory, cfg.peak_tflops
   memory = parse_size(device_memory, "--device-memory") if device_memory else card.memory_bytes
   flops = peak_tflops * 1e12 if peak_tflops else card.peak_flops
   if peak_tflops is not None and peak_tflops <= 0:
     raise ValueError(f"--peak-tflops must be positive, got {peak_tflops}")
-  prof = load_profile(profile) if profile else {}
+  prof = load_profile(cfg.profile) if cfg.profile else {}
   if prof.get("flop_per_s") and not peak_tflops:
     flops = prof["flop_per_s"]
   if prof.get("device_memory") and not device_memory:  # the probed devices', not the --gpu's
     memory = prof["device_memory"]
   network = Links(
-    parse_bandwidth(inter_bandwidth, "--inter-bandwidth"),
-    parse_bandwidth(intra_bandwidth, "--intra-bandwidth"),
-    parse_latency(inter_latency, "--inter-latency"),
-    parse_latency(intra_latency, "--intra-latency"),
-    GLOBAL_MODEL_OF[collectives],
+    parse_bandwidth(cfg.inter_bandwidth, "--inter-bandwidth"),
+    parse_bandwidth(cfg.intra_bandwidth, "--intra-bandwidth"),
+    parse_latency(cfg.inter_latency, "--inter-latency"),
+    parse_latency(cfg.intra_latency, "--intra-latency"),
+    GLOBAL_MODEL_OF[cfg.collectives],
     measured_links(prof),
   )
-  cluster = Cluster(nodes, devices_per_node, network, flops, mfu, memory, usable_memory, overlap)
-  psi = cfg.param_count()
-  if grad_dtype not in ("compute", "fp32"):
-    raise ValueError(f"unknown --grad-dtype {grad_dtype!r}; choose compute or fp32")
+  cluster = Cluster(
+    cfg.nodes,
+    cfg.devices_per_node,
+    network,
+    flops,
+    cfg.mfu,
+    memory,
+    cfg.usable_memory,
+    cfg.overlap,
+  )
+  psi = model_cfg.param_count()
+  if cfg.grad_dtype not in ("compute", "fp32"):
+    raise ValueError(f"unknown --grad-dtype {cfg.grad_dtype!r}; choose compute or fp32")
   w = Workload(
-    cfg,
-    micro_batch,
-    micro_batches,
-    seq_len,
+    model_cfg,
+    cfg.micro_batch,
+    cfg.micro_batches,
+    cfg.seq_len,
     psi,
-    max(1, round(trainable_fraction * psi)),
+    max(1, round(cfg.trainable_fraction * psi)),
     itemsize,
-    wire=WireConfig(inter_params, inter_grads, int8_block),
-    grad_itemsize=4 if grad_dtype == "fp32" else itemsize,
+    wire=cfg.wire(),
+    grad_itemsize=4 if cfg.grad_dtype == "fp32" else itemsize,
     # the plan is for GPUs: --attention as a run on them resolves it
     fused_attention=resolve_attention(
-      attention, "cuda", "bfloat16" if itemsize == 2 else "float32", cfg.head_dim
+      cfg.attention, "cuda", "bfloat16" if itemsize == 2 else "float32", model_cfg.head_dim
     )[0]
     == "cudnn",
   )
   inputs = {
-    "model": model,
+    "model": cfg.model,
     "params": psi,
     "trainable": w.psi_trained,
-    "nodes": nodes,
-    "devices_per_node": devices_per_node,
+    "nodes": cfg.nodes,
+    "devices_per_node": cfg.devices_per_node,
     "gpu": card.name,
     "device_memory_bytes": memory,
-    "usable_memory": usable_memory,
+    "usable_memory": cfg.usable_memory,
     "flop_per_s": flops,
-    "mfu": mfu,
+    "mfu": cfg.mfu,
     "inter_bandwidth_bytes_per_s": network.inter_bandwidth,
     "intra_bandwidth_bytes_per_s": network.intra_bandwidth,
     "inter_latency_s": network.inter_latency,
     "intra_latency_s": network.intra_latency,
-    "collectives": collectives,
+    "collectives": cfg.collectives,
     "global_collectives": network.global_collectives,
-    "micro_batch": micro_batch,
-    "micro_batches": micro_batches,
-    "seq_len": seq_len,
-    "dtype": dtype,
-    "inter_params": inter_params,
-    "inter_grads": inter_grads,
-    "int8_block": int8_block,
-    "grad_dtype": grad_dtype,
-    "overlap": overlap,
-    "profile": profile,
+    "micro_batch": cfg.micro_batch,
+    "micro_batches": cfg.micro_batches,
+    "seq_len": cfg.seq_len,
+    "dtype": cfg.dtype,
+    "inter_params": cfg.inter_params,
+    "inter_grads": cfg.inter_grads,
+    "int8_block": cfg.int8_block,
+    "grad_dtype": cfg.grad_dtype,
+    "overlap": cfg.overlap,
+    "profile": cfg.profile,
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),
   }
   p = plan(w, cluster, inputs)
   if target is not None:
-    p.xla = plan_compile.rerank(p, compile_top, target, attention)
-  if as_json:
+    p.xla = plan_compile.rerank(p, cfg.compile_top, target, cfg.attention)
+  if cfg.as_json:
     print(json.dumps(p.as_dict(), indent=2))
   else:
-    frac = "" if trainable_fraction == 1 else f", {w.psi_trained / 1e6:,.1f}M trainable"
+    frac = "" if cfg.trainable_fraction == 1 else f", {w.psi_trained / 1e6:,.1f}M trainable"
     probed = " (profile)" if prof.get("device_memory") and not device_memory else ""
     src = "--peak-tflops" if peak_tflops else "profile" if prof.get("flop_per_s") else card.name
     print(
-      f"{model} ({human_count(psi)} params{frac}) on {nodes} nodes x {devices_per_node} devices "
-      f"of {human_bytes(memory)}{probed}, {flops / 1e12:.3g} TFLOP/s peak ({src}) x MFU "
-      f"{mfu:g}; inter "
+      f"{cfg.model} ({human_count(psi)} params{frac}) on {cfg.nodes} nodes x "
+      f"{cfg.devices_per_node} devices of {human_bytes(memory)}{probed}, {flops / 1e12:.3g} "
+      f"TFLOP/s peak ({src}) x MFU {cfg.mfu:g}; inter "
       f"{network.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
       f"{network.intra_bandwidth / 1e9:g} GB/s per device, global collectives "
-      f"{network.global_collectives} (--collectives {collectives}); A={micro_batches} "
-      f"micro-batches of {micro_batch} x {seq_len} tokens per device"
-      + (f"; measured links from {profile}: {', '.join(inputs['measured'])}" if profile else "")
+      f"{network.global_collectives} (--collectives {cfg.collectives}); A={cfg.micro_batches} "
+      f"micro-batches of {cfg.micro_batch} x {cfg.seq_len} tokens per device"
+      + (
+        f"; measured links from {cfg.profile}: {', '.join(inputs['measured'])}"
+        if cfg.profile
+        else ""
+      )
     )
     print("memory = model states + activations per device; times in seconds per optimizer step\n")
     print(p.format())

@@ -14,7 +14,6 @@ the Python standard library, so a training run needs no download.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import mmap
@@ -23,23 +22,10 @@ import sysconfig
 
 import numpy as np
 
+from paro_jax.run.config import BIN_DTYPE_NAMES, DataConfig  # noqa: F401 - also imported from here
+
 BYTE_VOCAB = 256
-BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  paths: tuple[str, ...] = ()  # files and globs; empty: the built-in corpus
-  text_field: str = "text"  # the field of a JSONL record that holds its text
-  tokenizer: str | None = None  # an HF tokenizer.json; None: bytes
-  bin_dtype: str | None = None  # of .bin files; None: inferred (see bin_dtype_for)
-  eval_fraction: float = 0.01  # the last fraction of the tokens is held out for eval
-
-  def __post_init__(self):
-    if self.bin_dtype is not None and self.bin_dtype not in BIN_DTYPES:
-      raise ValueError(f"unknown --bin-dtype {self.bin_dtype!r}; choose one of {list(BIN_DTYPES)}")
-    if not 0 <= self.eval_fraction < 1:
-      raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+BIN_DTYPES = {name: np.dtype(name).type for name in BIN_DTYPE_NAMES}
 
 
 # --- tokenizers ------------------------------------------------------------------------------

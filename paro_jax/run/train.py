@@ -17,152 +17,29 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from models.hf import load_hf, read_config
-from models.llama import Llama, LoraConfig, get_config, resolve_attention
+from models.llama import Llama, get_config, resolve_attention
 from paro_jax.cluster import watch
 from paro_jax.run.checkpoint import CHECKPOINTS, CheckpointError, Checkpointer, RunMeta
-from paro_jax.run.divergence import DivergenceGuard, GuardConfig
+from paro_jax.run.config import RunConfig  # noqa: F401 - also imported from here
+from paro_jax.run.divergence import DivergenceGuard
 from paro_jax.run.fit import check_fits
 from paro_jax.analysis.costs import model_state_bytes
 from paro_jax.run.metrics import dump_row, read_rows
-from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
+from paro_jax.run.data import Batches, load_tokens, split_eval
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
-from paro_jax.core.compress import WireConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core import collectives as comm
-from paro_jax.core.names import AUTO_COLLECTIVES, DEFAULT_INT8_BLOCK, GRAD_DTYPES
+from paro_jax.core.names import AUTO_COLLECTIVES
 from paro_jax.analysis.hardware import mfu
+from paro_jax.analysis.probe import auto_strategy
 from paro_jax.core.strategy import parse_strategy
 
 METRICS = "metrics.jsonl"
 LOCK = ".paro-jax.lock"  # held (flock) by the process-0 of the run using the directory
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-  model: str = "tiny"
-  strategy: str = "IIG"
-  mesh: tuple[int, int] | None = None  # (inter, intra); None: one group per process
-  micro_batches: int = 1
-  batch_size: int = 16
-  seq_len: int = 64
-  dtype: str = "bf16"
-  collectives: str = "xla"
-  inter_params: str = "same"  # wire precision across nodes (core/compress.py)
-  inter_grads: str = "same"
-  int8_block: int = DEFAULT_INT8_BLOCK
-  grad_dtype: str = "compute"  # gradient accumulation / boundary reduction: compute or fp32
-  error_feedback: bool | None = None  # of int8 gradients (core/feedback.py); None: where it applies
-  param_delta: bool | None = None  # int8 parameter syncs send changes; None: where it applies
-  remat: str = "full"  # models/llama.py REMAT_POLICIES
-  attention: str = "auto"  # models/llama.py resolve_attention: auto, xla or cudnn
-  steps: int = 50
-  seed: int = 0
-  lr: float = 3e-3
-  warmup: int = 10
-  data: tuple[str, ...] = ()  # files and globs (a str is one path); empty: built-in corpus
-  text_field: str = "text"
-  tokenizer: str | None = None
-  bin_dtype: str | None = None
-  eval_fraction: float = 0.01
-  eval_every: int = 0  # 0: no eval
-  eval_batches: int = 1  # the eval loss: mean over this many step batches of the eval split
-  out: str = "runs/latest"
-  checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C or SIGTERM)
-  keep: int = 3  # checkpoints kept
-  resume: bool = False  # continue from the newest checkpoint in out/checkpoints
-  init_from: str | None = None  # an HF LLaMA directory: the model (`model` is ignored) and,
-  # in a fresh run, the starting weights
-  lora_rank: int = 0  # > 0: train LoRA adapters of this rank only (models/llama.py LoraConfig)
-  lora_alpha: float = 16.0
-  lora_targets: str = "wq,wv"
-  max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss/grad
-  # run/divergence.py: a loss or gradient norm that leaves its running band
-  divergence_guard: str = "stop"  # off, warn or stop
-  divergence_window: int = GuardConfig.window
-  divergence_loss_factor: float = GuardConfig.loss_factor
-  divergence_grad_factor: float = GuardConfig.grad_factor
-  divergence_patience: int = GuardConfig.patience
-  divergence_loss_cap: float = GuardConfig.loss_cap  # 0: a multiple of ln(vocab)
-  progress_timeout: float = 0.0  # > 0: exit when no step finished for this many s (SLURM)
-  # run/fit.py: refuse, before compiling, a run the planner's estimate says cannot fit
-  memory_check: bool = True
-
-  def __post_init__(self):
-    if self.dtype not in DTYPES:
-      raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
-    if not (math.isfinite(self.lr) and self.lr > 0):
-      raise ValueError(f"--lr must be a positive finite number, got {self.lr}")
-    if self.warmup < 0:
-      raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
-    for name in (
-      "micro_batches",
-      "batch_size",
-      "seq_len",
-      "steps",
-      "keep",
-      "max_bad_steps",
-      "eval_batches",
-    ):
-      if getattr(self, name) < 1:
-        raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-    if isinstance(self.data, str):
-      object.__setattr__(self, "data", (self.data,))
-    for name in ("checkpoint_every", "eval_every", "progress_timeout"):
-      if getattr(self, name) < 0:
-        raise ValueError(
-          f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"
-        )
-    self.wire()  # its checks
-    if self.grad_dtype not in GRAD_DTYPES:
-      raise ValueError(f"unknown grad dtype {self.grad_dtype!r}; choose one of {GRAD_DTYPES}")
-    self.data_config()  # its checks
-    self.lora()  # its checks
-    self.guard()  # its checks
-    # Last: a run refused for another flag gets its one error line, not this warning first.
-    if self.warmup > self.steps:
-      warnings.warn(
-        f"--warmup {self.warmup} is more than --steps {self.steps}: the learning rate warms up "
-        f"over all {self.steps} steps instead and reaches --lr only at the last one (pass "
-        f"--warmup {self.steps} or less to silence this)",
-        stacklevel=3,
-      )
-
-  def guard(self) -> GuardConfig:
-    return GuardConfig(
-      mode=self.divergence_guard,
-      window=self.divergence_window,
-      loss_factor=self.divergence_loss_factor,
-      grad_factor=self.divergence_grad_factor,
-      patience=self.divergence_patience,
-      loss_cap=self.divergence_loss_cap,
-    )
-
-  def wire(self) -> WireConfig:
-    return WireConfig(self.inter_params, self.inter_grads, self.int8_block)
-
-  def lora(self) -> LoraConfig | None:
-    return LoraConfig.from_flags(self.lora_rank, self.lora_alpha, self.lora_targets)
-
-  def data_config(self) -> DataConfig:
-    return DataConfig(
-      paths=tuple(self.data),
-      text_field=self.text_field,
-      tokenizer=self.tokenizer,
-      bin_dtype=self.bin_dtype,
-      eval_fraction=self.eval_fraction,
-    )
-
-  def data_position(self) -> dict:
-    """Besides (seed, step), what the batch of a step depends on."""
-    return {
-      **dataclasses.asdict(self.data_config()),
-      "micro_batches": self.micro_batches,
-      "batch_size": self.batch_size,
-      "seq_len": self.seq_len,
-    }
 
 
 def build(cfg: RunConfig):
@@ -178,8 +55,6 @@ def build(cfg: RunConfig):
   model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora(), attention)
   collectives, _ = comm.resolve(cfg.collectives, platform, processes)
   if auto:  # probe this mesh and take the planner's pick (paro_jax/analysis/planner.py)
-    from paro_jax.analysis.probe import auto_strategy
-
     name, why = auto_strategy(
       mesh,
       model_cfg,
@@ -404,8 +279,6 @@ class StopVote:
   result is read after the previous step's metrics were, so the host waits for nothing new."""
 
   def __init__(self):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     mesh = Mesh(np.array(jax.devices()), ("all",))
     self.sharding = NamedSharding(mesh, PartitionSpec("all"))
     self.local = jax.local_device_count()

@@ -1,0 +1,124 @@
+"""The CLI's flags are the config dataclasses' fields: each field of RunConfig, InspectConfig and
+PlanConfig is a flag of its command with the field's default, parsing no flags gives the default
+config, a field without a flag is an error, and no help text writes a default by hand."""
+
+import argparse
+import dataclasses
+import re
+
+import pytest
+
+from paro_jax import cli
+from paro_jax.analysis.config import InspectConfig, PlanConfig, option
+from paro_jax.run.config import RunConfig
+
+COMMANDS = {"train": RunConfig, "inspect": InspectConfig, "plan": PlanConfig}
+REQUIRED = {"plan": ["--nodes", "2"]}  # flags without a default
+BY_CLI = {"mesh", "data"}  # parsed by cli.py from the flag's text (mesh) or list (data)
+
+
+def _subparsers():
+  return cli.build_parser()._subparsers._group_actions[0].choices
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_field_is_a_flag_with_the_fields_default(command):
+  actions = {a.dest: a for a in _subparsers()[command]._actions if a.option_strings}
+  for field in dataclasses.fields(COMMANDS[command]):
+    assert field.name in actions, f"{COMMANDS[command].__name__}.{field.name} has no flag"
+    action = actions[field.name]
+    if field.default is dataclasses.MISSING:
+      assert action.required, field.name
+    else:
+      assert action.default == field.default, (field.name, action.default, field.default)
+    assert action.help == field.metadata["help"], field.name
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_flags_parse_to_the_default_config(command):
+  cls = COMMANDS[command]
+  args = cli.build_parser().parse_args([command, *REQUIRED.get(command, [])])
+  given = {k: getattr(args, k) for k in BY_CLI if hasattr(cls, k)}
+  parsed = cli.config_of(args, cls, **given)
+  required = {"nodes": 2} if command == "plan" else {}
+  assert parsed == cls(**required)
+  # the flags reach their fields, converted as the field's type says
+  args = cli.build_parser().parse_args(
+    [command, *REQUIRED.get(command, []), "--seq-len", "96", "--dtype", "FP32", "--json"]
+    if command != "train"
+    else [command, "--seq-len", "96", "--dtype", "FP32", "--no-memory-check", "--lora-rank", "4"]
+  )
+  parsed = cli.config_of(args, cls, **{k: getattr(args, k) for k in BY_CLI if hasattr(cls, k)})
+  assert (parsed.seq_len, parsed.dtype) == (96, "fp32")
+  if command == "train":
+    assert (parsed.memory_check, parsed.lora().rank) == (False, 4)
+  else:
+    assert parsed.as_json is True
+
+
+def test_a_field_without_a_flag_is_an_error():
+  args = cli.build_parser().parse_args(["inspect"])
+  del args.hlo_out  # as if InspectConfig had gained a field the parser does not know
+  with pytest.raises(TypeError, match=r"field but no flag \['hlo_out'\]"):
+    cli.config_of(args, InspectConfig)
+  args = cli.build_parser().parse_args(["inspect"])
+  with pytest.raises(TypeError, match=r"given but no field \['meshes'\]"):
+    cli.config_of(args, InspectConfig, meshes=(1, 8))
+
+
+def test_a_flag_of_an_unknown_field_is_an_error():
+  with pytest.raises(KeyError, match="InspectConfig has no field 'seq_length'"):
+    cli.add_options(argparse.ArgumentParser(), InspectConfig, "seq_length")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Toy:
+  steps: int = option(5, "how many")
+  speed: float = option(0.5, "how fast")
+  name: str = option("x", "what")
+  fast: bool = option(False, "whether")
+  needed: int = option(help="no default", type=int)
+
+
+def test_flags_take_the_fields_defaults_and_types():
+  p = argparse.ArgumentParser()
+  cli.add_options(p, _Toy, "steps", "speed", "name", "fast", "needed")
+  args = p.parse_args(["--needed", "7", "--speed", "2"])
+  assert cli.config_of(argparse.Namespace(command="toy", **vars(args)), _Toy) == _Toy(
+    needed=7, speed=2.0
+  )
+  assert p.parse_args(["--needed", "1", "--fast", "--steps", "3"]).steps == 3
+  with pytest.raises(SystemExit):
+    p.parse_args([])  # --needed is required
+
+
+# A default written by hand beside "default": the help should say %(default)s instead.
+HAND_WRITTEN = re.compile(r"default:?\s+([^\s,;:)]+)")
+
+
+def _hand_written_defaults(parser) -> list[str]:
+  found = []
+  for action in parser._actions:
+    if not action.help or action.default in (None, argparse.SUPPRESS):
+      continue
+    for m in HAND_WRITTEN.finditer(action.help):
+      if m.group(1) in (str(action.default), f"{action.default:g}" if _number(action) else ""):
+        found.append(f"{'/'.join(action.option_strings)}: {action.help!r}")
+  return found
+
+
+def _number(action) -> bool:
+  return isinstance(action.default, (int, float)) and not isinstance(action.default, bool)
+
+
+def test_no_help_writes_its_default_by_hand():
+  problems = [p for sub in _subparsers().values() for p in _hand_written_defaults(sub)]
+  assert not problems, "write %(default)s (or %(default)g) instead:\n" + "\n".join(problems)
+
+
+def test_the_hand_written_default_check_fails_where_it_should():
+  p = argparse.ArgumentParser()
+  p.add_argument("--keep", type=int, default=3, help="keep the newest K (default 3)")
+  p.add_argument("--cap", type=float, default=16.0, help="the cap (default 16; 0: none)")
+  p.add_argument("--fine", type=int, default=3, help="keep the newest K (default %(default)s)")
+  assert len(_hand_written_defaults(p)) == 2
