@@ -29,21 +29,92 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPUS_PER_NODE = 8
+# XLA's own SPMD partitioning of the same step (experiments/bench/baselines.py): every state
+# sharded over all GPUs, or over a node's GPUs and replicated across nodes (MaxText's fsdp and
+# its data-parallel axis over nodes).
+BASELINES = ("jit-fsdp", "jit-hsdp")
+# Two-level collectives compared in the cells of --variants: paro_jax's rings over one mesh
+# level at a time (hring), both levels overlapped (horing), one flat ring (ring).
+VARIANT_IMPLS = ("ring", "hring", "horing")
+
+
+def child_baseline(args) -> None:
+  """Compile a plain-jit baseline for the target, print inspect's `estimate` and `memory`."""
+  from paro_jax.analysis import estimate, gpu
+
+  gpu.prepare_environment()
+  nodes, a, gbit = int(args.nodes), int(args.micro_batches), float(args.gbit)
+  estimate.prepare_environment(gbit * 1e9, GPUS_PER_NODE)
+  import tempfile
+
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, Mesh
+
+  from experiments.bench.baselines import build
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.xla_flags import GPU_FLAGS
+
+  grid = make_mesh(nodes, GPUS_PER_NODE, devices=gpu.devices(args.target, nodes, GPUS_PER_NODE))
+  mesh = Mesh(grid.devices, grid.axis_names, axis_types=(AxisType.Auto,) * 2)
+  # bf16 and cuDNN's attention, as `inspect --target` resolves them for the strategies
+  model, jinit, jstep, state_sh, batch_sh = build(
+    args.child_baseline, args.models, "bf16", a, 1, mesh, "full", "cudnn"
+  )
+  shapes = jax.eval_shape(jinit, jax.random.key(0))
+  state = jax.tree.map(
+    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, state_sh
+  )
+  batch_size = nodes * GPUS_PER_NODE
+  batch = jax.ShapeDtypeStruct((a, batch_size, args.seq_len + 1), jnp.int32, sharding=batch_sh)
+  with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
+    with estimate.captured_stderr() as log:
+      with gpu.cudnn_checks(args.target):
+        lowered = jstep.lower(state, batch)
+      compiled = lowered.compile(compiler_options={**GPU_FLAGS, "xla_dump_to": dump})
+  tokens = a * batch_size * args.seq_len
+  e = estimate.estimate(
+    compiled.as_text(),
+    log[0],
+    compute_capability=gpu.compute_capability(args.target),
+    peak_flops=gpu.target_gpu(args.target).peak_flops,
+    memory_bandwidth=gpu.memory_bandwidth(args.target),
+    devices=nodes * GPUS_PER_NODE,
+    tokens_per_step=tokens,
+    flops_per_step=model.cfg.flops_per_token(args.seq_len) * tokens,
+    inter_bits_per_s=gbit * 1e9,
+    gpus_per_node=GPUS_PER_NODE,
+  )
+  m = compiled.memory_analysis()
+  peak = (
+    m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+  )
+  device = gpu.target_gpu(args.target).memory_bytes
+  memory = {"compiled_bytes": peak, "fits": peak <= device}
+  print(json.dumps({"estimate": e, "memory": memory}))
 
 
 def cell_key(model: str, nodes: int, gbit: float, a: int) -> str:
   return f"{model} {nodes}x{GPUS_PER_NODE} {gbit:g}gbit A={a}"
 
 
-def xla_estimate(args, model, nodes, gbit, a, strategy) -> dict:
-  """inspect --target's report of one strategy in one cell (its estimate and memory)."""
-  cmd = [
-    sys.executable, "-m", "paro_jax", "inspect", "--target", args.target,
-    "--mesh", f"{nodes}x{GPUS_PER_NODE}", "--model", model, "--strategy", strategy,
-    "--collectives", "xla", "--micro-batches", str(a),
-    "--batch-size", str(nodes * GPUS_PER_NODE), "--seq-len", str(args.seq_len),
-    "--inter-bandwidth", f"{gbit:g}gbit", "--json",
-  ]  # fmt: skip
+def xla_estimate(args, model, nodes, gbit, a, strategy, collectives="xla") -> dict:
+  """inspect --target's report of one strategy in one cell (its estimate and memory); a
+  plain-jit baseline (BASELINES) is compiled by this script's --child-baseline instead."""
+  if strategy in BASELINES:
+    cmd = [
+      sys.executable, os.path.abspath(__file__), "--child-baseline", strategy,
+      "--target", args.target, "--models", model, "--nodes", str(nodes), "--gbit", f"{gbit:g}",
+      "--micro-batches", str(a), "--seq-len", str(args.seq_len), "--out", "-",
+    ]  # fmt: skip
+  else:
+    cmd = [
+      sys.executable, "-m", "paro_jax", "inspect", "--target", args.target,
+      "--mesh", f"{nodes}x{GPUS_PER_NODE}", "--model", model, "--strategy", strategy,
+      "--collectives", collectives, "--micro-batches", str(a),
+      "--batch-size", str(nodes * GPUS_PER_NODE), "--seq-len", str(args.seq_len),
+      "--inter-bandwidth", f"{gbit:g}gbit", "--json",
+    ]  # fmt: skip
   env = {**os.environ, "PYTHONPATH": ROOT}
   env.pop("XLA_FLAGS", None)
   t = time.perf_counter()
@@ -84,14 +155,14 @@ def planner_times(args, model, nodes, gbit, a, global_model: str | None = None) 
   return {"pick": p.pick, "step_s": steps}
 
 
+def _ok(r: dict | None) -> bool:
+  return bool(r) and "error" not in r and r["fits"] and bool(r["estimate"].get("step_s"))
+
+
 def summarize(cell: dict, planner_key: str = "planner") -> dict:
   from experiments.bench.stats import spearman
 
-  xla = {
-    s: r["estimate"]["step_s"]
-    for s, r in cell["xla"].items()
-    if "error" not in r and r["fits"] and r["estimate"].get("step_s")
-  }
+  xla = {s: r["estimate"]["step_s"] for s, r in cell["xla"].items() if _ok(r)}
   if planner_key not in cell:
     return {"strategies": 0}
   plan = {s: t for s, t in cell[planner_key]["step_s"].items() if t is not None}
@@ -105,13 +176,37 @@ def summarize(cell: dict, planner_key: str = "planner") -> dict:
     out.update(xla_best=best, xla_best_s=xla[best], pick=pick)
     if pick in xla:
       out["pick_vs_best"] = xla[pick] / xla[best]
+  jit = {b: r["estimate"]["step_s"] for b, r in cell.get("baselines", {}).items() if _ok(r)}
+  if jit:
+    best_jit = min(jit, key=jit.get)
+    out.update(best_jit=best_jit, best_jit_s=jit[best_jit])
+    if out.get("pick") in xla:
+      out["pick_vs_jit"] = xla[out["pick"]] / jit[best_jit]
   return out
+
+
+def verdict(s: dict) -> str:
+  """What a cell meets of the goals (Spearman >= 0.9, pick / best <= 1.05, pick <= best jit)."""
+  if "spearman" not in s or "pick_vs_best" not in s:
+    return "incomplete"
+  misses = [
+    name
+    for name, ok in (
+      ("Spearman", s["spearman"] >= 0.9),
+      ("pick / best", s["pick_vs_best"] <= 1.05),
+      ("vs jit", s.get("pick_vs_jit", 0) <= 1.0),
+    )
+    if not ok
+  ]
+  if "pick_vs_jit" not in s:
+    misses.append("no jit baseline")
+  return "met" if not misses else "misses: " + ", ".join(misses)
 
 
 def paper_row(key: str, cell: dict) -> str:
   def step(s):
-    r = cell["xla"].get(s, {})
-    return r["estimate"].get("step_s") if "error" not in r and r and r["fits"] else None
+    r = cell["xla"].get(s)
+    return r["estimate"]["step_s"] if _ok(r) else None
 
   paro = {s: step(s) for s in ("IIG", "IGG", "NIG") if step(s)}
   if not paro:
@@ -123,6 +218,19 @@ def paper_row(key: str, cell: dict) -> str:
   )
   return (
     f"| {key} | {best} ({paro[best]:.3f} s) | {ratio('GGG')} | {ratio('NGG')} | {per_gpu:,.0f} |"
+  )
+
+
+def _row(key: str, name: str, r: dict, plan: str) -> str:
+  if "error" in r:
+    return f"| {key} | {name} | error: {r['error'][:60]} | | | | {plan} | |"
+  e = r["estimate"]
+  if e.get("step_s") is None:
+    return f"| {key} | {name} | none | | | | {plan} | {r['compile_s']:.0f} |"
+  fit = "" if r["fits"] else " (does not fit)"
+  return (
+    f"| {key} | {name} | {e['step_s']:.3f}{fit} | {e['compute_s']:.3f} | "
+    f"{e['exposed_comm_s']:.3f} | {e['mfu']:.1%} | {plan} | {r['compile_s']:.0f} |"
   )
 
 
@@ -142,26 +250,57 @@ def write(args, command: str, results: dict) -> None:
     f"jax {jax.__version__}) for {args.target}, {GPUS_PER_NODE} GPUs per node, one "
     f"{args.seq_len}-token sequence per GPU per micro-batch, `--collectives xla`. Nothing ran: "
     "XLA's figures are its cost model's (paro_jax/analysis/estimate.py; docs/gpu.md), the "
-    "planner's are `paro-jax plan --gpu " + args.target + "` with its defaults.",
+    "planner's are `paro-jax plan --gpu " + args.target + "` with its defaults. The plain-jit "
+    "baselines are XLA's own SPMD partitioning of the same step (bf16, full remat, cuDNN "
+    "attention; experiments/bench/baselines.py): `jit-fsdp` shards every state over all GPUs, "
+    "`jit-hsdp` over a node's GPUs, replicated across nodes; both compiled with the same XLA "
+    "flags (paro_jax/core/xla_flags.py) and costed by the same estimate.",
     "",
     "Goal: Spearman >= 0.9 and the pick's estimated step within 5% of the best (pick / best <= "
-    "1.05) in every cell. The planner models xla's global collectives as NCCL's rings over all "
-    "GPUs (as XLA's cost model does); the last two columns are the two-level model it used "
-    "before.",
+    "1.05) in every cell, and the pick at least as fast as the better plain-jit baseline "
+    "(pick / best jit <= 1). The planner models xla's global collectives as NCCL's rings over "
+    "all GPUs (as XLA's cost model does); the two-level columns are the model it used before.",
     "",
-    "| cell | strategies | Spearman | planner's pick | XLA's best | pick / best | "
-    "Spearman, two-level | pick / best, two-level |",
-    "|---|---:|---:|---|---|---:|---:|---:|",
+    "| cell | strategies | Spearman | planner's pick | XLA's best | pick / best | best jit | "
+    "pick / best jit | goals | Spearman, two-level | pick / best, two-level |",
+    "|---|---:|---:|---|---|---:|---|---:|---|---:|---:|",
   ]
   fmt = lambda x, f: "-" if x is None else format(x, f)
   for key, cell in results.items():
     s, old = summarize(cell), summarize(cell, "planner_two_level")
     best = f"{s['xla_best']} ({s['xla_best_s']:.3f} s)" if "xla_best" in s else "-"
+    jit = f"{s['best_jit']} ({s['best_jit_s']:.3f} s)" if "best_jit" in s else "-"
     lines.append(
       f"| {key} | {s['strategies']} | {fmt(s.get('spearman'), '.2f')} | {s.get('pick', '-')} | "
-      f"{best} | {fmt(s.get('pick_vs_best'), '.3f')} | {fmt(old.get('spearman'), '.2f')} | "
+      f"{best} | {fmt(s.get('pick_vs_best'), '.3f')} | {jit} | "
+      f"{fmt(s.get('pick_vs_jit'), '.3f')} | {verdict(s)} | {fmt(old.get('spearman'), '.2f')} | "
       f"{fmt(old.get('pick_vs_best'), '.3f')} |"
     )
+  variants = [(k, c) for k, c in results.items() if c.get("variants")]
+  if variants:
+    lines += [
+      "",
+      "The same strategy with its collectives over both axes run by NCCL (`xla`), by one flat "
+      "ring (`ring`), by a ring per level one after the other (`hring`) or overlapped "
+      "(`horing`, HO-Ring), seconds per step by the same estimate (exposed communication in "
+      "brackets); the paper reports HO-Ring +32.6% to +36.5% throughput over Ring.",
+      "",
+      "| cell | strategy | xla | ring | hring | horing | horing vs ring | horing vs xla |",
+      "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, cell in variants:
+      for strategy in sorted({v.split("/")[0] for v in cell["variants"]}):
+        runs = {"xla": cell["xla"].get(strategy)}
+        runs.update({i: cell["variants"].get(f"{strategy}/{i}") for i in VARIANT_IMPLS})
+        step = {i: r["estimate"]["step_s"] for i, r in runs.items() if _ok(r)}
+        show = lambda i: (
+          f"{step[i]:.3f} ({runs[i]['estimate']['exposed_comm_s']:.3f})" if i in step else "-"
+        )
+        vs = lambda i: f"{step[i] / step['horing']:.2f}x" if {i, "horing"} <= set(step) else "-"
+        lines.append(
+          f"| {key} | {strategy} | {show('xla')} | {show('ring')} | {show('hring')} | "
+          f"{show('horing')} | {vs('ring')} | {vs('xla')} |"
+        )
   lines += [
     "",
     "The paper's comparison by the same estimate: the best of IIG, IGG and NIG against ZeRO-3 "
@@ -176,7 +315,7 @@ def write(args, command: str, results: dict) -> None:
   lines += [
     "",
     "Per strategy, seconds per step (XLA: step / compute / exposed communication; planner: "
-    "step), compile time of the estimate:",
+    "step), compile time of the estimate (on a machine shared with other jobs):",
     "",
     "| cell | strategy | XLA step | XLA compute | XLA exposed | MFU | planner step | compile s |",
     "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -184,19 +323,9 @@ def write(args, command: str, results: dict) -> None:
   for key, cell in results.items():
     for strategy, r in cell["xla"].items():
       plan = cell["planner"]["step_s"].get(strategy)
-      pl = "does not fit" if plan is None else f"{plan:.3f}"
-      if "error" in r:
-        lines.append(f"| {key} | {strategy} | error: {r['error'][:60]} | | | | {pl} | |")
-        continue
-      e = r["estimate"]
-      if e.get("step_s") is None:
-        lines.append(f"| {key} | {strategy} | none | | | | {pl} | {r['compile_s']:.0f} |")
-        continue
-      fit = "" if r["fits"] else " (does not fit)"
-      lines.append(
-        f"| {key} | {strategy} | {e['step_s']:.3f}{fit} | {e['compute_s']:.3f} | "
-        f"{e['exposed_comm_s']:.3f} | {e['mfu']:.1%} | {pl} | {r['compile_s']:.0f} |"
-      )
+      lines.append(_row(key, strategy, r, "does not fit" if plan is None else f"{plan:.3f}"))
+    for name, r in {**cell.get("baselines", {}), **cell.get("variants", {})}.items():
+      lines.append(_row(key, name, r, "-"))
   with open(os.path.join(args.out, "README.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
 
@@ -219,9 +348,37 @@ def plot(args, results: dict) -> None:
   lims = ax.get_xlim()
   ax.plot(lims, lims, "k:", lw=1)
   ax.set(xscale="log", yscale="log", xlabel="planner step s", ylabel="XLA estimate step s")
-  ax.legend(fontsize=7)
+  ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(os.path.join(args.out, "gpu_estimates.png"), dpi=120)
+
+
+def parse_key(key: str) -> tuple[str, int, float, int]:
+  """(model, nodes, gbit, A) of a cell_key."""
+  model, mesh, gbit, a = key.split()
+  return model, int(mesh.split("x")[0]), float(gbit.removesuffix("gbit")), int(a.split("=")[1])
+
+
+def parse_cells(args) -> list[tuple[str, int, float, int]]:
+  """The cells to compile: --cells MODEL:NODES:GBIT:A,... in that order, else the product of
+  --models, --nodes, --micro-batches and --gbit."""
+  if args.cells:
+    out = []
+    for item in args.cells.split(","):
+      parts = item.split(":")
+      if len(parts) != 4:
+        raise SystemExit(f"--cells: {item!r} is not MODEL:NODES:GBIT:A, e.g. 7b:4:100:1")
+      out.append((parts[0], int(parts[1]), float(parts[2]), int(parts[3])))
+    return out
+  return [
+    (m, n, g, a)
+    for m, n, a, g in itertools.product(
+      args.models.split(","),
+      [int(n) for n in args.nodes.split(",")],
+      [int(a) for a in args.micro_batches.split(",")],
+      [float(g) for g in args.gbit.split(",")],
+    )
+  ]
 
 
 def main(argv=None) -> int:
@@ -231,50 +388,83 @@ def main(argv=None) -> int:
   ap.add_argument("--nodes", default="2,4")
   ap.add_argument("--gbit", default="25,100,400", help="inter-node Gbit/s per node")
   ap.add_argument("--micro-batches", default="1,8")
+  ap.add_argument(
+    "--cells", default=None, help="MODEL:NODES:GBIT:A,... (instead of the product above)"
+  )
   ap.add_argument("--seq-len", type=int, default=2048)
   ap.add_argument("--strategies", default=None, help="comma-separated (default: all 14)")
+  ap.add_argument(
+    "--baselines", default=",".join(BASELINES), help="plain-jit baselines to compile ('' none)"
+  )
+  ap.add_argument(
+    "--variants",
+    default="",
+    help="strategies to compile again with --collectives ring, hring and horing",
+  )
   ap.add_argument("--out", required=True)
   ap.add_argument("--resume", action="store_true", help="keep the estimates already in --out")
   ap.add_argument("--redo", default=None, help="with --resume: compile these strategies again")
+  ap.add_argument(
+    "--report-only",
+    action="store_true",
+    help="compile nothing: the planner's figures again for every saved cell, the page rewritten",
+  )
+  ap.add_argument("--child-baseline", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   sys.path.insert(0, ROOT)
+  if args.child_baseline:
+    child_baseline(args)
+    return 0
   from paro_jax.core.strategy import VALID_NAMES
 
   strategies = args.strategies.split(",") if args.strategies else list(VALID_NAMES)
+  baselines = [b for b in args.baselines.split(",") if b]
+  variants = [v for v in args.variants.split(",") if v]
   os.makedirs(args.out, exist_ok=True)
   command = "python experiments/gpu_estimates.py " + " ".join(
     argv if argv is not None else sys.argv[1:]
   )
   path = os.path.join(args.out, "gpu_estimates.json")
   results, commands = {}, []
-  if args.resume and os.path.exists(path):
+  if (args.resume or args.report_only) and os.path.exists(path):
     with open(path) as f:
       saved = json.load(f)
     results = saved["cells"]
     commands = saved.get("commands", [saved["command"]] if "command" in saved else [])
-  command = "\n".join(commands + [command])  # every run that wrote these results, in order
-  cells = itertools.product(
-    args.models.split(","),
-    [int(n) for n in args.nodes.split(",")],
-    [int(a) for a in args.micro_batches.split(",")],
-    [float(g) for g in args.gbit.split(",")],
-  )
-  for model, nodes, a, gbit in cells:
-    if args.redo:  # compiled before a fix: compile these again
-      for strategy in args.redo.split(","):
-        results.get(cell_key(model, nodes, gbit, a), {}).get("xla", {}).pop(strategy, None)
-    key = cell_key(model, nodes, gbit, a)
-    cell = results.setdefault(key, {"xla": {}})
+  if not args.report_only:
+    commands.append(command)
+  command = "\n".join(commands)  # every run that wrote these results, in order
+
+  def refresh(model, nodes, gbit, a):
+    cell = results.setdefault(cell_key(model, nodes, gbit, a), {"xla": {}})
     cell["planner"] = planner_times(args, model, nodes, gbit, a)
     cell["planner_two_level"] = planner_times(args, model, nodes, gbit, a, "hierarchical")
-    for strategy in strategies:
-      if strategy in cell["xla"] and "error" not in cell["xla"][strategy]:
+    return cell
+
+  for key in list(results):  # the planner as it is now, for every cell already compiled
+    refresh(*parse_key(key))
+  if args.report_only:
+    write(args, command, results)
+    plot(args, results)
+    return 0
+  for model, nodes, gbit, a in parse_cells(args):
+    key = cell_key(model, nodes, gbit, a)
+    if args.redo:  # compiled before a fix: compile these again
+      for strategy in args.redo.split(","):
+        results.get(key, {}).get("xla", {}).pop(strategy, None)
+    cell = refresh(model, nodes, gbit, a)
+    todo = [("xla", s, s, "xla") for s in strategies]
+    todo += [("baselines", b, b, "xla") for b in baselines]
+    todo += [("variants", f"{v}/{i}", v, i) for v in variants for i in VARIANT_IMPLS]
+    for group, name, strategy, collectives in todo:
+      done = cell.setdefault(group, {})
+      if name in done and "error" not in done[name]:
         continue
-      cell["xla"][strategy] = xla_estimate(args, model, nodes, gbit, a, strategy)
-      r = cell["xla"][strategy]
+      done[name] = xla_estimate(args, model, nodes, gbit, a, strategy, collectives)
+      r = done[name]
       step = r.get("estimate", {}).get("step_s")
       print(
-        f"{key} {strategy}: " + (r.get("error") or f"{step:.3f} s") + f" ({r['compile_s']:.0f} s)",
+        f"{key} {name}: " + (r.get("error") or f"{step:.3f} s") + f" ({r['compile_s']:.0f} s)",
         flush=True,
       )
       write(args, command, results)
