@@ -38,6 +38,47 @@ BASELINES = ("jit-fsdp", "jit-hsdp")
 VARIANT_IMPLS = ("ring", "hring", "horing")
 
 
+# The cells whose pick's exposed communication the page breaks down.
+EXPOSED_CELLS = ("7b 4x8 100gbit A=1", "7b 4x8 100gbit A=8")
+# What the compiles showed beyond the tables (checked as each says; see docs/gpu.md).
+NOTES = [
+  "",
+  "How the estimate is composed and what it gets wrong:",
+  "",
+  "- Computations XLA does not cost (a layer body without an async collective: the forward "
+  "of every strategy with replicated parameters) are charged their roofline scaled by XLA's "
+  "costs over the loop bodies it costed. Scaled over all costed computations instead (as "
+  "before 2026-11-25), the entry's head matmul, which XLA's model prices untuned at 44 ms "
+  "(81x its 0.54 ms roofline; 7b, 2 x 8, in every strategy), inflated them: NNI's forward "
+  "layer body on 7b 2 x 8 was charged 2.06 ms, now 1.47 ms. XLA's own per-kernel costs of "
+  "the same kernels where it does cost them (`--xla_dump_latency_hiding_schedule`: each "
+  "instruction's simulated start and end) give 1.53 ms for that body (11 of its 18 kernels "
+  "found in the backward body; the other 7 at the scaled roofline): the roofline part is "
+  "within about 5% of XLA's own figures there, where it was 35% above.",
+  "- XLA (jaxlib 0.10.2) prices an all-reduce as one ring pass ((n-1)/n of the buffer per "
+  "GPU over its NIC share): NNI's inter-node all-reduce of a layer's 1/8 gradient shard "
+  "(50.6 MB over 4 nodes at 100 Gbit/s) costs 24.7 ms there, 0.75 x 50.6 MB / 1.5625 GB/s x "
+  "1.025 = 24.9 ms. A ring all-reduce sends twice that (reduce-scatter, then all-gather; "
+  "later XLA multiplies by two rounds, `NumRounds` in `sol_gpu_cost_model.cc`). The planner "
+  "charges the two passes, so strategies that sync by an all-reduce (the `N`/`I` gradients "
+  "with an inter-node sync: NNI, INI, III, NII) are cheaper in this XLA's estimate, relative "
+  "to the others, than on the wire.",
+  "",
+  "Compile time (where it goes, and what was tried; 7b 4 x 8, A=8, IIG, 100 Gbit/s, profiled "
+  "with cProfile and XLA's VLOG timers): 25 s in all, of which tracing and lowering 7.5 s and "
+  "XLA 13.5 s; inside XLA the HLO passes and the scheduling take 1.3 s and the code generation "
+  "(LLVM IR emission, Triton, ptxas) the rest, which the estimate does not need but no option "
+  "of this jaxlib skips. `--xla_gpu_disable_gpuasm_optimizations`, "
+  "`--xla_llvm_disable_expensive_passes` and `--xla_backend_optimization_level=0` left the "
+  "estimate identical (2.92958706 s) and gained nothing measurable (17.2 s and 20.7 s, within "
+  "the load's noise); `--xla_gpu_enable_triton_gemm=false` changes the estimate by -1.6%, so "
+  "it was not used. A compile takes 12-30 s on a quiet machine; this grid ran beside other "
+  "jobs (load average 15-21 on 2 cores), at 15-90 s a compile, so the later cells compile 8 "
+  "of the 14 strategies (NNI, INI, III, IIG, NIG, IGG, NGG, GGG: the top, the middle and the "
+  "bottom of the full cells) and their Spearman and XLA's best are over those.",
+]
+
+
 def child_baseline(args) -> None:
   """Compile a plain-jit baseline for the target, print inspect's `estimate` and `memory`."""
   from paro_jax.analysis import estimate, gpu
@@ -234,6 +275,39 @@ def _row(key: str, name: str, r: dict, plan: str) -> str:
   )
 
 
+def exposed_section(results: dict) -> list[str]:
+  """Where the planner's pick waits on communication in XLA's schedule, for the cells of
+  EXPOSED_CELLS: per sequenced computation, its executions and the waiting they add up to."""
+  out = []
+  for key in EXPOSED_CELLS:
+    cell = results.get(key)
+    if not cell or cell["planner"]["pick"] not in cell["xla"]:
+      continue
+    pick = cell["planner"]["pick"]
+    r = cell["xla"][pick]
+    if not _ok(r):
+      continue
+    e = r["estimate"]
+    out += [
+      "",
+      f"Exposed communication of the planner's pick ({pick}) in {key}: "
+      f"{e['exposed_comm_s']:.3f} s of {e['step_s']:.3f} s, "
+      f"{e['exposed_comm_s'] / e['step_s']:.0%} "
+      "of the step, by computation of XLA's schedule (time and waiting per execution):",
+      "",
+      "| computation | executions | time per execution ms | waiting per execution ms | "
+      "waiting per step s |",
+      "|---|---:|---:|---:|---:|",
+    ]
+    for row in r["computations"]:
+      out.append(
+        f"| {row['computation']} ({row['source']}) | {row['executions']} | "
+        f"{row['time_s'] * 1e3:.2f} | {row['wait_s'] * 1e3:.2f} | "
+        f"{row['executions'] * row['wait_s']:.3f} |"
+      )
+  return out
+
+
 def write(args, command: str, results: dict) -> None:
   import jax
 
@@ -312,6 +386,8 @@ def write(args, command: str, results: dict) -> None:
   ]
   for key, cell in results.items():
     lines.append(paper_row(key, cell))
+  lines += exposed_section(results)
+  lines += NOTES
   lines += [
     "",
     "Per strategy, seconds per step (XLA: step / compute / exposed communication; planner: "
@@ -409,6 +485,13 @@ def main(argv=None) -> int:
     action="store_true",
     help="compile nothing: the planner's figures again for every saved cell, the page rewritten",
   )
+  ap.add_argument(
+    "--merge",
+    default=None,
+    metavar="DIR",
+    help="add the compiles of another run's --out (its gpu_estimates.json) to --out's, then "
+    "write the page (compiles nothing)",
+  )
   ap.add_argument("--child-baseline", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   sys.path.insert(0, ROOT)
@@ -431,6 +514,16 @@ def main(argv=None) -> int:
       saved = json.load(f)
     results = saved["cells"]
     commands = saved.get("commands", [saved["command"]] if "command" in saved else [])
+  if args.merge:
+    with open(os.path.join(args.merge, "gpu_estimates.json")) as f:
+      other = json.load(f)
+    commands += [c for c in other["commands"] if c not in commands]
+    for key, cell in other["cells"].items():
+      mine = results.setdefault(key, {"xla": {}})
+      for group in ("xla", "baselines", "variants"):
+        for name, r in cell.get(group, {}).items():
+          if name not in mine.setdefault(group, {}) or "error" in mine[group][name]:
+            mine[group][name] = r
   if not args.report_only:
     commands.append(command)
   command = "\n".join(commands)  # every run that wrote these results, in order
@@ -443,7 +536,7 @@ def main(argv=None) -> int:
 
   for key in list(results):  # the planner as it is now, for every cell already compiled
     refresh(*parse_key(key))
-  if args.report_only:
+  if args.report_only or args.merge:
     write(args, command, results)
     plot(args, results)
     return 0
