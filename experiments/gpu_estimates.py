@@ -70,6 +70,12 @@ NOTES = [
   "instruction's simulated start and end) give 1.53 ms for that body (11 of its 18 kernels "
   "found in the backward body; the other 7 at the scaled roofline): the roofline part is "
   "within about 5% of XLA's own figures there, where it was 35% above.",
+  "- With A > 1 the head matmul sits in the micro-batch loop's body, which XLA costs only for "
+  "strategies with a collective in it (INI, III, IIG: the embedding's and head's gathers); "
+  "the others get the scaled roofline for it. 7b 4 x 8, A=8: XLA prices INI's head matmuls "
+  "at 55.5 ms per micro-batch (44.0 + 5.8 + 5.7 ms, against 1.6 ms of roofline; "
+  "schedule dump), 7 x 53.9 ms = 0.38 s of INI's 2.80 s against NNI's 2.42 s: without "
+  "that price the two tie. Cells with A=8 order INI, III and IIG behind NNI by this.",
   "- XLA (jaxlib 0.10.2) prices an all-reduce as one ring pass ((n-1)/n of the buffer per "
   "GPU over its NIC share): NNI's inter-node all-reduce of a layer's 1/8 gradient shard "
   "(50.6 MB over 4 nodes at 100 Gbit/s) costs 24.7 ms there, 0.75 x 50.6 MB / 1.5625 GB/s x "
