@@ -572,7 +572,7 @@ def main(argv=None) -> int:
   )
   path = os.path.join(args.out, "gpu_estimates.json")
   results, commands = {}, []
-  if (args.resume or args.report_only) and os.path.exists(path):
+  if (args.resume or args.report_only or args.merge) and os.path.exists(path):
     with open(path) as f:
       saved = json.load(f)
     results = saved["cells"]
