@@ -109,7 +109,8 @@ NOTES = [
   "it was not used. A compile takes 12-30 s on a quiet machine; this grid ran beside other "
   "jobs (load average 15-21 on 2 cores), at 15-90 s a compile, so the later cells compile 8 "
   "of the 14 strategies (NNI, INI, III, IIG, NIG, IGG, NGG, GGG: the top, the middle and the "
-  "bottom of the full cells) and their Spearman and XLA's best are over those.",
+  "bottom of the full cells; for 65b IIG, IGG, GIG and GGG, the ones that fit) and their "
+  "Spearman and XLA's best are over those.",
 ]
 
 
