@@ -28,9 +28,17 @@ def auto_mesh(inter: int, intra: int):
 
 
 def build(
-  kind: str, model_name: str, dtype: str, micro_batches: int, steps: int, mesh, remat: str = "full"
+  kind: str,
+  model_name: str,
+  dtype: str,
+  micro_batches: int,
+  steps: int,
+  mesh,
+  remat: str = "full",
+  attention: str = "xla",
 ):
-  """(init_fn, jitted step, state shardings, batch sharding) of a plain-jit baseline."""
+  """(init_fn, jitted step, state shardings, batch sharding) of a plain-jit baseline;
+  `attention` as models/llama.py takes it (resolved: "xla" or "cudnn")."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -41,7 +49,7 @@ def build(
   from paro_jax.core.engine import DTYPES, OptimConfig, decay_mask
   from paro_jax.core.sharding import shard_dims
 
-  model = Llama(get_config(model_name), DTYPES[dtype], remat)
+  model = Llama(get_config(model_name), DTYPES[dtype], remat, None, attention)
   logical = model.logical_axes()
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   dims = shard_dims(logical)  # the `embed` dimension of every leaf, as paro_jax shards it

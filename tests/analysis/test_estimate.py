@@ -98,6 +98,28 @@ def test_nested_loops_compose_by_hand():
   }
 
 
+def test_unscheduled_is_scaled_by_the_loop_bodies_not_the_entry():
+  # The same kernel (roofline t) in the entry, in the outer loop's body and in `plain`, which
+  # XLA does not cost. XLA prices the body's at 2t and the entry's at 12t (as it prices the
+  # untuned head matmul far above its roofline): `plain` is charged t / (t / 2t) = 2t.
+  kernel = "f32[1000000]{0} fusion(%v, %v), kind=kLoop, calls=%fused_add"
+  text = NESTED_HLO.replace(
+    "%outer (o: s32[]) -> s32[] {\n  %o = s32[] parameter(0)",
+    "%outer (o: s32[]) -> s32[] {\n  %o = s32[] parameter(0)\n  %v = f32[1000000]{0} "
+    f"parameter(1)\n  %k.outer = {kernel}",
+  ).replace("%called =", f"%k.main = {kernel}\n  %called =")
+  bw = 1.6e12
+  t = 3 * 4e6 / bw  # 7.5 us
+  stats = {
+    "main": {"total_us": 100.0, "wasted_us": 10.0},  # 90 us of compute: 12 t
+    "outer": {"total_us": 20.0, "wasted_us": 5.0},  # 15 us of compute: 2 t
+  }
+  c = estimate.compose(text, stats, 1e15, bw)
+  assert c["roofline_over_xla"] == pytest.approx(0.5, rel=1e-9)
+  assert c["unscheduled_s"] == pytest.approx(2 * t, rel=1e-9)
+  assert c["step_s"] == pytest.approx((100 + 3 * 20) * 1e-6 + 2 * t, rel=1e-9)
+
+
 def test_network_options_are_gigabytes_per_gpu():
   # 25 Gbit/s shared by 8 GPUs: 25e9 / 8 bits -> bytes, / 8 GPUs, in units of 1e9 bytes/s.
   assert estimate.network_options(25e9, 8) == "nic_speed_gbps=0.390625,gpus_per_node=8"

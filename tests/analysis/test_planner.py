@@ -392,3 +392,21 @@ def test_rings_model_is_xlas_ring_over_all_gpus():
   two_level = planner.Cluster(g, m, planner.Links(node_rate, 300e9, 0.0, 0.0), 989e12)
   t2 = planner.collective_seconds("reduce-scatter", ("inter", "intra"), ring_bytes, 1, two_level)
   assert t > t2  # hring sends only (g-1)/g of the payload's 1/m per device between nodes
+
+
+def test_one_micro_batch_holds_no_layer_gradient_accumulator():
+  """With A=1 each layer's gradient is synced in the only backward (sync_in_backward): the
+  layer stack's accumulator at Gr is not held; with A=2 it is. The difference is the stack's
+  bf16 gradients over Gr's shards, Ψ_layers x 2 / 8 for IIG on 4 x 8."""
+  cfg = get_config("65b")
+  net = planner.Links(units.parse_bandwidth("100gbit"), units.parse_bandwidth("300GB/s"))
+  cluster = planner.Cluster(4, 8, net, 989e12, device_memory=80e9)
+  one, two = (
+    planner.estimate(parse_strategy("IIG"), planner.Workload(cfg, micro_batches=a), cluster)
+    for a in (1, 2)
+  )
+  stack = Llama(cfg).stack_param_count()
+  assert two.memory["model_states"]["grads"] - one.memory["model_states"]["grads"] == (
+    2 * stack // 8
+  )
+  assert two.memory["total"] - one.memory["total"] == 2 * stack // 8
