@@ -52,8 +52,12 @@ def count_wrong(f, x, X: np.ndarray, reps: int) -> dict:
         if m == 2 and d == 0:  # device 1's reduced second half instead of its first half
           stale_value = X[k, 0, :h] + X[k, 0, h:] + X[k, 1, h:]
           stale += int(np.all(got[idx] == stale_value[idx]))
-  return {"device_results": reps * len(y.addressable_shards), "wrong_results": bad_results,
-          "wrong_elements": wrong, "wrong_results_explained_by_stale_send": stale}
+  return {
+    "device_results": reps * len(y.addressable_shards),
+    "wrong_results": bad_results,
+    "wrong_elements": wrong,
+    "wrong_results_explained_by_stale_send": stale,
+  }
 
 
 def main() -> None:
@@ -94,10 +98,19 @@ def main() -> None:
     f = program()
     hlo = f.lower(x).compile().as_text()
     mine = count_wrong(f, x, X, args.reps)
-    every = multihost_utils.process_allgather(
-      np.array([mine["device_results"], mine["wrong_results"],
-                mine["wrong_results_explained_by_stale_send"]])
-    ).reshape(-1, 3).sum(axis=0)
+    every = (
+      multihost_utils.process_allgather(
+        np.array(
+          [
+            mine["device_results"],
+            mine["wrong_results"],
+            mine["wrong_results_explained_by_stale_send"],
+          ]
+        )
+      )
+      .reshape(-1, 3)
+      .sum(axis=0)
+    )
     wrong = multihost_utils.process_allgather(np.array([max(mine["wrong_elements"], default=0)]))
     results[name] = {
       "hlo_reduce_scatters": hlo.count("reduce-scatter("),

@@ -8,6 +8,7 @@ import os
 import sys
 
 from paro_jax import report
+from paro_jax.cluster import watch
 from paro_jax.core.names import (
   ATTENTION_IMPLS,
   AUTO_COLLECTIVES,
@@ -854,5 +855,8 @@ def _main(argv) -> None:
   except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
     report.error(e)
     sys.exit(2)
+  except watch.PeerLost as e:  # another process of the run is gone: one line, as for a hang
+    report.error(e)
+    sys.exit(watch.LOST_EXIT)
   except KeyboardInterrupt as e:  # 128 + the signal: 130 for SIGINT, 143 for SIGTERM
     sys.exit(128 + getattr(e, "signum", 2))

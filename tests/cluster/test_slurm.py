@@ -186,6 +186,10 @@ def test_sigkilled_task_ends_the_job(cluster, tmp_path):
   assert took < 60, took
   last = len(_losses(out))
   assert re.search(rf'^0: {{"step": {last},', output, re.M), output[-3000:]
+  # The task left names itself and the step the run got to, in one line (srun named the lost one).
+  lost = rf"^0: paro-jax: error: process 0 of 2: a collective failed after step {last}, .*"
+  assert re.search(lost + r"Connection closed by peer .*--resume", output, re.M), output[-3000:]
+  assert "Traceback" not in output, output[-3000:]
 
 
 def _cmdline(pid: str) -> bytes:
