@@ -28,7 +28,7 @@ import numpy as np
 CONFIGS = {
   "tests": ("--batch-size 8 --seq-len 16 --warmup 1 --steps 40", "2x4", (2, 4)),
   "issue": ("--batch-size 8 --seq-len 32 --steps 40", "2x2", (2, 2)),
-  # The same with the ring collectives (fixed-order sums; multiprocess_repro_probe.py).
+  # The same with the ring collectives (collective-permutes and adds in a fixed order).
   "issue-ring": ("--batch-size 8 --seq-len 32 --steps 40 --collectives ring", "2x2", (2, 2)),
 }
 COMMON = "train --model tiny --strategy IIG --dtype fp32"
@@ -126,6 +126,10 @@ def _readme(page: dict) -> str:
     f"Latest run `{page['command']}`, {page['date']}, {page['machine']}, jax {page['jax']}.",
     "",
     "Largest relative loss difference between any two runs of a kind, per step (0: bit-exact).",
+    "Multi-process CPU runs lower reduce-scatter as an all-reduce and a slice",
+    "(paro_jax/cluster/gloo_rs.py; XLA:CPU's own through gloo sometimes sums stale data,",
+    "[gloo_rs_race](../gloo_rs_race/README.md)); measurements dated before 2026-11-25T06:40 used",
+    "XLA's reduce-scatter.",
     "",
   ]
   for name, r in page["configs"].items():

@@ -12,10 +12,9 @@ from paro_jax import report
 from paro_jax.analysis import gpu
 from paro_jax.analysis.config import InspectConfig, PlanConfig, WireOptions
 from paro_jax.analysis.planner import run_plan
-from paro_jax.cluster import distributed
+from paro_jax.cluster import distributed, watch
 from paro_jax.cluster.launch import launch
 from paro_jax.cluster.restart import _flag
-from paro_jax.cluster.watch import start_heartbeat
 from paro_jax.core.names import check_batch_divides, parse_mesh_shape
 from paro_jax.core.units import parse_rate
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
@@ -465,7 +464,7 @@ def _main(argv) -> None:
         raise ValueError(
           f"--out {args.out} is a file: pass a directory for the run (metrics.jsonl, checkpoints/)"
         )
-      start_heartbeat()  # when paro-jax launch asked for one (env PARO_JAX_HEARTBEAT)
+      watch.start_heartbeat()  # when paro-jax launch asked for one (env PARO_JAX_HEARTBEAT)
     _note_cpu_platform(args)
     multi = (
       getattr(args, "coordinator", None),
@@ -506,5 +505,8 @@ def _main(argv) -> None:
   except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
     report.error(e)
     sys.exit(2)
+  except watch.PeerLost as e:  # another process of the run is gone: one line, as for a hang
+    report.error(e)
+    sys.exit(watch.LOST_EXIT)
   except KeyboardInterrupt as e:  # 128 + the signal: 130 for SIGINT, 143 for SIGTERM
     sys.exit(128 + getattr(e, "signum", 2))

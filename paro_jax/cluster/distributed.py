@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from paro_jax.cluster import gloo_rs
+
 # The variables JAX's SlurmCluster / OmpiCluster need (jax/_src/clusters/*.py, jax 0.10.2).
 _SLURM_VARS = (
   "SLURM_JOB_ID",
@@ -75,11 +77,15 @@ def process_count(coordinator=None, num_processes=None, process_id=None, environ
   return detected[1] if detected else 1
 
 
-def maybe_initialize(coordinator=None, num_processes=None, process_id=None) -> bool:
+def maybe_initialize(
+  coordinator=None, num_processes=None, process_id=None, gloo_reduce_scatter=False
+) -> bool:
   """Call `jax.distributed.initialize` when flags or a SLURM/Open MPI environment ask for it.
 
   Returns whether it did. On CPU, cross-process collectives use gloo (jax 0.10.2's default
-  `jax_cpu_collectives_implementation`; an explicit JAX_CPU_COLLECTIVES_IMPLEMENTATION is kept).
+  `jax_cpu_collectives_implementation`; an explicit JAX_CPU_COLLECTIVES_IMPLEMENTATION is kept),
+  and reduce-scatters then run as an all-reduce and a slice (`gloo_rs`: gloo's own reduce-scatter
+  can corrupt its result); `gloo_reduce_scatter=True` keeps gloo's, to show that it does.
   """
   explicit = _check_flags(coordinator, num_processes, process_id)
   detected = None if explicit else detect_cluster()
@@ -106,4 +112,6 @@ def maybe_initialize(coordinator=None, num_processes=None, process_id=None) -> b
     )
   else:
     jax.distributed.initialize(local_device_ids=local)  # JAX's own SLURM / Open MPI detection
+  if not gloo_reduce_scatter:
+    gloo_rs.install()
   return True

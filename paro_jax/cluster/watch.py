@@ -6,7 +6,10 @@ Inside each process (`paro-jax train`):
   process finished (`{"pid", "step", "time"}`). `paro-jax launch` gives each node such a file
   (env `PARO_JAX_HEARTBEAT`) and reads them all (see `Watch`).
 - `Watchdog` (`train --progress-timeout S`, meant for SLURM / mpirun, where no launcher of ours
-  watches): the process exits by itself, naming its last step, when no step finished for S s.
+  watches): the process exits by itself, naming itself and its last step, when no step finished
+  for S s.
+- `PeerLost`: a collective of the run failed (another process died: its connection closed); the
+  process exits with one line naming itself and its last step (`peer_lost`).
 
 In the launcher, `Watch` turns the heartbeat files into a verdict: a node whose heartbeat is older
 than the heartbeat timeout is frozen (SIGSTOP, a machine that stalls; a dead process is seen
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
 
 HEARTBEAT_ENV = "PARO_JAX_HEARTBEAT"
+LOST_EXIT = 3  # a hang (the watchdog) or a lost peer: both resume from the newest checkpoint
 
 
 class _Progress:
@@ -40,6 +45,26 @@ def finished(step: int) -> None:
   """Called by the training loop after each step it finished (its metrics were read)."""
   if step != PROGRESS.step:
     PROGRESS.step, PROGRESS.since = step, time.monotonic()
+
+
+def last_step() -> str:
+  return "none" if PROGRESS.step is None else str(PROGRESS.step)
+
+
+class PeerLost(RuntimeError):
+  """A collective failed in a multi-process run: another process is gone. One line (`str`)."""
+
+
+def peer_lost(error: BaseException, process: int, processes: int) -> PeerLost:
+  """The one line for `error`, a runtime error of a collective, raised in process `process`."""
+  # "Gloo all-reduce failed: [external/gloo/.../pair.cc:547] Connection closed by peer [ip]:port"
+  what = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", " ".join(str(error).split()))
+  what = re.sub(r"^[A-Z_]+: ", "", what)  # the status code (UNKNOWN: ...)
+  return PeerLost(
+    f"process {process} of {processes}: a collective failed after step {last_step()}, the last "
+    f"step this process finished ({what}): another process of the run died or lost its "
+    f"connection. Run again with --resume: it continues from the newest checkpoint"
+  )
 
 
 class Heartbeat(threading.Thread):
@@ -77,23 +102,25 @@ class Watchdog(threading.Thread):
   """Exit the process (code 3) when no step finished for `timeout` s; the first step's compile
   counts. `os._exit`: the main thread is likely blocked in a collective that never returns."""
 
-  def __init__(self, timeout: float, exit=os._exit, clock=time.monotonic, poll: float = 1.0):
+  def __init__(
+    self, timeout: float, exit=os._exit, clock=time.monotonic, poll: float = 1.0, who: str = ""
+  ):
     super().__init__(daemon=True, name="paro-jax-watchdog")
     self.timeout, self._exit, self._clock, self.poll = timeout, exit, clock, poll
+    self.who = who  # "process 1 of 2: " (several processes), else ""
     self.stopped = threading.Event()
 
   def run(self) -> None:
     while not self.stopped.wait(self.poll):
       idle = self._clock() - PROGRESS.since
       if idle > self.timeout:
-        last = "none" if PROGRESS.step is None else str(PROGRESS.step)
         sys.stderr.write(
-          f"\nparo-jax: error: no step finished for {idle:.0f} s (--progress-timeout "
-          f"{self.timeout:g}); the last step this process finished: {last}. Another process "
-          f"is likely dead or hung: exiting\n"
+          f"paro-jax: error: {self.who}no step finished for {idle:.0f} s (--progress-timeout "
+          f"{self.timeout:g}); the last step this process finished: {last_step()}. Another "
+          f"process is likely dead or hung: exiting\n"
         )
         sys.stderr.flush()
-        self._exit(3)
+        self._exit(LOST_EXIT)
         return
 
 

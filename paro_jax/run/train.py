@@ -338,8 +338,10 @@ def train(cfg: RunConfig) -> str:
     reference_bytes=engine.reference_bytes,
   )
   main = jax.process_index() == 0  # with several processes only process 0 logs and writes
+  processes = jax.process_count()
+  who = f"process {jax.process_index()} of {processes}: " if processes > 1 else ""
   if cfg.progress_timeout:
-    watch.Watchdog(cfg.progress_timeout).start()
+    watch.Watchdog(cfg.progress_timeout, who=who).start()
   os.makedirs(cfg.out, exist_ok=True)
   # Signals are taken over before anything is read or compiled: a stop before the first step
   # finishes leaves no checkpoint (and an empty metrics.jsonl).
@@ -539,11 +541,15 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
       bar.close()
       _stopped(main, saved, ckpt)
       raise
-    except BaseException:
+    except BaseException as e:
       try:
         ckpt.close()  # lets a save in flight complete; the newest checkpoint stays as it is
       finally:
         bar.close()
+      if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
+        # A collective failed: another process is gone (SIGKILL, a lost node). Its task's line
+        # from srun names it; this one says which step the run got to.
+        raise watch.peer_lost(e, jax.process_index(), jax.process_count()) from None
       raise
   bar.close()
   if stop.signum is not None:

@@ -2,8 +2,10 @@
 
 experiments/multiprocess_repro.py trains `tiny` IIG fp32 on a 2x4 mesh for 40 steps several times
 in two processes and in one, and records per step the largest relative loss difference between
-any two runs. Two-process runs are not bit-reproducible (docs/multinode.md); the tests, which run
-at most 12 of those steps, allow the largest difference measured over all 40.
+any two runs. Two-process runs are bit-identical to each other (reduce-scatters as an all-reduce and
+a slice, paro_jax/cluster/gloo_rs.py) but sum across processes in another order than one process
+does (docs/multinode.md); the tests, which compare at most 12 of those steps with one process's,
+allow the largest difference measured over all 40.
 """
 
 import json

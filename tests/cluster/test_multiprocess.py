@@ -509,7 +509,9 @@ def test_watchdog_exits_a_process_without_progress(capsys):
   now, codes = [0.0], []
   watch.PROGRESS.since = 0.0
   watch.finished(7)
-  dog = watch.Watchdog(10, exit=codes.append, clock=lambda: now[0], poll=0.01)
+  dog = watch.Watchdog(
+    10, exit=codes.append, clock=lambda: now[0], poll=0.01, who="process 1 of 2: "
+  )
   dog.start()
   time.sleep(0.1)
   assert codes == []
@@ -517,8 +519,27 @@ def test_watchdog_exits_a_process_without_progress(capsys):
   dog.join(5)
   assert codes == [3]
   err = capsys.readouterr().err
-  assert "no step finished for 11 s (--progress-timeout 10)" in err
+  assert err.startswith("paro-jax: error: process 1 of 2: no step finished for 11 s ")  # one line
+  assert err.count("\n") == 1 and err.endswith("\n")
+  assert "(--progress-timeout 10)" in err
   assert "the last step this process finished: 7" in err
+
+
+def test_peer_lost_names_the_process_and_its_last_step():
+  """A collective failing because a peer is gone (a SIGKILLed task under srun): one line naming
+  this process, its last finished step and the transport's reason, without gloo's source path."""
+  from paro_jax.cluster import watch
+
+  watch.finished(41)
+  error = RuntimeError(
+    "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] "
+    "Connection closed by peer [10.77.0.2]:1228"
+  )
+  line = str(watch.peer_lost(error, 0, 2))
+  assert line.startswith("process 0 of 2: a collective failed after step 41, the last step ")
+  assert "(Gloo all-reduce failed: Connection closed by peer [10.77.0.2]:1228)" in line
+  assert "pair.cc" not in line and "UNKNOWN" not in line and "\n" not in line
+  assert line.endswith("Run again with --resume: it continues from the newest checkpoint")
 
 
 def test_restart_argv_keeps_the_batch_or_says_why(tmp_path):

@@ -128,7 +128,10 @@ def test_srun_two_nodes_matches_one_process(cluster, reference, tmp_path):
   np.testing.assert_allclose(_losses(out), reference, rtol=RTOL)
 
 
-def test_sbatch_preempted_requeued_completes(cluster, reference, tmp_path):
+@pytest.mark.parametrize("batch", [True, False], ids=["batch-shell", "tasks"])
+def test_sbatch_preempted_requeued_completes(cluster, reference, tmp_path, batch):
+  """SIGTERM to the batch shell (what `#SBATCH --signal=B:TERM@120` sends before the time limit;
+  the script passes it on) or to the tasks directly (`scancel --signal=TERM JOB`): the same stop."""
   script = tmp_path / "job.sh"
   script.write_text(doc_script())
   out = tmp_path / "run"
@@ -138,8 +141,8 @@ def test_sbatch_preempted_requeued_completes(cluster, reference, tmp_path):
   job = submit.stdout.strip().split(";")[0]
   log = tmp_path / f"paro-tiny-{job}.out"
   _wait_rows(out / "metrics.jsonl", 3, timeout=300)
-  # What `#SBATCH --signal=B:TERM@120` sends before the time limit: SIGTERM to the batch shell.
-  assert cluster.run(["scancel", "--signal=TERM", "--batch", job]).returncode == 0
+  where = ["--batch"] if batch else []
+  assert cluster.run(["scancel", "--signal=TERM", *where, job]).returncode == 0
   _wait_state(cluster, job, {"PENDING"}, timeout=300)  # requeued by the script
   text = log.read_text()
   stopped = re.search(r"stopped; checkpoint step (\d+) is in", text)
@@ -186,6 +189,10 @@ def test_sigkilled_task_ends_the_job(cluster, tmp_path):
   assert took < 60, took
   last = len(_losses(out))
   assert re.search(rf'^0: {{"step": {last},', output, re.M), output[-3000:]
+  # The task left names itself and the step the run got to, in one line (srun named the lost one).
+  lost = rf"^0: paro-jax: error: process 0 of 2: a collective failed after step {last}, .*"
+  assert re.search(lost + r"Connection closed by peer .*--resume", output, re.M), output[-3000:]
+  assert "Traceback" not in output, output[-3000:]
 
 
 def _cmdline(pid: str) -> bytes:
