@@ -202,6 +202,7 @@ def report(records: dict, stats: dict, args) -> str:
   for v, st in stats.items():
     target = target_of(v)
     tgt, need = ("", "") if target is None else (f"{target:.1%}", seeds_to_resolve(st, target))
+    need = "" if st["n"] < 2 else need  # one seed has no spread to extrapolate
     interval = f"{st['low']:+.2%} to {st['high']:+.2%}" if st["n"] > 1 else ""
     lines.append(
       f"| {v} | {st['n']} | {st['mean']:+.2%} | {st['std']:.2%} | {st['se']:.2%} | {interval} | "
