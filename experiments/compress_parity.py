@@ -27,6 +27,7 @@ import platform
 import re
 import shutil
 import statistics
+import time
 
 from paro_jax.core.names import DEFAULT_INT8_BLOCK
 
@@ -94,10 +95,12 @@ def run_one(args, variant: str, seed: int) -> dict:
     out=work,
     **parse_variant(variant),
   )
+  start = time.perf_counter()
   rows = [json.loads(line) for line in open(train(cfg))]
   record = {
     "variant": variant,
     "seed": seed,
+    "wall_s": round(time.perf_counter() - start, 1),
     "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
     "train": [r["loss"] for r in rows if "loss" in r],
   }
@@ -109,13 +112,41 @@ def run_one(args, variant: str, seed: int) -> dict:
 
 
 def summary(gaps: list[float]) -> dict:
+  """Mean, spread and the 95% Student-t interval of the mean of the paired gaps."""
+  n = len(gaps)
+  mean = statistics.fmean(gaps)
+  std = statistics.stdev(gaps) if n > 1 else 0.0
+  half = t_quantile(n - 1) * std / n**0.5 if n > 1 else float("nan")
   return {
-    "mean": statistics.fmean(gaps),
-    "std": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
+    "mean": mean,
+    "std": std,
+    "se": std / n**0.5,
+    "low": mean - half,
+    "high": mean + half,
     "min": min(gaps),
     "max": max(gaps),
-    "n": len(gaps),
+    "n": n,
   }
+
+
+def t_quantile(df: int) -> float:
+  """The 97.5% quantile of Student's t with df degrees of freedom (two-sided 95%)."""
+  from scipy.stats import t
+
+  return float(t.ppf(0.975, df))
+
+
+def seeds_to_resolve(st: dict, target: float) -> int | None:
+  """Seeds after which a 95% interval of this width around this mean would no longer contain
+  the target (the measured mean and standard deviation taken as the truth); None when over 1000
+  or when the mean is the target."""
+  room = abs(target - st["mean"])
+  if st["std"] == 0:
+    return st["n"]
+  for n in range(2, 1001):
+    if t_quantile(n - 1) * st["std"] / n**0.5 < room:
+      return n
+  return None
 
 
 def analyse(records: dict, args) -> dict:
@@ -164,31 +195,46 @@ def report(records: dict, stats: dict, args) -> str:
     "",
     "Paired gap (variant / baseline - 1, per seed) over the seeds:",
     "",
-    "| variant | seeds | mean gap | std | std error | min | max | target (mean) | met |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    "| variant | seeds | mean gap | std | std error | 95% interval of the mean | min | max | "
+    "target (mean) | met | seeds to resolve |",
+    "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|",
   ]
   for v, st in stats.items():
-    target, se = target_of(v), st["std"] / st["n"] ** 0.5
-    tgt = "" if target is None else f"{target:.1%}"
+    target = target_of(v)
+    tgt, need = ("", "") if target is None else (f"{target:.1%}", seeds_to_resolve(st, target))
+    need = "" if st["n"] < 2 else need  # one seed has no spread to extrapolate
+    interval = f"{st['low']:+.2%} to {st['high']:+.2%}" if st["n"] > 1 else ""
     lines.append(
-      f"| {v} | {st['n']} | {st['mean']:+.2%} | {st['std']:.2%} | {se:.2%} | {st['min']:+.2%} | "
-      f"{st['max']:+.2%} | {tgt} | {verdict(st, target)} |"
+      f"| {v} | {st['n']} | {st['mean']:+.2%} | {st['std']:.2%} | {st['se']:.2%} | {interval} | "
+      f"{st['min']:+.2%} | {st['max']:+.2%} | {tgt} | {verdict(st, target)} | "
+      f"{'over 1000' if need is None else need} |"
     )
+  walls = [r["wall_s"] for r in records.values() if "wall_s" in r]
   lines += [
     "",
-    "Met: the mean plus two standard errors within the target; not met: the mean minus two",
-    "standard errors beyond it; otherwise the seeds do not resolve it.",
+    "The interval is the mean plus or minus Student's t (97.5%, n - 1 degrees of freedom) times",
+    "the standard error. Met: the interval within the target; not met: the interval beyond it;",
+    "otherwise these seeds do not resolve it. Seeds to resolve: how many seeds an interval this",
+    "wide around this mean would need to leave the target on one side (if the measured mean and",
+    "standard deviation were the truth).",
   ]
+  if walls:
+    lines += [
+      "",
+      f"Wall time per run: median {statistics.median(walls):.0f} s, {min(walls):.0f} to "
+      f"{max(walls):.0f} s over {len(walls)} runs (the runs that recorded it).",
+    ]
   return "\n".join(lines) + "\n"
 
 
 def verdict(st: dict, target: float | None) -> str:
+  """Met when the 95% interval of the mean gap lies within the target, not met when it lies
+  beyond it, otherwise not resolved by these seeds."""
   if target is None or st["n"] < 2:
     return ""
-  se = st["std"] / st["n"] ** 0.5
-  if st["mean"] + 2 * se <= target:
+  if st["high"] <= target:
     return "yes"
-  if st["mean"] - 2 * se > target:
+  if st["low"] > target:
     return "**no**"
   return "not resolved"
 
