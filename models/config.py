@@ -233,7 +233,8 @@ FUSED_DTYPES = ("bfloat16", "float16")
 def resolve_attention(requested: str, platform: str, dtype, head_dim: int) -> tuple[str, str]:
   """(the attention implementation to run, why) for --attention on `platform` ("cpu", "gpu",
   "cuda"). Asking for cudnn where it cannot run is an error, not a quiet fallback."""
-  import ml_dtypes  # noqa: F401 - here: this module starts without numpy; registers bfloat16
+  # here: this module starts without numpy; ml_dtypes registers bfloat16
+  import ml_dtypes  # noqa: F401
   import numpy as np
 
   if requested not in ATTENTION_IMPLS:

@@ -1,5 +1,6 @@
 """The tree is formatted and linted as pyproject.toml configures ruff (format and check)."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -22,3 +23,52 @@ def test_ruff(command):
     f"`ruff {' '.join(command)}` failed; run `ruff format {' '.join(TREE)}` and "
     f"`ruff check --fix {' '.join(TREE)}`, then fix what is left:\n{done.stdout}{done.stderr}"
   )
+
+
+def _unexplained_local_imports(source: str) -> list[int]:
+  """Lines of imports inside functions with no comment saying why: on the import, on the
+  line before it, or on any line of the run of imports it belongs to."""
+  lines = source.splitlines()
+  local = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      for inner in ast.walk(node):
+        if isinstance(inner, (ast.Import, ast.ImportFrom)):
+          local.add(inner.lineno)
+  bad = []
+  for n in sorted(local):
+    run = [n]  # the run of consecutive local imports this one belongs to
+    while run[0] - 1 in local:
+      run.insert(0, run[0] - 1)
+    while run[-1] + 1 in local:
+      run.append(run[-1] + 1)
+    said = [lines[i - 1] for i in run] + [lines[run[0] - 2] if run[0] > 1 else ""]
+    if not any("#" in line for line in said):
+      bad.append(n)
+  return bad
+
+
+def test_imports_inside_functions_say_why():
+  # Imports go at the top of a module; one inside a function (keeping `import paro_jax`, `plan`
+  # and the CLI's start free of jax, an optional dependency, a cycle) carries a comment saying so.
+  found = []
+  for top in ("paro_jax", "models"):
+    for root, _, files in os.walk(os.path.join(REPO, top)):
+      for name in sorted(files):
+        if name.endswith(".py"):
+          path = os.path.join(root, name)
+          with open(path) as f:
+            found += [
+              f"{os.path.relpath(path, REPO)}:{n}" for n in _unexplained_local_imports(f.read())
+            ]
+  assert not found, (
+    "imports inside functions without a comment saying why (move them to the top of the module, "
+    f"or say why not on the line): {found}"
+  )
+
+
+def test_the_local_import_check_can_fail():
+  source = (
+    "import os\n\n\ndef f():\n  import json\n\n  return json\n\n\ndef g():\n  import re  # why\n"
+  )
+  assert _unexplained_local_imports(source) == [5]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.core.names import INTER, INTRA
+from paro_jax.core.names import INTER, INTRA, LEVEL_INTER, LEVEL_INTRA
 from paro_jax.core.strategy import Strategy
 
 
@@ -59,7 +59,7 @@ class Traffic:
       self.inter += nbytes
     else:
       self.intra += nbytes
-    level = "inter" if INTER in axes else "intra"
+    level = LEVEL_INTER if INTER in axes else LEVEL_INTRA
     key = f"{phase}/{level}"
     self.phases[key] = self.phases.get(key, 0.0) + nbytes
 

@@ -14,6 +14,9 @@ import contextlib
 import importlib.util
 import os
 import re
+from unittest import mock
+
+from paro_jax.analysis.hardware import GPUS
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 # --target name -> (target file, the planner's GPU entry in analysis/hardware.py)
@@ -82,8 +85,7 @@ def cudnn_checks(name: str):
   does: major * 10000 + minor * 100 + patch, and its `cuda_compute_capability`).
   tests/analysis/test_gpu_program.py fails if a jax upgrade renames them.
   """
-  from unittest import mock
-
+  # jax only once a GPU compile is asked for: `plan` and the CLI import this module without it
   from jax._src.cudnn import fused_attention_stablehlo as fa
 
   major, minor, patch = _target_version(name, "dnn_version_info")
@@ -112,14 +114,12 @@ def memory_bandwidth(name: str) -> float:
 
 def target_gpu(name: str):
   """The planner's entry (peak FLOP/s, memory) for a target."""
-  from paro_jax.analysis.hardware import GPUS
-
   return GPUS[TARGETS[check_target(name)][1]]
 
 
 def devices(name: str, inter: int, intra: int) -> list:
   """Compile-only GPU devices of `inter` hosts with `intra` GPUs each (process index = host)."""
-  from jax.experimental import topologies
+  from jax.experimental import topologies  # jax only here: this module is imported without it
 
   topology = topologies.get_topology_desc(
     platform="cuda", target_config=target_config(name), topology=f"1x{inter}x{intra}"
@@ -129,7 +129,7 @@ def devices(name: str, inter: int, intra: int) -> list:
 
 def compile_step(engine, target: str, batch_size: int, seq_len: int, flags: dict, dump_dir: str):
   """engine.train_step compiled for the engine's (GPU-topology) mesh, dumped into dump_dir."""
-  from paro_jax.analysis.abstract import abstract_inputs
+  from paro_jax.analysis.abstract import abstract_inputs  # imports jax: not at this module's import
 
   state, batch = abstract_inputs(engine, batch_size, seq_len)
   with cudnn_checks(target):

@@ -16,6 +16,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from paro_jax.core.names import LEVEL_GLOBAL, LEVEL_INTER, LEVEL_INTRA
+
 HLO_COLLECTIVE_OPS = (
   "all-gather",
   "reduce-scatter",
@@ -262,21 +264,21 @@ def level_of(c: Collective, intra: int) -> str:
   if c.kind == "collective-permute":
     pairs = [(s, t) for s, t in (c.pairs or ()) if s != t]
     crosses = {s // intra != t // intra for s, t in pairs}
-    return {frozenset({False}): "intra", frozenset({True}): "inter"}.get(
+    return {frozenset({False}): LEVEL_INTRA, frozenset({True}): LEVEL_INTER}.get(
       frozenset(crosses), "mixed"
     )
   groups = c.groups
   if groups is None:
-    return "global"
+    return LEVEL_GLOBAL
   spans_inter = any(len({d // intra for d in g}) > 1 for g in groups)
   spans_intra = any(len({d % intra for d in g}) > 1 for g in groups)
   if spans_inter and spans_intra:
-    return "global"
-  return "inter" if spans_inter else "intra"
+    return LEVEL_GLOBAL
+  return LEVEL_INTER if spans_inter else LEVEL_INTRA
 
 
 def crosses_groups(c: Collective, device: int, intra: int) -> bool:
   """Whether this device's traffic for c goes over an inter-group link."""
   if c.kind == "collective-permute":
     return any(s == device and s // intra != t // intra for s, t in c.pairs or ())
-  return level_of(c, intra) in ("inter", "global")
+  return level_of(c, intra) in (LEVEL_INTER, LEVEL_GLOBAL)

@@ -28,7 +28,7 @@ from paro_jax.analysis.planner import Workload, activation_bytes
 from paro_jax.core.collectives import resolve
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.names import MIXED_IMPLS
+from paro_jax.core.names import LEVEL_INTER, LEVEL_INTRA, MIXED_IMPLS
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.core.units import human_bytes, parse_rate
 from paro_jax.core.xla_flags import GPU_FLAGS
@@ -74,12 +74,12 @@ def report(engine: Engine, compiled) -> dict:
   """The communication schedule and memory of one compiled step, as a JSON-able dict."""
   n, intra = engine.inter * engine.intra, engine.intra
   collectives = hlo.parse_collectives(compiled.as_text())
-  per_device = collections.defaultdict(lambda: {"inter": 0.0, "intra": 0.0})
+  per_device = collections.defaultdict(lambda: {LEVEL_INTER: 0.0, LEVEL_INTRA: 0.0})
   rows = collections.OrderedDict()
   for c in collectives:
     sent = hlo.device_bytes(c, n)
     for device, nbytes in sent.items():
-      level = "inter" if hlo.crosses_groups(c, device, intra) else "intra"
+      level = LEVEL_INTER if hlo.crosses_groups(c, device, intra) else LEVEL_INTRA
       per_device[device][level] += c.count * nbytes
     key = (c.kind, hlo.phase_of(c.op_name), hlo.level_of(c, intra), c.dtypes)
     row = rows.setdefault(
@@ -98,8 +98,8 @@ def report(engine: Engine, compiled) -> dict:
     row["count_per_step"] += c.count
     row["bytes_per_device"] += c.count * max(sent.values(), default=0.0)
   measured = {
-    "inter_bytes": max((d["inter"] for d in per_device.values()), default=0.0),
-    "intra_bytes": max((d["intra"] for d in per_device.values()), default=0.0),
+    "inter_bytes": max((d[LEVEL_INTER] for d in per_device.values()), default=0.0),
+    "intra_bytes": max((d[LEVEL_INTRA] for d in per_device.values()), default=0.0),
   }
   exp = expected_traffic(engine)
   expected = {"inter_bytes": exp.inter, "intra_bytes": exp.intra, "phases": exp.phases}

@@ -25,9 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from paro_jax.core.mesh import mesh_shape
+from paro_jax.analysis.planner import choose_strategy
+from paro_jax.core.mesh import make_mesh, mesh_shape
+from paro_jax.core.units import parse_size
 from paro_jax.core.names import (
   ALL_GATHER,
   ALL_REDUCE,
@@ -145,8 +148,6 @@ def probe(mesh: Mesh, sizes=DEFAULT_SIZES, repeats: int = 5, flops: bool = True)
   flop_per_s = measure_flops(mesh, repeats) if flops else 0.0
   values.append(flop_per_s)
   if jax.process_count() > 1:  # every process plans with process 0's numbers
-    from jax.experimental import multihost_utils
-
     values = [
       float(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32))
     ]
@@ -229,8 +230,6 @@ def auto_strategy(
   fused_attention: bool = False,
 ) -> tuple[str, str]:
   """`train --strategy auto`: probe `mesh` briefly and return the planner's (pick, why)."""
-  from paro_jax.analysis.planner import choose_strategy
-
   inter, intra = mesh_shape(mesh)
   profile = probe(mesh, QUICK_SIZES, repeats=3)
   device = jax.local_devices()[0]
@@ -259,9 +258,6 @@ def run_probe(
   mesh_shape_: tuple[int, int] | None, sizes: str, repeats: int, flops: bool, out: str
 ) -> dict:
   """`paro-jax probe`: probe the mesh, print the fits, write the profile (process 0)."""
-  from paro_jax.core.mesh import make_mesh
-  from paro_jax.core.units import parse_size
-
   if repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {repeats}")
   sizes = [int(parse_size(s, "--sizes entry")) for s in sizes.split(",") if s.strip()]

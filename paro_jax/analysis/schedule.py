@@ -19,6 +19,7 @@ import glob
 import os
 import re
 from paro_jax.analysis import hlo
+from paro_jax.core.names import LEVEL_INTER, LEVEL_INTRA
 
 # Compute worth hiding communication behind: matrix multiplications (and attention, made of them
 # or of cuDNN kernels). Elementwise fusions are not counted.
@@ -194,9 +195,9 @@ def overlap(hlo_text: str, n_devices: int, intra: int, streams: dict[str, str] |
       }
     )
   steps = concurrent = 0
-  intra_ring = [r for r in rows if r["horing"] and r["level"] == "intra"]
+  intra_ring = [r for r in rows if r["horing"] and r["level"] == LEVEL_INTRA]
   for r in rows:
-    if not (r["horing"] and r["kind"] == "collective-permute" and r["level"] == "inter"):
+    if not (r["horing"] and r["kind"] == "collective-permute" and r["level"] == LEVEL_INTER):
       continue
     steps += r["count_per_step"]
     w = win[r["name"]]

@@ -23,6 +23,7 @@ class Agreement:
   """All-reduces of one int per process (min or max), the same answer on every process."""
 
   def __init__(self):
+    # jax here, not at the top: the verdicts and their files are read without starting it
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec

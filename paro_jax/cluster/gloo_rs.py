@@ -23,7 +23,7 @@ _installed = False
 
 def _all_reduce_then_slice(x, *, scatter_dimension, axis_name, axis_index_groups, axis_size, tiled):
   """`lax.psum_scatter`'s value, from `lax.psum` and this device's slice of the sum."""
-  from jax import lax
+  from jax import lax  # cluster.distributed imports this module before jax starts
 
   total = lax.psum(x, axis_name)
   chunk = x.shape[scatter_dimension] // axis_size
@@ -35,6 +35,7 @@ def _all_reduce_then_slice(x, *, scatter_dimension, axis_name, axis_index_groups
 def register() -> None:
   """From now on, lower `reduce_scatter` on CPU as `_all_reduce_then_slice` (in this process)."""
   global _installed
+  # jax 0.10.2 (pinned), imported here: cluster.distributed imports this module before jax starts
   from jax._src.interpreters import mlir  # jax 0.10.2 (pinned): the lowering registry
   from jax._src.lax import parallel
 
@@ -55,7 +56,7 @@ def register() -> None:
 def install() -> bool:
   """`register` where the CPU collectives are gloo's, saying so once on process 0; returns
   whether it did. After `jax.distributed.initialize`, before anything compiles."""
-  import jax
+  import jax  # not at the top: cluster.distributed imports this module before jax starts
   from jax._src import distributed  # the process id, without touching devices
 
   if jax.config.jax_cpu_collectives_implementation != "gloo":

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax import lax
+from jax.experimental import multihost_utils
 
 from paro_jax.cluster.agree import Agreement, agreed_steps, local_verdict
 from paro_jax.core.engine import Engine, TrainState
@@ -304,8 +305,6 @@ class Checkpointer:
       if jax.process_index() == 0 and os.path.exists(os.path.join(self.directory, str(step))):
         os.rename(os.path.join(self.directory, str(step)), os.path.join(self.directory, name))
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-
       multihost_utils.sync_global_devices("paro-jax: damaged checkpoints set aside")
     self._manager.reload()
     return f" (the {why} ones are kept as {', '.join(names)} in {self.directory})"

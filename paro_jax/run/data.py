@@ -41,7 +41,7 @@ class HFTokenizer:
 
   def __init__(self, path: str):
     try:
-      import tokenizers
+      import tokenizers  # optional: only for HF tokenizer files
     except ImportError as e:
       raise ValueError(
         f'--tokenizer {path} needs the `tokenizers` package: pip install -e ".[hf]"'

@@ -12,6 +12,12 @@ from __future__ import annotations
 import json
 import os
 
+import jax.numpy as jnp
+
+from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.analysis.planner import Workload, activation_bytes
+from paro_jax.core.engine import DTYPES
+
 GIB = 2**30
 
 
@@ -59,11 +65,6 @@ def position_limit(init_from: str | None) -> int | None:
 
 def check_fits(cfg, model, strategy, inter: int, intra: int, attention: str, devices) -> None:
   """Raise a ValueError naming the estimate and the fix when the run cannot fit."""
-  from paro_jax.analysis.costs import model_state_bytes
-  from paro_jax.analysis.planner import Workload, activation_bytes
-  from paro_jax.core.engine import DTYPES
-  import jax.numpy as jnp
-
   limit = position_limit(cfg.init_from)
   if limit and cfg.seq_len > limit:
     raise ValueError(

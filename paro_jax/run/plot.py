@@ -28,7 +28,7 @@ def _finite(value):
 def plot_runs(run_dirs: list[str], out: str) -> str:
   """Write one PNG: loss vs step (train solid, eval dashed) and tokens/s vs step, a colour a run."""
   try:
-    import matplotlib
+    import matplotlib  # optional: the [plots] extra
   except ImportError as e:
     raise ValueError('paro-jax plot needs matplotlib: pip install -e ".[plots]"') from e
   matplotlib.use("Agg")  # files only, no display
