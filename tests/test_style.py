@@ -72,3 +72,14 @@ def test_the_local_import_check_can_fail():
     "import os\n\n\ndef f():\n  import json\n\n  return json\n\n\ndef g():\n  import re  # why\n"
   )
   assert _unexplained_local_imports(source) == [5]
+
+
+def test_test_files_have_distinct_names():
+  # The test folders are not packages: pytest imports each test file by its base name, and two
+  # files of one name in different folders stop the whole run with "import file mismatch".
+  seen = {}
+  for root, _, files in os.walk(os.path.join(REPO, "tests")):
+    for name in files:
+      if name.startswith("test_") and name.endswith(".py"):
+        seen.setdefault(name, []).append(os.path.relpath(os.path.join(root, name), REPO))
+  assert not {n: p for n, p in seen.items() if len(p) > 1}, "rename one of each pair"
