@@ -8,15 +8,20 @@ once, to its owner. `rs_c_stacked` also takes an error-feedback residual.
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 from jax import lax
 
 from paro_jax.core import compress
 from paro_jax.core.names import INTER
-from paro_jax.core.rings import INTER_STREAM, lax_axes, ppermute_on, ring_ag_gen, run, sizes
-from paro_jax.core.stacked import ag_stacked, rs_stacked, with_transpose
+from paro_jax.core.rings import INTER_STREAM, lax_axes, ppermute_on, ring_ag_gen, run
+from paro_jax.core.stacked import (
+  ag_stacked,
+  gather_along,
+  reduce_flat,
+  rs_stacked,
+  scatter_along,
+  with_transpose,
+)
 
 
 def _inter_permute(x, axis, perm):
@@ -74,34 +79,20 @@ def rs_c_stacked(x, axes, impl, codec, residual=None):
 
 
 def _ag_c_impl(x, axes, dim, impl, codec):
-  k = math.prod(sizes(axes))
-  xm = jnp.moveaxis(x, dim, 0)
-  out = ag_c_stacked(xm, axes, impl, codec).reshape((k * xm.shape[0],) + xm.shape[1:])
-  return jnp.moveaxis(out, 0, dim)
+  return gather_along(lambda v: ag_c_stacked(v, axes, impl, codec), x, axes, dim)
 
 
 def _rs_c_impl(x, axes, dim, impl, codec):
-  k = math.prod(sizes(axes))
-  xm = jnp.moveaxis(x, dim, 0)
-  if xm.shape[0] % k:
-    raise ValueError(
-      f"reduce_scatter: dimension {dim} of size {xm.shape[0]} is not "
-      f"divisible by the {k} devices of axes {axes}"
-    )
-  xs = xm.reshape((k, xm.shape[0] // k) + xm.shape[1:])
-  return jnp.moveaxis(rs_c_stacked(xs, axes, impl, codec), 0, dim)
+  return scatter_along(lambda v: rs_c_stacked(v, axes, impl, codec), x, axes, dim)
 
 
 def _ar_c_impl(x, axes, impl, codec):
-  k = math.prod(sizes(axes))
-  n = x.size
-  flat = x.reshape(-1)
-  pad = (-n) % k
-  if pad:
-    flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
-  part = rs_c_stacked(flat.reshape(k, -1), axes, impl, codec)
-  full = ag_c_stacked(part, axes, impl, codec).reshape(-1)
-  return full[:n].reshape(x.shape)
+  return reduce_flat(
+    lambda v: rs_c_stacked(v, axes, impl, codec),
+    lambda v: ag_c_stacked(v, axes, impl, codec),
+    x,
+    axes,
+  )
 
 
 ag_c = with_transpose(_ag_c_impl, _rs_c_impl, 4)  # (axes, dim, impl, codec)

@@ -53,15 +53,20 @@ def rs_stacked(x, axes: tuple, impl: str):
     return horing_rs(x, axes)
 
 
-def _ag_impl(x, axes, dim, impl):
+# The shapes around a stacked collective (`gather`/`scatter` take and give the stacked layout
+# [k, ...]), shared by the plain collectives below and the compressed ones.
+
+
+def gather_along(gather, x, axes, dim):
+  """All-gather `x` along `dim` through `gather(x_stacked)`."""
   k = math.prod(sizes(axes))
   xm = jnp.moveaxis(x, dim, 0)
-  out = ag_stacked(xm, axes, impl)
-  out = out.reshape((k * xm.shape[0],) + xm.shape[1:])
+  out = gather(xm).reshape((k * xm.shape[0],) + xm.shape[1:])
   return jnp.moveaxis(out, 0, dim)
 
 
-def _rs_impl(x, axes, dim, impl):
+def scatter_along(scatter, x, axes, dim):
+  """Reduce-scatter `x` along `dim` through `scatter(x_stacked)`."""
   k = math.prod(sizes(axes))
   xm = jnp.moveaxis(x, dim, 0)
   if xm.shape[0] % k:
@@ -70,19 +75,33 @@ def _rs_impl(x, axes, dim, impl):
       f"divisible by the {k} devices of axes {axes}"
     )
   xs = xm.reshape((k, xm.shape[0] // k) + xm.shape[1:])
-  return jnp.moveaxis(rs_stacked(xs, axes, impl), 0, dim)
+  return jnp.moveaxis(scatter(xs), 0, dim)
 
 
-def _ar_impl(x, axes, impl):
+def reduce_flat(scatter, gather, x, axes):
+  """All-reduce `x` as a reduce-scatter then an all-gather of its flattened, padded values."""
   k = math.prod(sizes(axes))
   n = x.size
   flat = x.reshape(-1)
   pad = (-n) % k
   if pad:
     flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
-  part = rs_stacked(flat.reshape(k, -1), axes, impl)
-  full = ag_stacked(part, axes, impl).reshape(-1)
+  full = gather(scatter(flat.reshape(k, -1))).reshape(-1)
   return full[:n].reshape(x.shape)
+
+
+def _ag_impl(x, axes, dim, impl):
+  return gather_along(lambda v: ag_stacked(v, axes, impl), x, axes, dim)
+
+
+def _rs_impl(x, axes, dim, impl):
+  return scatter_along(lambda v: rs_stacked(v, axes, impl), x, axes, dim)
+
+
+def _ar_impl(x, axes, impl):
+  return reduce_flat(
+    lambda v: rs_stacked(v, axes, impl), lambda v: ag_stacked(v, axes, impl), x, axes
+  )
 
 
 # --------------------------------------------------------------------------
