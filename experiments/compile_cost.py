@@ -15,9 +15,11 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.pages import machine_line  # noqa: E402
 
 BASE = ["--xla_force_host_platform_device_count=8"]
 SETTINGS = {
@@ -83,12 +85,9 @@ def main(argv=None) -> None:
   os.makedirs(args.out, exist_ok=True)
   meta = {
     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}",
+    "machine": machine_line(),
     "command": "python experiments/compile_cost.py " + " ".join(sys.argv[1:]),
   }
-  import jax  # only for its version: the measurements ran in child processes
-
-  meta["jax"] = jax.__version__
   with open(os.path.join(args.out, "compile_cost.json"), "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=1)
   lines = [
@@ -96,7 +95,7 @@ def main(argv=None) -> None:
     "",
     f"`{meta['command']}`",
     "",
-    f"{meta['date']}; {meta['machine']}, jax {meta['jax']}. The `test_inspector.py` model"
+    f"{meta['date']}; {meta['machine']}. The `test_inspector.py` model"
     " (vocab 64, dim 32, 2 layers) on 2x4 virtual CPU devices, A=4, XLA's collectives; CPU"
     " seconds of `lowered.compile()` (all threads), summed over "
     + ", ".join(STRATEGIES)

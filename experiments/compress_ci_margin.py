@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
 import shutil
+
+from experiments.pages import machine_line, utc_now
 
 # The CI test's run (tests/run/test_compress_parity.py imports it).
 CI_RUN = dict(
@@ -132,8 +132,7 @@ def main(argv=None):
   lines = [
     "# Margins of the CI loss-parity test",
     "",
-    f"Measured {datetime.date.today()}, {platform.node() or 'this machine'} (CPU, 8 virtual "
-    "devices):",
+    f"Measured {utc_now()}, {machine_line()} (CPU, 8 virtual devices):",
     "",
     "    python -m experiments.compress_ci_margin " + " ".join(argv or []),
     "",

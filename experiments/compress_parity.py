@@ -20,15 +20,14 @@ their mean, standard deviation and range, against the targets), OUT/parity.json 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
 import time
 
+from experiments.pages import machine_line, utc_now
 from paro_jax.core.names import DEFAULT_INT8_BLOCK
 
 BASELINE = "psame-gsame"
@@ -314,7 +313,7 @@ def main(argv=None):
   stats = analyse(records, args)
   table = report(records, stats, args)
   print(table)
-  stamp = f"{datetime.date.today()}, {platform.node() or 'this machine'} (CPU, 8 virtual devices)"
+  stamp = f"{utc_now()}, {machine_line()} (CPU, 8 virtual devices)"
   with open(os.path.join(args.out, "parity.md"), "w") as f:
     f.write(f"# Loss parity of compressed inter-node traffic\n\nMeasured {stamp}:\n\n")
     f.write("    python -m experiments.compress_parity " + " ".join(argv or []) + "\n\n" + table)

@@ -14,12 +14,12 @@ largest loss, and the first step the default guard flags.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import sys
+
+from experiments.pages import machine_line, utc_now
 
 
 def run_one(model, lr, args):
@@ -128,9 +128,8 @@ def main(argv=None):
   page = {
     "command": "python -m experiments.divergence_band "
     + " ".join(sys.argv[1:] if argv is None else argv),
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores), 8 virtual CPU "
-    f"devices",
+    "date": utc_now(),
+    "machine": f"{machine_line()}, 8 virtual CPU devices",
     "model": args.model,
     "steps": args.steps,
     "guard_defaults": defaults.__dict__,

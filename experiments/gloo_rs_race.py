@@ -17,12 +17,11 @@ OUT/README.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 
 import numpy as np
+
+from experiments.pages import machine_line, utc_now, write_page
 
 
 def operands(g: int, m: int, n: int) -> np.ndarray:
@@ -128,19 +127,14 @@ def main() -> None:
     "command": f"python -m paro_jax launch --nodes {g} --devices-per-node {m} --loopback -- "
     f"python experiments/gloo_rs_race.py --reps {args.reps} --elements {args.elements} "
     f"--out {args.out}",
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
-    f"{os.cpu_count()} cores, python {platform.python_version()}, jax {jax.__version__}",
+    "date": utc_now(),
+    "machine": machine_line(),
     "mesh": args.mesh,
     "elements": args.elements,
     "reps": args.reps,
     "results": results,
   }
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "race.json"), "w") as f:
-    json.dump(page, f, indent=1)
-  with open(os.path.join(args.out, "README.md"), "w") as f:
-    f.write(_page(page))
+  write_page(args.out, page, "race.json", _page(page), "README.md")
 
 
 def _page(page: dict) -> str:

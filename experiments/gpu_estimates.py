@@ -22,7 +22,6 @@ import io
 import itertools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -385,7 +384,7 @@ def exposed_section(results: dict) -> list[str]:
 
 
 def write(args, command: str, results: dict) -> None:
-  import jax
+  from experiments.pages import machine_line  # ROOT is on sys.path once main has put it there
 
   with open(os.path.join(args.out, "gpu_estimates.json"), "w") as f:
     json.dump({"commands": command.split("\n"), "cells": results}, f, indent=1)
@@ -396,8 +395,8 @@ def write(args, command: str, results: dict) -> None:
     command,
     "```",
     "",
-    f"Compiled on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs, no GPU; "
-    f"jax {jax.__version__}) for {args.target}, {GPUS_PER_NODE} GPUs per node, one "
+    f"Compiled on {datetime.date.today()} ({machine_line()}, no GPU) for {args.target}, "
+    f"{GPUS_PER_NODE} GPUs per node, one "
     f"{args.seq_len}-token sequence per GPU per micro-batch, `--collectives xla`. Nothing ran: "
     "XLA's figures are its cost model's (paro_jax/analysis/estimate.py; docs/gpu.md), the "
     "planner's are `paro-jax plan --gpu " + args.target + "` with its defaults. The plain-jit "

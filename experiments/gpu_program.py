@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -102,13 +101,14 @@ def main(argv=None) -> int:
 
 
 def write(args, command: str, reports: list) -> None:
+  from experiments.pages import machine_line  # ROOT is on sys.path once main has put it there
+
   header = [
     f"# The GPU program: {args.model} on {args.mesh} {args.target}",
     "",
     f"`{command}`",
     "",
-    f"Compiled on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPUs, "
-    f"no GPU; jax {__import__('jax').__version__}); A={args.micro_batches}, "
+    f"Compiled on {datetime.date.today()} ({machine_line()}, no GPU); A={args.micro_batches}, "
     f"{args.batch_size} x {args.seq_len} tokens per micro-batch, --attention {args.attention}. "
     "Nothing ran: the table is what the compiled program schedules, not what it achieves. "
     '"-" in the overlap column: no collective inside the micro-batch loop.',

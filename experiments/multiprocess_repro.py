@@ -13,15 +13,15 @@ losses within the measured bound.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
+
+from experiments.pages import machine_line, utc_now, write_page
 
 # name: (train flags, mesh, processes x devices). "issue" is the command a user tried first;
 # "tests" is the SLURM and MPI tests' run.
@@ -98,32 +98,24 @@ def main() -> None:
         "spread_one_process": spread(one),
         "spread_two_processes": spread(two),
         "two_vs_one": spread([one[0], *two]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "run": "python -m experiments.multiprocess_repro " + " ".join(sys.argv[1:]),
       }
       print(config, "done", flush=True)
   page = {
     "command": "python -m experiments.multiprocess_repro " + " ".join(sys.argv[1:]),
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
-    f"{os.cpu_count()} cores, python {platform.python_version()}",
+    "date": utc_now(),
+    "machine": machine_line(),
     "configs": results,
   }
-  import jax
-
-  page["jax"] = jax.__version__
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "repro.json"), "w") as f:
-    json.dump(page, f, indent=1)
-  with open(os.path.join(args.out, "README.md"), "w") as f:
-    f.write(_readme(page))
+  write_page(args.out, page, "repro.json", _readme(page), "README.md")
 
 
 def _readme(page: dict) -> str:
   lines = [
     "# Reproducibility of fp32 runs, one process and two processes",
     "",
-    f"Latest run `{page['command']}`, {page['date']}, {page['machine']}, jax {page['jax']}.",
+    f"Latest run `{page['command']}`, {page['date']}, {page['machine']}.",
     "",
     "Largest relative loss difference between any two runs of a kind, per step (0: bit-exact).",
     "Multi-process CPU runs lower reduce-scatter as an all-reduce and a slice",

@@ -15,13 +15,12 @@ differ from the first repetition's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import sys
 
 import numpy as np
+
+from experiments.pages import machine_line, utc_now, write_page
 
 CASES = "xla:NNN,xla:NNI,xla:NII,xla:NIG,xla:IIG,ring:NII,ring:IIG"
 
@@ -97,19 +96,14 @@ def main() -> None:
   page = {
     "command": "paro-jax launch --nodes 2 --devices-per-node 2 --loopback -- python "
     "experiments/multiprocess_repro_probe.py " + " ".join(sys.argv[1:]),
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
-    f"{os.cpu_count()} cores, python {platform.python_version()}, jax {jax.__version__}",
+    "date": utc_now(),
+    "machine": machine_line(),
     "mesh": args.mesh,
     "processes": jax.process_count(),
     "results": results,
   }
-  os.makedirs(args.out, exist_ok=True)
   name = f"probe-{args.tag}" if args.tag else "probe"
-  with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-    json.dump(page, f, indent=1)
-  with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-    f.write(_page(page))
+  write_page(args.out, page, f"{name}.json", _page(page), f"{name}.md")
 
 
 def _page(page: dict) -> str:

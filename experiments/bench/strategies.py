@@ -69,6 +69,7 @@ from experiments.bench.configs import (
   REMAT,
 )
 from experiments.bench.torch_peer import REMAT as TORCH_REMAT
+from experiments.pages import machine_line
 
 
 def parser() -> argparse.ArgumentParser:
@@ -265,14 +266,11 @@ def orchestrate(args, command: str) -> None:
     open(log_path, "w").close()
   t_start = time.perf_counter()
 
-  import importlib.metadata as md
-
   meta = {
     "command": command,
     "argv": sys.argv,
     "cwd": os.getcwd(),
-    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}, "
-    f"python {platform.python_version()}, jax {md.version('jax')}",
+    "machine": f"{machine_line()}, {platform.platform()}",
     "nodes": NODES,
     "devices_per_node": DEVICES_PER_NODE,
     "model": args.model,
