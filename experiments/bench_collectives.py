@@ -109,7 +109,8 @@ def main():
           body = lambda x, impl=impl: collectives.reduce_scatter(x, axes, dim=0, impl=impl)
           x = place((elems * n,), P(("inter", "intra")))
           out_spec = spec
-        # Hand-written rings give replicated results typed varying: see engine.py.
+        # Hand-written rings give replicated results typed varying, so they run without check_vma
+        # (the docstring of paro_jax/core/collectives.py; Engine._train_step in core/engine.py).
         fn = jax.jit(
           jax.shard_map(
             body, mesh=mesh, in_specs=x.sharding.spec, out_specs=out_spec, check_vma=impl == "xla"

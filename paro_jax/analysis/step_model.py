@@ -273,11 +273,11 @@ def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
     ),
   )
   if w.micro_batches == 1 and w.remat and not states.get("residual"):
-    # On GPUs each layer's gradient is synced inside the last micro-batch's backward (the
-    # engine's sync_in_backward: with the prefetching stack, off with error feedback). With one
-    # micro-batch there is no earlier sum to add it to, so the layer stack's accumulator at Gr
-    # is never allocated (65b IIG on 4 x 8 H100, A=1: 53.0 GB compiled, 72.3 GB planned with
-    # it, experiments/results/gpu_estimates).
+    # On GPUs each layer's gradient is synced inside the last micro-batch's backward (the Engine's
+    # program StepProgram.SYNC_IN_BACKWARD, core/step.py: with the prefetching stack, off with
+    # error feedback). With one micro-batch there is no earlier sum to add it to, so the layer
+    # stack's accumulator at Gr is never allocated (65b IIG on 4 x 8 H100, A=1: 53.0 GB
+    # compiled, 72.3 GB planned with it, experiments/results/gpu_estimates).
     stack = (
       w.acc_itemsize
       * (w.layer_params * w.psi_trained // w.psi)

@@ -28,8 +28,9 @@ COLLECTIVE_IMPLS = ("xla", "ring", "hring", "horing", *MIXED_IMPLS)
 AUTO_COLLECTIVES = "auto"
 AUTO_CPU_PROCESSES = "hring+xla"  # its pick on XLA:CPU with a process per node
 
-# How attention runs (`--attention`; models/llama.py `resolve_attention`, which keeps its own copy
-# because models/ imports nothing from paro_jax; tests/models/test_attention.py checks they agree).
+# How attention runs (`--attention`). models/config.py keeps its own copy, which its
+# `resolve_attention` checks against, because models/ imports nothing from paro_jax;
+# tests/models/test_attention.py checks they agree.
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 # Wire precision of the inter-node level (`--inter-params`, `--inter-grads`; core/compress.py),
