@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import warnings
 
 import jax
@@ -26,32 +25,11 @@ from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 from paro_jax import cli
 from paro_jax.run.train import LOCK, NonFiniteSteps, RunConfig, train
+from tests.run.tiny_run import RUN, losses
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-RUN = dict(
-  model="test",
-  strategy="IIG",
-  mesh=(2, 4),
-  micro_batches=2,
-  batch_size=8,
-  seq_len=16,
-  dtype="fp32",
-  steps=6,
-  warmup=2,
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-  """Each train() builds a new engine whose programs jax would compile again from scratch; a
-  persistent compilation cache turns those repeats into cache hits (seconds, not tens)."""
-  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="paro-jax-jit-"))
-
-
-def losses(run_dir):
-  rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-  return [r["step"] for r in rows], [r["loss"] for r in rows]
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 CFG = RunConfig(**RUN)

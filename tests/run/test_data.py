@@ -1,7 +1,6 @@
 """Data sources, tokenizers, per-process rows, the eval split and eval loss, and run plots."""
 
 import json
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +18,7 @@ from paro_jax.run.train import RunConfig, train
 TEXT = "def add(a, b):\n  return a + b\n" * 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-  """Repeated train() calls compile the same programs: a persistent cache makes them hits."""
-  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="paro-jax-jit-"))
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def test_text_glob_jsonl_and_bin_sources(tmp_path):

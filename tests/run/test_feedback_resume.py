@@ -2,41 +2,17 @@
 with it continues exactly; a checkpoint whose residual does not fit the resuming run (none saved,
 or another strategy) restarts it at zero and says so."""
 
-import json
-import os
 import shutil
-import tempfile
 
-import jax
 import numpy as np
 import pytest
 
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.train import RunConfig, train
+from tests.run.tiny_run import RUN as TINY_RUN, losses
 
-RUN = dict(
-  model="test",
-  strategy="IIG",
-  mesh=(2, 4),
-  micro_batches=2,
-  batch_size=8,
-  seq_len=16,
-  dtype="fp32",
-  steps=6,
-  warmup=2,
-  inter_params="int8",
-  inter_grads="int8",
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="paro-jax-jit-"))
-
-
-def losses(run_dir):
-  rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-  return [r["step"] for r in rows], [r["loss"] for r in rows]
+RUN = {**TINY_RUN, "inter_params": "int8", "inter_grads": "int8"}
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 @pytest.fixture(scope="module")
