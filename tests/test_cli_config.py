@@ -122,3 +122,27 @@ def test_the_hand_written_default_check_fails_where_it_should():
   p.add_argument("--cap", type=float, default=16.0, help="the cap (default 16; 0: none)")
   p.add_argument("--fine", type=int, default=3, help="keep the newest K (default %(default)s)")
   assert len(_hand_written_defaults(p)) == 2
+
+
+@pytest.mark.parametrize(
+  "change,message",
+  [
+    ({"target": "h100", "compile_top": 0}, "--compile-top must be >= 1, got 0"),
+    ({"gpu": "tpu"}, "unknown --gpu 'tpu'; choose one of "),
+    ({"trainable_fraction": 0.0}, "--trainable-fraction must be in (0, 1]"),
+    ({"trainable_fraction": 1.5}, "LoRA), got 1.5"),
+    ({"dtype": "fp8"}, "unknown --dtype 'fp8'; choose bf16 or fp32"),
+    ({"peak_tflops": -1.0}, "--peak-tflops must be positive, got -1.0"),
+    ({"grad_dtype": "bf16"}, "unknown --grad-dtype 'bf16'; choose compute or fp32"),
+  ],
+)
+def test_plan_config_checks_its_values(change, message):
+  with pytest.raises(ValueError) as e:
+    PlanConfig(nodes=2, **change)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plan_config_gpu_any_case_and_target_sets_it():
+  assert PlanConfig(nodes=2, gpu=" H100 ").gpu == "h100"
+  # with --target the GPU is the target's: a --gpu the planner does not know is not checked
+  assert PlanConfig(nodes=2, target="h100", gpu="tpu").target == "h100"

@@ -189,7 +189,8 @@ class InspectConfig(StepConfig):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanConfig(WireOptions):
   """`paro-jax plan`: a cluster and a workload, as the command line gives them (strings with
-  units); analysis/planner.py run_plan checks and converts them."""
+  units). The values are checked here; analysis/planner.py run_plan converts the strings (and
+  checks --target, which needs JAX's CUDA plugin)."""
 
   model: str = option("7b", MODEL_HELP, type=model_name)
   nodes: int = option(help="G: nodes (groups)", type=int)
@@ -254,3 +255,25 @@ class PlanConfig(WireOptions):
     metavar="FILE",
   )
   as_json: bool = option(False, "print one JSON object", flag="--json")
+
+  def __post_init__(self):
+    # names compare case-insensitively (--gpu H100)
+    object.__setattr__(self, "gpu", self.gpu.strip().lower())
+    if self.target is not None and self.compile_top < 1:
+      raise ValueError(f"--compile-top must be >= 1, got {self.compile_top}")
+    if self.target is None and self.gpu not in GPUS:  # --target sets the GPU
+      raise ValueError(
+        f"unknown --gpu {self.gpu!r}; choose one of {', '.join(GPUS)} (or give "
+        f"--device-memory and --peak-tflops)"
+      )
+    if not 0 < self.trainable_fraction <= 1:
+      raise ValueError(
+        f"--trainable-fraction must be in (0, 1] (1: full training, e.g. 0.003 for "
+        f"LoRA), got {self.trainable_fraction}"
+      )
+    if self.dtype not in COMPUTE_DTYPE_BYTES:
+      raise ValueError(f"unknown --dtype {self.dtype!r}; choose bf16 or fp32")
+    if self.peak_tflops is not None and self.peak_tflops <= 0:
+      raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}")
+    if self.grad_dtype not in GRAD_DTYPES:
+      raise ValueError(f"unknown --grad-dtype {self.grad_dtype!r}; choose compute or fp32")

@@ -256,6 +256,8 @@ def test_plan_table(capsys):
     (["--nodes", "0"], "--nodes and --devices-per-node must be >= 1, got 0 and 8"),
     (["--gpu", "tpu"], "unknown --gpu 'tpu'"),
     (["--trainable-fraction", "2"], "--trainable-fraction must be in (0, 1]"),
+    (["--peak-tflops", "0"], "--peak-tflops must be positive, got 0.0"),
+    (["--target", "h100", "--compile-top", "0"], "--compile-top must be >= 1, got 0"),
     (["--profile", "/nonexistent/probe.json"], "profile '/nonexistent/probe.json' does not exist"),
   ],
 )
