@@ -29,11 +29,17 @@ import sys
 import tempfile
 
 from paro_jax.analysis import hlo, roofline
+from paro_jax.analysis.instruction_costs import overpriced
 
 STATS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
 NETWORK_FLAG = "--xla_gpu_analytical_latency_estimator_options"
 XLA_DEFAULTS = "XLA's defaults for the rest (its network model's built-in NIC speed per GPU)"
 SOURCE = "XLA latency-hiding scheduler (SolLatencyEstimator), composed over the loops"
+ROOFLINE_SOURCE = "roofline of the kernels: no async collective, so XLA's scheduler costs nothing"
+# An async collective: what makes XLA's latency-hiding scheduler order (and cost) a computation.
+_ASYNC_COLLECTIVE = re.compile(
+  r"\s(all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all|async)-start\("
+)
 # What XLA's SoL cost model prices (sol_latency_estimator.cc: HasOnlySupportedCollectives);
 # any other collective makes XLA fall back to fixed-size costs, which are not times.
 UNSUPPORTED_OPS = ("collective-broadcast", "send", "recv", "ragged-all-to-all")
@@ -224,9 +230,16 @@ def estimate(
   flops_per_step: float,
   inter_bits_per_s: float | None,
   gpus_per_node: int,
+  instruction_costs: dict | None = None,
 ) -> dict:
   """The `estimate` section of `inspect --target`: XLA's step time, compute, exposed
-  communication, tokens/s and MFU; a one-line reason and no numbers where XLA has none."""
+  communication, tokens/s and MFU; a one-line reason and no numbers where XLA has none.
+
+  Given what XLA charged each instruction (`instruction_costs.read` of the compile's schedule
+  dump), also the matmuls it prices out of line with the program's others (`overpriced`) and
+  the step with those at the program's typical price (`step_s_repriced`: the overcharge taken
+  off the step, the waiting on collectives left as XLA scheduled it, so that a collective the
+  overpriced matmul hid stays hidden: a lower bound where one did)."""
   network = {
     "inter_bandwidth_gbps": None if inter_bits_per_s is None else inter_bits_per_s / 1e9,
     "network": network_options(inter_bits_per_s, gpus_per_node)
@@ -236,13 +249,22 @@ def estimate(
   if reason is not None:
     return {"source": None, "unavailable": reason, **network}
   stats = parse_statistics(log)
-  if not stats:
+  source = SOURCE
+  if not stats and not _ASYNC_COLLECTIVE.search(hlo_text):
+    # One device (or no communication at all): XLA schedules no computation, so it logs and
+    # costs none, by design; every computation is charged its roofline, unscaled.
+    source = ROOFLINE_SOURCE
+  elif not stats:
     raise RuntimeError(
       "XLA logged no latency-hiding scheduler statistics while compiling for the target: "
       f"was {', '.join(f'{k}={v}' for k, v in STATS_ENV.items())} set before jax started? "
       "If it was, this jaxlib no longer logs them and the estimate must be read another way"
     )
   c = compose(hlo_text, stats, peak_flops, memory_bandwidth)
+  extra = {}
+  if instruction_costs is not None:
+    out = overpriced(instruction_costs, hlo_text, peak_flops, memory_bandwidth)
+    extra = {"overpriced": out, "step_s_repriced": c["step_s"] - out["overcharge_s"]}
   return {
     "step_s": c["step_s"],
     "compute_s": c["compute_s"],
@@ -250,11 +272,12 @@ def estimate(
     "tokens_per_s": tokens_per_step / c["step_s"],
     "mfu": flops_per_step / (c["step_s"] * peak_flops * devices),
     **network,
-    "source": SOURCE,
+    "source": source,
     "unscheduled_s": c["unscheduled_s"],
     "attention_left_out_s": c["attention_left_out_s"],
     "roofline_over_xla": c["roofline_over_xla"],
     "computations": c["computations"],
+    **extra,
   }
 
 
@@ -262,8 +285,9 @@ def format_estimate(e: dict) -> str:
   if e.get("source") is None:
     return f"step time estimate: none ({e['unavailable']})"
   bw = e["inter_bandwidth_gbps"]
+  by = "XLA" if e["source"] == SOURCE else "a roofline (the program has no async collective)"
   lines = [
-    f"step time estimated by XLA (its cost model, not a measurement; network "
+    f"step time estimated by {by} (a cost model, not a measurement; network "
     f"{'%g Gbit/s per node' % bw if bw is not None else 'defaults'}: {e['network']})",
     f"  step {e['step_s'] * 1e3:.2f} ms = compute {e['compute_s'] * 1e3:.2f} ms + exposed "
     f"communication {e['exposed_comm_s'] * 1e3:.2f} ms; {e['tokens_per_s']:,.0f} tokens/s, "
@@ -280,5 +304,15 @@ def format_estimate(e: dict) -> str:
     lines.append(
       f"  not included: cuDNN attention, which XLA charges nothing "
       f"(roofline {e['attention_left_out_s'] * 1e3:.2f} ms per step)"
+    )
+  over = e.get("overpriced") or {}
+  if over.get("matmuls"):
+    top = over["matmuls"][0]
+    lines.append(
+      f"  XLA prices {len(over['matmuls'])} matmul(s) far above the program's others "
+      f"({over['overcharge_s'] * 1e3:.2f} ms per step over the typical price; the largest: "
+      f"{top['op_name'] or top['instruction']}, {top['xla_s'] * 1e3:.2f} ms against a roofline "
+      f"of {top['roofline_s'] * 1e3:.2f} ms): {e['step_s_repriced'] * 1e3:.2f} ms per step "
+      f"at the typical price"
     )
   return "\n".join(lines)

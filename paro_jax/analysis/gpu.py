@@ -26,7 +26,9 @@ TARGETS = {
   "a100-80gb": ("a100-80gb.txtpb", "a100-80gb"),
   "a100-40gb": ("a100-40gb.txtpb", "a100-40gb"),
 }
-PLUGIN = "jax_plugins.xla_cuda12"
+# JAX's CUDA plugin: the cuda12 build this project pins, or the cuda13 build of newer jax (which
+# a GPU machine's image may bring); either describes GPU topologies without a device.
+PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 INSTALL_HINT = 'pip install -e ".[gpu-compile]"'
 
 
@@ -38,10 +40,13 @@ def check_target(name: str) -> str:
 
 
 def plugin_available() -> bool:
-  try:
-    return importlib.util.find_spec(PLUGIN) is not None
-  except ModuleNotFoundError:
-    return False
+  for plugin in PLUGINS:
+    try:
+      if importlib.util.find_spec(plugin) is not None:
+        return True
+    except ModuleNotFoundError:
+      pass
+  return False
 
 
 def prepare_environment() -> None:
@@ -134,7 +139,9 @@ def compile_step(engine, target: str, batch_size: int, seq_len: int, flags: dict
   state, batch = abstract_inputs(engine, batch_size, seq_len)
   with cudnn_checks(target):
     lowered = engine.train_step.lower(state, batch)
-  compiled = lowered.compile(compiler_options={**flags, "xla_dump_to": dump_dir})
+  # the schedule dump gives what XLA's scheduler charged each instruction (instruction_costs.py)
+  options = {**flags, "xla_dump_to": dump_dir, "xla_dump_latency_hiding_schedule": True}
+  compiled = lowered.compile(compiler_options=options)
   platform = engine.mesh.devices.flat[0].platform
   if platform not in ("gpu", "cuda"):  # lowering for CUDA on CPU devices silently compiles CPU
     raise RuntimeError(f"expected a GPU compile, got one for {platform!r} devices")

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from models.llama import Llama, get_config, resolve_attention
-from paro_jax.analysis import estimate, gpu, hlo, schedule
+from paro_jax.analysis import estimate, gpu, hlo, instruction_costs, schedule
 from paro_jax.analysis.abstract import abstract_inputs  # noqa: F401 - also imported from here
 from paro_jax.analysis.config import InspectConfig
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
@@ -256,11 +256,19 @@ def gpu_report(
     fits=compiled_bytes <= device,
   )
   if log is not None:
-    r["estimate"] = step_estimate(engine, text, log, target, batch_size, seq_len, inter_bits_per_s)
+    dumped, costs = instruction_costs.schedule_file(dump), None
+    if dumped:
+      with open(dumped) as f:
+        costs = instruction_costs.read(f.read())
+    r["estimate"] = step_estimate(
+      engine, text, log, target, batch_size, seq_len, inter_bits_per_s, costs
+    )
   return r
 
 
-def step_estimate(engine, text, log, target, batch_size, seq_len, inter_bits_per_s) -> dict:
+def step_estimate(
+  engine, text, log, target, batch_size, seq_len, inter_bits_per_s, costs=None
+) -> dict:
   tokens = engine.micro_batches * batch_size * seq_len
   return estimate.estimate(
     text,
@@ -273,6 +281,7 @@ def step_estimate(engine, text, log, target, batch_size, seq_len, inter_bits_per
     flops_per_step=engine.model.cfg.flops_per_token(seq_len) * tokens,
     inter_bits_per_s=inter_bits_per_s,
     gpus_per_node=engine.intra,
+    instruction_costs=costs,
   )
 
 

@@ -120,6 +120,36 @@ def test_unscheduled_is_scaled_by_the_loop_bodies_not_the_entry():
   assert c["step_s"] == pytest.approx((100 + 3 * 20) * 1e-6 + 2 * t, rel=1e-9)
 
 
+_ESTIMATE_ARGS = dict(
+  compute_capability=(9, 0),
+  peak_flops=1e15,
+  memory_bandwidth=2e12,
+  devices=1,
+  tokens_per_step=1,
+  flops_per_step=1.0,
+  inter_bits_per_s=None,
+  gpus_per_node=1,
+)
+
+
+def test_one_device_program_is_charged_its_roofline():
+  # No async collective (one GPU): XLA's scheduler orders nothing and logs nothing, by design.
+  e = estimate.estimate(NESTED_HLO, "", **_ESTIMATE_ARGS)
+  assert e["source"] == estimate.ROOFLINE_SOURCE
+  assert e["step_s"] == pytest.approx(3 * 4e6 / 2e12, rel=1e-9)  # `plain`, once; loops empty
+  assert "roofline" in estimate.format_estimate(e)
+
+
+def test_silent_log_with_collectives_fails_loudly():
+  # A program with an async collective that XLA logged nothing for: the log path has changed.
+  text = NESTED_HLO.replace(
+    "%called =",
+    "%ags = (f32[1000000]{0}, f32[1000000]{0}) all-gather-start(%v), dimensions={0}\n  %called =",
+  )
+  with pytest.raises(RuntimeError, match="no latency-hiding scheduler statistics"):
+    estimate.estimate(text, "", **_ESTIMATE_ARGS)
+
+
 def test_network_options_are_gigabytes_per_gpu():
   # 25 Gbit/s shared by 8 GPUs: 25e9 / 8 bits -> bytes, / 8 GPUs, in units of 1e9 bytes/s.
   assert estimate.network_options(25e9, 8) == "nic_speed_gbps=0.390625,gpus_per_node=8"
@@ -212,6 +242,17 @@ def test_inspect_reports_xla_estimate(reports):
   assert any(r["source"] == "xla" for r in e["computations"])
   d = reports["IIG@defaults"]["estimate"]
   assert d["inter_bandwidth_gbps"] is None and "XLA's defaults" in d["network"]
+
+
+@needs_plugin
+def test_inspect_reads_what_xla_charged_each_matmul(reports):
+  """Fails loudly when the pinned XLA stops dumping its schedule (xla_dump_latency_hiding_schedule):
+  the median price of the program's matmuls comes from what XLA charged each of them."""
+  e = reports["IIG@100"]["estimate"]
+  over = e["overpriced"]
+  assert over["median_over_roofline"] is not None and over["median_over_roofline"] > 0
+  assert e["step_s_repriced"] == pytest.approx(e["step_s"] - over["overcharge_s"])
+  assert 0 < e["step_s_repriced"] <= e["step_s"]
 
 
 @needs_plugin
