@@ -198,61 +198,37 @@ def fit(points: list[tuple[int, int, float]]) -> dict:
   return dict(zip(TERMS, terms.tolist()))
 
 
-def report(folder: str) -> int:
-  runs = []
-  for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
-    with open(path) as f:
-      runs.append((os.path.basename(path)[:-5], json.load(f)))
+def _fit_model(runs, folder: str, model: str) -> tuple[list[str], dict]:
+  """The step's terms of one model, measured and by XLA: the page's section, and the fits."""
   fitted = [
     (r["layers"], r["micro_batches"], r["measured_step_s"])
     for _, r in runs
-    if r["model"] == "7b" and r["remat"] == "full" and r["attention"] == "cudnn"
-  ]
+    if r["model"] == model and r["remat"] == "full" and r["attention"] == "cudnn"
+    and r["seq_len"] == 2048
+  ]  # fmt: skip
   xla = {}
-  for path in sorted(glob.glob(os.path.join(folder, "xla", "L*-A*.json"))):
+  for path in sorted(glob.glob(os.path.join(folder, "xla", model, "L*-A*.json"))):
     n, m = re.match(r"L(\d+)-A(\d+)", os.path.basename(path)).groups()
     with open(path) as f:
-      e = json.load(f)["estimate"]
-    xla[(int(n), int(m))] = e
+      xla[(int(n), int(m))] = json.load(f)["estimate"]
   measured = fit(fitted)
   xla_compute = fit([(n, m, e["compute_s"]) for (n, m), e in xla.items()])
   repriced = fit(
     [(n, m, e["compute_s"] - e["overpriced"]["overcharge_s"]) for (n, m), e in xla.items()]
   )
-  first = runs[0][1]
   lines = [
-    "# The step measured on one GPU, beside XLA's estimate of the same work",
     "",
-    f"{first['device']}, jax {first['jax']}, {first['date']}; each run: `python "
-    "experiments/gpu_measure.py --mesh 1x1 --model M [--layers L] [--micro-batches A] "
-    "[--remat R] [--attention X] --out DIR` (seq 2048, one sequence per micro-batch, bf16, "
-    "IIG on one GPU: no communication), the median of 20 steps after 3 of warm-up. This page: "
-    f"`python experiments/gpu_measure.py --report {folder}`.",
-    "",
-    "| run | model | layers | A | remat | attention | step (ms) | min-max (ms) | GPU busy "
-    "(ms) | matmul | attention | other |",
-    "|---|---|---:|---:|---|---|---:|---|---:|---:|---:|---:|",
-  ]
-  for name, r in runs:
-    t, k = r["trace"], r["trace"].get("kernel_s", {})
-    lines.append(
-      f"| {name} | {r['model']} | {r['layers']} | {r['micro_batches']} | {r['remat']} | "
-      f"{r['attention']} | {r['measured_step_s'] * 1e3:.2f} | "
-      f"{min(r['measured_steps_s']) * 1e3:.1f}-{max(r['measured_steps_s']) * 1e3:.1f} | "
-      f"{t.get('busy_s', 0) * 1e3:.2f} | {k.get('matmul', 0) * 1e3:.2f} | "
-      f"{k.get('attention', 0) * 1e3:.2f} | {k.get('other', 0) * 1e3:.2f} |"
-    )
-  lines += [
-    "",
-    f"## The step's terms ({len(fitted)} runs of 7b's layer, remat full, cuDNN attention)",
+    f"## {model}: the step's terms ({len(fitted)} runs of its layer, remat full, cuDNN "
+    "attention, seq 2048)",
     "",
     "Fitted by least squares to step = fixed + A x per micro-batch + L x per layer + L x A x "
     "per layer and micro-batch. XLA: its compute (the step less exposed communication) for the "
     "same work on each GPU of IIG on one node of 8 H100 (`paro-jax inspect --target h100 --model "
-    f"{folder}/configs/7b-L{{4,8}} --mesh 1x8 --strategy IIG --collectives xla --micro-batches "
-    "{1,2} --batch-size 8 --seq-len 2048 --json`, jax pinned by this project), whose optimizer "
-    "updates an eighth of the parameters; repriced: with the matmuls XLA prices out of line "
-    "(paro_jax/analysis/instruction_costs.py) at the program's typical price.",
+    f"{folder}/configs/{model}-L{{4,8}} --mesh 1x8 --strategy IIG --collectives xla "
+    "--micro-batches {1,2} --batch-size 8 --seq-len 2048 --json`, with the jax this project "
+    "pins), whose optimizer updates an eighth of the parameters (so the fixed and per-layer "
+    "terms, mostly the optimizer's, are not comparable); repriced: with the matmuls XLA prices "
+    "out of line (paro_jax/analysis/instruction_costs.py) at the program's typical price.",
     "",
     "| term (ms) | measured | XLA | measured / XLA | XLA repriced | measured / repriced |",
     "|---|---:|---:|---:|---:|---:|",
@@ -267,7 +243,45 @@ def report(folder: str) -> int:
   residual = max(
     abs(t - sum(measured[k] * x for k, x in zip(TERMS, (1, m, n, n * m)))) / t for n, m, t in fitted
   )
-  lines += ["", f"The fit's largest residual over the measured runs: {residual:.1%}."]
+  lines += [
+    "",
+    f"The fit's largest residual over the measured runs: {residual:.1%}"
+    + (" (four runs for four terms: an exact solve, not a check)." if len(fitted) == 4 else "."),
+  ]
+  return lines, {"measured": measured, "xla": xla_compute, "repriced": repriced}
+
+
+def report(folder: str) -> int:
+  runs = []
+  for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+    with open(path) as f:
+      runs.append((os.path.basename(path)[:-5], json.load(f)))
+  first = runs[0][1]
+  lines = [
+    "# The step measured on one GPU, beside XLA's estimate of the same work",
+    "",
+    f"{first['device']}, jax {first['jax']}, {first['date']}; each run: `python "
+    "experiments/gpu_measure.py --mesh 1x1 --model M [--layers L] [--micro-batches A] "
+    "[--seq-len S] [--remat R] [--attention X] --out DIR` (one sequence per micro-batch, bf16, "
+    "IIG on one GPU: no communication), the median of 20 steps after 3 of warm-up; the kernel "
+    "times are per step, from a trace of 3 more. This page: "
+    f"`python experiments/gpu_measure.py --report {folder}`.",
+    "",
+    "| run | model | layers | A | seq | remat | attention | step (ms) | min-max (ms) | GPU busy "
+    "(ms) | matmul | attention | other |",
+    "|---|---|---:|---:|---:|---|---|---:|---|---:|---:|---:|---:|",
+  ]
+  for name, r in runs:
+    t, k = r["trace"], r["trace"].get("kernel_s", {})
+    lines.append(
+      f"| {name} | {r['model']} | {r['layers']} | {r['micro_batches']} | {r['seq_len']} | "
+      f"{r['remat']} | {r['attention']} | {r['measured_step_s'] * 1e3:.2f} | "
+      f"{min(r['measured_steps_s']) * 1e3:.1f}-{max(r['measured_steps_s']) * 1e3:.1f} | "
+      f"{t.get('busy_s', 0) * 1e3:.2f} | {k.get('matmul', 0) * 1e3:.2f} | "
+      f"{k.get('attention', 0) * 1e3:.2f} | {k.get('other', 0) * 1e3:.2f} |"
+    )
+  for model in sorted(os.listdir(os.path.join(folder, "xla"))):
+    lines += _fit_model(runs, folder, model)[0]
   with open(os.path.join(folder, "README.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
