@@ -86,7 +86,7 @@ def format_rerank(plan, r: dict) -> str:
     f"compiled for {r['target']}: the analytic top {r['k']} and any within {r['within']:.0%} "
     "of its first; ranked by XLA's estimate (its cost model, not a measurement)",
     f"{'#':>3s} {'strategy':9s}{'XLA step s':>11s}{'compute':>9s}{'exposed':>9s}"
-    f"{'analytic s':>11s}{'analytic #':>11s}{'compile s':>10s}",
+    f"{'repriced':>9s}{'analytic s':>11s}{'analytic #':>11s}{'compile s':>10s}",
   ]
   order = sorted(analytic, key=analytic.get)
   for i, c in enumerate(by_xla, 1):
@@ -94,12 +94,18 @@ def format_rerank(plan, r: dict) -> str:
     tail = f"{analytic[s]:11.3f}{order.index(s) + 1:11d}{c['compile_s']:10.0f}"
     e = c.get("estimate", {})
     if "error" in c or not e.get("step_s"):
-      lines.append(f"{i:3d} {s:9s}{'-':>11s}{'':9s}{'':9s}{tail}  {c.get('error', '')[:60]}")
+      lines.append(f"{i:3d} {s:9s}{'-':>11s}{'':27s}{tail}  {c.get('error', '')[:60]}")
       continue
     fit = "" if c["fits"] else "  (compiled memory does not fit)"
+    repriced = f"{e['step_s_repriced']:9.3f}" if e.get("step_s_repriced") else f"{'-':>9s}"
     lines.append(
-      f"{i:3d} {s:9s}{e['step_s']:11.3f}{e['compute_s']:9.3f}{e['exposed_comm_s']:9.3f}{tail}{fit}"
+      f"{i:3d} {s:9s}{e['step_s']:11.3f}{e['compute_s']:9.3f}{e['exposed_comm_s']:9.3f}"
+      f"{repriced}{tail}{fit}"
     )
+  lines.append(
+    "repriced: XLA's step with the matmuls it prices out of line with the program's others (the "
+    "language-model head) at their typical price (docs/gpu.md)"
+  )
   if r["pick"] is None:
     lines.append("no compiled candidate fits: the analytic pick stands unchecked")
   else:
