@@ -198,16 +198,16 @@ def test_sbatch_preempted_requeued_completes(cluster, reference, tmp_path, batch
   assert sorted(int(n) for n in os.listdir(out / "checkpoints") if n.isdigit())[-1] == step
   assert len(_losses(out)) == step  # both tasks stopped after the same step
   for task, node in ((0, "pjnode0"), (1, "pjnode1")):
-    assert f"{node}: task {task}: Exited with exit code 143" in text
-  assert "paro-jax job: srun exited with 143" in text
+    assert f"{node}: task {task}: Exited with exit code 143" in text, text[-3000:]
+  assert "paro-jax job: srun exited with 143" in text, text[-3000:]
   assert _job(cluster, job, "Restarts") == "1"
   _nodes_done_with(cluster, job, since=requeued)
   cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
   state = _wait_state(cluster, job, {"COMPLETED", "FAILED"}, timeout=600)
   assert state == "COMPLETED", _why(cluster, job, log)
   text = log.read_text()
-  assert f"resumed from {out}/checkpoints/{step}" in text
-  assert "paro-jax job: srun exited with 0" in text
+  assert f"resumed from {out}/checkpoints/{step}" in text, text[-3000:]
+  assert "paro-jax job: srun exited with 0" in text, text[-3000:]
   np.testing.assert_allclose(_losses(out), reference, rtol=RTOL)
 
 
