@@ -105,6 +105,51 @@ def _job(cluster, job: str, field: str) -> str:
   return m.group(1) if m else ""
 
 
+def _why(cluster, job: str, log) -> str:
+  """What an assertion about a job prints: the tail of its log, `scontrol show job`, and what the
+  SLURM daemons logged about it (a launch they refused never reaches the job's log)."""
+  text = log.read_text()[-3000:] if log.exists() else f"(no {log})"
+  show = cluster.run(["scontrol", "show", "job", job]).stdout
+  mentions = re.compile(rf"(JobId={job}\b|job {job}\b|\[{job}\.|StepId={job}\.)")
+  daemons = ""
+  for name in ("slurmctld.log", *(f"slurmd-{node}.log" for node in slurm.NODES)):
+    lines = [line for line in cluster.log(name).splitlines() if mentions.search(line)]
+    daemons += f"{name}:\n" + "\n".join(lines[-15:]) + "\n"
+  return f"{log.name}:\n{text}\n{show}\n{daemons}"
+
+
+def _nodes_done_with(cluster, job: str, since: float, timeout: float = 60) -> None:
+  """Wait until the nodes are done with the job's previous run, as SLURM's requeue delay would.
+
+  SLURM holds a requeued job back (`Reason=BeginTime`, SchedulerParameters=requeue_delay, by
+  default 120 s); `scontrol update StartTime=now` skips that, and the test waits itself for what
+  the delay is for. The requeue revoked the job's credential, and slurmd refuses a launch whose
+  credential is not newer in whole seconds: a run started in the second of the requeue ends at
+  once, FAILED with exit code 1 ("Job JOB already killed, do not launch batch job"), hence a
+  second later than `since` (a time after the requeue). And the requeued run has the same step
+  ids (JOB.0 again), while the previous run's slurmstepd processes outlive their tasks by a few
+  seconds with the same named sockets (`NODE_JOB.STEP` in slurmd's spool directory): none of
+  them may be left."""
+  pattern = re.compile(rf"_{job}\.\d+$")
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    stepds = [
+      p
+      for p in os.listdir("/proc")
+      if p.isdigit() and _cmdline(p).startswith(f"slurmstepd: [{job}.".encode())
+    ]
+    sockets = [
+      name
+      for node in slurm.NODES
+      for name in os.listdir(os.path.join(cluster.root, f"spool-{node}"))
+      if pattern.search(name)
+    ]
+    if not stepds and not sockets and int(time.time()) > int(since):
+      return
+    time.sleep(0.2)
+  raise AssertionError(f"job {job}: slurmstepd {stepds} and sockets {sockets} still there")
+
+
 def _wait_state(cluster, job: str, states: set[str], timeout: float) -> str:
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
@@ -144,6 +189,7 @@ def test_sbatch_preempted_requeued_completes(cluster, reference, tmp_path, batch
   where = ["--batch"] if batch else []
   assert cluster.run(["scancel", "--signal=TERM", *where, job]).returncode == 0
   _wait_state(cluster, job, {"PENDING"}, timeout=300)  # requeued by the script
+  requeued = time.time()
   text = log.read_text()
   stopped = re.search(r"stopped; checkpoint step (\d+) is in", text)
   assert stopped, text[-3000:]
@@ -152,14 +198,16 @@ def test_sbatch_preempted_requeued_completes(cluster, reference, tmp_path, batch
   assert sorted(int(n) for n in os.listdir(out / "checkpoints") if n.isdigit())[-1] == step
   assert len(_losses(out)) == step  # both tasks stopped after the same step
   for task, node in ((0, "pjnode0"), (1, "pjnode1")):
-    assert f"{node}: task {task}: Exited with exit code 143" in text
-  assert "paro-jax job: srun exited with 143" in text
+    assert f"{node}: task {task}: Exited with exit code 143" in text, text[-3000:]
+  assert "paro-jax job: srun exited with 143" in text, text[-3000:]
   assert _job(cluster, job, "Restarts") == "1"
+  _nodes_done_with(cluster, job, since=requeued)
   cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-  assert _wait_state(cluster, job, {"COMPLETED", "FAILED"}, timeout=600) == "COMPLETED"
+  state = _wait_state(cluster, job, {"COMPLETED", "FAILED"}, timeout=600)
+  assert state == "COMPLETED", _why(cluster, job, log)
   text = log.read_text()
-  assert f"resumed from {out}/checkpoints/{step}" in text
-  assert "paro-jax job: srun exited with 0" in text
+  assert f"resumed from {out}/checkpoints/{step}" in text, text[-3000:]
+  assert "paro-jax job: srun exited with 0" in text, text[-3000:]
   np.testing.assert_allclose(_losses(out), reference, rtol=RTOL)
 
 
