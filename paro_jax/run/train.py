@@ -245,6 +245,12 @@ class StopSignals:
     return self
 
   def __exit__(self, *exc):
+    if self.signum is not None:
+      # Stopped: what is left (the checkpointer's close, jax.distributed's shutdown at exit) can
+      # wait on the other processes, and a signal then (srun's SIGTERM once another task has
+      # exited 143) must still end this one with 128 + the signal, as documented, not by the
+      # signal's default action ("Terminated"): the handler stays.
+      return
     for sig, old in self._old.items():
       signal.signal(sig, old)
 

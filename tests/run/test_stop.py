@@ -118,3 +118,35 @@ def test_ctrl_c_during_asynchronous_saves(tmp_path, second):
   proc = _start(out, "--resume", "--checkpoint-every", "1", steps=steps[-1] + 1)
   code, err = _finish(proc)
   assert code == 0, err[-3000:]
+
+
+def test_a_signal_after_a_stop_still_exits_with_its_code(monkeypatch):
+  """After a stop the handler stays: a SIGTERM while the process shuts down (srun's, once another
+  task has exited 143, while jax.distributed waits on it) exits 143, not by SIGTERM's default
+  action; without a stop, leaving restores the handlers that were there before."""
+  from paro_jax.run.train import StopSignals
+
+  before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+  class Exited(Exception):
+    pass
+
+  def fake_exit(code):
+    raise Exited(code)
+
+  monkeypatch.setattr(os, "_exit", fake_exit)
+  monkeypatch.setattr(os, "write", lambda fd, data: len(data))
+  try:
+    with StopSignals():
+      pass
+    assert {s: signal.getsignal(s) for s in before} == before
+    with StopSignals() as stop:
+      stop._handle(signal.SIGTERM, None)  # the first SIGTERM: stop after this step
+    handler = signal.getsignal(signal.SIGTERM)
+    assert handler == stop._handle
+    with pytest.raises(Exited) as e:
+      handler(signal.SIGTERM, None)  # the one srun sends while the process shuts down
+    assert e.value.args == (128 + signal.SIGTERM,)
+  finally:
+    for s, h in before.items():
+      signal.signal(s, h)
