@@ -509,4 +509,15 @@ def _main(argv) -> None:
     report.error(e)
     sys.exit(watch.LOST_EXIT)
   except KeyboardInterrupt as e:  # 128 + the signal: 130 for SIGINT, 143 for SIGTERM
-    sys.exit(128 + getattr(e, "signum", 2))
+    code = 128 + getattr(e, "signum", 2)
+    jax = sys.modules.get("jax")
+    if getattr(e, "signum", None) is not None and jax is not None and jax.process_count() > 1:
+      # A stop of a multi-process run is complete here: every process saved the agreed step.
+      # Exiting through the interpreter (jax.distributed's shutdown, which waits on the other
+      # processes, then finalization) was seen to last until srun's SIGTERM to the tasks, sent
+      # once one has exited 143 (--kill-on-bad-exit), killed this one by the signal's default
+      # action ("Terminated") instead of it exiting 143. Nothing is left to do: exit now.
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)
+    sys.exit(code)
