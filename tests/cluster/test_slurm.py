@@ -211,6 +211,41 @@ def test_sbatch_preempted_requeued_completes(cluster, reference, tmp_path, batch
   np.testing.assert_allclose(_losses(out), reference, rtol=RTOL)
 
 
+def test_time_limit_signal_stops_and_requeues(cluster, tmp_path):
+  """The docs' script under a real time limit: SLURM itself sends `--signal=B:TERM@90` to the
+  batch shell (up to 60 s early, the resolution of slurmctld's time-limit check: here 30-90 s
+  after the start of a 3-minute job), the tasks stop at one step with its checkpoint, and the
+  script requeues the job before the limit (no TIMEOUT)."""
+  script = tmp_path / "job.sh"
+  script.write_text(doc_script())
+  out = tmp_path / "run"
+  env = _env(OUT=str(out), STEPS="1000000")  # runs into the time limit
+  limit = ["--time=3", "--signal=B:TERM@90"]  # override the script's #SBATCH --signal=B:TERM@120
+  submit = cluster.run(
+    ["sbatch", "--parsable", *limit, f"--chdir={tmp_path}", str(script)], env=env
+  )
+  assert submit.returncode == 0, submit.stderr
+  job = submit.stdout.strip().split(";")[0]
+  log = tmp_path / f"paro-tiny-{job}.out"
+  try:
+    _wait_rows(out / "metrics.jsonl", 1, timeout=150)
+    _wait_state(cluster, job, {"PENDING"}, timeout=240)  # stopped by the signal, requeued
+    text = log.read_text()
+    stopped = re.search(r"stopped; checkpoint step (\d+) is in", text)
+    assert stopped, _why(cluster, job, log)
+    step = int(stopped.group(1))
+    assert sorted(int(n) for n in os.listdir(out / "checkpoints") if n.isdigit())[-1] == step
+    assert len(_losses(out)) == step  # both tasks stopped after the same step
+    for task, node in ((0, "pjnode0"), (1, "pjnode1")):
+      assert f"{node}: task {task}: Exited with exit code 143" in text, text[-3000:]
+    assert "paro-jax job: srun exited with 143" in text, text[-3000:]
+    assert "DUE TO TIME LIMIT" not in text, text[-3000:]
+    assert _job(cluster, job, "Restarts") == "1"
+  finally:
+    cluster.run(["scancel", job])
+    _wait_state(cluster, job, {"CANCELLED"}, timeout=120)
+
+
 def test_sigkilled_task_ends_the_job(cluster, tmp_path):
   out = tmp_path / "run"
   train = [*TRAIN, "--steps", "500", "--progress-timeout", "120", "--out", str(out)]
