@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import dataclasses
 import io
 import itertools
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ BASELINES = ("jit-fsdp", "jit-hsdp")
 # A baseline named NAME@defaults is compiled with XLA's default flags instead of
 # paro_jax/core/xla_flags.py's (what a plain-jit user gets: one collective in flight at a time).
 DEFAULTS = "@defaults"
+GROUPS = ("xla", "baselines", "variants")  # a cell's compiled programs
 # Two-level collectives compared in the cells of --variants: paro_jax's rings over one mesh
 # level at a time (hring), both levels overlapped (horing), one flat ring (ring).
 VARIANT_IMPLS = ("ring", "hring", "horing")
@@ -219,8 +222,9 @@ def planner_times(
   does (a diagnostic of where the two disagree, not the planner's model)."""
   from unittest import mock
 
-  from paro_jax.analysis import planner, step_model
+  from paro_jax.analysis import plan_compile, planner, step_model
   from paro_jax.analysis.config import PlanConfig
+  from paro_jax.analysis.plan_compile import budget
   from paro_jax.core.names import ALL_REDUCE
 
   patch = {"xla": global_model} if global_model else {}
@@ -249,7 +253,9 @@ def planner_times(
       )
     )
   steps = {e.strategy: e.step_time_s if e.fits else None for e in p.ranking}
-  return {"pick": p.pick, "step_s": steps}
+  k = next(f.default for f in dataclasses.fields(PlanConfig) if f.name == "compile_top")
+  top = {"k": k, "candidates": plan_compile.candidates(p, k), "budget": budget(p)}
+  return {"pick": p.pick, "step_s": steps, "compile_top": top}
 
 
 def _ok(r: dict | None) -> bool:
@@ -292,6 +298,24 @@ def summarize(cell: dict, planner_key: str = "planner") -> dict:
     best = min(plain, key=plain.get)
     out.update(best_jit_defaults=best.removesuffix(DEFAULTS), best_jit_defaults_s=plain[best])
   return out
+
+
+def compile_top(cell: dict) -> dict:
+  """What `plan --target --compile-top K` (its default K) picks, from this cell's compiles: the
+  fastest by XLA's estimate among its candidates whose compiled memory fits the plan's budget;
+  the candidates this grid did not compile are listed instead (its pick is then unknown)."""
+  top = cell.get("planner", {}).get("compile_top")
+  if top is None:
+    return {}
+  missing = [c for c in top["candidates"] if c not in cell["xla"]]
+  if missing:
+    return {"missing": missing}
+  fit = {
+    c: cell["xla"][c]["estimate"]["step_s"]
+    for c in top["candidates"]
+    if _ok(cell["xla"][c]) and cell["xla"][c]["compiled_bytes"] <= top["budget"]
+  }
+  return {"pick": min(fit, key=fit.get), "step_s": min(fit.values())} if fit else {}
 
 
 def verdict(s: dict) -> str:
@@ -383,6 +407,13 @@ def exposed_section(results: dict) -> list[str]:
   return out
 
 
+def dates(results: dict) -> list[str]:
+  """The days the cells' programs were compiled on."""
+  return sorted(
+    {r["date"] for c in results.values() for g in GROUPS for r in c.get(g, {}).values() if "date" in r}
+  )
+
+
 def write(args, command: str, results: dict) -> None:
   from experiments.pages import machine_line  # ROOT is on sys.path once main has put it there
 
@@ -395,7 +426,8 @@ def write(args, command: str, results: dict) -> None:
     command,
     "```",
     "",
-    f"Compiled on {datetime.date.today()} ({machine_line()}, no GPU) for {args.target}, "
+    f"Compiled on {' and '.join(dates(results))} ({machine_line()}, no GPU; each compile's date "
+    f"in gpu_estimates.json) for {args.target}, "
     f"{GPUS_PER_NODE} GPUs per node, one "
     f"{args.seq_len}-token sequence per GPU per micro-batch, `--collectives xla`. Nothing ran: "
     "XLA's figures are its cost model's (paro_jax/analysis/estimate.py; docs/gpu.md), the "
@@ -435,6 +467,28 @@ def write(args, command: str, results: dict) -> None:
       f"{fmt(old.get('pick_vs_best'), '.3f')} | {plain} | {fmt(one.get('spearman'), '.2f')} | "
       f"{fmt(one.get('pick_vs_best'), '.3f')} |"
     )
+  k = next(iter(results.values())).get("planner", {}).get("compile_top", {}).get("k", "K")
+  lines += [
+    "",
+    f"`paro-jax plan --target {args.target} --compile-top {k}` (and `--strategy auto` "
+    f"with a target) compiles the analytic top {k}, any fitting strategy within 10% of the first "
+    "and any faster one the analytic memory rules out by less than 30%, and picks the fastest "
+    "by XLA's estimate whose compiled memory fits the budget (docs/planner.md). Its pick in "
+    "each cell, from this grid's compiles of the same candidates (where the grid compiled them "
+    "all):",
+    "",
+    "| cell | candidates | pick | pick / XLA's best | pick / best jit | not compiled here |",
+    "|---|---|---|---:|---:|---|",
+  ]
+  for key, cell in results.items():
+    s, top = summarize(cell), compile_top(cell)
+    cands = ", ".join(cell.get("planner", {}).get("compile_top", {}).get("candidates", []))
+    if "pick" in top:
+      best = fmt(top["step_s"] / s["xla_best_s"], ".3f") if "xla_best_s" in s else "-"
+      jit = fmt(top["step_s"] / s["best_jit_s"], ".3f") if "best_jit_s" in s else "-"
+      lines.append(f"| {key} | {cands} | {top['pick']} | {best} | {jit} | |")
+    else:
+      lines.append(f"| {key} | {cands} | - | - | - | {', '.join(top.get('missing', []))} |")
   variants = [(k, c) for k, c in results.items() if c.get("variants")]
   if variants:
     lines += [
@@ -590,7 +644,7 @@ def main(argv=None) -> int:
   baselines = [b for b in args.baselines.split(",") if b]
   variants = [v for v in args.variants.split(",") if v]
   os.makedirs(args.out, exist_ok=True)
-  command = "python experiments/gpu_estimates.py " + " ".join(
+  command = "python experiments/gpu_estimates.py " + shlex.join(
     argv if argv is not None else sys.argv[1:]
   )
   path = os.path.join(args.out, "gpu_estimates.json")
@@ -606,7 +660,7 @@ def main(argv=None) -> int:
     commands += [c for c in other["commands"] if c not in commands]
     for key, cell in other["cells"].items():
       mine = results.setdefault(key, {"xla": {}})
-      for group in ("xla", "baselines", "variants"):
+      for group in GROUPS:
         for name, r in cell.get(group, {}).items():
           if name not in mine.setdefault(group, {}) or "error" in mine[group][name]:
             mine[group][name] = r
@@ -642,6 +696,7 @@ def main(argv=None) -> int:
         continue
       done[name] = xla_estimate(args, model, nodes, gbit, a, strategy, collectives)
       r = done[name]
+      r["date"] = str(datetime.date.today())
       step = r.get("estimate", {}).get("step_s")
       print(
         f"{key} {name}: " + (r.get("error") or f"{step:.3f} s") + f" ({r['compile_s']:.0f} s)",

@@ -23,6 +23,7 @@ from tests.docs_claims import ROOT, markdown_table
 
 HEADLINE = ROOT / "experiments/results/strategies_headline/README.md"
 PLANNER_HEADLINE = ROOT / "experiments/results/planner_headline/validate.md"
+GPU_ESTIMATES = ROOT / "experiments/results/gpu_estimates/README.md"
 LINK_BOUND = ("infiniband", "paper_cloud", "commodity")
 
 
@@ -238,6 +239,44 @@ def test_planner_figures_are_the_validation_pages():
   planner = _flat(_read("docs/planner.md"))
   assert f"Spearman is {per_cell}, " in planner
   assert f"runs at {_span(speed, 2)} of the measured best" in planner
+
+
+def test_planner_grid_is_the_gpu_estimates_page():
+  """docs/planner.md's table of XLA's estimate against the planner and `--compile-top` is the
+  results page's, cell by cell; so are the counts of cells README.md quotes."""
+  page = GPU_ESTIMATES.read_text()
+  main = {r["cell"]: r for r in markdown_table(page, "| cell | strategies | Spearman |")}
+  top = {r["cell"]: r for r in markdown_table(page, "| cell | candidates | pick |")}
+  docs = markdown_table(_read("docs/planner.md"), "| cell | strategies | Spearman |")
+  assert [r["cell"] for r in docs] == list(main)
+  for r in docs:
+    m, t = main[r["cell"]], top[r["cell"]]
+    assert [r[k] for k in ("strategies", "Spearman", "pick / best", "pick / best jit")] == [
+      m[k] for k in ("strategies", "Spearman", "pick / best", "pick / best jit")
+    ], r
+    assert (r["pick"], r["XLA's best"]) == (m["planner's pick"], m["XLA's best"].split(" (")[0])
+    assert (r["compile-top pick"], r["its / best"], r["its / best jit"]) == (
+      t["pick"],
+      t["pick / XLA's best"],
+      t["pick / best jit"],
+    ), r
+  ratio = lambda x: float(x) if x != "-" else None
+  met = sum(m["goals"] == "met" for m in main.values())
+  spearman = sum(float(m["Spearman"]) >= 0.9 for m in main.values())
+  near = sum(ratio(m["pick / best"]) <= 1.05 for m in main.values())
+  jit = [ratio(m["pick / best jit"]) for m in main.values() if m["pick / best jit"] != "-"]
+  top_near = sum(ratio(t["pick / XLA's best"]) <= 1.05 for t in top.values())
+  top_jit = sum(
+    ratio(t["pick / best jit"]) <= 1 for t in top.values() if t["pick / best jit"] != "-"
+  )
+  readme = _flat(_read("README.md"))
+  assert (
+    f"all three of its goals are met in {met} cells: Spearman ≥ 0.9 in {spearman}, its pick "
+    f"within 5% of XLA's best in {near}, at least as fast as the better plain-jit baseline in "
+    f"{sum(x <= 1 for x in jit)} of {len(jit)}"
+  ) in readme
+  assert f"within 5% of XLA's best in all {top_near}" in readme and top_near == len(top)
+  assert f"as fast as the better baseline in the same {top_jit}" in readme
 
 
 def test_sample_outputs_are_what_the_code_prints():
