@@ -203,8 +203,8 @@ class PlanConfig(WireOptions):
   )
   compile_top: int = option(
     3,
-    "with --target: compile the analytic top K, and any within 10%% of the first "
-    "(default %(default)s)",
+    "with --target: compile the analytic top K, any within 10%% of the first, and any faster "
+    "one the analytic memory rules out by less than 30%% (default %(default)s)",
     metavar="K",
   )
   device_memory: str | None = option(None, "per device, e.g. 80GB or 80GiB (default: the GPU's)")
