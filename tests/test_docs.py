@@ -277,6 +277,10 @@ def test_planner_grid_is_the_gpu_estimates_page():
   ) in readme
   assert f"within 5% of XLA's best in all {top_near}" in readme and top_near == len(top)
   assert f"as fast as the better baseline in the same {top_jit}" in readme
+  below = re.search(r"XLA's step is below the link floor in (\d+) of (\d+) fitting", page)
+  quoted = f"in {below.group(1)} of the {below.group(2)} "
+  for doc in ("README.md", "docs/gpu.md", "docs/planner.md"):
+    assert quoted in _flat(_read(doc)).replace("grid's ", ""), doc
 
 
 def test_sample_outputs_are_what_the_code_prints():

@@ -281,6 +281,21 @@ def estimate(
   }
 
 
+def link_floor(
+  inter_bytes: float, global_bytes: float, nodes: int, gpus_per_node: int, inter_bits_per_s: float
+) -> dict:
+  """The time the step's inter-node bytes per GPU take on the GPU's share of its node's link: no
+  schedule of the step is shorter. `inter_bytes` are those of collectives across nodes only
+  (one GPU per node in each group); of a collective over all n GPUs only the fraction
+  (nodes - 1) / (n - 1) of its ring bytes has to cross nodes (its hierarchical form: the rest
+  stays inside the node). XLA's model gives each collective in flight the whole link, so its
+  estimate of a program with several in flight can be shorter than this."""
+  devices = nodes * gpus_per_node
+  crossing = inter_bytes + (global_bytes * (nodes - 1) / (devices - 1) if devices > 1 else 0.0)
+  share = inter_bits_per_s / 8 / gpus_per_node
+  return {"inter_bytes_per_device": crossing, "inter_link_s": crossing / share}
+
+
 def format_estimate(e: dict) -> str:
   if e.get("source") is None:
     return f"step time estimate: none ({e['unavailable']})"
@@ -293,6 +308,18 @@ def format_estimate(e: dict) -> str:
     f"communication {e['exposed_comm_s'] * 1e3:.2f} ms; {e['tokens_per_s']:,.0f} tokens/s, "
     f"MFU {e['mfu']:.1%}",
   ]
+  if e.get("inter_link_s"):
+    below = e["step_s"] < e["inter_link_s"]
+    lines.append(
+      f"  the inter-node link alone: {e['inter_link_s'] * 1e3:.2f} ms per step "
+      f"({e['inter_bytes_per_device'] / 1e9:.3g} GB per GPU at its share of the node's link)"
+      + (
+        "; the estimate is below it: XLA's model gives each collective in flight the whole "
+        "link, so read the step as at least this"
+        if below
+        else ""
+      )
+    )
   if e["unscheduled_s"]:
     ratio = e["roofline_over_xla"]
     lines.append(

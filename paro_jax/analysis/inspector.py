@@ -28,7 +28,7 @@ from paro_jax.analysis.planner import Workload, activation_bytes
 from paro_jax.core.collectives import resolve
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.names import LEVEL_INTER, LEVEL_INTRA, MIXED_IMPLS
+from paro_jax.core.names import LEVEL_GLOBAL, LEVEL_INTER, LEVEL_INTRA, MIXED_IMPLS
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.core.units import human_bytes, parse_rate
 from paro_jax.core.xla_flags import GPU_FLAGS
@@ -263,6 +263,15 @@ def gpu_report(
     r["estimate"] = step_estimate(
       engine, text, log, target, batch_size, seq_len, inter_bits_per_s, costs
     )
+    if inter_bits_per_s and r["estimate"].get("step_s"):
+      by = {LEVEL_INTER: 0.0, LEVEL_GLOBAL: 0.0}
+      for c in r["overlap"]["collectives"]:
+        if c["level"] in by:
+          by[c["level"]] += c["bytes_per_device"]
+      floor = estimate.link_floor(
+        by[LEVEL_INTER], by[LEVEL_GLOBAL], engine.inter, engine.intra, inter_bits_per_s
+      )
+      r["estimate"].update(floor)
   return r
 
 

@@ -263,6 +263,48 @@ def test_slower_link_gives_longer_step(reports):
 
 
 @needs_plugin
+def test_link_floor_is_the_compiled_inter_bytes_on_the_gpus_share(reports):
+  """The compiled program's bytes per GPU that cross nodes (collectives across nodes whole, those
+  over all 8 GPUs by (2 - 1) / (8 - 1) of their ring bytes) over its share of the node's link (8
+  bits a byte, 4 GPUs a node); none without --inter-bandwidth."""
+  for name, gbit in (("IIG@100", 100), ("GGG@25", 25), ("GGG@400", 400)):
+    r = reports[name]
+    e = r["estimate"]
+    level = lambda lvl: sum(
+      c["bytes_per_device"] for c in r["overlap"]["collectives"] if c["level"] == lvl
+    )
+    crossing = level("inter") + level("global") / 7
+    assert e["inter_bytes_per_device"] == pytest.approx(crossing) and crossing > 0
+    assert e["inter_link_s"] == pytest.approx(crossing / (gbit * 1e9 / 8 / 4))
+  ggg = reports["GGG@25"]  # its collectives span all 8 GPUs: a seventh of their bytes cross
+  assert ggg["estimate"]["inter_bytes_per_device"] < ggg["measured"]["inter_bytes"] / 6
+  assert "inter_link_s" not in reports["IIG@defaults"]["estimate"]
+
+
+def test_estimate_below_the_link_floor_says_so():
+  e = {
+    "source": estimate.SOURCE,
+    "inter_bandwidth_gbps": 100.0,
+    "network": "nic_speed_gbps=1.5625,gpus_per_node=8",
+    "step_s": 7.95,
+    "compute_s": 1.88,
+    "exposed_comm_s": 6.07,
+    "tokens_per_s": 8240.0,
+    "mfu": 0.106,
+    "unscheduled_s": 0.0,
+    "attention_left_out_s": 0.0,
+  }
+  # 65b IIG on 4 x 8 H100 at 100 Gbit/s per node: its syncs cross nodes on the inter axis
+  floor = estimate.link_floor(24.48e9, 0.0, 4, 8, 100e9)
+  assert floor["inter_link_s"] == pytest.approx(24.48e9 / 1.5625e9)
+  text = estimate.format_estimate({**e, **floor})
+  assert "the inter-node link alone: 15667.20 ms per step (24.5 GB per GPU" in text
+  assert "the estimate is below it" in text
+  fast = estimate.format_estimate({**e, **estimate.link_floor(0.0, 31e9 / 3, 4, 8, 100e9)})
+  assert "the inter-node link alone: 640.00 ms" in fast and "below it" not in fast  # 3/31 cross
+
+
+@needs_plugin
 def test_a100_inspect_says_why_no_number():
   e = _inspect("IIG", "--inter-bandwidth", "100gbit", target="a100-80gb")["estimate"]
   assert e["source"] is None and "step_s" not in e
