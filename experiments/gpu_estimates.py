@@ -214,20 +214,26 @@ def xla_estimate(args, model, nodes, gbit, a, strategy, collectives="xla") -> di
 
 
 def planner_times(
-  args, model, nodes, gbit, a, global_model: str | None = None, one_pass_all_reduce=False
+  args,
+  model,
+  nodes,
+  gbit,
+  a,
+  global_model: str | None = None,
+  one_pass_all_reduce=False,
+  with_compile_top=False,
 ) -> dict:
   """`paro-jax plan --gpu <target>`'s step time per strategy (None where it does not fit);
   `global_model` replaces the model of xla's global collectives (to compare with an old one);
   `one_pass_all_reduce` charges an all-reduce half its ring bytes, as this XLA's cost model
-  does (a diagnostic of where the two disagree, not the planner's model)."""
+  does (a diagnostic of where the two disagree, not the planner's model); `with_compile_top`
+  adds the candidates `plan --compile-top` would compile (its default K) and the budget."""
   from unittest import mock
 
-  from paro_jax.analysis import estimate, plan_compile, planner, step_model
+  from paro_jax.analysis import plan_compile, planner, step_model
   from paro_jax.analysis.config import PlanConfig
   from paro_jax.analysis.plan_compile import budget
   from paro_jax.core.names import ALL_REDUCE
-  from paro_jax.core.strategy import VALID_NAMES, parse_strategy
-  from models.config import get_config
 
   patch = {"xla": global_model} if global_model else {}
   seconds = step_model.collective_seconds
@@ -254,20 +260,29 @@ def planner_times(
     )
     p = planner.run_plan(cfg)
   steps = {e.strategy: e.step_time_s if e.fits else None for e in p.ranking}
-  # The bytes that must cross nodes: every collective over both axes in its two-level form (the
-  # traffic formulas, which the compiled programs match within 1%: test_inspector), over the
-  # GPU's share of its node's link.
+  if not with_compile_top:
+    return {"pick": p.pick, "step_s": steps}
+  k = next(f.default for f in dataclasses.fields(PlanConfig) if f.name == "compile_top")
+  top = {"k": k, "candidates": plan_compile.candidates(p, k), "budget": budget(p)}
+  return {"pick": p.pick, "step_s": steps, "compile_top": top}
+
+
+def link_floors(args, model, nodes, gbit, a) -> dict:
+  """Each strategy's link floor (estimate.link_floor): the bytes it must send across nodes per
+  GPU, every collective over both axes in its two-level form (the traffic formulas, which the
+  compiled programs match within 1%: test_inspector), over the GPU's share of its node's link."""
+  from paro_jax.analysis import estimate, planner, step_model
+  from paro_jax.core.strategy import VALID_NAMES, parse_strategy
+  from models.config import get_config
+
   w = planner.Workload(get_config(model), micro_batches=a, seq_len=args.seq_len)
-  cluster = planner.Cluster(
-    nodes, GPUS_PER_NODE, planner.Links(gbit * 1e9 / 8, 300e9), 1.0
-  )  # bytes only
+  links = planner.Links(gbit * 1e9 / 8, 300e9)
+  cluster = planner.Cluster(nodes, GPUS_PER_NODE, links, 1.0)  # its bytes only
   floor = {}
   for name in VALID_NAMES:
     t = step_model.traffic_of(parse_strategy(name), w, cluster, two_level=True)
     floor[name] = estimate.link_floor(t.inter, 0, nodes, GPUS_PER_NODE, gbit * 1e9)["inter_link_s"]
-  k = next(f.default for f in dataclasses.fields(PlanConfig) if f.name == "compile_top")
-  top = {"k": k, "candidates": plan_compile.candidates(p, k), "budget": budget(p)}
-  return {"pick": p.pick, "step_s": steps, "compile_top": top, "link_floor_s": floor}
+  return floor
 
 
 def _ok(r: dict | None) -> bool:
@@ -387,7 +402,7 @@ def below_floor(results: dict) -> dict[str, tuple[int, int]]:
   link floor, of how many."""
   out = {}
   for key, cell in results.items():
-    floors = cell["planner"].get("link_floor_s", {})
+    floors = cell.get("link_floor_s", {})
     steps = [
       (r["estimate"]["step_s"], floors[s]) for s, r in cell["xla"].items() if _ok(r) and s in floors
     ]
@@ -580,7 +595,7 @@ def write(args, command: str, results: dict) -> None:
   for key, cell in results.items():
     for strategy, r in cell["xla"].items():
       plan = cell["planner"]["step_s"].get(strategy)
-      floor = cell["planner"].get("link_floor_s", {}).get(strategy)
+      floor = cell.get("link_floor_s", {}).get(strategy)
       plan = "does not fit" if plan is None else f"{plan:.3f}"
       lines.append(_row(key, strategy, r, plan, floor))
     for name, r in {**cell.get("baselines", {}), **cell.get("variants", {})}.items():
@@ -714,7 +729,8 @@ def main(argv=None) -> int:
 
   def refresh(model, nodes, gbit, a):
     cell = results.setdefault(cell_key(model, nodes, gbit, a), {"xla": {}})
-    cell["planner"] = planner_times(args, model, nodes, gbit, a)
+    cell["planner"] = planner_times(args, model, nodes, gbit, a, with_compile_top=True)
+    cell["link_floor_s"] = link_floors(args, model, nodes, gbit, a)
     cell["planner_two_level"] = planner_times(args, model, nodes, gbit, a, "hierarchical")
     cell["planner_one_pass"] = planner_times(args, model, nodes, gbit, a, None, True)
     return cell
