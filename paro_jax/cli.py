@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   train = sub.add_parser("train", help="train a Flax LLaMA with a PaRO strategy")
   _add_common(train, RunConfig)
-  add_options(train, RunConfig, "steps", "seed", "lr", "warmup")
+  add_options(train, RunConfig, "steps", "seed", "lr", "warmup", "compile_top")
   data = train.add_argument_group(
     "data",
     "text, JSONL and pre-tokenized .bin files (default: "

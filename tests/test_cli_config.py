@@ -56,6 +56,30 @@ def test_no_flags_parse_to_the_default_config(command):
     assert parsed.as_json is True
 
 
+@pytest.mark.parametrize("errfb", [None, True, False])
+def test_step_flags_parse_back_to_the_step(errfb):
+  """`train --strategy auto` hands the run's step to `inspect --target` as flags
+  (analysis/config.py step_flags): `inspect` parses them back to every StepConfig field."""
+  from paro_jax.analysis.config import StepConfig, step_flags
+
+  step = RunConfig(
+    model="small", strategy="nig", mesh=(2, 4), micro_batches=3, batch_size=24, seq_len=96,
+    dtype="fp32", collectives="horing", attention="xla", error_feedback=errfb,
+    param_delta=False, remat="layer", lora_rank=4, lora_alpha=8.5, lora_targets="wq,wo",
+    inter_params="int8", inter_grads="bf16", int8_block=64, grad_dtype="fp32", steps=20,
+  )  # fmt: skip
+  for field in dataclasses.fields(StepConfig):  # every field away from its default
+    if field.name != "error_feedback":
+      assert getattr(step, field.name) != field.default, field.name
+  args = cli.build_parser().parse_args(["inspect", *step_flags(step)])
+  parsed = cli.config_of(args, InspectConfig, mesh=cli.parse_mesh_shape(args.mesh))
+  for field in dataclasses.fields(StepConfig):
+    assert getattr(parsed, field.name) == getattr(step, field.name), field.name
+  # a value replaced, and one left out (None: its flag's default)
+  flags = step_flags(step, strategy=None, model="7b")
+  assert "--strategy" not in flags and flags[flags.index("--model") + 1] == "7b"
+
+
 def test_a_field_without_a_flag_is_an_error():
   args = cli.build_parser().parse_args(["inspect"])
   del args.hlo_out  # as if InspectConfig had gained a field the parser does not know

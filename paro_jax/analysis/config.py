@@ -159,6 +159,25 @@ class StepConfig(WireOptions):
     return LoraConfig.from_flags(self.lora_rank, self.lora_alpha, self.lora_targets)
 
 
+def step_flags(cfg: StepConfig, **replace) -> list[str]:
+  """The command-line flags that give `cfg`'s StepConfig fields (`replace` overriding values):
+  what `train --strategy auto` hands `paro-jax inspect --target` to compile the run's own step.
+  The inverse of the CLI's parsing (tests/test_cli_config.py parses them back)."""
+  out = []
+  for field in dataclasses.fields(StepConfig):
+    value = replace.get(field.name, getattr(cfg, field.name))
+    flag = field.metadata.get("flag") or f"--{field.name.replace('_', '-')}"
+    if value is None:  # the flag's absence is its default (None: decided at run time)
+      continue
+    if field.metadata.get("action") is argparse.BooleanOptionalAction:
+      out.append(flag if value else "--no-" + flag[2:])
+    elif field.name == "mesh":
+      out += [flag, "x".join(str(n) for n in value)]
+    else:
+      out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+  return out
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class InspectConfig(StepConfig):
   """`paro-jax inspect`: compile one step (no allocation) and report its communication."""

@@ -53,21 +53,37 @@ def candidates(plan, k: int) -> list[str]:
   return chosen + [e.strategy for e in sorted(near, key=lambda e: e.step_time_s)]
 
 
-def compile_estimate(strategy: str, inputs: dict, target: str, attention: str) -> dict:
-  """XLA's estimate of one strategy's step for the plan's cluster and workload."""
+def plan_step_flags(inputs: dict, attention: str) -> list[str]:
+  """The plan's workload as `paro-jax inspect` flags (all but --strategy)."""
   devices = inputs["nodes"] * inputs["devices_per_node"]
-  rate = inputs["inter_bandwidth_bytes_per_s"] * 8
-  cmd = [
-    sys.executable, "-m", "paro_jax", "inspect", "--target", target,
+  return [
     "--mesh", f"{inputs['nodes']}x{inputs['devices_per_node']}", "--model", inputs["model"],
-    "--strategy", strategy, "--collectives", inputs["collectives"],
-    "--micro-batches", str(inputs["micro_batches"]),
+    "--collectives", inputs["collectives"], "--micro-batches", str(inputs["micro_batches"]),
     "--batch-size", str(inputs["micro_batch"] * devices), "--seq-len", str(inputs["seq_len"]),
     "--dtype", inputs["dtype"], "--attention", attention,
-    "--inter-bandwidth", f"{rate / 1e9:g}gbit", "--json",
+    "--inter-params", inputs["inter_params"], "--inter-grads", inputs["inter_grads"],
+    "--int8-block", str(inputs["int8_block"]), "--grad-dtype", inputs["grad_dtype"],
+  ]  # fmt: skip
+
+
+def compile_estimate(
+  strategy: str, step_flags: list[str], target: str, inter_bits_per_s: float | None
+) -> dict:
+  """XLA's estimate of one strategy's step: `paro-jax inspect --target` with `step_flags` (the
+  step's flags but --strategy) and each node's inter-node rate for XLA's network model (None:
+  XLA's defaults)."""
+  rate = (
+    [] if inter_bits_per_s is None else ["--inter-bandwidth", f"{inter_bits_per_s / 1e9:g}gbit"]
+  )
+  cmd = [
+    sys.executable, "-m", "paro_jax", "inspect", "--target", target, *step_flags,
+    "--strategy", strategy, *rate, "--json",
   ]  # fmt: skip
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the child sets XLA's network model from --inter-bandwidth
+  # A compile for a target needs no device: on a GPU node the child must not take the GPUs'
+  # memory (XLA preallocates most of it) that the run holds.
+  env["JAX_PLATFORMS"] = "cpu"
   t = time.perf_counter()
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
   seconds = time.perf_counter() - t
@@ -93,9 +109,25 @@ def check_target(target: str) -> str:
   return key
 
 
-def rerank(plan, k: int, target: str, attention: str = "auto") -> dict:
-  """Compile the candidates and pick by XLA's estimate; returns what `format_rerank` prints."""
-  compiled = [compile_estimate(s, plan.inputs, target, attention) for s in candidates(plan, k)]
+def rerank(
+  plan,
+  k: int,
+  target: str,
+  attention: str = "auto",
+  step_flags: list[str] | None = None,
+  inter_bits_per_s: float | None = None,
+) -> dict:
+  """Compile the candidates and pick by XLA's estimate; returns what `format_rerank` prints.
+
+  `step_flags`: the step's `inspect` flags but --strategy (default: the plan's workload, with
+  `attention`); `inter_bits_per_s`: each node's inter-node rate (default: the plan's)."""
+  if step_flags is None:
+    step_flags = plan_step_flags(plan.inputs, attention)
+  if inter_bits_per_s is None:
+    inter_bits_per_s = plan.inputs["inter_bandwidth_bytes_per_s"] * 8
+  compiled = [
+    compile_estimate(s, step_flags, target, inter_bits_per_s) for s in candidates(plan, k)
+  ]
   for c in compiled:
     if "error" not in c:
       c["fits"] = c["compiled_bytes"] <= budget(plan)

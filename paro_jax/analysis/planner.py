@@ -43,6 +43,7 @@ from paro_jax.analysis.step_model import (  # noqa: F401  (re-exported)
   traffic_of,
 )
 from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, parse_strategy
+from paro_jax.core.wire import WireConfig  # no jax
 from paro_jax.core.units import (
   COMPUTE_DTYPE_BYTES,
   human_bytes,
@@ -182,7 +183,7 @@ def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
   )
 
 
-def choose_strategy(
+def plan_for_profile(
   model,
   inter: int,
   intra: int,
@@ -197,11 +198,14 @@ def choose_strategy(
   collectives: str = "xla",
   remat: bool = True,
   fused_attention: bool = False,
-) -> tuple[str, str]:
-  """`train --strategy auto`: the planner's pick for this run, from a probe of its own mesh.
+  wire: WireConfig | None = None,
+  grad_itemsize: int | None = None,
+) -> Plan:
+  """`train --strategy auto`: the plan for this run, from a probe of its own mesh.
 
   Everything the profile measured on this mesh is used; what it lacks (a level of size 1 moves
-  nothing) takes the defaults. Raises ValueError when nothing fits.
+  nothing) takes the defaults. `inputs` holds what plan_compile needs to hold compiled programs
+  to the same memory budget.
   """
   measured = measured_links(profile)
   network = Links(
@@ -228,8 +232,22 @@ def choose_strategy(
     itemsize,
     remat,
     fused_attention=fused_attention,
+    wire=wire or WireConfig(),
+    grad_itemsize=grad_itemsize,
   )
-  p = plan(w, cluster)
+  inputs = {
+    "nodes": inter,
+    "devices_per_node": intra,
+    "device_memory_bytes": float("inf") if device_memory is None else device_memory,
+    "usable_memory": cluster.usable_memory,
+    "measured": sorted(f"{k}/{lvl}" for k, lvl in measured),
+  }
+  return plan(w, cluster, inputs)
+
+
+def choose_strategy(*args, **kwargs) -> tuple[str, str]:
+  """The pick and its reason of `plan_for_profile`; ValueError when nothing fits."""
+  p = plan_for_profile(*args, **kwargs)
   if p.pick is None:
     raise ValueError(f"--strategy auto: {p.explain}")
   return p.pick, p.explain

@@ -28,7 +28,6 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from paro_jax.analysis.planner import choose_strategy
 from paro_jax.core.mesh import make_mesh, mesh_shape
 from paro_jax.core.units import parse_size
 from paro_jax.core.names import (
@@ -214,44 +213,6 @@ def format_profile(profile: dict) -> str:
   if profile.get("flop_per_s"):
     lines += ["", f"matmul: {profile['flop_per_s'] / 1e12:.3f} TFLOP/s per device"]
   return "\n".join(lines)
-
-
-def auto_strategy(
-  mesh: Mesh,
-  model,
-  micro_batches: int,
-  batch_size: int,
-  seq_len: int,
-  itemsize: int,
-  params: int,
-  trainable: int,
-  collectives: str = "xla",
-  remat: bool = True,
-  fused_attention: bool = False,
-) -> tuple[str, str]:
-  """`train --strategy auto`: probe `mesh` briefly and return the planner's (pick, why)."""
-  inter, intra = mesh_shape(mesh)
-  profile = probe(mesh, QUICK_SIZES, repeats=3)
-  device = jax.local_devices()[0]
-  # What the allocator may use (on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION of the card); a CPU's
-  # host memory is not planned for.
-  stats = (device.memory_stats() or {}) if device.platform != "cpu" else {}
-  return choose_strategy(
-    model,
-    inter,
-    intra,
-    max(1, batch_size // (inter * intra)),
-    micro_batches,
-    seq_len,
-    itemsize,
-    profile,
-    params=params,
-    trainable=trainable,
-    device_memory=stats.get("bytes_limit"),
-    collectives=collectives,
-    remat=remat,
-    fused_attention=fused_attention,
-  )
 
 
 def run_probe(

@@ -40,6 +40,13 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig(StepConfig):
   steps: int = option(50, "optimizer steps of the whole run")
+  compile_top: int = option(
+    3,
+    "with --strategy auto on H100/H200 GPUs: compile the analytic top K (any within 10%% of "
+    "the first too) for this cluster and take the fastest by XLA's estimate of the compiled "
+    "step; 0: the analytic pick alone (default %(default)s)",
+    metavar="K",
+  )
   seed: int = option(0, "of the initial weights and the batches")
   lr: float = option(3e-3, "peak learning rate (AdamW)")
   warmup: int = option(10, "steps of linear warmup, then cosine decay")
@@ -155,7 +162,7 @@ class RunConfig(StepConfig):
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if isinstance(self.data, str):
       object.__setattr__(self, "data", (self.data,))
-    for name in ("checkpoint_every", "eval_every", "progress_timeout"):
+    for name in ("checkpoint_every", "eval_every", "progress_timeout", "compile_top"):
       if getattr(self, name) < 0:
         raise ValueError(
           f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"

@@ -35,7 +35,7 @@ from paro_jax.core.mesh import make_mesh
 from paro_jax.core import collectives as comm
 from paro_jax.core.names import AUTO_COLLECTIVES
 from paro_jax.analysis.hardware import mfu
-from paro_jax.analysis.probe import auto_strategy
+from paro_jax.analysis.auto import auto_strategy
 from paro_jax.core.strategy import parse_strategy
 
 METRICS = "metrics.jsonl"
@@ -54,21 +54,20 @@ def build(cfg: RunConfig):
     print(f"paro-jax: --attention {why}: {attention}", flush=True)
   model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora(), attention)
   collectives, _ = comm.resolve(cfg.collectives, platform, processes)
-  if auto:  # probe this mesh and take the planner's pick (paro_jax/analysis/planner.py)
-    name, why = auto_strategy(
+  if auto:  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/auto.py)
+    name, why, table = auto_strategy(
       mesh,
+      cfg,
       model_cfg,
-      cfg.micro_batches,
-      cfg.batch_size,
-      cfg.seq_len,
-      jnp.dtype(DTYPES[cfg.dtype]).itemsize,
       model.param_count(),
       model.trainable_count(),
       collectives,
-      cfg.remat != "none",
-      attention == "cudnn",
+      attention,
+      cfg.compile_top,
     )
     if jax.process_index() == 0:
+      if table:
+        print(table, flush=True)
       print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
     strategy = parse_strategy(name)
   check_fits(cfg, model, strategy, *mesh.devices.shape, attention, jax.local_devices())

@@ -75,3 +75,49 @@ def test_table_shows_xla_and_repriced_steps_beside_the_analytic_rank():
   assert row[7] == str(order.index(other) + 1)
   assert row[9:] == ["30.0", "GB"]
   assert lines[-1] == f"pick by XLA's estimate: {other} (differs from the analytic {p.pick})"
+
+
+# --- `train --strategy auto` on GPUs (analysis/auto.py) -----------------------------------------
+def _tiny_plan():
+  """The plan `train --strategy auto` makes for tiny on a probed 2x4 mesh of 80 GB devices."""
+  profile = {"flop_per_s": 400e12, "collectives": {}}
+  p = planner.plan_for_profile(get_config("tiny"), 2, 4, 1, 2, 64, 2, profile, device_memory=80e9)
+  assert p.pick is not None and p.inputs["device_memory_bytes"] == 80e9
+  return p
+
+
+def test_auto_on_a_gpu_without_xla_times_keeps_the_analytic_pick():
+  from paro_jax.analysis import auto
+
+  p = _tiny_plan()
+  for kind, reason in [
+    ("NVIDIA A100-SXM4-80GB", "no time-based estimator for compute capability 8.0"),
+    ("Tesla T4", "no --target describes a Tesla T4"),
+  ]:
+    pick, why, table = auto.check_by_xla(p, [], kind, None, 3)
+    assert (pick, table) == (p.pick, None) and reason in why, why
+  pick, why, table = auto.check_by_xla(p, [], "NVIDIA H100 80GB HBM3", None, 0)
+  assert (pick, table) == (p.pick, None) and why.startswith("--compile-top 0: the analytic pick")
+
+
+def test_auto_on_h100_compiles_the_runs_step_and_picks_by_xla(monkeypatch):
+  """On an H100 (its device_kind), the candidates are compiled for the run's own step by
+  `inspect --target h100` and the fastest by XLA's estimate is taken: one compile here."""
+  from paro_jax.analysis import auto
+  from paro_jax.run.config import RunConfig
+
+  monkeypatch.setattr(plan_compile, "WITHIN", 0.0)  # the top 1 alone: one compile
+  p = _tiny_plan()
+  step = RunConfig(strategy="auto", micro_batches=2, batch_size=8, seq_len=64, lora_rank=2)
+  flags = auto.run_step_flags(step, (2, 4), "xla", "xla")
+  pick, why, table = auto.check_by_xla(p, flags, "NVIDIA H100 80GB HBM3", 100e9, 1)
+  (compiled,) = [c for c in plan_compile.candidates(p, 1)]
+  assert pick == compiled, why
+  assert why.startswith("fastest by XLA's estimate of the compiled step for h100 at 100 Gbit/s")
+  assert f"(analytic pick {p.pick})" in why
+  rows = [line.split() for line in table.splitlines() if line.split()[:2] == ["1", pick]]
+  assert len(rows) == 1 and float(rows[0][2]) > 0  # XLA's step time, in the table
+  assert auto.inter_node_bits_per_s(
+    {"collectives": {"all_gather": {"inter": {"bandwidth": 3.125e9}}}}, 4
+  ) == pytest.approx(100e9)  # 4 devices of a node at 3.125 GB/s each: 100 Gbit/s
+  assert auto.inter_node_bits_per_s({"collectives": {}}, 4) is None
