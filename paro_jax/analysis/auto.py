@@ -32,6 +32,7 @@ from paro_jax.analysis.probe import QUICK_SIZES, probe
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import ALL_GATHER, LEVEL_INTER
 from paro_jax.core.strategy import VALID_NAMES
+from paro_jax.core.units import COMPUTE_DTYPE_BYTES
 
 # A GPU's device_kind (e.g. "NVIDIA H100 80GB HBM3") -> the `inspect --target` that describes it.
 TARGET_OF_KIND = (("H100", "h100"), ("H200", "h200"), ("A100", "a100-80gb"))
@@ -115,7 +116,7 @@ def auto_strategy(
   # host memory is not planned for.
   gpu = device.platform != "cpu"
   stats = (device.memory_stats() or {}) if gpu else {}
-  itemsize = 2 if cfg.dtype == "bf16" else 4
+  itemsize = COMPUTE_DTYPE_BYTES[cfg.dtype]
   plan = planner.plan_for_profile(
     model_cfg,
     inter,
@@ -132,7 +133,7 @@ def auto_strategy(
     remat=cfg.remat != "none",
     fused_attention=attention == "cudnn",
     wire=cfg.wire(),
-    grad_itemsize=4 if cfg.grad_dtype == "fp32" else itemsize,
+    grad_itemsize=cfg.grad_itemsize(itemsize),
   )
   if plan.pick is None:
     raise ValueError(f"--strategy auto: {plan.explain}")

@@ -80,6 +80,10 @@ class WireOptions:
   def wire(self) -> WireConfig:
     return WireConfig(self.inter_params, self.inter_grads, self.int8_block)
 
+  def grad_itemsize(self, compute_itemsize: int) -> int:
+    """Bytes per gradient element accumulated and synced: fp32's, or the compute dtype's."""
+    return 4 if self.grad_dtype == "fp32" else compute_itemsize
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepConfig(WireOptions):

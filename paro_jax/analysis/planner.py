@@ -245,14 +245,6 @@ def plan_for_profile(
   return plan(w, cluster, inputs)
 
 
-def choose_strategy(*args, **kwargs) -> tuple[str, str]:
-  """The pick and its reason of `plan_for_profile`; ValueError when nothing fits."""
-  p = plan_for_profile(*args, **kwargs)
-  if p.pick is None:
-    raise ValueError(f"--strategy auto: {p.explain}")
-  return p.pick, p.explain
-
-
 def run_plan(cfg: PlanConfig) -> Plan:
   """`paro-jax plan`: build the inputs from the command line's strings, plan, print.
 
@@ -304,7 +296,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
     max(1, round(cfg.trainable_fraction * psi)),
     itemsize,
     wire=cfg.wire(),
-    grad_itemsize=4 if cfg.grad_dtype == "fp32" else itemsize,
+    grad_itemsize=cfg.grad_itemsize(itemsize),
     # the plan is for GPUs: --attention as a run on them resolves it
     fused_attention=resolve_attention(
       cfg.attention, "cuda", "bfloat16" if itemsize == 2 else "float32", model_cfg.head_dim

@@ -304,10 +304,10 @@ def test_probe_measures_every_collective_and_level(tmp_path):
   path = tmp_path / "probe.json"
   write_profile(profile, str(path))
   assert len(planner.measured_links(planner.load_profile(str(path)))) == 9
-  name, why = planner.choose_strategy(
+  p = planner.plan_for_profile(
     get_config("tiny"), 2, 4, 1, 2, 64, 4, planner.load_profile(str(path))
   )
-  assert name in VALID_NAMES and name in why
+  assert p.pick in VALID_NAMES and p.pick in p.explain
 
 
 def test_fit_line():
