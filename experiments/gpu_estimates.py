@@ -501,6 +501,13 @@ def exposed_section(results: dict) -> list[str]:
   return out
 
 
+def _a_range(needs: list[int | None]) -> str:
+  """The range of `a_for_exposed` results; None (none up to 4096) as more than 4096."""
+  found = [n for n in needs if n is not None]
+  high = "more than 4096" if None in needs or not found else str(max(found))
+  return f"{min(found)}-{high}" if found else high
+
+
 def bound_section(args, results: dict) -> list[str]:
   """For the pick of `plan --compile-top` at 100 Gbit/s per node on 4 and 16 nodes: XLA's exposed
   communication beside what no schedule of the same traffic avoids (exposed_at_least)."""
@@ -517,7 +524,7 @@ def bound_section(args, results: dict) -> list[str]:
     )
     need = a_for_exposed(ph, a, e["compute_s"])
     shares.append(low / (e["compute_s"] + low))
-    needs.append(need or 4097)
+    needs.append(need)
     rows.append(
       f"| {key} | {pick} | {e['step_s']:.3f} | {e['exposed_comm_s']:.3f} "
       f"({e['exposed_comm_s'] / e['step_s']:.0%}) | {ph['micro_batches_s']:.3f} | "
@@ -551,7 +558,7 @@ def bound_section(args, results: dict) -> list[str]:
     f"In all {len(rows)} cells the bound alone is {min(shares):.0%}-{max(shares):.0%} of the "
     "shortest step, so no order of the same collectives brings the exposed communication to 10%: "
     "the inter-node bytes of the boundary syncs are what holds these steps back, not XLA's "
-    f"schedule. 10% would take {min(needs)}-{max(needs)} micro-batches per step at these links "
+    f"schedule. 10% would take {_a_range(needs)} micro-batches per step at these links "
     "(the boundary syncs then hide behind that much more compute), or fewer bytes across nodes "
     "(`--inter-grads int8 --inter-params int8`: docs/collectives.md).",
   ]
