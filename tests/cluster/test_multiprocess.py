@@ -527,19 +527,25 @@ def test_watchdog_exits_a_process_without_progress(capsys):
   assert "the last step this process finished: 7" in err
 
 
-def test_peer_lost_names_the_process_and_its_last_step():
+@pytest.mark.parametrize(
+  "reason",
+  [
+    "Connection closed by peer [10.77.0.2]:1228",  # the peer's socket closed (FIN)
+    "Read error [10.77.0.2]:65212: Connection reset by peer",  # data was in flight to it (RST)
+  ],
+)
+def test_peer_lost_names_the_process_and_its_last_step(reason):
   """A collective failing because a peer is gone (a SIGKILLed task under srun): one line naming
   this process, its last finished step and the transport's reason, without gloo's source path."""
   from paro_jax.cluster import watch
 
   watch.finished(41)
   error = RuntimeError(
-    "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] "
-    "Connection closed by peer [10.77.0.2]:1228"
+    f"UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] {reason}"
   )
   line = str(watch.peer_lost(error, 0, 2))
   assert line.startswith("process 0 of 2: a collective failed after step 41, the last step ")
-  assert "(Gloo all-reduce failed: Connection closed by peer [10.77.0.2]:1228)" in line
+  assert f"(Gloo all-reduce failed: {reason})" in line
   assert "pair.cc" not in line and "UNKNOWN" not in line and "\n" not in line
   assert line.endswith("Run again with --resume: it continues from the newest checkpoint")
 
