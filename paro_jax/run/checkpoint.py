@@ -174,9 +174,10 @@ class Checkpointer:
     # A background save that failed raises here, at the start of the next one.
     with self._errors_as_checkpoint_error():
       self._manager.wait_until_finished()
+      self._saving = None  # the previous save is complete: an error from here on is this one's
       self._rotate()  # once the previous save is complete: it counts among the newest
-      self._manager.save(meta.step, args=args, force=True)
       self._saving = meta.step
+      self._manager.save(meta.step, args=args, force=True)
 
   def writing(self) -> int | None:
     """The step being written in the background right now, if any."""

@@ -320,6 +320,31 @@ def test_full_disk_keeps_the_previous_checkpoint(saved_iig, small_disk):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_save_failing_as_it_starts_names_its_own_step(saved_iig, tmp_path, monkeypatch):
+  """A save that fails before its background write begins (orbax raising from `save` itself)
+  is that step's failure, not the previous, complete one's: the message names the new step and
+  the previous checkpoint as intact."""
+  engine = make_engine("IIG", make_mesh(2, 4))
+  state, _ = Checkpointer(saved_iig[0]).restore(engine)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(state, meta_for(engine, int(state.step)))
+  ckpt.wait()
+  first = int(state.step)
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(ckpt._manager, "save", full)
+  later = state.__class__(state.step + 2, state.master, state.opt_state)
+  with pytest.raises(CheckpointError) as e:
+    ckpt.save(later, meta_for(engine, first + 2))
+  where = os.path.join(ckpt.directory, str(first + 2))
+  assert str(e.value).startswith(f"the disk is full: could not write checkpoint {where}; ")
+  assert f"the previous checkpoint (step {first}) is intact; steps {first + 1}-{first + 2} " in (
+    str(e.value)
+  )
+
+
 def test_full_disk_is_one_line(small_disk, capfd):
   """Through the CLI: exit 2 and one line naming the full disk and the intact step, no
   traceback (orbax logs one per writer thread)."""
