@@ -49,8 +49,16 @@ from experiments.pages import machine_line, utc_now, write_page
 
 # The trajectory: compress_parity's setting (tiny 300 steps, bf16 compute), one seed.
 SETTING = dict(
-  model="tiny", dtype="bf16", micro_batches=2, batch_size=16, seq_len=64, steps=300, lr=3e-3,
-  warmup=10, seed=1, nodes=2,
+  model="tiny",
+  dtype="bf16",
+  micro_batches=2,
+  batch_size=16,
+  seq_len=64,
+  steps=300,
+  lr=3e-3,
+  warmup=10,
+  seed=1,
+  nodes=2,
 )
 BLOCKS = (8, 16, 32, 64, 256)
 ROUNDINGS = ("nearest", "stochastic")
@@ -97,9 +105,7 @@ def tree_roundtrip(tree, block: int, rounding: str, key=None, keep=()):
     keys = [None] * len(leaves)
     if key is not None:
       keys = list(jax.random.split(jax.random.fold_in(key, i), len(leaves)))
-    out[part] = treedef.unflatten(
-      [roundtrip(w, block, rounding, k) for w, k in zip(leaves, keys)]
-    )
+    out[part] = treedef.unflatten([roundtrip(w, block, rounding, k) for w, k in zip(leaves, keys)])
   return out
 
 
@@ -108,7 +114,10 @@ def rel(a, b) -> float:
   import jax
   import jax.numpy as jnp
 
-  num = sum(jnp.sum((x - y).astype(jnp.float32) ** 2) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  num = sum(
+    jnp.sum((x - y).astype(jnp.float32) ** 2)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
   den = sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in jax.tree.leaves(b))
   return float(jnp.sqrt(num / den))
 
@@ -297,28 +306,48 @@ def run(setting: dict, blocks) -> dict:
   grads = []
   for c in gchoices:
     num, den = sq(q_sum[c], g_sum)
-    grads.append({
-      "block": c[0], "rounding": c[1], "error_feedback": c[2], "name": name_of(c),
-      "step_error": mean(gstats[c]["step"]), "sum_error": float(jnp.sqrt(num / den)),
-      "update_error": mean(gstats[c]["update"]),
-      "loss_delta_rel": mean(np.array(gstats[c]["loss"]) / exact_after),
-      "loss_delta_max_rel": float(np.max(np.abs(np.array(gstats[c]["loss"]) / exact_after))),
-    })
+    grads.append(
+      {
+        "block": c[0],
+        "rounding": c[1],
+        "error_feedback": c[2],
+        "name": name_of(c),
+        "step_error": mean(gstats[c]["step"]),
+        "sum_error": float(jnp.sqrt(num / den)),
+        "update_error": mean(gstats[c]["update"]),
+        "loss_delta_rel": mean(np.array(gstats[c]["loss"]) / exact_after),
+        "loss_delta_max_rel": float(np.max(np.abs(np.array(gstats[c]["loss"]) / exact_after))),
+      }
+    )
   params_rows = []
   base = mean(bf16_err)
   for c in pchoices:
     st = pstats[c]
-    params_rows.append({
-      "block": c[0], "rounding": c[1], "delta": c[2], "bf16_parts": list(c[3]), "name": name_of(c),
-      "weight_error": mean(st["weights"]), "vs_bf16": mean(st["weights"]) / base,
-      "parts_vs_bf16": {p: mean(st["parts"][p]) / mean(bf16_parts[p]) for p in PARTS},
-      "loss_delta": mean(st["loss"]), "loss_delta_rel": mean(np.array(st["loss"]) / exact_loss),
-      "loss_delta_max_rel": float(np.max(np.abs(np.array(st["loss"]) / exact_loss))),
-    })
+    params_rows.append(
+      {
+        "block": c[0],
+        "rounding": c[1],
+        "delta": c[2],
+        "bf16_parts": list(c[3]),
+        "name": name_of(c),
+        "weight_error": mean(st["weights"]),
+        "vs_bf16": mean(st["weights"]) / base,
+        "parts_vs_bf16": {p: mean(st["parts"][p]) / mean(bf16_parts[p]) for p in PARTS},
+        "loss_delta": mean(st["loss"]),
+        "loss_delta_rel": mean(np.array(st["loss"]) / exact_loss),
+        "loss_delta_max_rel": float(np.max(np.abs(np.array(st["loss"]) / exact_loss))),
+      }
+    )
   return {
-    "setting": s, "blocks": list(blocks), "eval_steps": steps_eval, "exact_eval_loss": exact_loss,
-    "bf16_weight_error": base, "bf16_parts": {p: mean(bf16_parts[p]) for p in PARTS},
-    "grads": grads, "params": params_rows, "wall_s": round(time.perf_counter() - start, 1),
+    "setting": s,
+    "blocks": list(blocks),
+    "eval_steps": steps_eval,
+    "exact_eval_loss": exact_loss,
+    "bf16_weight_error": base,
+    "bf16_parts": {p: mean(bf16_parts[p]) for p in PARTS},
+    "grads": grads,
+    "params": params_rows,
+    "wall_s": round(time.perf_counter() - start, 1),
   }
 
 
@@ -340,7 +369,9 @@ def findings(record: dict) -> dict:
   plain = find(p, block=d, rounding="nearest", delta=False, bf16_parts=[])
   sr_delta = find(p, block=d, rounding="stochastic", delta=True, bf16_parts=[])
   keep = find(p, block=d, rounding="nearest", delta=False, bf16_parts=["embed", "head"])
-  plain_rows = [r for r in p if r["rounding"] == "nearest" and not r["delta"] and not r["bf16_parts"]]
+  plain_rows = [
+    r for r in p if r["rounding"] == "nearest" and not r["delta"] and not r["bf16_parts"]
+  ]
   return {
     "block": d,
     "ef_sum_gain": noef["sum_error"] / ef["sum_error"],
@@ -393,7 +424,8 @@ def report(record: dict, argv) -> str:
     "after the step from g, from the same state, relative, mean over the eval points, and the "
     "largest |relative| one.",
     "",
-    "| block | rounding | error feedback | step error | sum error | update error | loss | max loss |",
+    "| block | rounding | error feedback | step error | sum error | update error | loss "
+    "| max loss |",
     "|---:|---|---|---:|---:|---:|---:|---:|",
   ]
   for r in record["grads"]:
@@ -412,7 +444,8 @@ def report(record: dict, argv) -> str:
     f"{len(record['eval_steps'])} eval points (step 1 and every {EVAL_EVERY}th), and the "
     "largest |relative| one.",
     "",
-    "| block | rounding | sync | embed, head | weights / bf16 | embed | layers | head | loss | max loss |",
+    "| block | rounding | sync | embed, head | weights / bf16 | embed | layers | head | loss "
+    "| max loss |",
     "|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
   ]
   for r in record["params"]:

@@ -116,8 +116,10 @@ def test_docs_quote_the_page(record):
     assert "under 0.005%" in " ".join(text.split())
   docs = " ".join(docs.split())
   assert f"about {f['ef_sum_gain']:.0f}x closer than without feedback" in docs
-  assert f"1e-4" in docs and 0.5e-4 <= f["ef_sum_error"] < 1.5e-4
+  assert "1e-4" in docs and 0.5e-4 <= f["ef_sum_error"] < 1.5e-4
   assert f"{f['plain_vs_bf16']:.1f}x that, {ie.PART_NAMES[f['worst_part']]} the worst" in docs
   assert f"({f['sr_step_cost']:.1f}x a step's gradient error, {f['sr_update_cost']:.1f}x" in docs
-  assert f"block {f['finest']} would cut a step's gradient error {f['finest_step_gain']:.1f}x" in docs
+  assert (
+    f"block {f['finest']} would cut a step's gradient error {f['finest_step_gain']:.1f}x" in docs
+  )
   assert f["delta_vs_bf16"] < 1.01  # "within bf16's own rounding"
