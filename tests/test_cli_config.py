@@ -170,3 +170,35 @@ def test_plan_config_gpu_any_case_and_target_sets_it():
   assert PlanConfig(nodes=2, gpu=" H100 ").gpu == "h100"
   # with --target the GPU is the target's: a --gpu the planner does not know is not checked
   assert PlanConfig(nodes=2, target="h100", gpu="tpu").target == "h100"
+
+
+def test_plan_step_flags_parse_back_to_the_plans_workload():
+  """`plan --target` compiles the plan's workload (analysis/plan_compile.py plan_step_flags,
+  through step_flags): `inspect` parses its flags back to the plan's inputs."""
+  from paro_jax.analysis import plan_compile, planner
+  from paro_jax.analysis.config import PlanConfig
+
+  plan = planner.run_plan(
+    PlanConfig(
+      model="7b",
+      nodes=2,
+      devices_per_node=8,
+      micro_batches=4,
+      seq_len=512,
+      dtype="fp32",
+      inter_params="int8",
+      inter_grads="bf16",
+      int8_block=64,
+      grad_dtype="fp32",
+    )  # fmt: skip
+  )
+  inputs = plan.inputs
+  args = cli.build_parser().parse_args(["inspect", *plan_compile.plan_step_flags(inputs, "xla")])
+  parsed = cli.config_of(args, InspectConfig, mesh=cli.parse_mesh_shape(args.mesh))
+  assert parsed.mesh == (inputs["nodes"], inputs["devices_per_node"]) == (2, 8)
+  assert parsed.batch_size == inputs["micro_batch"] * 16 and parsed.attention == "xla"
+  for name in ("model", "collectives", "micro_batches", "seq_len", "dtype", "inter_params"):
+    assert getattr(parsed, name) == inputs[name], name
+  for name in ("inter_grads", "int8_block", "grad_dtype"):
+    assert getattr(parsed, name) == inputs[name], name
+  assert (parsed.micro_batches, parsed.seq_len, parsed.int8_block) == (4, 512, 64)

@@ -20,6 +20,7 @@ import sys
 import time
 
 from paro_jax.analysis import gpu  # no jax at import
+from paro_jax.analysis import config  # no jax
 from paro_jax.core.units import human_bytes
 
 WITHIN = 0.10
@@ -55,15 +56,22 @@ def candidates(plan, k: int) -> list[str]:
 
 def plan_step_flags(inputs: dict, attention: str) -> list[str]:
   """The plan's workload as `paro-jax inspect` flags (all but --strategy)."""
-  devices = inputs["nodes"] * inputs["devices_per_node"]
-  return [
-    "--mesh", f"{inputs['nodes']}x{inputs['devices_per_node']}", "--model", inputs["model"],
-    "--collectives", inputs["collectives"], "--micro-batches", str(inputs["micro_batches"]),
-    "--batch-size", str(inputs["micro_batch"] * devices), "--seq-len", str(inputs["seq_len"]),
-    "--dtype", inputs["dtype"], "--attention", attention,
-    "--inter-params", inputs["inter_params"], "--inter-grads", inputs["inter_grads"],
-    "--int8-block", str(inputs["int8_block"]), "--grad-dtype", inputs["grad_dtype"],
-  ]  # fmt: skip
+  nodes, per_node = inputs["nodes"], inputs["devices_per_node"]
+  step = config.StepConfig(
+    model=inputs["model"],
+    mesh=(nodes, per_node),
+    collectives=inputs["collectives"],
+    micro_batches=inputs["micro_batches"],
+    batch_size=inputs["micro_batch"] * nodes * per_node,
+    seq_len=inputs["seq_len"],
+    dtype=inputs["dtype"],
+    attention=attention,
+    inter_params=inputs["inter_params"],
+    inter_grads=inputs["inter_grads"],
+    int8_block=inputs["int8_block"],
+    grad_dtype=inputs["grad_dtype"],
+  )
+  return config.step_flags(step, strategy=None)
 
 
 def compile_estimate(
