@@ -109,17 +109,20 @@ def tree_roundtrip(tree, block: int, rounding: str, key=None, keep=()):
   return out
 
 
-def rel(a, b) -> float:
-  """|a - b| / |b| over whole trees."""
+def sq_norms(a, b):
+  """(|a - b|^2, |b|^2) over whole trees, in fp32."""
   import jax
   import jax.numpy as jnp
 
-  num = sum(
-    jnp.sum((x - y).astype(jnp.float32) ** 2)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-  )
-  den = sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in jax.tree.leaves(b))
-  return float(jnp.sqrt(num / den))
+  pairs = list(zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  num = sum(jnp.sum((x - y).astype(jnp.float32) ** 2) for x, y in pairs)
+  return num, sum(jnp.sum(y.astype(jnp.float32) ** 2) for _, y in pairs)
+
+
+def rel(a, b, norms=sq_norms) -> float:
+  """|a - b| / |b| over whole trees (`norms`: sq_norms, or a jitted one)."""
+  num, den = norms(a, b)
+  return float(num / den) ** 0.5
 
 
 def _bf16(tree):
@@ -226,10 +229,8 @@ def run(setting: dict, blocks) -> dict:
   def eval_loss(p):
     return jnp.mean(jax.vmap(lambda t: next_token_loss(model.apply(p, t[:, :-1]), t[:, 1:]))(held))
 
-  @jax.jit
-  def sq(a, b):  # (|a - b|^2, |b|^2) over trees
-    d = [jnp.sum((x - y) ** 2) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-    return sum(d), sum(jnp.sum(y**2) for y in jax.tree.leaves(b))
+  sq = jax.jit(sq_norms)
+  rel_ = functools.partial(rel, norms=sq)
 
   grad_fns, param_fns = {}, {}
 
@@ -272,12 +273,11 @@ def run(setting: dict, blocks) -> dict:
       if c in residuals:
         residuals[c] = res
       q_sum[c] = add(q_sum[c], q)
-      num, den = sq(q, g)
-      gstats[c]["step"].append(float(jnp.sqrt(num / den)))
+      gstats[c]["step"].append(rel_(q, g))
       uq, _ = update(params, opt_state, q)
       num, den = sq(uq, u)
       if den > 0:  # the first step's learning rate is 0 (warm-up)
-        gstats[c]["update"].append(float(jnp.sqrt(num / den)))
+        gstats[c]["update"].append(float(num / den) ** 0.5)
       if at_eval:  # the eval loss after this one step from q, against that from g
         gstats[c]["loss"].append(float(eval_loss(bf16(add(params, uq)))) - after)
     # The weights this step computes with: from the master before its update.
@@ -285,17 +285,17 @@ def run(setting: dict, blocks) -> dict:
     if at_eval:
       steps_eval.append(step)
       exact_loss.append(float(eval_loss(w_bf16)))
-      bf16_err.append(rel(w_bf16, params))
+      bf16_err.append(rel_(w_bf16, params))
       for p in PARTS:
-        bf16_parts[p].append(rel(w_bf16[p], params[p]))
+        bf16_parts[p].append(rel_(w_bf16[p], params[p]))
     for c in pchoices:
       w_p = param_fn(c)(params, refs.get(c), pkey)
       if c in refs:
         refs[c] = w_p
       if at_eval:
-        pstats[c]["weights"].append(rel(w_p, params))
+        pstats[c]["weights"].append(rel_(w_p, params))
         for p in PARTS:
-          pstats[c]["parts"][p].append(rel(w_p[p], params[p]))
+          pstats[c]["parts"][p].append(rel_(w_p[p], params[p]))
         pstats[c]["loss"].append(float(eval_loss(w_p)) - exact_loss[-1])
     params = optax.apply_updates(params, u)
     opt_state = new_state
@@ -305,7 +305,6 @@ def run(setting: dict, blocks) -> dict:
   mean = lambda xs: float(np.mean(xs))
   grads = []
   for c in gchoices:
-    num, den = sq(q_sum[c], g_sum)
     grads.append(
       {
         "block": c[0],
@@ -313,7 +312,7 @@ def run(setting: dict, blocks) -> dict:
         "error_feedback": c[2],
         "name": name_of(c),
         "step_error": mean(gstats[c]["step"]),
-        "sum_error": float(jnp.sqrt(num / den)),
+        "sum_error": rel_(q_sum[c], g_sum),
         "update_error": mean(gstats[c]["update"]),
         "loss_delta_rel": mean(np.array(gstats[c]["loss"]) / exact_after),
         "loss_delta_max_rel": float(np.max(np.abs(np.array(gstats[c]["loss"]) / exact_after))),
