@@ -388,12 +388,11 @@ def compile_top(cell: dict) -> dict:
   missing = [c for c in top["candidates"] if c not in cell["xla"]]
   if missing:
     return {"missing": missing}
-  fit = {
-    c: cell["xla"][c]["estimate"]["step_s"]
-    for c in top["candidates"]
-    if _ok(cell["xla"][c]) and cell["xla"][c]["compiled_bytes"] <= top["budget"]
-  }
-  return {"pick": min(fit, key=fit.get), "step_s": min(fit.values())} if fit else {}
+  from paro_jax.analysis.plan_compile import fastest_fitting
+
+  compiled = [dict(cell["xla"][c], strategy=c) for c in top["candidates"] if _ok(cell["xla"][c])]
+  best = fastest_fitting(compiled, top["budget"])
+  return {"pick": best["strategy"], "step_s": best["estimate"]["step_s"]} if best else {}
 
 
 def verdict(s: dict) -> str:

@@ -117,6 +117,17 @@ def check_target(target: str) -> str:
   return key
 
 
+def fastest_fitting(compiled: list[dict], budget_bytes: float) -> dict | None:
+  """The pick among compiled candidates: the shortest step by XLA's estimate whose compiled
+  memory fits `budget_bytes` (None if none does); the first such in `compiled`'s order on a tie."""
+  usable = [
+    c
+    for c in compiled
+    if "error" not in c and c["compiled_bytes"] <= budget_bytes and c["estimate"].get("step_s")
+  ]
+  return min(usable, key=lambda c: c["estimate"]["step_s"], default=None)
+
+
 def rerank(
   plan,
   k: int,
@@ -139,8 +150,8 @@ def rerank(
   for c in compiled:
     if "error" not in c:
       c["fits"] = c["compiled_bytes"] <= budget(plan)
-  usable = [c for c in compiled if "error" not in c and c["fits"] and c["estimate"].get("step_s")]
-  pick = min(usable, key=lambda c: c["estimate"]["step_s"])["strategy"] if usable else None
+  best = fastest_fitting(compiled, budget(plan))
+  pick = best["strategy"] if best else None
   return {
     "target": target,
     "k": k,
