@@ -42,9 +42,10 @@ class RunConfig(StepConfig):
   steps: int = option(50, "optimizer steps of the whole run")
   compile_top: int = option(
     3,
-    "with --strategy auto on H100/H200 GPUs: compile the analytic top K (any within 10%% of "
-    "the first too) for this cluster and take the fastest by XLA's estimate of the compiled "
-    "step; 0: the analytic pick alone (default %(default)s)",
+    "with --strategy auto on H100/H200 GPUs: compile the analytic top K, any within 10%% of "
+    "the first and any faster one the analytic memory rules out by less than 30%% for this "
+    "cluster, and take the fastest by XLA's estimate of the compiled step whose memory fits; "
+    "0: the analytic pick alone (default %(default)s)",
     metavar="K",
   )
   seed: int = option(0, "of the initial weights and the batches")
