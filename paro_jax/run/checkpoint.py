@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import logging
 import os
 import sys
@@ -29,11 +30,13 @@ import warnings
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from jax import lax
 from jax.experimental import multihost_utils
 
 from paro_jax.cluster.agree import Agreement, agreed_steps, local_verdict
 from paro_jax.core.engine import Engine, TrainState
+from paro_jax.run.config import refuse_unsafe_path
 
 STATE, META = "state", "meta"
 CHECKPOINTS = "checkpoints"  # the checkpoint directory inside a run directory (--out)
@@ -131,6 +134,7 @@ class Checkpointer:
     leftovers of a save in flight of a run that is still writing there."""
     if keep < 1:
       raise ValueError(f"keep must be >= 1 (checkpoints to keep), got {keep}")
+    refuse_unsafe_path(str(directory), "checkpoint directory")
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(
       max_to_keep=None,  # rotated here (_rotate), where a protected step is kept
@@ -145,6 +149,8 @@ class Checkpointer:
     self.keep = keep
     self._protected: int | None = None
     self._saving: int | None = None  # the step being written in the background
+    self._arrays = 0  # how many arrays that step holds (its index must list them all)
+    self._agreement: Agreement | None = None  # for the verdict on a save's readability
     # orbax logs through absl's logger (or the root one); asyncio reports each of orbax's write
     # tasks that failed on a full disk once more, at exit
     if not getattr(sys.unraisablehook, "paro_jax", False):
@@ -174,9 +180,10 @@ class Checkpointer:
     # A background save that failed raises here, at the start of the next one.
     with self._errors_as_checkpoint_error():
       self._manager.wait_until_finished()
+      self._check_readable()  # before rotating: a save that cannot be read back replaces nothing
       self._saving = None  # the previous save is complete: an error from here on is this one's
       self._rotate()  # once the previous save is complete: it counts among the newest
-      self._saving = meta.step
+      self._saving, self._arrays = meta.step, len(sums)
       self._manager.save(meta.step, args=args, force=True)
 
   def writing(self) -> int | None:
@@ -193,9 +200,32 @@ class Checkpointer:
     """Block until the background save is complete (raises its error, if it failed)."""
     with self._errors_as_checkpoint_error():
       self._manager.wait_until_finished()
+      self._check_readable()
     self._saving = None
     if not self._read_only:
       self._rotate()
+
+  def _check_readable(self) -> None:
+    """Raise a CheckpointError if the save just completed cannot be read back: its metadata
+    must parse and its array index (the merged OCDBT manifest) must list every array. Process 0
+    looks (its merge is the one that completed); the processes agree on its verdict."""
+    step = self._saving
+    if step is None:
+      return
+    problem = None
+    if jax.process_index() == 0:
+      problem = _unreadable(os.path.join(self.directory, str(step)), self._arrays)
+    if jax.process_count() > 1:
+      self._agreement = self._agreement or Agreement()
+      if not self._agreement.all(problem is None):
+        problem = problem or "process 0 could not read it back"
+    if problem is not None:
+      self._saving = None
+      raise CheckpointError(
+        errno.EIO,
+        f"checkpoint {os.path.join(self.directory, str(step))} was written but cannot be read "
+        f"back ({problem}); the older checkpoints are kept, and a resume will skip this one",
+      )
 
   def _rotate(self) -> None:
     """Delete the complete checkpoints older than the newest `keep`, except the protected one."""
@@ -309,6 +339,22 @@ class Checkpointer:
       multihost_utils.sync_global_devices("paro-jax: damaged checkpoints set aside")
     self._manager.reload()
     return f" (the {why} ones are kept as {', '.join(names)} in {self.directory})"
+
+
+def _unreadable(step_dir: str, arrays: int) -> str | None:
+  """Why a complete save in `step_dir` could not be restored, or None: its metadata JSON must
+  parse, and the index of its arrays (orbax's OCDBT database) must list each of them."""
+  try:
+    with open(os.path.join(step_dir, META, "metadata")) as f:
+      json.load(f)
+    base = {"driver": "file", "path": os.path.join(step_dir, STATE) + "/"}
+    keys = ts.KvStore.open({"driver": "ocdbt", "base": base}).result().list().result()
+  except Exception as e:  # noqa: BLE001 - any failure to read is the answer
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+  listed = sum(k.endswith((b"/.zarray", b"/zarr.json")) for k in keys)
+  if listed != arrays:
+    return f"its array index lists {listed} of its {arrays} arrays"
+  return None
 
 
 def _saved(written, field: str):

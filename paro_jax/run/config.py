@@ -9,13 +9,40 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import warnings
 
 from paro_jax.analysis.config import StepConfig, option
 from paro_jax.run.divergence import MODES, GuardConfig
 
 _GUARD = GuardConfig()
+# Characters the checkpoint library cannot have in a path: orbax finds a save's per-process files
+# with a glob of the directory (`[`, `]`, `*`, `?` are patterns there) and TensorStore reads `\`
+# as an escape; the arrays of such a save are written but can never be read back.
+UNSAFE_PATH_CHARS = "[]*?\\"
 BIN_DTYPE_NAMES = ("uint16", "uint32")  # of .bin token files (run/data.py BIN_DTYPES)
+
+
+def unsafe_path_chars(path: str) -> str:
+  """The characters of `path`'s absolute form that checkpoints cannot live under, in order."""
+  absolute = os.path.abspath(path)
+  return "".join(dict.fromkeys(c for c in absolute if c in UNSAFE_PATH_CHARS))
+
+
+def refuse_unsafe_path(path: str, what: str) -> None:
+  """One line, before anything is written, for a directory whose checkpoints could not be read
+  back (e.g. `--out 'exp[lr=3e-3]'`)."""
+  bad = unsafe_path_chars(path)
+  if not bad:
+    return
+  safe = re.sub(r"-+(/|$)", r"\1", re.sub("[" + re.escape(UNSAFE_PATH_CHARS) + "]+", "-", path))
+  fix = f" (e.g. {safe!r})" if safe != path else " (a directory above it has them)"
+  raise ValueError(
+    f"{what} {path!r}: its path {os.path.abspath(path)} holds {' '.join(bad)}, which the "
+    f"checkpoint library (orbax) reads as glob patterns, so no checkpoint saved there could be "
+    f"read back; pass a path without any of {' '.join(UNSAFE_PATH_CHARS)}{fix}"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +197,7 @@ class RunConfig(StepConfig):
         )
     self.data_config()  # its checks
     self.guard()  # its checks
+    refuse_unsafe_path(self.out, "--out")
     # Last: a run refused for another flag gets its one error line, not this warning first.
     if self.warmup > self.steps:
       warnings.warn(

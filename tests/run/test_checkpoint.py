@@ -530,3 +530,42 @@ def test_a_first_save_on_a_full_disk_is_one_line_saying_what_is_lost(small_disk,
     f"paro-jax: error: the disk is full: could not write checkpoint {small_disk}/run/checkpoints/"
     f"{step}; no earlier checkpoint exists: the {step} steps trained are not saved. Free space"
   ), errors[0]
+
+
+@pytest.mark.parametrize("name", ["exp[lr=3e-3]", "a*b", "run?", "back\\slash"])
+def test_out_with_glob_characters_is_refused_before_training(tmp_path, name, capfd):
+  """orbax globs a save's directory to find its per-process files: under `[...]` it finds none
+  (the arrays are never merged) and under a backslash TensorStore writes elsewhere, so every
+  checkpoint of such a run would be unreadable. The CLI refuses the name before any work."""
+  out = tmp_path / name
+  with pytest.raises(SystemExit) as e:
+    cli.main(["train", "--model", "test", "--mesh", "2x4", "--steps", "2", "--out", str(out)])
+  err = capfd.readouterr().err
+  assert e.value.code == 2 and not out.exists()
+  lines = [line for line in err.splitlines() if "error" in line]
+  assert len(lines) == 1 and "glob patterns" in lines[0] and "--out" in lines[0], err
+  with pytest.raises(ValueError, match="checkpoint directory .* glob patterns"):
+    Checkpointer(str(out / "checkpoints"))
+
+
+def test_a_save_that_cannot_be_read_back_replaces_nothing(saved_iig, tmp_path, monkeypatch):
+  """Were such a name to get through (the check in RunConfig and Checkpointer bypassed), the
+  save is found unreadable when it completes: one CheckpointError, and the older checkpoint is
+  not rotated away."""
+  monkeypatch.setattr("paro_jax.run.checkpoint.refuse_unsafe_path", lambda *a: None)
+  engine = make_engine("IIG", make_mesh(2, 4))
+  state, _ = Checkpointer(saved_iig[0]).restore(engine)
+  directory = str(tmp_path / "exp[a]" / "ckpt")
+  ckpt = Checkpointer(directory, keep=1)
+  ckpt.save(state, meta_for(engine, 2))
+  with pytest.raises(CheckpointError, match="was written but cannot be read back") as e:
+    ckpt.wait()
+  assert "array index lists 0 of" in str(e.value) and str(directory) in str(e.value)
+  # A readable save still rotates normally, and a readable one is not flagged.
+  good = Checkpointer(str(tmp_path / "good"), keep=1)
+  good.save(state, meta_for(engine, 2))
+  good.wait()
+  state3, _ = engine.train_step(state, engine.shard_batch(batch(2)))
+  good.save(state3, meta_for(engine, 3))
+  good.close()
+  assert good.steps() == [3]
