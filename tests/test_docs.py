@@ -7,6 +7,7 @@ prints (experiments/docs_samples.py). The checkers are shown to fail on syntheti
 """
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -24,6 +25,7 @@ from tests.docs_claims import ROOT, markdown_table
 HEADLINE = ROOT / "experiments/results/strategies_headline/README.md"
 PLANNER_HEADLINE = ROOT / "experiments/results/planner_headline/validate.md"
 GPU_ESTIMATES = ROOT / "experiments/results/gpu_estimates/README.md"
+INT8_ERROR = ROOT / "experiments/results/int8_error/error.json"
 LINK_BOUND = ("infiniband", "paper_cloud", "commodity")
 
 
@@ -281,6 +283,48 @@ def test_planner_grid_is_the_gpu_estimates_page():
   quoted = f"in {below.group(1)} of the {below.group(2)} "
   for doc in ("README.md", "docs/gpu.md", "docs/planner.md"):
     assert quoted in _flat(_read(doc)).replace("grid's ", ""), doc
+
+
+def test_int8_error_figures_are_the_error_page():
+  """What docs/collectives.md, README.md and the parity page say int8 does to one step, derived
+  again from the record of experiments/results/int8_error/ (block 32, round to nearest: the
+  defaults)."""
+  record = json.loads(INT8_ERROR.read_text())
+  grads, params = record["grads"], record["params"]
+
+  def row(rows, **want):
+    return next(r for r in rows if all(r[k] == v for k, v in want.items()))
+
+  ef, noef, sr_ef, sr_noef = (
+    row(grads, block=32, rounding=rounding, error_feedback=feedback)
+    for rounding in ("nearest", "stochastic")
+    for feedback in (True, False)
+  )
+  delta, plain = (
+    row(params, block=32, rounding="nearest", delta=d, bf16_parts=[]) for d in (True, False)
+  )
+  finest = min(record["blocks"])
+  finest_row = row(grads, block=finest, rounding="nearest", error_feedback=True)
+  finest_gain = ef["step_error"] / finest_row["step_error"]
+  worst = max(plain["parts_vs_bf16"], key=plain["parts_vs_bf16"].get)
+  part = {"embed": "the embedding", "layers": "the layers", "head": "the head"}[worst]
+  assert max(ef["loss_delta_max_rel"], delta["loss_delta_max_rel"]) < 0.00005
+  for doc in ("docs/collectives.md", "README.md", "experiments/results/compress_parity/README.md"):
+    assert "under 0.005%" in _flat(_read(doc)), doc
+  assert 0.5e-4 <= ef["sum_error"] < 1.5e-4 and delta["vs_bf16"] < 1.01  # "1e-4", "within bf16"
+  expected = [
+    "exact sum within about 1e-4",
+    f"about {noef['sum_error'] / ef['sum_error']:.0f}x closer than without feedback",
+    f"{plain['vs_bf16']:.1f}x that, {part} the worst",
+    f"({sr_noef['step_error'] / noef['step_error']:.1f}x a step's gradient error, "
+    f"{sr_ef['update_error'] / ef['update_error']:.1f}x",
+    f"block {finest} would cut a step's gradient error {finest_gain:.1f}x",
+  ]
+  docs = _flat(_read("docs/collectives.md"))
+  missing = [e for e in expected if e not in docs]
+  assert not missing, "docs/collectives.md no longer quotes the int8 error page:\n" + "\n".join(
+    missing
+  )
 
 
 def test_sample_outputs_are_what_the_code_prints():

@@ -1,6 +1,6 @@
-"""The results page's exposed-communication bound (experiments/gpu_estimates.py bound_section),
-derived again by hand for two picks: NNI's gradient all-reduce across nodes and IIG's gradient
-reduce-scatter plus parameter all-gather across nodes."""
+"""The results page's exposed-communication bound (bound_section of
+experiments/gpu_estimates_page.py), derived again by hand for two picks: NNI's gradient
+all-reduce across nodes and IIG's gradient reduce-scatter plus parameter all-gather across nodes."""
 
 import math
 import pathlib
