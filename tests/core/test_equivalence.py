@@ -115,6 +115,25 @@ def test_tied_embeddings_equal_single_device(tied_setup, strategy):
   assert_trees_close(params, ref_params, atol=2e-5)
 
 
+@pytest.mark.parametrize("strategy,collectives", [("IIG", "xla"), ("GGG", "horing")])
+def test_tied_embeddings_with_sync_in_backward(tied_setup, strategy, collectives):
+  """The GPUs' program, on XLA's collectives and on the rings: the table's gradient (both uses)
+  waits for the boundary sync like an untied embedding's."""
+  batches, params0, ref_losses, ref_params = tied_setup
+  losses, params, engine, _ = run_engine(
+    strategy,
+    (2, 4),
+    batches,
+    params0,
+    collectives=collectives,
+    cfg=TIED,
+    program=StepProgram.SYNC_IN_BACKWARD,
+  )
+  assert engine.program is StepProgram.SYNC_IN_BACKWARD
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(params, ref_params, atol=2e-5)
+
+
 def test_tied_reference_moves_the_table(tied_setup):
   _, params0, _, params = tied_setup
   moved = np.abs(params["embed"]["embedding"] - params0["embed"]["embedding"]).mean()
