@@ -150,6 +150,22 @@ def test_lora_beside_a_tied_table(strategy):
       np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
 
 
+def test_checkpoints_from_before_tied_tables_still_resume():
+  """A checkpoint records the model config; one written before `rope_scaling` and
+  `tie_embeddings` existed reads back with their defaults, and a tied one is not an untied one."""
+  from types import SimpleNamespace
+
+  from paro_jax.run.checkpoint import check_model
+
+  old = dataclasses.asdict(UNTIED)
+  del old["rope_scaling"], old["tie_embeddings"]
+  engine = SimpleNamespace(model=Llama(UNTIED))
+  recorded = lambda config: SimpleNamespace(model_config=config, lora=None, model_name="m")
+  check_model(recorded(old), engine, "m", "ckpt/2")
+  with pytest.raises(ValueError, match="tie_embeddings: True vs False"):
+    check_model(recorded(dataclasses.asdict(CFG)), engine, "m", "ckpt/2")
+
+
 # --- a run: --init-from a tied directory, resume resharded, export --------------------------
 RUN = {"batch_size": 8, "seq_len": 16, "dtype": "fp32", "warmup": 1, "init_from": FIXTURE}
 
