@@ -18,6 +18,40 @@ CONFIG = "config.json"  # an HF model directory's config file
 LAYERS = "layers"
 
 
+# RoPE scalings we run, as transformers names them (`rope_type`): the reference semantics are
+# transformers' modeling_rope_utils.py (`_compute_linear_scaling_rope_parameters`,
+# `_compute_llama3_parameters`); models/llama.py `inverse_frequencies` computes them.
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A RoPE frequency scaling. `linear` divides every frequency by `factor`; `llama3` (Llama
+  3.1+) divides the low frequencies (wavelength above original/low_freq_factor) by `factor`,
+  keeps the high ones (below original/high_freq_factor) and interpolates between the two."""
+
+  kind: str  # one of ROPE_SCALINGS
+  factor: float
+  low_freq_factor: float = 1.0  # llama3 only
+  high_freq_factor: float = 4.0  # llama3 only
+  original_max_position_embeddings: int = 8192  # llama3 only: the pre-training context
+
+  def __post_init__(self):
+    if self.kind not in ROPE_SCALINGS:
+      raise ValueError(
+        f"RoPE scaling {self.kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)}"
+      )
+    if not self.factor > 0:
+      raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
+    if self.kind == "llama3" and not (
+      0 < self.low_freq_factor < self.high_freq_factor and self.original_max_position_embeddings > 0
+    ):
+      raise ValueError(
+        f"llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor and a positive "
+        f"original_max_position_embeddings, got {self}"
+      )
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   vocab: int = 256
@@ -30,6 +64,9 @@ class LlamaConfig:
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-5
   init_std: float = 0.02
+  rope_scaling: RopeScaling | None = None  # None: plain RoPE
+  # The output head is the embedding table (HF's tie_word_embeddings): one parameter, two uses.
+  tie_embeddings: bool = False
 
   def __post_init__(self):
     for field in ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp"):
@@ -42,6 +79,8 @@ class LlamaConfig:
       )
     if self.head_dim % 2:
       raise ValueError(f"LlamaConfig: head_dim ({self.head_dim}) must be even for RoPE")
+    if isinstance(self.rope_scaling, dict):  # as read back from JSON (a checkpoint's metadata)
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
   def layer_param_count(self) -> int:
     """Parameters of one transformer layer: attention, MLP and the two norms."""
@@ -49,16 +88,37 @@ class LlamaConfig:
     return attn + 3 * self.dim * self.mlp + 2 * self.dim
 
   def outer_param_count(self) -> int:
-    """Parameters outside the layer stack: embedding, final norm and the untied head."""
-    return 2 * self.vocab * self.dim + self.dim
+    """Parameters outside the layer stack: the embedding, the final norm and the head's kernel
+    (none when tied: the head is the embedding table, counted once)."""
+    return (1 if self.tie_embeddings else 2) * self.vocab * self.dim + self.dim
 
   def param_count(self) -> int:
     return self.layers * self.layer_param_count() + self.outer_param_count()
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul params + attention scores (forward + backward)."""
-    matmul = self.param_count() - self.vocab * self.dim - (2 * self.layers + 1) * self.dim
+    """Training FLOPs per token: 6 x matmul params + attention scores (forward + backward). The
+    matmuls are the layers' weights and the head's V x D (tied or not); the embedding is a
+    lookup."""
+    matmul = self.layers * (self.layer_param_count() - 2 * self.dim) + self.vocab * self.dim
     return 6 * matmul + 12 * self.layers * self.heads * self.head_dim * seq_len
+
+
+def _llama3(dim: int, layers: int, heads: int, mlp: int, factor: float, tied: bool = False):
+  """A Llama 3.1/3.2 shape: vocabulary 128,256, 8 KV heads, RoPE theta 500,000 with the llama3
+  scaling (low 1, high 4, from 8,192 positions), RMSNorm eps 1e-5."""
+  return LlamaConfig(
+    vocab=128_256,
+    dim=dim,
+    layers=layers,
+    heads=heads,
+    kv_heads=8,
+    head_dim=dim // heads,
+    mlp=mlp,
+    rope_theta=500_000.0,
+    norm_eps=1e-5,
+    rope_scaling=RopeScaling("llama3", factor, 1.0, 4.0, 8192),
+    tie_embeddings=tied,
+  )
 
 
 PRESETS: dict[str, LlamaConfig] = {
@@ -76,6 +136,13 @@ PRESETS: dict[str, LlamaConfig] = {
   "65b": LlamaConfig(
     vocab=32000, dim=8192, layers=80, heads=64, kv_heads=64, head_dim=128, mlp=22016, norm_eps=1e-5
   ),
+  # The Llama 3.1 and 3.2 shapes, as their HF config.json files give them (meta-llama/Llama-3.1-8B
+  # and so on; Llama 3.3 70B is 3.1 70B's): 8.03B, 70.55B, 405.85B, 1.24B, 3.21B parameters.
+  "llama3.1-8b": _llama3(dim=4096, layers=32, heads=32, mlp=14336, factor=8.0),
+  "llama3.1-70b": _llama3(dim=8192, layers=80, heads=64, mlp=28672, factor=8.0),
+  "llama3.1-405b": _llama3(dim=16384, layers=126, heads=128, mlp=53248, factor=8.0),
+  "llama3.2-1b": _llama3(dim=2048, layers=16, heads=32, mlp=8192, factor=32.0, tied=True),
+  "llama3.2-3b": _llama3(dim=3072, layers=28, heads=24, mlp=8192, factor=32.0, tied=True),
 }
 
 
@@ -106,8 +173,17 @@ def get_config(name: str) -> LlamaConfig:
 
 
 # --- HF config.json -------------------------------------------------------------------------
+# transformers' LlamaConfig defaults for fields a config.json may leave out.
+HF_DEFAULT_THETA, HF_DEFAULT_MAX_POSITIONS = 10_000.0, 2048
+
+
 def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
-  """Our LlamaConfig for an HF LLaMA config.json (as a dict); anything we cannot run is an error."""
+  """Our LlamaConfig for an HF LLaMA config.json (as a dict); anything we cannot run is an error.
+
+  RoPE is read in both spellings, as transformers 5 reads them (PreTrainedConfig's
+  convert_rope_params_to_dict and standardize_rope_params): transformers 4's `rope_scaling` (with
+  `rope_type`, or the older `type`) and top-level `rope_theta`, or transformers 5's
+  `rope_parameters` (which holds `rope_theta`); `rope_scaling` wins where both are given."""
 
   def refuse(why):
     raise ValueError(f"{where}: unsupported HF config: {why}")
@@ -131,18 +207,12 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
   ]
   if missing:
     refuse(f"missing field(s) {', '.join(missing)}")
-  if hf.get("tie_word_embeddings", False):
-    refuse("tie_word_embeddings is true, but our model has a separate output head (lm_head)")
   for key in ("attention_bias", "mlp_bias"):
     if hf.get(key, False):
       refuse(f"{key} is true; our model has no biases")
   if hf.get("hidden_act", "silu") != "silu":
     refuse(f"hidden_act {hf['hidden_act']!r}; our MLP is SwiGLU (silu)")
-  if hf.get("rope_scaling"):
-    refuse(f"rope_scaling {hf['rope_scaling']}; only plain RoPE (no scaling) is supported")
-  rope = hf.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta here
-  if rope.get("rope_type", "default") != "default":
-    refuse(f"rope_parameters {rope}; only plain RoPE (rope_type 'default') is supported")
+  theta, scaling = _rope_from_hf(hf, refuse)
   heads, dim = hf["num_attention_heads"], hf["hidden_size"]
   head_dim = hf.get("head_dim")
   if head_dim is None:
@@ -162,12 +232,76 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
       kv_heads=kv_heads,
       head_dim=head_dim,
       mlp=hf["intermediate_size"],
-      rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
+      rope_theta=theta,
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       init_std=float(hf.get("initializer_range", 0.02)),
+      rope_scaling=scaling,
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
   except ValueError as e:
     refuse(str(e))
+
+
+def _rope_from_hf(hf: dict, refuse) -> tuple[float, RopeScaling | None]:
+  """(rope_theta, scaling) of an HF config; a RoPE type we do not run is refused, by name."""
+  rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  spelling = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+    refuse(f"{spelling} {rope}: only one RoPE for every layer is supported")
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  theta = float(rope.get("rope_theta", hf.get("rope_theta", HF_DEFAULT_THETA)))
+  partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if partial != 1.0:
+    refuse(f"partial_rotary_factor {partial}; only RoPE over the whole head is supported")
+  if kind == "default":
+    return theta, None
+  if kind not in ROPE_SCALINGS:
+    refuse(
+      f"RoPE type {kind!r} ({spelling} {rope}); supported: default, {', '.join(ROPE_SCALINGS)}"
+    )
+  needed = ("factor",) + (("low_freq_factor", "high_freq_factor") if kind == "llama3" else ())
+  if absent := [k for k in needed if rope.get(k) is None]:
+    refuse(f"{spelling} of RoPE type {kind!r} has no {', '.join(absent)}")
+  if kind == "linear":
+    return theta, RopeScaling("linear", float(rope["factor"]))
+  # transformers falls back to the top-level field, then to max_position_embeddings
+  original = rope.get(
+    "original_max_position_embeddings",
+    hf.get(
+      "original_max_position_embeddings",
+      hf.get("max_position_embeddings", HF_DEFAULT_MAX_POSITIONS),
+    ),
+  )
+  try:
+    return theta, RopeScaling(
+      "llama3",
+      float(rope["factor"]),
+      float(rope["low_freq_factor"]),
+      float(rope["high_freq_factor"]),
+      int(original),
+    )
+  except ValueError as e:
+    refuse(str(e))
+
+
+def rope_to_hf(c: LlamaConfig) -> dict:
+  """The RoPE fields of an HF config.json, in both spellings, so that transformers 4
+  (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`) read the same RoPE."""
+  s = c.rope_scaling
+  scaling = None
+  if s is not None:
+    scaling = {"rope_type": s.kind, "factor": s.factor}
+    if s.kind == "llama3":
+      scaling.update(
+        low_freq_factor=s.low_freq_factor,
+        high_freq_factor=s.high_freq_factor,
+        original_max_position_embeddings=s.original_max_position_embeddings,
+      )
+  return {
+    "rope_theta": c.rope_theta,
+    "rope_scaling": scaling,
+    "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": c.rope_theta},
+  }
 
 
 def config_to_hf(c: LlamaConfig) -> dict:
@@ -184,12 +318,10 @@ def config_to_hf(c: LlamaConfig) -> dict:
     "intermediate_size": c.mlp,
     "hidden_act": "silu",
     "rms_norm_eps": c.norm_eps,
-    "rope_theta": c.rope_theta,
-    "rope_scaling": None,
-    "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+    **rope_to_hf(c),
     "attention_bias": False,
     "mlp_bias": False,
-    "tie_word_embeddings": False,
+    "tie_word_embeddings": c.tie_embeddings,
     "initializer_range": c.init_std,
     "torch_dtype": "float32",
   }

@@ -8,6 +8,7 @@ HF stores each `nn.Linear` weight as (out, in); ours are (in, out) with the head
   q_proj (H*K, D) -> wq (D, H, K)      o_proj (D, H*K) -> wo (H, K, D)
   k_proj, v_proj (G*K, D) -> (D, G, K)  gate_proj, up_proj (F, D) -> (D, F)
   down_proj (D, F) -> w_down (F, D)     lm_head (V, D) -> head/kernel (D, V)
+A tied model (`tie_word_embeddings`) has one table, embed_tokens; its head has no kernel.
 Both sides use the "rotate_half" RoPE layout (first half / second half of each head), so the
 query and key weights need no permutation. Per-layer tensors are stacked on a leading axis.
 """
@@ -32,6 +33,7 @@ from models.config import (  # noqa: F401 - the config functions are re-exported
 )
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry; recomputed here
 
 
@@ -60,17 +62,20 @@ def _layer_map(c: LlamaConfig) -> dict:
 
 
 def _global_map(c: LlamaConfig) -> dict:
-  """HF tensor name -> (our path, HF shape, HF -> ours, ours -> HF) outside the layer stack."""
-  return {
-    "model.embed_tokens.weight": (
+  """HF tensor name -> (our path, HF shape, HF -> ours, ours -> HF) outside the layer stack. A
+  tied model has no lm_head.weight: transformers saves the shared table once, as the embedding."""
+  tensors = {
+    EMBEDDING: (
       ("embed", "embedding"),
       (c.vocab, c.dim),
       lambda w: w,
       lambda w: w,
     ),
     "model.norm.weight": (("head", "norm", "scale"), (c.dim,), lambda w: w, lambda w: w),
-    "lm_head.weight": (("head", "kernel"), (c.vocab, c.dim), lambda w: w.T, lambda w: w.T),
   }
+  if not c.tie_embeddings:
+    tensors[HEAD] = (("head", "kernel"), (c.vocab, c.dim), lambda w: w.T, lambda w: w.T)
+  return tensors
 
 
 # --- weights ---------------------------------------------------------------------------------
@@ -138,6 +143,14 @@ def load_hf(directory: str) -> tuple[LlamaConfig, dict]:
   """(config, fp32 parameter tree as numpy arrays) of a local HF LLaMA directory."""
   cfg = read_config(directory)
   tensors = _read_tensors(directory)
+  if cfg.tie_embeddings and HEAD in tensors:
+    # Some tied checkpoints store the shared table twice; it must then be the same table.
+    head = tensors.pop(HEAD)
+    if EMBEDDING in tensors and not np.array_equal(head, tensors[EMBEDDING]):
+      raise ValueError(
+        f"{directory}: tie_word_embeddings is true but {HEAD} differs from {EMBEDDING}: set "
+        f"tie_word_embeddings to false in its config.json to load them as two tables"
+      )
   params: dict = {}
   for name, (path, shape, to_ours, _) in _global_map(cfg).items():
     _put(params, path, to_ours(_take(tensors, name, shape, directory)))

@@ -1,4 +1,5 @@
-"""A Flax LLaMA: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, untied output head.
+"""A Flax LLaMA: RMSNorm, RoPE (plain, linear or llama3-scaled), grouped-query attention, SwiGLU
+MLP, and an output head of its own or tied to the embedding table.
 
 Every parameter is declared once, with its logical axes (`embed`, `mlp`, `heads`, ...), through
 `nn.with_logical_partitioning`; the sharding layer maps those names onto the mesh. The layers are
@@ -105,10 +106,34 @@ class RMSNorm(nn.Module):
     return (x * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float):
+def inverse_frequencies(cfg: LlamaConfig):
+  """RoPE's K/2 inverse frequencies (fp32), with the config's scaling, as transformers computes
+  them (modeling_rope_utils.py: the default, `_compute_linear_scaling_rope_parameters`,
+  `_compute_llama3_parameters`; neither scaling changes the attention factor, 1.0)."""
+  K = cfg.head_dim
+  inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K)
+  s = cfg.rope_scaling
+  if s is None:
+    return inv_freq
+  if s.kind == "linear":
+    return inv_freq / s.factor
+  # llama3: wavelengths above original/low_freq_factor are divided by `factor`, those below
+  # original/high_freq_factor kept, and the band between interpolated smoothly.
+  low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+  smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+    s.high_freq_factor - s.low_freq_factor
+  )
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(seq_len: int, cfg: LlamaConfig):
   """sin and cos tables, each L x K/2, in fp32."""
-  inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angles_LxK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  angles_LxK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inverse_frequencies(cfg)[None, :]
   return jnp.sin(angles_LxK2), jnp.cos(angles_LxK2)
 
 
@@ -233,11 +258,18 @@ class Embed(nn.Module):
 
 
 class Head(nn.Module):
+  """The final norm and the output projection: its own D x V kernel, or, tied, the embedding
+  table (V x D) handed in by the caller."""
+
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD):
+  def __call__(self, x_BxLxD, table_VxD=None):
     x_BxLxD = RMSNorm(self.cfg.norm_eps, name="norm")(x_BxLxD)
+    if self.cfg.tie_embeddings:
+      return jnp.einsum(
+        "bld,vd->blv", x_BxLxD, table_VxD.astype(x_BxLxD.dtype), preferred_element_type=jnp.float32
+      )
     w_DxV = self.param(
       "kernel", _init(self.cfg.init_std, ("embed", "vocab")), (self.cfg.dim, self.cfg.vocab)
     )
@@ -274,7 +306,7 @@ class Llama:
     k_embed, k_layers, k_head = jax.random.split(rng, 3)
     tokens = jnp.zeros((1, 2), jnp.int32)
     x = jnp.zeros((1, 2, self.cfg.dim), jnp.float32)
-    sin, cos = rope_tables(2, self.cfg.head_dim, self.cfg.rope_theta)
+    sin, cos = rope_tables(2, self.cfg)
     layer_keys = jax.random.split(k_layers, self.cfg.layers)
     # The parameters do not depend on how attention is computed: initialise through the
     # written-out attention, which traces on any backend.
@@ -283,7 +315,7 @@ class Llama:
     return {
       "embed": self.embed.init(k_embed, tokens)["params"],
       LAYERS: layers,
-      "head": self.head.init(k_head, x)["params"],
+      "head": self.head.init(k_head, x, jnp.zeros((self.cfg.vocab, self.cfg.dim)))["params"],
     }
 
   def init(self, rng) -> dict:
@@ -387,17 +419,11 @@ class Llama:
     next layer's weights, paro_jax/core/prefetch.py). Without it: `lax.scan` over the layers, each
     under `jax.checkpoint` with the model's remat policy, weights through `materialize`.
     """
-    sin, cos = rope_tables(tokens_BxL.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
-
-    def embed(embed_params, tokens_BxL):
-      return self.embed.apply({"params": materialize(embed_params)}, tokens_BxL)
+    sin, cos = rope_tables(tokens_BxL.shape[1], self.cfg)
 
     def layer(x_BxLxD, layer_params):
       with jax.named_scope("layer"):
         return self.block.apply({"params": materialize(layer_params)}, x_BxLxD, sin, cos), None
-
-    def head(head_params, x_BxLxD):
-      return self.head.apply({"params": materialize(head_params)}, x_BxLxD)
 
     if REMAT_POLICIES[self.remat] is not None:
       # Recompute each layer (its parameter gather included) in backward: only one layer's full
@@ -405,7 +431,12 @@ class Llama:
       # last op of forward and the first of backward, and the embedding's gradient needs only
       # the token ids.
       layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
-    x_BxLxD = embed(params["embed"], tokens_BxL)
+    # Tied, the table is one parameter with two uses: gathered once per micro-batch, it serves
+    # as the embedding and as the head, and autodiff adds the two uses' gradients before its one
+    # reduce-scatter into its sink. The full table is then alive through the layer stack, and its
+    # full gradient through backward, where an untied model drops each table after its use.
+    embed_weights = materialize(params["embed"])
+    x_BxLxD = self.embed.apply({"params": embed_weights}, tokens_BxL)
     if run_layers is None:
       x_BxLxD, _ = lax.scan(layer, x_BxLxD, params[LAYERS])
     else:
@@ -415,7 +446,8 @@ class Llama:
           return self.block.apply({"params": layer_weights}, x_BxLxD, sin, cos)
 
       x_BxLxD = run_layers(block_fn, x_BxLxD, params[LAYERS])
-    return head(params["head"], x_BxLxD)
+    table_VxD = embed_weights["embedding"] if self.cfg.tie_embeddings else None
+    return self.head.apply({"params": materialize(params["head"])}, x_BxLxD, table_VxD)
 
 
 def next_token_loss(logits_BxLxV, targets_BxL):

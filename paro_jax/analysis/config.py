@@ -39,7 +39,8 @@ def option(default=dataclasses.MISSING, help: str = "", *, flag: str | None = No
 
 
 MODEL_HELP = (
-  "preset: tiny, small, 7b, 13b, 65b; or an HF LLaMA config.json (its shapes, from scratch)"
+  "preset: tiny, small, 7b, 13b, 65b, llama3.1-8b, llama3.1-70b, llama3.1-405b, llama3.2-1b, "
+  "llama3.2-3b; or an HF LLaMA config.json (its shapes, from scratch)"
 )
 COMPUTE_DTYPES = tuple(COMPUTE_DTYPE_BYTES)  # bf16, fp32
 

@@ -143,7 +143,7 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
   - gathered: with P sharded, the full weights of the head and of one layer, two with the
     prefetching layer stack (full remat: this layer's and the next one's); the full gradient of
     one layer before its reduce-scatter, two with the stack (one waits a layer for its
-    reduce-scatter);
+    reduce-scatter); with tied embeddings, the table's full gradient;
   - synced_grads: the layers' synced gradients at the OS placement, written while the
     accumulator (at Gr) is still alive: in the last micro-batch's backward on GPUs, at the
     boundary's sync elsewhere. The stack adds each micro-batch's gradients into the accumulator
@@ -165,6 +165,9 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
     * (
       (strategy.params.name != "N") * (depth * layer_w + c.vocab * c.dim)
       + (depth if w.remat else strategy.grads.name != "N") * layer_grads
+      # A tied table's full gradient: the head's part waits through backward for the
+      # embedding's (models/llama.py), in every strategy (llama3.2-1b NNI on 2x4 H100: 0.5 GB).
+      + (c.tie_embeddings and w.psi_trained == w.psi) * c.vocab * c.dim
     ),
     "synced_grads": w.acc_itemsize
     * c.layers

@@ -34,6 +34,7 @@ import tensorstore as ts
 from jax import lax
 from jax.experimental import multihost_utils
 
+from models.config import LlamaConfig
 from paro_jax.cluster.agree import Agreement, agreed_steps, local_verdict
 from paro_jax.core.engine import Engine, TrainState
 from paro_jax.run.config import refuse_unsafe_path
@@ -573,7 +574,7 @@ def check_model(meta: RunMeta, engine: Engine, model_name: str | None, where: st
       f"{flags(lora)}: resume with the checkpoint's LoRA flags, or start a new run "
       f"with another --out"
     )
-  if meta.model_config == mine:
+  if _read_config(meta.model_config) == engine.model.cfg:
     return
   differ = ", ".join(
     f"{k}: {meta.model_config.get(k)} vs {mine.get(k)}"
@@ -585,6 +586,15 @@ def check_model(meta: RunMeta, engine: Engine, model_name: str | None, where: st
     f"builds model {model_name!r} {mine} (checkpoint vs run: {differ}). Resume with "
     f"{_model_flag(meta.model_name)}, or start a new run with another --out"
   )
+
+
+def _read_config(recorded: dict) -> LlamaConfig | None:
+  """The recorded model config; a field added since it was written takes its default (None: a
+  config this version cannot read)."""
+  try:
+    return LlamaConfig(**recorded)
+  except (TypeError, ValueError):
+    return None
 
 
 def _model_flag(model_name: str) -> str:

@@ -1,5 +1,7 @@
 """Every strategy's training step equals a plain single-device optax loop on the same batches."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,22 +24,34 @@ A, B, L, STEPS = 2, 8, 8, 3
 MESHES = [(2, 4), (4, 2), (1, 8)]
 
 
-@pytest.fixture(scope="module")
-def setup():
+def reference_setup(cfg):
+  """Batches, initial parameters, and the single-device loop's losses and final parameters."""
   # Rows of arithmetic sequences (random start and stride): learnable, so the loss moves.
   rng = np.random.default_rng(0)
-  start, stride = (rng.integers(0, CFG.vocab, size=(STEPS, A, B, 1)) for _ in range(2))
-  batches = list(((start + stride * np.arange(L + 1)) % CFG.vocab).astype(np.int32))
-  params0 = Llama(CFG).init(jax.random.key(1))
-  losses, params = reference_train(Llama(CFG), params0, batches, OPTIM)
+  start, stride = (rng.integers(0, cfg.vocab, size=(STEPS, A, B, 1)) for _ in range(2))
+  batches = list(((start + stride * np.arange(L + 1)) % cfg.vocab).astype(np.int32))
+  params0 = Llama(cfg).init(jax.random.key(1))
+  losses, params = reference_train(Llama(cfg), params0, batches, OPTIM)
   return batches, params0, losses, params
 
 
+@pytest.fixture(scope="module")
+def setup():
+  return reference_setup(CFG)
+
+
 def run_engine(
-  strategy, mesh_shape, batches, params0, dtype=jnp.float32, collectives="xla", **engine_args
+  strategy,
+  mesh_shape,
+  batches,
+  params0,
+  dtype=jnp.float32,
+  collectives="xla",
+  cfg=CFG,
+  **engine_args,
 ):
   engine = Engine(
-    Llama(CFG, dtype),
+    Llama(cfg, dtype),
     parse_strategy(strategy),
     make_mesh(*mesh_shape),
     OPTIM,
@@ -80,6 +94,50 @@ def test_fp32_equals_single_device(setup, strategy, mesh_shape):
   losses, params, _, _ = run_engine(strategy, mesh_shape, batches, params0)
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   assert_trees_close(params, ref_params, atol=2e-5)
+
+
+# Tied embeddings (Llama 3.2's): the table is also the output head, one leaf, its gradient the
+# sum of both uses; with a vocabulary no mesh divides (the tables are split along `embed`).
+TIED = dataclasses.replace(CFG, vocab=61, tie_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tied_setup():
+  return reference_setup(TIED)
+
+
+@pytest.mark.parametrize("strategy", VALID_NAMES)
+def test_tied_embeddings_equal_single_device(tied_setup, strategy):
+  batches, params0, ref_losses, ref_params = tied_setup
+  losses, params, _, _ = run_engine(strategy, (2, 4), batches, params0, cfg=TIED)
+  assert set(params["head"]) == {"norm"}
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(params, ref_params, atol=2e-5)
+
+
+@pytest.mark.parametrize("strategy,collectives", [("IIG", "xla"), ("GGG", "horing")])
+def test_tied_embeddings_with_sync_in_backward(tied_setup, strategy, collectives):
+  """The GPUs' program, on XLA's collectives and on the rings: the table's gradient (both uses)
+  waits for the boundary sync like an untied embedding's."""
+  batches, params0, ref_losses, ref_params = tied_setup
+  losses, params, engine, _ = run_engine(
+    strategy,
+    (2, 4),
+    batches,
+    params0,
+    collectives=collectives,
+    cfg=TIED,
+    program=StepProgram.SYNC_IN_BACKWARD,
+  )
+  assert engine.program is StepProgram.SYNC_IN_BACKWARD
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(params, ref_params, atol=2e-5)
+
+
+def test_tied_reference_moves_the_table(tied_setup):
+  _, params0, _, params = tied_setup
+  moved = np.abs(params["embed"]["embedding"] - params0["embed"]["embedding"]).mean()
+  assert moved > 1e-3
 
 
 @pytest.mark.parametrize("strategy", ["NNN", "IIG", "ING", "GGG"])

@@ -2,7 +2,9 @@
 
 The reference is tests/fixtures/hf_tiny, written by transformers (tests/fixtures/make_hf_tiny.py):
 no torch is needed here. With torch and transformers installed, the live test also loads our
-export into transformers.LlamaForCausalLM.
+export into transformers.LlamaForCausalLM. The Llama 3.x configurations (RoPE scalings, tied
+embeddings, odd vocabularies) have their own fixtures and tests (tests/models/test_llama3.py,
+tests/models/test_tied.py).
 """
 
 import json
@@ -159,9 +161,8 @@ def test_missing_directory_and_files(tmp_path):
 @pytest.mark.parametrize(
   "changes, message",
   [
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE type 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE type 'yarn'"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "only LLaMA"),
