@@ -270,7 +270,9 @@ def run_plan(cfg: PlanConfig) -> Plan:
     memory = prof["device_memory"]
   network = Links(
     parse_bandwidth(cfg.inter_bandwidth, "--inter-bandwidth"),
-    parse_bandwidth(cfg.intra_bandwidth, "--intra-bandwidth"),
+    parse_bandwidth(cfg.intra_bandwidth, "--intra-bandwidth")
+    if cfg.intra_bandwidth
+    else card.intra_bandwidth,
     parse_latency(cfg.inter_latency, "--inter-latency"),
     parse_latency(cfg.intra_latency, "--intra-latency"),
     GLOBAL_MODEL_OF[cfg.collectives],
@@ -346,7 +348,8 @@ def run_plan(cfg: PlanConfig) -> Plan:
       f"{cfg.devices_per_node} devices of {human_bytes(memory)}{probed}, {flops / 1e12:.3g} "
       f"TFLOP/s peak ({src}) x MFU {cfg.mfu:g}; inter "
       f"{network.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
-      f"{network.intra_bandwidth / 1e9:g} GB/s per device, global collectives "
+      f"{network.intra_bandwidth / 1e9:g} GB/s per device"
+      f"{'' if cfg.intra_bandwidth else f' ({card.name} {card.intra_link})'}, global collectives "
       f"{network.global_collectives} (--collectives {cfg.collectives}); A={cfg.micro_batches} "
       f"micro-batches of {cfg.micro_batch} x {cfg.seq_len} tokens per device"
       + (

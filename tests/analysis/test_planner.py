@@ -240,6 +240,18 @@ def test_plan_json_schema(capsys):
   assert fits == sorted(fits, reverse=True)  # fitting ones first
 
 
+@pytest.mark.parametrize("gpu,link", [("a100-80gb", 300e9), ("h100", 450e9), ("h200", 450e9)])
+def test_plan_takes_the_gpus_intra_node_link(capsys, gpu, link):
+  """Without --intra-bandwidth the node's link is the --gpu's NVLink (per direction: half the
+  datasheet's 600 GB/s for an A100, 900 GB/s for an H100 or H200), not the A100's for every GPU;
+  --intra-bandwidth overrides it."""
+  base = ["plan", "--model", "7b", "--nodes", "4", "--gpu", gpu, "--json"]
+  main(base)
+  assert json.loads(capsys.readouterr().out)["inputs"]["intra_bandwidth_bytes_per_s"] == link
+  main([*base, "--intra-bandwidth", "100GB/s"])
+  assert json.loads(capsys.readouterr().out)["inputs"]["intra_bandwidth_bytes_per_s"] == 100e9
+
+
 def test_plan_table(capsys):
   main(PLAN)
   out = capsys.readouterr().out
