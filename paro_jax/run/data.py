@@ -18,6 +18,7 @@ import glob
 import json
 import mmap
 import os
+import re
 import sysconfig
 
 import numpy as np
@@ -46,6 +47,14 @@ class HFTokenizer:
       raise ValueError(
         f'--tokenizer {path} needs the `tokenizers` package: pip install -e ".[hf]"'
       ) from e
+    if os.path.isdir(path):  # an HF model directory: its tokenizer.json
+      inside = os.path.join(path, "tokenizer.json")
+      if not os.path.isfile(inside):
+        raise FileNotFoundError(
+          f"--tokenizer {path} is a directory without a tokenizer.json: pass the tokenizer.json "
+          f"of an HF model (or its directory), or leave --tokenizer out for byte-level tokens"
+        )
+      path = inside
     if not os.path.isfile(path):
       raise FileNotFoundError(
         f"tokenizer file {path!r} does not exist: pass --tokenizer with an "
@@ -60,7 +69,10 @@ class HFTokenizer:
         f"--tokenizer {path} is not a valid HF tokenizer.json ({why}): pass the tokenizer.json "
         f"of an HF model, or leave --tokenizer out for byte-level tokens"
       ) from None
-    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    # Ids need not be contiguous (a tokenizer.json may number its tokens with gaps): the largest
+    # id + 1 is what a model's embedding must hold.
+    ids = self._tok.get_vocab(with_added_tokens=True).values()
+    self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
@@ -93,7 +105,9 @@ def expand_paths(patterns, flag: str = "--data") -> list[str]:
   files = []
   named = f"{flag} " if flag else ""
   for pattern in patterns:
-    matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    # A file whose name holds glob characters (`data[1].txt`) is that file, not a pattern.
+    literal = not glob.has_magic(pattern) or os.path.exists(pattern)
+    matches = [pattern] if literal else sorted(glob.glob(pattern))
     if not matches:
       raise FileNotFoundError(f"{named or 'input '}{pattern!r} matches no file")
     for path in matches:
@@ -172,9 +186,15 @@ def _read_jsonl(path: str, field: str, progress):
           f"not text: fix or drop that record, or pass --text-field with the field that holds "
           f"the text"
         )
+      if bad := _SURROGATE.search(text):  # JSON's "\ud800" escape: no character, no UTF-8
+        raise ValueError(
+          f"{path}:{n}: the {field!r} field holds a lone surrogate ({ascii(bad.group())} at "
+          f"character {bad.start()}), which is not text: fix or drop that record"
+        )
       yield text
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
 TEXT_SAMPLE = 1 << 20  # bytes of a text file checked for being text
 MAX_CONTROL = 0.05  # fraction of control characters (other than tab, newlines, form feed) allowed
 

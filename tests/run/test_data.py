@@ -86,6 +86,28 @@ def test_hf_tokenizer(tmp_path):
     load_tokens(DataConfig(paths=(str(tmp_path / "c.txt"),), tokenizer=path), 32)
 
 
+def test_names_with_glob_characters_and_tokenizer_directories(tmp_path):
+  """A file named like a glob (`data[1].txt`, common in generated names) is that file; an HF
+  model directory given as --tokenizer is read through its tokenizer.json."""
+  pytest.importorskip("tokenizers", reason="the HF tokenizer path needs `tokenizers`")
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+  (tmp_path / "data[1].txt").write_text(TEXT)
+  got = load_tokens(DataConfig(paths=(str(tmp_path / "data[1].txt"),)), 256)
+  np.testing.assert_array_equal(got, np.frombuffer(TEXT.encode(), np.uint8))
+  (tmp_path / "data1.txt").write_text("other")  # what the pattern would match: not taken
+  got = load_tokens(DataConfig(paths=(str(tmp_path / "data[1].txt"),)), 256)
+  assert got.size == len(TEXT.encode())
+  tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator([TEXT] * 3, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+  (tmp_path / "hf").mkdir()
+  tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+  data = (str(tmp_path / "data[1].txt"),)
+  got = load_tokens(DataConfig(paths=data, tokenizer=str(tmp_path / "hf")), 64)
+  np.testing.assert_array_equal(got, tok.encode(TEXT).ids)
+
+
 def test_byte_tokens_need_a_256_vocabulary():
   with pytest.raises(
     ValueError, match="byte-level tokenizer has a vocabulary of 256, more than the model's 64"
