@@ -445,6 +445,11 @@ def _main(argv) -> None:
       run_plan(config_of(args, PlanConfig))
       return
     mesh = parse_mesh_shape(args.mesh) if args.mesh else None
+    if args.command == "inspect" and args.inter_bandwidth and not args.target:
+      raise ValueError(
+        "--inter-bandwidth sets the link of XLA's step-time estimate, made only for a GPU "
+        "compile: pass --target h100 (or h200) with it, or leave it out"
+      )
     if getattr(args, "target", None):  # a compile for GPUs described, not present: no devices
       _check_shape(args, mesh)
       args.target = gpu.check_target(args.target)

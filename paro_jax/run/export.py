@@ -72,6 +72,8 @@ def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
           base = json.load(f)
       except (OSError, ValueError):
         base = None  # the source is gone or unreadable: write our fields only
+      if not isinstance(base, dict):
+        base = None
     cfg = LlamaConfig(**meta.model_config)
     lora = LoraConfig(**meta.lora) if meta.lora else None
     engine = Engine(
