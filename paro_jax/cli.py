@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 
 from paro_jax import report
@@ -422,9 +423,19 @@ def _main(argv) -> None:
     if args.command == "prepare-data":
       from paro_jax.run.prepare import prepare_data  # numpy: not at the CLI's start
 
-      meta = prepare_data(
-        args.inputs, args.out, args.tokenizer, args.text_field, args.shard_tokens, args.bin_dtype
-      )
+      try:
+        meta = prepare_data(
+          args.inputs, args.out, args.tokenizer, args.text_field, args.shard_tokens, args.bin_dtype
+        )
+      except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (prepare.Stopped)
+        name = signal.Signals(getattr(e, "signum", signal.SIGINT)).name
+        print(
+          f"\nparo-jax: stopped by {name}: nothing was published in {args.out} (the partial "
+          f"shards were removed): run the same command again",
+          file=sys.stderr,
+          flush=True,
+        )
+        raise
       print(
         f"paro-jax: wrote {meta['tokens']} tokens ({meta['dtype']}) in {len(meta['shards'])} "
         f"shards to {args.out}: train with --data '{os.path.join(args.out, '*.bin')}' "

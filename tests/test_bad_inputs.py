@@ -262,3 +262,21 @@ def test_first_save_on_a_full_disk_is_one_line(small_tmpfs):
   lines = proc.stderr.splitlines()
   assert len(lines) == 1 and lines[0].startswith("paro-jax: error: the disk is full"), lines[:20]
   assert "could not write checkpoint" in lines[0] and "no earlier checkpoint" in lines[0]
+
+
+def test_prepare_data_on_a_full_disk_is_one_line(small_tmpfs, tmp_path, capsys):
+  """Shards that do not fit: `the disk is full`, naming the directory and the fix (not numpy's
+  byte counts), and nothing left there."""
+  (tmp_path / "big.txt").write_text("a line of text\n" * 70_000)  # 1 MB of shards
+  out = small_tmpfs / "shards"
+  with pytest.raises(SystemExit) as e:
+    main(["prepare-data", str(tmp_path / "big.txt"), "--out", str(out)])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.replace("\r", "\n")
+  lines = [x for x in err.splitlines() if x.strip() and not x.startswith("prepare-data:")]  # bar
+  assert lines == [
+    f"paro-jax: error: the disk is full: could not write the shards into {out}; nothing was "
+    f"published there (the partial shards were removed). Free space on the disk holding {out}, "
+    f"or pass another --out"
+  ], err
+  assert os.listdir(out) == []

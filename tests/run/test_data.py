@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models.llama import Llama, get_config, next_token_loss
-from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
+from paro_jax.run.data import Batches, BinFile, DataConfig, load_tokens, split_eval
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.analysis.hardware import mfu, peak_flops
@@ -37,7 +37,7 @@ def test_text_glob_jsonl_and_bin_sources(tmp_path):
   ids = np.arange(1000, dtype=np.uint16) % 300
   ids.tofile(tmp_path / "t.bin")
   got = load_tokens(DataConfig(paths=(str(tmp_path / "t.bin"),)), 512)
-  assert isinstance(got, np.memmap) and got.dtype == np.uint16
+  assert isinstance(got, BinFile) and got.dtype == np.uint16
   np.testing.assert_array_equal(got, ids)
   # Read as uint32 the same bytes are other ids: outside a 512 vocabulary, a clear error.
   with pytest.raises(ValueError, match="outside the model's vocabulary of 512 .*uint32"):
