@@ -280,3 +280,27 @@ def test_prepare_data_on_a_full_disk_is_one_line(small_tmpfs, tmp_path, capsys):
     f"or pass another --out"
   ], err
   assert os.listdir(out) == []
+
+
+def test_export_on_a_full_disk_is_one_line_and_blocks_no_retry(trained_run, small_tmpfs, capsys):
+  """The HF model does not fit: one line (it exited 1 printing nothing), nothing left where it
+  was written (config.json alone blocked a retry without --overwrite); once there is room the
+  same command works; --overwrite replaces the model's files and keeps the others."""
+  filler = small_tmpfs / "filler"
+  filler.write_bytes(bytes(200 * 1024))  # 56 KiB left, less than the `test` model's 142 KB
+  out = small_tmpfs / "hf"
+  line = _one_line(capsys, ["export", str(trained_run), "--out", str(out)])
+  assert line == (
+    f"paro-jax: error: the disk is full: could not write the HF model to {out}; --out is as it "
+    f"was (nothing was written there): free space on the disk holding {out}, or pass another --out"
+  )
+  assert os.listdir(small_tmpfs) == ["filler"]  # no partial output, hidden or not
+  filler.unlink()
+  main(["export", str(trained_run), "--out", str(out)])
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+  (out / "tokenizer.json").write_text("{}")
+  (out / "model.safetensors").write_bytes(b"old")
+  main(["export", str(trained_run), "--out", str(out), "--overwrite"])
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+  assert (out / "model.safetensors").stat().st_size > 100_000
+  assert sorted(os.listdir(small_tmpfs)) == ["hf"]

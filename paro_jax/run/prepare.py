@@ -126,11 +126,12 @@ def _remove_stale(out: str) -> None:
   """Remove the `.partial-PID` directories of prepare-data runs that were killed (-9)."""
   for path in glob.glob(os.path.join(glob.escape(out), PARTIAL + "*")):
     pid = path.rsplit(PARTIAL, 1)[1]
-    if pid.isdigit() and not _alive(int(pid)):
+    if pid.isdigit() and not pid_alive(int(pid)):
       shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+  """Whether process `pid` exists on this host."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
