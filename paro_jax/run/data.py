@@ -3,10 +3,10 @@
 Sources (`--data`, any number of paths and globs, in sorted order): text files; JSONL files whose
 records carry the text in one field (`--text-field`); pre-tokenized `.bin` files of uint16 or
 uint32 ids (read by os.pread, window by window: never loaded whole, any number of them, e.g. the
-shards of `paro-jax prepare-data`, paro_jax/run/prepare.py, checked against their meta.json). Several sources are read as one stream
-(`TokenStream`) without being joined in memory. Text is tokenized at byte level (vocabulary 256)
-or by an HF `tokenizer.json` (`--tokenizer`, needs the `tokenizers` package:
-`pip install -e ".[hf]"`).
+shards of `paro-jax prepare-data`, paro_jax/run/prepare.py, checked against their meta.json).
+Several sources are read as one stream (`TokenStream`) without being joined in memory. Text is
+tokenized at byte level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, needs the
+`tokenizers` package: `pip install -e ".[hf]"`).
 
 The default corpus is real text that every Python installation carries: the source files of
 the Python standard library, so a training run needs no download.
@@ -71,7 +71,9 @@ class HFTokenizer:
     # Ids need not be contiguous (a tokenizer.json may number its tokens with gaps): the largest
     # id + 1 is what a model's embedding must hold.
     ids = self._tok.get_vocab(with_added_tokens=True).values()
-    self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
+    self.vocab_size = max(
+      self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1
+    )
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)

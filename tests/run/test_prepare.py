@@ -200,6 +200,7 @@ def test_a_stopped_prepare_data_publishes_nothing(tmp_path, sig):
   cmd = [sys.executable, "-m", "paro_jax", "prepare-data", str(tmp_path / "big.jsonl")]
   cmd += ["--out", str(out), "--shard-tokens", str(2**20)]
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
   def written():  # three shards, wherever prepare-data writes them (glob skips .hidden dirs)
     return sum(n.startswith("shard-") for _, _, names in os.walk(out) for n in names) >= 3
 
@@ -227,7 +228,9 @@ def test_shards_are_checked_against_their_meta_json(tmp_path):
     load_tokens(DataConfig(paths=glob_bin.paths, bin_dtype="uint32"), 256)
   meta = json.loads((shards / "meta.json").read_text())
   (shards / "meta.json").unlink()  # what a prepare-data stopped before this fix left
-  with pytest.raises(ValueError, match=r"holds prepare-data shards \(shard-00000.bin, ...\) but no"):
+  with pytest.raises(
+    ValueError, match=r"holds prepare-data shards \(shard-00000.bin, ...\) but no"
+  ):
     load_tokens(glob_bin, 256)
   (shards / "meta.json").write_text(json.dumps(meta)[:40])
   with pytest.raises(ValueError, match="is not a complete prepare-data meta.json"):
