@@ -184,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     "SLURM srun / Open MPI mpirun); --mesh GxM then counts all processes' devices",
   )
   _add_process_flags(dist)
+  dist.add_argument(
+    "--heartbeat-timeout",
+    type=float,
+    default=60.0,
+    metavar="S",
+    help="a process that sent the others no heartbeat for S s (stopped, frozen) is named and the "
+    "others exit (code 124): for SLURM/mpirun; under paro-jax launch the launcher's own "
+    "--heartbeat-timeout applies (0: off)",
+  )
   add_options(dist, RunConfig, "progress_timeout")
   inspect = sub.add_parser(
     "inspect", help="compile a training step (no allocation) and report its communication"
@@ -505,7 +514,10 @@ def _main(argv) -> None:
       provide_cpu_devices(per_process)
     _check_shape(args, mesh)
     add_xla_flags()  # GPU collective overlap (HO-Ring); harmless elsewhere
-    distributed.maybe_initialize(*multi)  # before anything touches devices
+    beat = getattr(args, "heartbeat_timeout", 0.0)
+    if not beat >= 0:
+      raise ValueError(f"--heartbeat-timeout must be >= 0 seconds (0: off), got {beat}")
+    distributed.maybe_initialize(*multi, heartbeat_timeout=beat)  # before anything uses devices
     if args.command == "probe":
       from paro_jax.analysis.probe import run_probe  # imports jax: after the device flag is set
 
@@ -517,7 +529,12 @@ def _main(argv) -> None:
     if args.command == "train":
       from paro_jax.run.train import train  # imports jax: after the device flag is set
 
-      train(config_of(args, RunConfig, mesh=mesh, data=tuple(args.data)))
+      peers = watch.start_peer_watch(beat)  # SLURM / mpirun: frozen processes named
+      try:
+        train(config_of(args, RunConfig, mesh=mesh, data=tuple(args.data)))
+      finally:
+        if peers:
+          peers.stop()
   except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
     report.error(e)
     sys.exit(2)
