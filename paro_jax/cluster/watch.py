@@ -203,7 +203,15 @@ class PeerWatch(threading.Thread):
     return None
 
   def run(self) -> None:
+    last = self._clock()
     while not self.stopped.wait(self.interval):
+      now = self._clock()
+      if now - last > self.timeout / 2:
+        # This process was itself stopped (SIGSTOP) and just continued: what it saw of the
+        # others is that old, not theirs. Start over rather than blame a peer.
+        self.answered = now
+        self.changed = dict.fromkeys(self.changed, now)
+      last = now
       why = self.verdict()
       if why:
         sys.stderr.write(

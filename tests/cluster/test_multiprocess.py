@@ -551,17 +551,23 @@ def test_peer_watch_names_a_frozen_process(capsys):
   from paro_jax.cluster import watch
 
   now, codes, store = [0.0], [], _Store()
+
+  def advance(to):  # the clock runs on, a second per tick, while the watch polls
+    while now[0] < to:
+      now[0] += 1.0
+      time.sleep(0.03)
+
   watch.finished(7)
   peers = watch.PeerWatch(store, 0, 3, 20, interval=0.01, exit=codes.append, clock=lambda: now[0])
   peers.start()
   for t in (5.0, 10.0, 15.0):  # processes 1 and 2 beat; then 2 ends, 1 stops
-    now[0] = t
+    advance(t)
     store.kv["paro_jax/beat/1"] = store.kv["paro_jax/beat/2"] = str(t)
-    time.sleep(0.1)
+    time.sleep(0.05)
   store.kv["paro_jax/beat/2"] = watch.DONE
-  time.sleep(0.1)
+  advance(35.0)
   assert codes == []
-  now[0] = 36.0
+  advance(37.0)
   peers.join(5)
   assert codes == [124]
   err = capsys.readouterr().err
@@ -573,8 +579,11 @@ def test_peer_watch_names_a_frozen_process(capsys):
   peers = watch.PeerWatch(store, 1, 2, 20, interval=0.01, exit=codes.append, clock=lambda: now[0])
   peers.start()
   time.sleep(0.1)
+  now[0] = 50.0  # this process itself was stopped for 50 s: it blames no one on waking
+  time.sleep(0.1)
+  assert codes == [] and capsys.readouterr().err == ""
   store.frozen = True
-  now[0] = 21.0
+  advance(72.0)
   peers.join(5)
   assert codes == [124]
   assert "process 1 of 2: process 0, which runs JAX's coordination service, answered no " in (
