@@ -113,7 +113,11 @@ class _StopOn:
     raise Stopped(signum)
 
   def hold(self) -> None:
-    """From here on a signal no longer interrupts (the publishing renames are quick)."""
+    """From here on no signal interrupts, Ctrl-C included: the publishing renames are quick, and
+    a set cut between them would be neither published nor removed."""
+    if threading.current_thread() is not threading.main_thread():
+      return
+    self._old.setdefault(signal.SIGINT, signal.getsignal(signal.SIGINT))
     for sig in self._old:
       signal.signal(sig, signal.SIG_IGN)
 
