@@ -10,11 +10,12 @@ import sys
 
 from paro_jax import report
 from paro_jax.analysis import gpu
-from paro_jax.analysis.config import InspectConfig, PlanConfig, WireOptions
+from paro_jax.analysis.config import InspectConfig, PlanConfig
 from paro_jax.analysis.planner import run_plan
 from paro_jax.cluster import distributed, watch
 from paro_jax.cluster.launch import launch
 from paro_jax.cluster.restart import _flag
+from paro_jax.core.config import WireOptions
 from paro_jax.core.names import check_batch_divides, parse_mesh_shape
 from paro_jax.core.units import parse_rate
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
@@ -72,7 +73,7 @@ def _note_cpu_platform(args) -> None:
 # --- flags from the config dataclasses -----------------------------------------------------------
 def add_options(p, cls, *names: str) -> None:
   """The flags of these fields of the config dataclass `cls`, each from its field: the default, and
-  the help and argparse keywords of its `option()` (paro_jax/analysis/config.py). The flag's
+  the help and argparse keywords of its `option()` (paro_jax/core/config.py). The flag's
   value lands in `args.<field name>`."""
   fields = {f.name: f for f in dataclasses.fields(cls)}
   for name in names:

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from paro_jax import cli
-from paro_jax.analysis.config import InspectConfig, PlanConfig, option
+from paro_jax.analysis.config import InspectConfig, PlanConfig
+from paro_jax.core.config import option
 from paro_jax.run.config import RunConfig
 
 COMMANDS = {"train": RunConfig, "inspect": InspectConfig, "plan": PlanConfig}
@@ -59,8 +60,8 @@ def test_no_flags_parse_to_the_default_config(command):
 @pytest.mark.parametrize("errfb", [None, True, False])
 def test_step_flags_parse_back_to_the_step(errfb):
   """`train --strategy auto` hands the run's step to `inspect --target` as flags
-  (analysis/config.py step_flags): `inspect` parses them back to every StepConfig field."""
-  from paro_jax.analysis.config import StepConfig, step_flags
+  (core/config.py step_flags): `inspect` parses them back to every StepConfig field."""
+  from paro_jax.core.config import StepConfig, step_flags
 
   step = RunConfig(
     model="small", strategy="nig", mesh=(2, 4), micro_batches=3, batch_size=24, seq_len=96,

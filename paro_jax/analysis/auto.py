@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from models.config import CONFIG
 from paro_jax.analysis import plan_compile, planner
-from paro_jax.analysis.config import StepConfig, step_flags
+from paro_jax.core.config import StepConfig, step_flags
 from paro_jax.analysis.probe import QUICK_SIZES, probe
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import ALL_GATHER, LEVEL_INTER

@@ -20,7 +20,7 @@ import sys
 import time
 
 from paro_jax.analysis import gpu  # no jax at import
-from paro_jax.analysis import config  # no jax
+from paro_jax.core import config  # no jax
 from paro_jax.core.units import human_bytes
 
 WITHIN = 0.10

@@ -1,7 +1,7 @@
 """`RunConfig`: what `paro-jax train` runs, a training step's configuration plus the run's;
 `DataConfig`: where its tokens come from.
 
-Its flags are built from these fields by paro_jax/cli.py (analysis/config.py `option`). The
+Its flags are built from these fields by paro_jax/cli.py (core/config.py `option`). The
 module imports no jax or numpy: the CLI builds its parser before jax starts.
 """
 
@@ -13,7 +13,7 @@ import os
 import re
 import warnings
 
-from paro_jax.analysis.config import StepConfig, option
+from paro_jax.core.config import StepConfig, option
 from paro_jax.run.divergence import MODES, GuardConfig
 
 _GUARD = GuardConfig()

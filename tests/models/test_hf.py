@@ -286,7 +286,7 @@ def test_model_from_an_hf_config_alone(tmp_path):
   """--model takes an HF config.json (or its directory): its shapes, trained from scratch. The
   benchmark's 3.03M-parameter model is one; its count from the shapes by hand."""
   from models.llama import get_config
-  from paro_jax.analysis.config import model_name
+  from paro_jax.core.config import parse_model
   from paro_jax.run.train import RunConfig, build
 
   path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs")
@@ -298,6 +298,6 @@ def test_model_from_an_hf_config_alone(tmp_path):
   assert get_config(str(tmp_path)) == get_config(path)
   engine = build(RunConfig(model=path, mesh=(2, 4), batch_size=8, seq_len=16))[0]
   assert engine.model.cfg == get_config(path)
-  assert model_name("TINY") == "tiny" and model_name("Dir/Config.json") == "Dir/Config.json"
+  assert parse_model("TINY") == "tiny" and parse_model("Dir/Config.json") == "Dir/Config.json"
   with pytest.raises(ValueError, match="unknown model preset 'nope'.*HF LLaMA config.json"):
     get_config("nope")
