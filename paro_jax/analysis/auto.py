@@ -132,8 +132,8 @@ def auto_strategy(
     collectives=collectives,
     remat=cfg.remat != "none",
     fused_attention=attention == "cudnn",
-    wire=cfg.wire(),
-    grad_itemsize=cfg.grad_itemsize(itemsize),
+    wire=cfg.wire.formats(),
+    grad_itemsize=cfg.wire.grad_itemsize(itemsize),
   )
   if plan.pick is None:
     raise ValueError(f"--strategy auto: {plan.explain}")

@@ -16,10 +16,11 @@ from paro_jax.core.config import (
   MODEL_HELP,
   StepConfig,
   WireOptions,
+  group,
   option,
   parse_model,
 )
-from paro_jax.core.names import ATTENTION_IMPLS, COLLECTIVE_IMPLS, GRAD_DTYPES
+from paro_jax.core.names import ATTENTION_IMPLS, COLLECTIVE_IMPLS
 from paro_jax.core.units import COMPUTE_DTYPE_BYTES
 
 
@@ -51,7 +52,7 @@ class InspectConfig(StepConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PlanConfig(WireOptions):
+class PlanConfig:
   """`paro-jax plan`: a cluster and a workload, as the command line gives them (strings with
   units). The values are checked here; analysis/planner.py run_plan converts the strings (and
   checks --target, which needs JAX's CUDA plugin)."""
@@ -107,6 +108,7 @@ class PlanConfig(WireOptions):
     type=str.lower,
     choices=ATTENTION_IMPLS,
   )
+  wire: WireOptions = group(WireOptions)
   overlap: float = option(
     0.0, "fraction of per-micro-batch traffic hidden behind compute (default %(default)g)"
   )
@@ -139,5 +141,3 @@ class PlanConfig(WireOptions):
       raise ValueError(f"unknown --dtype {self.dtype!r}; choose bf16 or fp32")
     if self.peak_tflops is not None and self.peak_tflops <= 0:
       raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}")
-    if self.grad_dtype not in GRAD_DTYPES:
-      raise ValueError(f"unknown --grad-dtype {self.grad_dtype!r}; choose compute or fp32")

@@ -355,14 +355,14 @@ def inspect(cfg: InspectConfig) -> dict:
   dtype = DTYPES[cfg.dtype]
   attention, _ = resolve_attention(cfg.attention, platform, dtype, model_cfg.head_dim)
   engine = Engine(
-    Llama(model_cfg, dtype, cfg.remat, cfg.lora(), attention),
+    Llama(model_cfg, dtype, cfg.remat, cfg.lora.adapters(), attention),
     strategy,
     make_mesh(*mesh, devices=devices) if target else make_mesh(*mesh) if mesh else make_mesh(),
     OptimConfig(),
     micro_batches=cfg.micro_batches,
     collectives=collectives,
-    wire=cfg.wire(),
-    grad_dtype=cfg.grad_dtype,
+    wire=cfg.wire.formats(),
+    grad_dtype=cfg.wire.grad_dtype,
     prefetch=cfg.prefetch,
     error_feedback=cfg.error_feedback,
     param_delta=cfg.param_delta,

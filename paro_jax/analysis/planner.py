@@ -295,8 +295,8 @@ def run_plan(cfg: PlanConfig) -> Plan:
     psi,
     max(1, round(cfg.trainable_fraction * psi)),
     itemsize,
-    wire=cfg.wire(),
-    grad_itemsize=cfg.grad_itemsize(itemsize),
+    wire=cfg.wire.formats(),
+    grad_itemsize=cfg.wire.grad_itemsize(itemsize),
     # the plan is for GPUs: --attention as a run on them resolves it
     fused_attention=resolve_attention(
       cfg.attention, "cuda", "bfloat16" if itemsize == 2 else "float32", model_cfg.head_dim
@@ -324,10 +324,10 @@ def run_plan(cfg: PlanConfig) -> Plan:
     "micro_batches": cfg.micro_batches,
     "seq_len": cfg.seq_len,
     "dtype": cfg.dtype,
-    "inter_params": cfg.inter_params,
-    "inter_grads": cfg.inter_grads,
-    "int8_block": cfg.int8_block,
-    "grad_dtype": cfg.grad_dtype,
+    "inter_params": cfg.wire.inter_params,
+    "inter_grads": cfg.wire.inter_grads,
+    "int8_block": cfg.wire.int8_block,
+    "grad_dtype": cfg.wire.grad_dtype,
     "overlap": cfg.overlap,
     "profile": cfg.profile,
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),

@@ -2,7 +2,10 @@
 wire formats, LoRA) and the flag metadata every command's config is declared with (`option`).
 
 Each field that is also a command-line flag is declared with `option()`: its default, its help and
-how argparse reads it are written here once, and paro_jax/cli.py builds the flags from them.
+how argparse reads it are written here once, and paro_jax/cli.py builds the flags from them. A
+config nests its groups (`group()`: the wire formats, the adapters; a run's data, optimizer,
+checkpoints) as dataclasses of their own, whose options are flags like the others: `options()`
+lists them by path (`lora.rank`), `make_config()` makes a config from values by path.
 Pure Python (no jax, no numpy): the CLI builds its parser before jax starts, and `plan` never
 starts it. `RunConfig` (paro_jax/run/config.py) is the step's configuration plus a run's;
 `InspectConfig` and `PlanConfig` (paro_jax/analysis/config.py) are the analysis commands'.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 
 from models.config import LoraConfig
@@ -38,6 +42,50 @@ def option(default=dataclasses.MISSING, help: str = "", *, flag: str | None = No
   return dataclasses.field(default=default, metadata={"help": help, "flag": flag, **add_argument})
 
 
+def group(cls):
+  """A config field holding a group of options: a config dataclass of its own, by default its
+  fields' defaults. Its options are flags like the config's own; the config reads
+  `cfg.<group>.<field>`."""
+  return dataclasses.field(default_factory=cls, metadata={"group": cls})
+
+
+def options(cls, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+  """(path, field) of every option of the config class `cls`, its groups' included, in field
+  order: the path of the field `rank` of the group `lora` is `lora.rank` (the CLI's argparse
+  dest). Fields that are neither options nor groups keep their defaults."""
+  out = []
+  for field in dataclasses.fields(cls):
+    if "group" in field.metadata:
+      out += options(field.metadata["group"], f"{prefix}{field.name}.")
+    elif "help" in field.metadata:
+      out.append((prefix + field.name, field))
+  return out
+
+
+def flag_of(field: dataclasses.Field) -> str:
+  """An option's flag: its `flag`, else --the-field-name."""
+  return field.metadata["flag"] or f"--{field.name.replace('_', '-')}"
+
+
+def make_config(cls, values: dict):
+  """The config `cls` from option values by path (`options`), each group built from its own
+  values; an option without a value keeps its default."""
+  kwargs = {}
+  for field in dataclasses.fields(cls):
+    if "group" in field.metadata:
+      inner = f"{field.name}."
+      own = {k[len(inner) :]: v for k, v in values.items() if k.startswith(inner)}
+      kwargs[field.name] = make_config(field.metadata["group"], own)
+    elif field.name in values:
+      kwargs[field.name] = values[field.name]
+  return cls(**kwargs)
+
+
+def value_at(cfg, path: str):
+  """The value of the option at `path` (`options`) of the config `cfg`."""
+  return functools.reduce(getattr, path.split("."), cfg)
+
+
 MODEL_HELP = (
   "preset: tiny, small, 7b, 13b, 65b, llama3.1-8b, llama3.1-70b, llama3.1-405b, llama3.2-1b, "
   "llama3.2-3b; or an HF LLaMA config.json (its shapes, from scratch)"
@@ -52,7 +100,8 @@ def parse_model(value: str) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WireOptions:
-  """What the parameter gathers and gradient reductions carry across nodes (core/wire.py)."""
+  """What the parameter gathers and gradient reductions carry across nodes (core/wire.py), and
+  the gradients' accumulation dtype."""
 
   inter_params: str = option(
     "same",
@@ -78,7 +127,13 @@ class WireOptions:
     choices=GRAD_DTYPES,
   )
 
-  def wire(self) -> WireConfig:
+  def __post_init__(self):
+    self.formats()  # their checks
+    if self.grad_dtype not in GRAD_DTYPES:
+      raise ValueError(f"unknown --grad-dtype {self.grad_dtype!r}; choose compute or fp32")
+
+  def formats(self) -> WireConfig:
+    """The engine's wire formats (core/wire.py)."""
     return WireConfig(self.inter_params, self.inter_grads, self.int8_block)
 
   def grad_itemsize(self, compute_itemsize: int) -> int:
@@ -87,7 +142,33 @@ class WireOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StepConfig(WireOptions):
+class LoraOptions:
+  """Low-rank adapters to train instead of the whole model (models/config.py LoraConfig)."""
+
+  rank: int = option(
+    0, "adapter rank (default %(default)s: full training)", flag="--lora-rank", metavar="R"
+  )
+  alpha: float = option(
+    16.0,
+    "adapter scale alpha (the update is alpha/R x A B; default %(default)g)",
+    flag="--lora-alpha",
+  )
+  targets: str = option(
+    "wq,wv",
+    "comma-separated weights to adapt, from wq,wk,wv,wo,w_gate,w_up,w_down (default %(default)s)",
+    flag="--lora-targets",
+  )
+
+  def __post_init__(self):
+    self.adapters()  # their checks
+
+  def adapters(self) -> LoraConfig | None:
+    """The model's adapters; None for rank 0 (full training)."""
+    return LoraConfig.from_flags(self.rank, self.alpha, self.targets)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig:
   """One training step: the model, its strategy on a mesh, its batch, precision and memory."""
 
   model: str = option("tiny", MODEL_HELP, type=parse_model)
@@ -121,6 +202,7 @@ class StepConfig(WireOptions):
     type=str.lower,
     choices=ATTENTION_IMPLS,
   )
+  wire: WireOptions = group(WireOptions)
   error_feedback: bool | None = option(  # of int8 gradients (core/feedback.py)
     None,
     "keep each device's int8 gradient rounding error and add it to the next step's "
@@ -142,41 +224,27 @@ class StepConfig(WireOptions):
     type=str.lower,
     choices=("full", "layer", "none"),
   )
-  lora_rank: int = option(0, "adapter rank (default %(default)s: full training)", metavar="R")
-  lora_alpha: float = option(
-    16.0, "adapter scale alpha (the update is alpha/R x A B; default %(default)g)"
-  )
-  lora_targets: str = option(
-    "wq,wv",
-    "comma-separated weights to adapt, from wq,wk,wv,wo,w_gate,w_up,w_down (default %(default)s)",
-  )
+  lora: LoraOptions = group(LoraOptions)
 
   def __post_init__(self):
     for name in ("micro_batches", "batch_size", "seq_len"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-    self.wire()  # its checks
-    if self.grad_dtype not in GRAD_DTYPES:
-      raise ValueError(f"unknown grad dtype {self.grad_dtype!r}; choose one of {GRAD_DTYPES}")
-    self.lora()  # its checks
-
-  def lora(self) -> LoraConfig | None:
-    return LoraConfig.from_flags(self.lora_rank, self.lora_alpha, self.lora_targets)
 
 
 def step_flags(cfg: StepConfig, **replace) -> list[str]:
-  """The command-line flags that give `cfg`'s StepConfig fields (`replace` overriding values):
-  what `train --strategy auto` hands `paro-jax inspect --target` to compile the run's own step.
-  The inverse of the CLI's parsing (tests/test_cli_config.py parses them back)."""
+  """The command-line flags that give `cfg`'s StepConfig options (`replace` overriding values by
+  path): what `train --strategy auto` hands `paro-jax inspect --target` to compile the run's own
+  step. The inverse of the CLI's parsing (tests/test_cli_config.py parses them back)."""
   out = []
-  for field in dataclasses.fields(StepConfig):
-    value = replace.get(field.name, getattr(cfg, field.name))
-    flag = field.metadata.get("flag") or f"--{field.name.replace('_', '-')}"
+  for path, field in options(StepConfig):
+    value = replace[path] if path in replace else value_at(cfg, path)
+    flag = flag_of(field)
     if value is None:  # the flag's absence is its default (None: decided at run time)
       continue
     if field.metadata.get("action") is argparse.BooleanOptionalAction:
       out.append(flag if value else "--no-" + flag[2:])
-    elif field.name == "mesh":
+    elif path == "mesh":
       out += [flag, "x".join(str(n) for n in value)]
     else:
       out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]

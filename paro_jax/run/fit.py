@@ -74,7 +74,7 @@ def check_fits(cfg, model, strategy, inter: int, intra: int, attention: str, dev
   if not cfg.memory_check:
     return
   itemsize = jnp.dtype(DTYPES[cfg.dtype]).itemsize
-  grad_itemsize = cfg.grad_itemsize(itemsize)
+  grad_itemsize = cfg.wire.grad_itemsize(itemsize)
   per_device = cfg.batch_size // (inter * intra)
   work = Workload(
     model.cfg,

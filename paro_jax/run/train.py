@@ -24,7 +24,7 @@ from models.hf import load_hf, read_config
 from models.llama import Llama, get_config, resolve_attention
 from paro_jax.cluster import watch
 from paro_jax.run.checkpoint import CHECKPOINTS, CheckpointError, Checkpointer, RunMeta
-from paro_jax.run.config import RunConfig  # noqa: F401 - also imported from here
+from paro_jax.run.config import RunConfig
 from paro_jax.run.divergence import DivergenceGuard
 from paro_jax.run.fit import check_fits
 from paro_jax.analysis.costs import model_state_bytes
@@ -52,7 +52,7 @@ def build(cfg: RunConfig):
   attention, why = resolve_attention(cfg.attention, platform, DTYPES[cfg.dtype], model_cfg.head_dim)
   if cfg.attention == "auto" and platform != "cpu" and jax.process_index() == 0:
     print(f"paro-jax: --attention {why}: {attention}", flush=True)
-  model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora(), attention)
+  model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora.adapters(), attention)
   collectives, _ = comm.resolve(cfg.collectives, platform, processes)
   if auto:  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/auto.py)
     name, why, table = auto_strategy(
@@ -74,10 +74,9 @@ def build(cfg: RunConfig):
   collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
   if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
     print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
-  tokens, eval_tokens = split_eval(
-    load_tokens(cfg.data_config(), model_cfg.vocab), cfg.eval_fraction
-  )
-  optim = OptimConfig(learning_rate=cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps)
+  tokens, eval_tokens = split_eval(load_tokens(cfg.data, model_cfg.vocab), cfg.data.eval_fraction)
+  o = cfg.optimizer
+  optim = OptimConfig(learning_rate=o.lr, warmup_steps=o.warmup, total_steps=o.steps)
   engine = Engine(
     model,
     strategy,
@@ -85,24 +84,24 @@ def build(cfg: RunConfig):
     optim,
     micro_batches=cfg.micro_batches,
     collectives=collectives,
-    wire=cfg.wire(),
-    grad_dtype=cfg.grad_dtype,
+    wire=cfg.wire.formats(),
+    grad_dtype=cfg.wire.grad_dtype,
     error_feedback=cfg.error_feedback,
     param_delta=cfg.param_delta,
   )
   engine.check_batch_size(cfg.batch_size)
   batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
   eval_batches = None
-  if cfg.eval_every:
+  if cfg.eval.every:
     # --eval-batches K: one eval batch of K step batches, so one program scores them all (K
     # programs in flight at once can deadlock XLA:CPU's collectives).
     eval_batches = Batches(
       eval_tokens,
-      cfg.micro_batches * cfg.eval_batches,
+      cfg.micro_batches * cfg.eval.batches,
       cfg.batch_size,
       cfg.seq_len,
       cfg.seed,
-      what=f"the eval split (the last {cfg.eval_fraction:g} of the tokens)",
+      what=f"the eval split (the last {cfg.data.eval_fraction:g} of the tokens)",
     )
   return engine, batches, eval_batches
 
@@ -139,13 +138,13 @@ def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
 
 def schedule_of(cfg: RunConfig) -> dict:
   """What the learning-rate schedule depends on."""
-  return {"steps": cfg.steps, "lr": cfg.lr, "warmup": cfg.warmup}
+  return dataclasses.asdict(cfg.optimizer)  # steps, lr, warmup
 
 
 def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
   """A fresh state (random, or --init-from's weights), or with --resume the newest intact
   checkpoint placed for this engine."""
-  if not cfg.resume:
+  if not cfg.checkpoints.resume:
     if ckpt.steps():
       raise ValueError(
         f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}): pass "
@@ -365,8 +364,9 @@ def train(cfg: RunConfig) -> str:
         f"{engine.strategy} on mesh {inter}x{intra} ({jax.device_count()} "
         f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
         f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={engine.collectives}, inter "
-        f"wire params={cfg.inter_params} (delta {engine.param_delta_note}) grads="
-        f"{cfg.inter_grads} (error feedback {engine.feedback_note}), grads in {cfg.grad_dtype}; "
+        f"wire params={cfg.wire.inter_params} (delta {engine.param_delta_note}) grads="
+        f"{cfg.wire.inter_grads} (error feedback {engine.feedback_note}), grads in "
+        f"{cfg.wire.grad_dtype}; "
         f"model states {mem['total'] / 2**20:.2f} MiB/device",
         flush=True,
       )
@@ -376,7 +376,7 @@ def train(cfg: RunConfig) -> str:
 def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
   model_cfg = engine.model.cfg
   metrics_path = os.path.join(cfg.out, METRICS)
-  ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.keep)
+  ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.checkpoints.keep)
   stop.ckpt = ckpt
   try:
     written = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
@@ -384,7 +384,7 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
       # A run that stopped before its first checkpoint: nothing to resume; its metrics are
       # set aside (not deleted) and the run starts over, with or without --resume. (Process 0
       # decides: the others follow, or it fails alone.)
-      cfg = dataclasses.replace(cfg, resume=False)
+      cfg = dataclasses.replace(cfg, checkpoints=dataclasses.replace(cfg.checkpoints, resume=False))
       if main:
         _set_aside_metrics(metrics_path)
     state = start_state(cfg, engine, ckpt)
@@ -392,25 +392,25 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
     ckpt.close()
     raise
   start = int(state.step)
-  rows = kept_rows(metrics_path, start) if main and cfg.resume else []
+  rows = kept_rows(metrics_path, start) if main and cfg.checkpoints.resume else []
   tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
   flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
   device_kind = jax.devices()[0].device_kind
   # One fixed eval batch, placed once: eval losses are comparable across steps and runs.
   eval_batch = place_batch(engine, eval_batches, 0) if eval_batches else None
   bar = tqdm(
-    total=cfg.steps,
-    initial=min(start, cfg.steps),
+    total=cfg.optimizer.steps,
+    initial=min(start, cfg.optimizer.steps),
     desc=str(engine.strategy),
     unit="step",
     dynamic_ncols=True,
     disable=None if main else True,
   )
   last_time = time.perf_counter()
-  saved = start if cfg.resume else None
+  saved = start if cfg.checkpoints.resume else None
   bad = {"total": 0, "streak": 0}  # steps with a non-finite loss or gradient norm (skipped)
   done = []  # this process's rows (for the summary)
-  guard = DivergenceGuard(cfg.guard(), model_cfg.vocab)
+  guard = DivergenceGuard(cfg.guard, model_cfg.vocab)
   for line in rows:  # the band of the run so far
     old = json.loads(line)
     guard.seed(old["loss"], old["grad_norm"])
@@ -430,7 +430,7 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
       if main:
         bar.write(f"paro-jax: step {step} was non-finite (skipped): no checkpoint of it{why}")
       return
-    if guard.streak and cfg.divergence_guard == "stop":
+    if guard.streak and cfg.guard.mode == "stop":
       if main:
         bar.write(f"paro-jax: step {step} is out of its band: no checkpoint of it{why}")
       return
@@ -461,7 +461,7 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
       ckpt.protect(good["step"])
     elif out_of_band is not None and not skipped:
       row["out_of_band"] = True
-      if cfg.divergence_guard == "warn" and guard.streak == guard.cfg.patience and main:
+      if cfg.guard.mode == "warn" and guard.streak == guard.cfg.patience and main:
         warnings.warn(
           f"training may diverge: step {guard.first}: {guard.first_why}, and {guard.streak} "
           f"steps in a row out of band since; {_good_line(good['step'], ckpt)}",
@@ -490,7 +490,7 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
         f"divergence: step {guard.first} ({guard.first_why}); {_keep_good(good['step'], ckpt)}. "
         f"Lower --lr or check the data"
       )
-    if guard.tripped and cfg.divergence_guard == "stop":
+    if guard.tripped and cfg.guard.mode == "stop":
       raise Diverged(
         f"training diverged at step {guard.first}: {guard.first_why}; {guard.streak} steps in a "
         f"row out of band (steps {guard.first}-{step}; --divergence-patience "
@@ -504,7 +504,7 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
     _append(log, rows, metrics_path, saved, ckpt)
     try:
       bar.set_postfix_str("compiling the training step", refresh=True)
-      for step in range(start, cfg.steps):
+      for step in range(start, cfg.optimizer.steps):
         if vote is None and stop.signum is not None:
           break
         asked = vote(stop.signum is not None) if vote else None
@@ -517,11 +517,11 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
         if asked is not None and int(asked):  # some process was asked to stop: all stop here
           stop.signum = stop.signum or signal.SIGINT
           stop.dispatched_at_signal = stop.dispatched
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+        if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
           # Dispatched before the next step takes (donates) the state; read with the metrics.
           metrics = {**metrics, "eval_loss": engine.eval_loss(state, eval_batch)}
         pending = (step + 1, metrics)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+        if cfg.checkpoints.every and (step + 1) % cfg.checkpoints.every == 0:
           record(*pending)  # every checkpointed step has its metrics row, and is finite
           pending = None
           save(state)  # asynchronous: returns once the arrays are copied off the device

@@ -21,7 +21,9 @@ from models.hf import WEIGHTS, config_to_hf, load_hf, read_config, save_hf
 from models.llama import Llama, next_token_loss
 from paro_jax import cli
 from paro_jax.run.checkpoint import Checkpointer
-from paro_jax.run.train import CHECKPOINTS, RunConfig, build, train
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.train import CHECKPOINTS, build, train
 
 FIXTURE = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf_tiny"
@@ -208,17 +210,18 @@ RUN = {
   "batch_size": 8,
   "seq_len": 16,
   "dtype": "fp32",
-  "warmup": 1,
+  "optimizer.warmup": 1,
 }
 
 
 def test_export_round_trip(tmp_path):
   run = tmp_path / "run"
-  train(RunConfig(model="test", steps=2, out=str(run), **RUN))
+  cfg = make_config(RunConfig, {**RUN, "model": "test", "optimizer.steps": 2, "out": str(run)})
+  train(cfg)
   cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf")])
   cfg, params = load_hf(tmp_path / "hf")
   # The checkpoint read back independently, with the run's own engine (not export's).
-  engine = build(RunConfig(model="test", steps=2, out=str(run), **RUN))[0]
+  engine = build(cfg)[0]
   ckpt = Checkpointer(os.path.join(run, CHECKPOINTS))
   state, meta = ckpt.restore(engine, "test")
   ckpt.close()
@@ -233,7 +236,8 @@ def test_export_errors(tmp_path, capsys):
 
 
 def test_init_from_fixture_trains(tmp_path):
-  cfg = RunConfig(model="tiny", init_from=FIXTURE, steps=1, out=str(tmp_path / "run"), **RUN)
+  run = {**RUN, "model": "tiny", "init_from": FIXTURE, "optimizer.steps": 1}
+  cfg = make_config(RunConfig, {**run, "out": str(tmp_path / "run")})
   engine, batches, _ = build(cfg)
   model_cfg, params = load_hf(FIXTURE)
   assert engine.model.cfg == model_cfg  # --model is ignored
@@ -256,7 +260,12 @@ def our_logits_jnp(cfg, params, ids):
 
 def test_export_of_an_init_from_run_keeps_the_source_and_its_config(tmp_path, capsys):
   run = tmp_path / "run"
-  train(RunConfig(model="tiny", init_from=FIXTURE, steps=1, out=str(run), **RUN))
+  train(
+    make_config(
+      RunConfig,
+      {**RUN, "model": "tiny", "init_from": FIXTURE, "optimizer.steps": 1, "out": str(run)},
+    )
+  )
   before = {name: os.path.getmtime(os.path.join(FIXTURE, name)) for name in os.listdir(FIXTURE)}
   # The directory the run started from is never overwritten, not even with --overwrite.
   with pytest.raises(SystemExit) as e:
@@ -287,7 +296,7 @@ def test_model_from_an_hf_config_alone(tmp_path):
   benchmark's 3.03M-parameter model is one; its count from the shapes by hand."""
   from models.llama import get_config
   from paro_jax.core.config import parse_model
-  from paro_jax.run.train import RunConfig, build
+  from paro_jax.run.train import build
 
   path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs")
   path = os.path.join(path, "llama-3m.json")

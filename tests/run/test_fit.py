@@ -1,13 +1,15 @@
 """A run that cannot fit is refused before anything is compiled, in one line with the planner's
 estimate and the fix."""
 
+import dataclasses
 import os
 
 import pytest
 
 from paro_jax import cli
 from paro_jax.run import fit
-from paro_jax.run.train import RunConfig, build
+from paro_jax.run.config import RunConfig
+from paro_jax.run.train import build
 
 FIXTURE = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf_tiny"
@@ -64,4 +66,4 @@ def test_the_check_compares_the_estimate_with_the_device_memory(monkeypatch):
   monkeypatch.setattr(fit, "device_memory", lambda devices: (need - 1, "the test's memory"))
   with pytest.raises(ValueError, match="more than the the test's memory"):
     build(cfg)
-  build(RunConfig(**{**cfg.__dict__, "memory_check": False}))  # the user's call
+  build(dataclasses.replace(cfg, memory_check=False))  # the user's call
