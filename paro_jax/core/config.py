@@ -166,6 +166,13 @@ class LoraOptions:
     """The model's adapters; None for rank 0 (full training)."""
     return LoraConfig.from_flags(self.rank, self.alpha, self.targets)
 
+  @classmethod
+  def of(cls, lora: LoraConfig | None) -> LoraOptions:
+    """The options that give `lora` (a checkpoint's adapters; None: full training)."""
+    if lora is None:
+      return cls()
+    return cls(rank=lora.rank, alpha=lora.alpha, targets=",".join(lora.targets))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepConfig:
