@@ -46,6 +46,7 @@ JAX_FREE = (
   "paro_jax/core/units.py",
   "paro_jax/core/xla_flags.py",
   "paro_jax/analysis/config.py",
+  "paro_jax/analysis/memory.py",
   "models/config.py",
 )
 # Every module of the project that `import paro_jax.cli` and its parser import (the CLI sets the
@@ -59,6 +60,7 @@ CLI_START = (
   "paro_jax/analysis/costs.py",
   "paro_jax/analysis/gpu.py",
   "paro_jax/analysis/hardware.py",
+  "paro_jax/analysis/memory.py",
   "paro_jax/analysis/plan_compile.py",
   "paro_jax/analysis/plan_inputs.py",
   "paro_jax/analysis/plan_profile.py",

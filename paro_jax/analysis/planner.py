@@ -1,8 +1,8 @@
 """`paro-jax plan` and `train --strategy auto`: rank the 14 strategies by predicted step time.
 
 The inputs (cluster, links, workload) are in plan_inputs.py, the model of one strategy's step
-time and memory in step_model.py (its docstring states the model), probe profiles in
-plan_profile.py; every public name of those stays importable from here.
+time in step_model.py (its docstring states the model) and of its memory in memory.py, probe
+profiles in plan_profile.py; the public names of the first two stay importable from here.
 
 The pick is the fastest strategy that fits. Predictions within `TIE` (1%) of the fastest are a tie
 the model cannot resolve (e.g. ING, INI and IIG with few trainable parameters); among those it
@@ -35,7 +35,6 @@ from paro_jax.analysis.plan_profile import load_profile, measured_links
 from paro_jax.analysis.step_model import (  # noqa: F401  (re-exported)
   PHASE_GROUPS,
   Estimate,
-  activation_bytes,
   collective_seconds,
   compute_seconds,
   estimate,

@@ -21,16 +21,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from models.hf import load_hf, read_config
-from models.llama import Llama, get_config, resolve_attention
+from models.llama import get_config, resolve_attention
 from paro_jax.cluster import watch
 from paro_jax.run.checkpoint import CHECKPOINTS, CheckpointError, Checkpointer, RunMeta
 from paro_jax.run.config import RunConfig
 from paro_jax.run.divergence import DivergenceGuard
-from paro_jax.run.fit import check_fits
-from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.run.fit import check_fits, run_memory
 from paro_jax.run.metrics import dump_row, read_rows
 from paro_jax.run.data import Batches, load_tokens, split_eval
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
+from paro_jax.core.factory import build_engine, step_model
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core import collectives as comm
 from paro_jax.core.names import AUTO_COLLECTIVES
@@ -52,7 +52,7 @@ def build(cfg: RunConfig):
   attention, why = resolve_attention(cfg.attention, platform, DTYPES[cfg.dtype], model_cfg.head_dim)
   if cfg.attention == "auto" and platform != "cpu" and jax.process_index() == 0:
     print(f"paro-jax: --attention {why}: {attention}", flush=True)
-  model = Llama(model_cfg, DTYPES[cfg.dtype], cfg.remat, cfg.lora.adapters(), attention)
+  model = step_model(cfg, model_cfg, attention)
   collectives, _ = comm.resolve(cfg.collectives, platform, processes)
   if auto:  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/auto.py)
     name, why, table = auto_strategy(
@@ -70,24 +70,17 @@ def build(cfg: RunConfig):
         print(table, flush=True)
       print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
     strategy = parse_strategy(name)
-  check_fits(cfg, model, strategy, *mesh.devices.shape, attention, jax.local_devices())
+  inter, intra = mesh.devices.shape
+  need = run_memory(cfg, model, strategy, inter, intra, gpu=platform != "cpu")
+  check_fits(cfg, strategy, need, inter, intra, jax.local_devices())
   collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
   if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
     print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
   tokens, eval_tokens = split_eval(load_tokens(cfg.data, model_cfg.vocab), cfg.data.eval_fraction)
   o = cfg.optimizer
   optim = OptimConfig(learning_rate=o.lr, warmup_steps=o.warmup, total_steps=o.steps)
-  engine = Engine(
-    model,
-    strategy,
-    mesh,
-    optim,
-    micro_batches=cfg.micro_batches,
-    collectives=collectives,
-    wire=cfg.wire.formats(),
-    grad_dtype=cfg.wire.grad_dtype,
-    error_feedback=cfg.error_feedback,
-    param_delta=cfg.param_delta,
+  engine = build_engine(
+    cfg, model_cfg, mesh, optim, strategy=strategy, attention=attention, collectives=collectives
   )
   engine.check_batch_size(cfg.batch_size)
   batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
@@ -328,19 +321,9 @@ def train(cfg: RunConfig) -> str:
   engine, batches, eval_batches = build(cfg)
   inter, intra = engine.inter, engine.intra
   n_params, n_trained = engine.model.param_count(), engine.model.trainable_count()
-  itemsize = jnp.dtype(engine.compute_dtype).itemsize
-  grad_itemsize = jnp.dtype(engine.grad_dtype).itemsize
-  mem = model_state_bytes(
-    engine.strategy,
-    n_params,
-    n_trained,
-    inter,
-    intra,
-    itemsize,
-    grad_itemsize,
-    residual_bytes=4 * engine.residual_size,
-    reference_bytes=engine.reference_bytes,
-  )
+  platform = jax.devices()[0].platform
+  # The estimate build() checked: analysis/memory.py's, as `paro-jax plan` prints it.
+  need = run_memory(cfg, engine.model, engine.strategy, inter, intra, gpu=platform != "cpu")
   main = jax.process_index() == 0  # with several processes only process 0 logs and writes
   processes = jax.process_count()
   who = f"process {jax.process_index()} of {processes}: " if processes > 1 else ""
@@ -366,8 +349,9 @@ def train(cfg: RunConfig) -> str:
         f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={engine.collectives}, inter "
         f"wire params={cfg.wire.inter_params} (delta {engine.param_delta_note}) grads="
         f"{cfg.wire.inter_grads} (error feedback {engine.feedback_note}), grads in "
-        f"{cfg.wire.grad_dtype}; "
-        f"model states {mem['total'] / 2**20:.2f} MiB/device",
+        f"{cfg.wire.grad_dtype}; memory {need['total'] / 2**20:.2f} MiB/device (model states "
+        f"{need['model_states']['total'] / 2**20:.2f}, activations "
+        f"{need['activations']['total'] / 2**20:.2f}; the planner's estimate)",
         flush=True,
       )
     return _train_locked(cfg, engine, batches, eval_batches, main, stop)
