@@ -1,319 +1,45 @@
-"""The training loop behind `paro-jax train`: data, engine, progress, metrics, checkpoints."""
+"""The training loop behind `paro-jax train`: progress, metrics, checkpoints (the run is set up by
+run/setup.py, stopped by run/stopping.py, reported by run/reporting.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import json
 import math
 import os
 import signal
-import statistics
-import threading
 import time
 import warnings
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from models.hf import load_hf, read_config
-from models.llama import get_config, resolve_attention
+from paro_jax.analysis.hardware import mfu
 from paro_jax.cluster import watch
-from paro_jax.run.checkpoint import CHECKPOINTS, CheckpointError, Checkpointer, RunMeta
+from paro_jax.run.checkpoint import CHECKPOINTS, CheckpointError, Checkpointer
 from paro_jax.run.config import RunConfig
 from paro_jax.run.divergence import DivergenceGuard
-from paro_jax.run.fit import check_fits, run_memory
-from paro_jax.run.metrics import dump_row, read_rows
-from paro_jax.run.data import Batches, load_tokens, split_eval
-from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
-from paro_jax.core.factory import build_engine, step_model
-from paro_jax.core.mesh import make_mesh
-from paro_jax.core import collectives as comm
-from paro_jax.core.names import AUTO_COLLECTIVES
-from paro_jax.analysis.hardware import mfu
-from paro_jax.analysis.auto import auto_strategy
-from paro_jax.core.strategy import parse_strategy
-
-METRICS = "metrics.jsonl"
-LOCK = ".paro-jax.lock"  # held (flock) by the process-0 of the run using the directory
-
-
-def build(cfg: RunConfig):
-  """Model, engine and batches for a run; every bad input fails here, before any compile."""
-  auto = cfg.strategy.strip().lower() == "auto"
-  strategy = None if auto else parse_strategy(cfg.strategy)
-  model_cfg = read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)
-  mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
-  platform, processes = jax.devices()[0].platform, jax.process_count()
-  attention, why = resolve_attention(cfg.attention, platform, DTYPES[cfg.dtype], model_cfg.head_dim)
-  if cfg.attention == "auto" and platform != "cpu" and jax.process_index() == 0:
-    print(f"paro-jax: --attention {why}: {attention}", flush=True)
-  model = step_model(cfg, model_cfg, attention)
-  collectives, _ = comm.resolve(cfg.collectives, platform, processes)
-  if auto:  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/auto.py)
-    name, why, table = auto_strategy(
-      mesh,
-      cfg,
-      model_cfg,
-      model.param_count(),
-      model.trainable_count(),
-      collectives,
-      attention,
-      cfg.compile_top,
-    )
-    if jax.process_index() == 0:
-      if table:
-        print(table, flush=True)
-      print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
-    strategy = parse_strategy(name)
-  inter, intra = mesh.devices.shape
-  need = run_memory(cfg, model, strategy, inter, intra, gpu=platform != "cpu")
-  check_fits(cfg, strategy, need, inter, intra, jax.local_devices())
-  collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
-  if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
-    print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
-  tokens, eval_tokens = split_eval(load_tokens(cfg.data, model_cfg.vocab), cfg.data.eval_fraction)
-  o = cfg.optimizer
-  optim = OptimConfig(learning_rate=o.lr, warmup_steps=o.warmup, total_steps=o.steps)
-  engine = build_engine(
-    cfg, model_cfg, mesh, optim, strategy=strategy, attention=attention, collectives=collectives
-  )
-  engine.check_batch_size(cfg.batch_size)
-  batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
-  eval_batches = None
-  if cfg.eval.every:
-    # --eval-batches K: one eval batch of K step batches, so one program scores them all (K
-    # programs in flight at once can deadlock XLA:CPU's collectives).
-    eval_batches = Batches(
-      eval_tokens,
-      cfg.micro_batches * cfg.eval.batches,
-      cfg.batch_size,
-      cfg.seq_len,
-      cfg.seed,
-      what=f"the eval split (the last {cfg.data.eval_fraction:g} of the tokens)",
-    )
-  return engine, batches, eval_batches
-
-
-def place_batch(engine: Engine, batches: Batches, step: int) -> jax.Array:
-  """Batch `step` on the mesh; with several processes each reads and places only its rows.
-  The eval batches may hold more micro-batches than a step."""
-  other = batches.shape[0] != engine.micro_batches
-  if jax.process_count() == 1:
-    return engine.shard_batch(batches(step), any_micro_batches=other)
-  rows = batches.process_rows(jax.process_index(), jax.process_count())
-  return engine.shard_local_batch(batches(step, rows), batches.shape, any_micro_batches=other)
-
-
-def model_name(cfg: RunConfig) -> str:
-  """The preset, or `hf:DIR` for a run started from HF weights."""
-  return f"hf:{cfg.init_from}" if cfg.init_from else cfg.model
-
-
-def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
-  return RunMeta(
-    step=step,
-    seed=cfg.seed,
-    model_name=model_name(cfg),
-    model_config=dataclasses.asdict(engine.model.cfg),
-    strategy=str(engine.strategy),
-    mesh=(engine.inter, engine.intra),
-    dtype=cfg.dtype,
-    data=cfg.data_position(),
-    lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None,
-    train=schedule_of(cfg),
-  )
-
-
-def schedule_of(cfg: RunConfig) -> dict:
-  """What the learning-rate schedule depends on."""
-  return dataclasses.asdict(cfg.optimizer)  # steps, lr, warmup
-
-
-def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
-  """A fresh state (random, or --init-from's weights), or with --resume the newest intact
-  checkpoint placed for this engine."""
-  if not cfg.checkpoints.resume:
-    if ckpt.steps():
-      raise ValueError(
-        f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}): pass "
-        f"--resume to continue that run, or another --out to start a new one"
-      )
-    if cfg.init_from:
-      _, params = load_hf(cfg.init_from)  # its config is the engine's (build read it)
-      # With LoRA: the HF weights are the frozen base; the adapters start fresh (B = 0).
-      params = engine.model.with_adapters(params, jax.random.key(cfg.seed))
-      return engine.state_from_params(params)
-    return engine.init_state(jax.random.key(cfg.seed))
-  state, meta = ckpt.restore(engine, model_name(cfg), set_aside=True)
-  was = {"seed": meta.seed, **meta.data}
-  now = json.loads(json.dumps({"seed": cfg.seed, **cfg.data_position()}))  # tuples as lists
-  for key in was:
-    if was[key] != now[key]:
-      warnings.warn(
-        f"resuming with {key}={now[key]!r}, but the checkpoint was trained with "
-        f"{was[key]!r}: the batches after step {meta.step} differ from an "
-        f"uninterrupted run's",
-        stacklevel=2,
-      )
-  if meta.train is not None and meta.train != schedule_of(cfg):
-    changed = [k for k in ("steps", "lr", "warmup") if meta.train.get(k) != schedule_of(cfg)[k]]
-    warnings.warn(
-      f"resuming with {' '.join(f'--{k} {schedule_of(cfg)[k]:g}' for k in changed)}, but the "
-      f"checkpoint (step {meta.step}) was trained with "
-      f"{' '.join(f'--{k} {meta.train[k]:g}' for k in changed)}: the learning-rate schedule "
-      f"changed from step {meta.step} on",
-      stacklevel=2,
-    )
-  print(
-    f"paro-jax: resumed from {ckpt.directory}/{meta.step} (saved by strategy {meta.strategy} "
-    f"on mesh {meta.mesh[0]}x{meta.mesh[1]})",
-    flush=True,
-  )
-  return state
-
-
-def _set_aside_metrics(metrics_path: str) -> None:
-  """Rename the metrics of a run that saved no checkpoint to metrics.unsaved-<n>.jsonl."""
-  stem, n = metrics_path[: -len(".jsonl")], 1
-  while os.path.exists(f"{stem}.unsaved-{n}.jsonl"):
-    n += 1
-  os.rename(metrics_path, f"{stem}.unsaved-{n}.jsonl")
-  print(
-    f"paro-jax: {os.path.dirname(metrics_path) or '.'} holds the metrics of a run that stopped "
-    f"before its first checkpoint: kept as {stem}.unsaved-{n}.jsonl; starting from step 0",
-    flush=True,
-  )
-
-
-def kept_rows(metrics_path: str, upto: int) -> list[str]:
-  """The metrics rows of steps <= upto: a resumed run redoes (and rewrites) the later ones."""
-  if not os.path.exists(metrics_path):
-    return []
-  return [dump_row(r) for r in read_rows(metrics_path) if r["step"] <= upto]
-
-
-class NonFiniteSteps(ValueError):
-  """Too many consecutive steps with a non-finite loss or gradient norm."""
-
-
-class Diverged(ValueError):
-  """The divergence guard stopped the run: too many steps in a row out of their band."""
-
-
-class Interrupted(KeyboardInterrupt):
-  """The run was stopped by a signal (SIGINT, SIGTERM) after checkpointing."""
-
-  def __init__(self, signum: int):
-    super().__init__(signal.Signals(signum).name)
-    self.signum = signum
-
-
-class StopSignals:
-  """The first SIGINT or SIGTERM asks the loop to stop at the next step boundary (it then logs
-  and checkpoints the finished step and exits); a second one exits at once, without waiting for
-  the checkpoint (a checkpoint is only ever listed once complete).
-
-  Only in the main thread. With several processes, the processes agree each step on whether any
-  of them was asked to stop (`StopVote`), so they all stop after the same step and save it
-  together."""
-
-  def __init__(self):
-    self.signum: int | None = None
-    self.dispatched = 0  # train_step calls returned (the first one includes the compile)
-    self.dispatched_at_signal = 0
-    self.ckpt: Checkpointer | None = None  # the run's, once opened: what a stop interrupts
-    self._old = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGINT, signal.SIGTERM):
-        self._old[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    if self.signum is not None:
-      # Stopped: what is left (the checkpointer's close, jax.distributed's shutdown at exit) can
-      # wait on the other processes, and a signal then (srun's SIGTERM once another task has
-      # exited 143) must still end this one with 128 + the signal, as documented, not by the
-      # signal's default action ("Terminated"): the handler stays.
-      return
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
-
-  def _handle(self, signum, frame):
-    if self.signum is not None:
-      os.write(2, f"\nparo-jax: stopped at once; {self._interrupted()}\n".encode())
-      os._exit(128 + signum)
-    self.signum, self.dispatched_at_signal = signum, self.dispatched
-    what = (
-      "stopping at a step all processes agree on and checkpointing it"
-      if jax.process_count() > 1
-      else "stopping before the first step (no checkpoint)"
-      if self.dispatched == 0
-      else "stopping after this step and checkpointing it"
-    )
-    name = signal.Signals(signum).name
-    os.write(2, f"\nparo-jax: {name}: {what}; send it again to stop at once\n".encode())
-
-  def _interrupted(self) -> str:
-    """What stopping at once leaves behind."""
-    step = self.ckpt.writing() if self.ckpt is not None else None
-    if step is not None:
-      return f"checkpoint step {step} was being written and is not kept (the previous one is)"
-    when = " during the first compile" if self.dispatched == 0 else ""
-    return f"no checkpoint was being written{when}"
-
-
-class StopVote:
-  """With several processes: whether any process was asked to stop, the same answer on all.
-
-  A one-int all-reduce (max) over every device, dispatched at each step like the step itself; its
-  result is read after the previous step's metrics were, so the host waits for nothing new."""
-
-  def __init__(self):
-    mesh = Mesh(np.array(jax.devices()), ("all",))
-    self.sharding = NamedSharding(mesh, PartitionSpec("all"))
-    self.local = jax.local_device_count()
-    self.reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-  def __call__(self, flag: bool) -> jax.Array:
-    local = np.full((self.local,), int(flag), np.int32)
-    return self.reduce(jax.make_array_from_process_local_data(self.sharding, local))
-
-
-class RunLock:
-  """An exclusive lock on a run directory while a run writes it (process 0 only)."""
-
-  def __init__(self, out: str, main: bool):
-    self.path, self.main, self.fd = os.path.join(out, LOCK), main, None
-
-  def __enter__(self):
-    if not self.main:
-      return self
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      holder = os.read(fd, 100).decode(errors="replace").strip() or "another process"
-      os.close(fd)
-      raise ValueError(
-        f"{os.path.dirname(self.path)} is in use by another run ({holder}): wait for it to "
-        f"finish, stop it, or pass another --out"
-      ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
-    self.fd = fd
-    return self
-
-  def __exit__(self, *exc):
-    if self.fd is not None:
-      os.close(self.fd)  # releases the lock
-      self.fd = None
+from paro_jax.run.fit import run_memory
+from paro_jax.run.metrics import METRICS, dump_row
+from paro_jax.run.reporting import _stopped, _summary
+from paro_jax.run.setup import (
+  _set_aside_metrics,
+  build,
+  kept_rows,
+  model_name,
+  place_batch,
+  run_meta,
+  start_state,
+)
+from paro_jax.run.stopping import (
+  Diverged,
+  Interrupted,
+  NonFiniteSteps,
+  RunLock,
+  StopSignals,
+  StopVote,
+)
 
 
 def train(cfg: RunConfig) -> str:
@@ -584,36 +310,4 @@ def _keep_good(good: int | None, ckpt: Checkpointer) -> str:
   return (
     f"the newest checkpoint before it is step {good} in {ckpt.directory}{moved}: continue from "
     f"it with the same command and --resume"
-  )
-
-
-def _stopped(main: bool, saved: int | None, ckpt: Checkpointer) -> None:
-  if not main:
-    return
-  if saved is None:
-    print("\nparo-jax: stopped before any step finished; nothing was saved", flush=True)
-  else:
-    print(
-      f"\nparo-jax: stopped; checkpoint step {saved} is in {ckpt.directory}: continue "
-      f"with the same command and --resume",
-      flush=True,
-    )
-
-
-def _summary(rows, skipped, metrics_path, saved, directory) -> str:
-  """The last line of a run: final loss, eval loss, median tokens/s, where things are."""
-  if not rows:
-    return f"paro-jax: nothing to do; checkpoint step {saved} is in {directory}"
-  last = rows[-1]
-  evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
-  timed = [r["tokens_per_s"] for r in rows[1:]] or [last["tokens_per_s"]]  # the first: compile
-  parts = [
-    f"step {last['step']}: loss {last['loss']:.4f}",
-    f"eval loss {evals[-1]:.4f}" if evals else "no eval (--eval-every)",
-    f"median {statistics.median(timed):.0f} tokens/s",
-  ]
-  if skipped:
-    parts.append(f"{skipped} non-finite steps skipped")
-  return f"paro-jax: done, {', '.join(parts)}; wrote {metrics_path} and " + (
-    f"checkpoint step {saved} in {directory}" if saved is not None else "no checkpoint"
   )

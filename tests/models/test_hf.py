@@ -20,10 +20,11 @@ from safetensors.numpy import load_file, save_file
 from models.hf import WEIGHTS, config_to_hf, load_hf, read_config, save_hf
 from models.llama import Llama, next_token_loss
 from paro_jax import cli
-from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.core.config import make_config
 from paro_jax.run.config import RunConfig
-from paro_jax.run.train import CHECKPOINTS, build, train
+from paro_jax.run.setup import build
+from paro_jax.run.train import train
 
 FIXTURE = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf_tiny"
@@ -296,7 +297,7 @@ def test_model_from_an_hf_config_alone(tmp_path):
   benchmark's 3.03M-parameter model is one; its count from the shapes by hand."""
   from models.llama import get_config
   from paro_jax.core.config import parse_model
-  from paro_jax.run.train import build
+  from paro_jax.run.setup import build
 
   path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs")
   path = os.path.join(path, "llama-3m.json")

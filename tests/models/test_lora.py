@@ -22,7 +22,8 @@ from paro_jax.run.reference import reference_train
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 from paro_jax.core.config import make_config
 from paro_jax.run.config import RunConfig
-from paro_jax.run.train import build, train
+from paro_jax.run.setup import build
+from paro_jax.run.train import train
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 # Every kind of target: q/k/v (A on embed, B on the flattened heads), wo/w_down (A on the

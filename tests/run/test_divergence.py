@@ -12,7 +12,9 @@ from paro_jax import cli
 from paro_jax.run.divergence import DivergenceGuard, GuardConfig
 from paro_jax.core.config import make_config
 from paro_jax.run.config import RunConfig
-from paro_jax.run.train import CHECKPOINTS, Diverged, NonFiniteSteps, train
+from paro_jax.run.checkpoint import CHECKPOINTS
+from paro_jax.run.stopping import Diverged, NonFiniteSteps
+from paro_jax.run.train import train
 
 
 # --- the band, without training -----------------------------------------------------------------

@@ -18,10 +18,11 @@ from models.hf import load_hf
 from models.llama import Llama
 from paro_jax import cli
 from paro_jax.core.shards import join_trainable
-from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.core.config import make_config
 from paro_jax.run.config import RunConfig
-from paro_jax.run.train import CHECKPOINTS, build, train
+from paro_jax.run.setup import build
+from paro_jax.run.train import train
 
 RUN = {
   "model": "test",

@@ -12,7 +12,7 @@ import pytest
 from paro_jax import cli
 from paro_jax.analysis import memory
 from paro_jax.run.config import RunConfig
-from paro_jax.run.train import build
+from paro_jax.run.setup import build
 
 FIXTURE = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf_tiny"
