@@ -25,7 +25,7 @@ from paro_jax.run.checkpoint import Checkpointer, RunMeta
 from paro_jax.run.config import RunConfig
 from paro_jax.run.data import Batches, load_tokens, split_eval
 from paro_jax.run.fit import check_fits, run_memory
-from paro_jax.run.metrics import dump_row, read_rows
+from paro_jax.run.metrics import METRICS, dump_row, read_rows
 
 
 def build(cfg: RunConfig):
@@ -163,7 +163,25 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
   return state
 
 
-def _set_aside_metrics(metrics_path: str) -> None:
+def starting_point(
+  cfg: RunConfig, engine: Engine, ckpt: Checkpointer, main: bool
+) -> tuple[RunConfig, TrainState, list[str]]:
+  """(the run's config as it runs, the state it starts from, the metrics rows it keeps) for the
+  run directory as it is: a run that stopped before its first checkpoint has nothing to resume,
+  so its metrics are set aside (not deleted) and the run starts over, with or without --resume
+  (process 0 decides: the others follow, or it fails alone)."""
+  metrics_path = os.path.join(cfg.out, METRICS)
+  written = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
+  if not ckpt.steps() and (written or not main):
+    cfg = dataclasses.replace(cfg, checkpoints=dataclasses.replace(cfg.checkpoints, resume=False))
+    if main:
+      set_aside_metrics(metrics_path)
+  state = start_state(cfg, engine, ckpt)
+  rows = kept_rows(metrics_path, int(state.step)) if main and cfg.checkpoints.resume else []
+  return cfg, state, rows
+
+
+def set_aside_metrics(metrics_path: str) -> None:
   """Rename the metrics of a run that saved no checkpoint to metrics.unsaved-<n>.jsonl."""
   stem, n = metrics_path[: -len(".jsonl")], 1
   while os.path.exists(f"{stem}.unsaved-{n}.jsonl"):

@@ -82,6 +82,15 @@ class StopSignals:
     name = signal.Signals(signum).name
     os.write(2, f"\nparo-jax: {name}: {what}; send it again to stop at once\n".encode())
 
+  def agreed(self) -> None:
+    """Some process was asked to stop (StopVote): this one stops after the same step."""
+    self.signum = self.signum or signal.SIGINT
+    self.dispatched_at_signal = self.dispatched
+
+  @property
+  def stopping(self) -> bool:
+    return self.signum is not None
+
   def _interrupted(self) -> str:
     """What stopping at once leaves behind."""
     step = self.ckpt.writing() if self.ckpt is not None else None
