@@ -150,6 +150,9 @@ def test_a_groups_options_are_flags_and_build_the_group():
   args = argparse.Namespace(command="toy", **vars(p.parse_args(["--limit-high", "4"])))
   assert cli.config_of(args, _Grouped) == _Grouped(limits=_Limits(high=4))
   assert make_config(_Grouped, {"limits.low": 2}).limits == _Limits(low=2)
+  assert make_config(_Grouped, {"limits.note": "set"}).limits.note == "set"  # not an option
+  with pytest.raises(TypeError, match="_Limits has no field lo"):
+    make_config(_Grouped, {"limits.lo": 2})  # a misspelt path is no default silently used
   assert value_at(_Grouped(), "limits.high") == 9
   del vars(args)["limits.low"]  # as if the parser lacked a group's flag
   with pytest.raises(TypeError, match=r"field but no flag \['limits.low'\]"):

@@ -68,16 +68,22 @@ def flag_of(field: dataclasses.Field) -> str:
 
 
 def make_config(cls, values: dict):
-  """The config `cls` from option values by path (`options`), each group built from its own
-  values; an option without a value keeps its default."""
-  kwargs = {}
+  """The config `cls` from values by path (`options`; a group's fields that are no options too),
+  each group built from its own values; a field without a value keeps its default. A path that
+  names no field is an error, not a value silently dropped."""
+  kwargs, used = {}, set()
   for field in dataclasses.fields(cls):
     if "group" in field.metadata:
       inner = f"{field.name}."
       own = {k[len(inner) :]: v for k, v in values.items() if k.startswith(inner)}
       kwargs[field.name] = make_config(field.metadata["group"], own)
+      used.update(inner + k for k in own)
     elif field.name in values:
       kwargs[field.name] = values[field.name]
+      used.add(field.name)
+  unknown = sorted(set(values) - used)
+  if unknown:
+    raise TypeError(f"{cls.__name__} has no field {', '.join(unknown)}")
   return cls(**kwargs)
 
 

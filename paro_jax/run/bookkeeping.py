@@ -21,7 +21,8 @@ from paro_jax.analysis.hardware import mfu
 from paro_jax.cluster import watch
 from paro_jax.core.engine import Engine, TrainState
 from paro_jax.run import reporting
-from paro_jax.run.checkpoint import CheckpointError, Checkpointer
+from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.checkpoint_errors import CheckpointError
 from paro_jax.run.config import RunConfig
 from paro_jax.run.divergence import DivergenceGuard
 from paro_jax.run.metrics import METRICS, dump_row

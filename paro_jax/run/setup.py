@@ -21,7 +21,8 @@ from paro_jax.core.factory import build_engine, step_model
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.names import AUTO_COLLECTIVES
 from paro_jax.core.strategy import parse_strategy
-from paro_jax.run.checkpoint import Checkpointer, RunMeta
+from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.checkpoint_content import RunMeta
 from paro_jax.run.config import RunConfig
 from paro_jax.run.data import Batches, load_tokens, split_eval
 from paro_jax.run.fit import check_fits, run_memory

@@ -155,7 +155,7 @@ def test_checkpoints_from_before_tied_tables_still_resume():
   `tie_embeddings` existed reads back with their defaults, and a tied one is not an untied one."""
   from types import SimpleNamespace
 
-  from paro_jax.run.checkpoint import check_model
+  from paro_jax.run.checkpoint_content import check_model
 
   old = dataclasses.asdict(UNTIED)
   del old["rope_scaling"], old["tie_embeddings"]

@@ -18,7 +18,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from models.llama import Llama, get_config
-from paro_jax.run.checkpoint import Checkpointer, CheckpointError, RunMeta
+from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.checkpoint_content import RunMeta
+from paro_jax.run.checkpoint_errors import CheckpointError
 from paro_jax.run.data import Batches, default_corpus
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
@@ -278,7 +280,7 @@ def test_checksums_catch_any_changed_array(saved_iig, tmp_path):
 
 
 def test_checksum_depends_on_every_element_and_not_on_sharding():
-  from paro_jax.run.checkpoint import state_checksums
+  from paro_jax.run.checkpoint_content import state_checksums
 
   x = np.arange(64, dtype=np.float32).reshape(8, 8)
   mesh = make_mesh(2, 4)
