@@ -217,12 +217,12 @@ RUN = {
 
 def test_export_round_trip(tmp_path):
   run = tmp_path / "run"
-  cfg = make_config(RunConfig, {**RUN, "model": "test", "optimizer.steps": 2, "out": str(run)})
-  train(cfg)
+  run_cfg = make_config(RunConfig, {**RUN, "model": "test", "optimizer.steps": 2, "out": str(run)})
+  train(run_cfg)
   cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf")])
   cfg, params = load_hf(tmp_path / "hf")
   # The checkpoint read back independently, with the run's own engine (not export's).
-  engine = build(cfg)[0]
+  engine = build(run_cfg)[0]
   ckpt = Checkpointer(os.path.join(run, CHECKPOINTS))
   state, meta = ckpt.restore(engine, "test")
   ckpt.close()
