@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from models.config import CONFIG
 from paro_jax.analysis import plan_compile, planner
+from paro_jax.analysis.memory import available_memory
 from paro_jax.core.config import StepConfig, step_flags
 from paro_jax.analysis.probe import QUICK_SIZES, probe
 from paro_jax.core.mesh import mesh_shape
@@ -115,7 +116,7 @@ def auto_strategy(
   # What the allocator may use (on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION of the card); a CPU's
   # host memory is not planned for.
   gpu = device.platform != "cpu"
-  stats = (device.memory_stats() or {}) if gpu else {}
+  usable = available_memory(jax.local_devices())[0] if gpu else None
   itemsize = COMPUTE_DTYPE_BYTES[cfg.dtype]
   plan = planner.plan_for_profile(
     model_cfg,
@@ -128,7 +129,7 @@ def auto_strategy(
     profile,
     params=params,
     trainable=trainable,
-    device_memory=stats.get("bytes_limit"),
+    device_memory=usable,
     collectives=collectives,
     remat=cfg.remat != "none",
     fused_attention=attention == "cudnn",
