@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from models.llama import Llama, get_config, next_token_loss
-from paro_jax.core.engine import DTYPES, Engine, OptimConfig, decay_mask
+from models.llama import get_config, next_token_loss
+from paro_jax.core.config import StepConfig
+from paro_jax.core.engine import OptimConfig, decay_mask
+from paro_jax.core.factory import build_engine
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.strategy import parse_strategy
 
 
 def median_step_time(step, state, batch, steps, warmup=3):
@@ -53,13 +54,14 @@ def main():
   args = ap.parse_args()
 
   cfg = get_config(args.model)
-  model = Llama(cfg, DTYPES[args.dtype])
   optim = OptimConfig(total_steps=10_000)
+  step = StepConfig(strategy="NNN", dtype=args.dtype, attention="xla")
+  engine = build_engine(step, cfg, make_mesh(1, 1, jax.devices()[:1]), optim)
+  model = engine.model  # the plain loop below computes with the same model
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, cfg.vocab, size=(1, args.batch_size, args.seq_len + 1), dtype=np.int32)
   params = model.init(jax.random.key(0))
 
-  engine = Engine(model, parse_strategy("NNN"), make_mesh(1, 1, jax.devices()[:1]), optim)
   engine_batch = engine.shard_batch(tokens)
   engine_state = engine.state_from_params(params)
 

@@ -25,7 +25,9 @@ from experiments.pages import machine_line, utc_now
 def run_one(model, lr, args):
   """The metrics rows of one run; a finished run of an earlier call is read back (the runs are
   deterministic), so that a failed analysis need not train again."""
-  from paro_jax.run.train import RunConfig, train
+  from paro_jax.run.config import OptimizerOptions, RunConfig
+  from paro_jax.run.divergence import GuardConfig
+  from paro_jax.run.train import train
 
   out = os.path.join(args.out, "runs", f"{model}-lr{lr:g}")
   path = os.path.join(out, "metrics.jsonl")
@@ -40,9 +42,8 @@ def run_one(model, lr, args):
     mesh=(2, 4),
     batch_size=16,
     seq_len=64,
-    steps=args.steps,
-    lr=lr,
-    divergence_guard="off",
+    optimizer=OptimizerOptions(steps=args.steps, lr=lr),
+    guard=GuardConfig(mode="off"),
     max_bad_steps=args.steps,
     out=out,
   )

@@ -79,25 +79,26 @@ def main(argv=None) -> int:
   if not gpus:
     print("gpu_measure: no GPU here (jax sees only " + jax.devices()[0].platform + ")")
     return 2
-  from models.llama import Llama, get_config
+  from models.llama import get_config
   from paro_jax.analysis.hardware import peak_flops
   from paro_jax.analysis.abstract import abstract_inputs
-  from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+  from paro_jax.core.config import StepConfig
+  from paro_jax.core.factory import build_engine
   from paro_jax.core.mesh import make_mesh
-  from paro_jax.core.strategy import parse_strategy
 
   inter, intra = mesh_shape or (1, len(gpus))
   cfg = get_config(args.model)
   if args.layers:
     cfg = dataclasses.replace(cfg, layers=args.layers)
-  engine = Engine(
-    Llama(cfg, DTYPES["bf16"], args.remat, None, args.attention),
-    parse_strategy(args.strategy),
-    make_mesh(inter, intra),
-    OptimConfig(),
+  step = StepConfig(
+    strategy=args.strategy,
+    dtype="bf16",
+    remat=args.remat,
+    attention=args.attention,
     micro_batches=args.micro_batches,
     collectives=args.collectives,
   )
+  engine = build_engine(step, cfg, make_mesh(inter, intra))
   n = inter * intra
   state_shape, batch_shape = abstract_inputs(engine, n, args.seq_len)
   with estimate.captured_stderr() as log:

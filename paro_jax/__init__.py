@@ -36,7 +36,7 @@ _EXPORTS = {
   "load_tokens": "paro_jax.run.data",
   "default_corpus": "paro_jax.run.data",
   "Checkpointer": "paro_jax.run.checkpoint",
-  "RunMeta": "paro_jax.run.checkpoint",
+  "RunMeta": "paro_jax.run.checkpoint_content",
   # the whole run, as `paro-jax train` does it
   "RunConfig": "paro_jax.run.config",
   "train": "paro_jax.run.train",

@@ -11,15 +11,16 @@ import sys
 
 from paro_jax import report
 from paro_jax.analysis import gpu
-from paro_jax.analysis.config import InspectConfig, PlanConfig, WireOptions
+from paro_jax.analysis.config import InspectConfig, PlanConfig
 from paro_jax.analysis.planner import run_plan
 from paro_jax.cluster import distributed, watch
 from paro_jax.cluster.launch import launch
 from paro_jax.cluster.restart import _flag
+from paro_jax.core.config import LoraOptions, WireOptions, flag_of, make_config, options
 from paro_jax.core.names import check_batch_divides, parse_mesh_shape
 from paro_jax.core.units import parse_rate
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
-from paro_jax.run.config import BIN_DTYPE_NAMES, RunConfig
+from paro_jax.run.config import BIN_DTYPE_NAMES, DataConfig, RunConfig
 from paro_jax.run.plot import plot_runs
 
 # The modules that import jax (or numpy) are imported inside the commands, once the device flags
@@ -71,43 +72,52 @@ def _note_cpu_platform(args) -> None:
 
 
 # --- flags from the config dataclasses -----------------------------------------------------------
-def add_options(p, cls, *names: str) -> None:
-  """The flags of these fields of the config dataclass `cls`, each from its field: the default, and
-  the help and argparse keywords of its `option()` (paro_jax/analysis/config.py). The flag's
-  value lands in `args.<field name>`."""
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  for name in names:
-    if name not in fields:
-      raise KeyError(f"{cls.__name__} has no field {name!r}: renamed? update paro_jax/cli.py")
-    field = fields[name]
+def add_options(p, cls, *paths: str) -> None:
+  """The flags of these options of the config dataclass `cls` (by path, `lora.rank` for a
+  group's: paro_jax/core/config.py `options`), each from its field: the default, and the help
+  and argparse keywords of its `option()`. The flag's value lands in `args.<path>`."""
+  fields = dict(options(cls))
+  for path in paths:
+    if path not in fields:
+      raise KeyError(f"{cls.__name__} has no field {path!r}: renamed? update paro_jax/cli.py")
+    field = fields[path]
     kwargs = dict(field.metadata)
-    flag = kwargs.pop("flag") or f"--{name.replace('_', '-')}"
-    if field.default is dataclasses.MISSING:
-      kwargs["required"] = True
-    else:
+    flag = flag_of(field)
+    del kwargs["flag"]
+    if field.default is not dataclasses.MISSING:
       kwargs["default"] = field.default
       if "action" not in kwargs and "type" not in kwargs:
         if isinstance(field.default, bool):
           kwargs["action"] = "store_true"
         elif isinstance(field.default, (int, float)):
           kwargs["type"] = type(field.default)
-    p.add_argument(flag, dest=name, **kwargs)
+    else:
+      kwargs["required"] = True
+    named = flag[2:].replace("-", "_")
+    if path != named and "action" not in kwargs and not {"metavar", "choices"} & kwargs.keys():
+      kwargs["metavar"] = named.upper()  # argparse's from the dest: the flag's, not the path's
+    p.add_argument(flag, dest=path, **kwargs)
+
+
+def group_options(cls, name: str) -> list[str]:
+  """The paths of the options of the group `name` of the config class `cls`."""
+  return [path for path, _ in options(cls) if path.startswith(f"{name}.")]
 
 
 def config_of(args: argparse.Namespace, cls, **given):
-  """The config dataclass `cls` from the parsed flags, `given` replacing or adding values. Every
-  field must be a flag of the command or given: a field renamed without its flag is an error,
-  not a default silently used."""
-  names = {f.name for f in dataclasses.fields(cls)}
+  """The config dataclass `cls` from the parsed flags, `given` replacing or adding values (by
+  option path). Every option must be a flag of the command or given: a field renamed without its
+  flag is an error, not a default silently used."""
+  paths = {path for path, _ in options(cls)}
   parsed = vars(args)
-  unknown = sorted(set(given) - names)
-  missing = sorted(n for n in names if n not in given and n not in parsed)
+  unknown = sorted(set(given) - paths)
+  missing = sorted(n for n in paths if n not in given and n not in parsed)
   if unknown or missing:
     raise TypeError(
       f"{cls.__name__} and the flags of `{args.command}` disagree: "
       f"given but no field {unknown}, field but no flag {missing}"
     )
-  return cls(**{n: given[n] if n in given else parsed[n] for n in names})
+  return make_config(cls, {n: given[n] if n in given else parsed[n] for n in paths})
 
 
 def _divergence_args(train) -> None:
@@ -119,8 +129,7 @@ def _divergence_args(train) -> None:
     "--divergence-patience such steps in a row stop the run, naming the newest checkpoint "
     "saved before it (never rotated away; later ones are set aside as diverged-<step>)",
   )
-  names = ("guard", "window", "loss_factor", "grad_factor", "patience", "loss_cap")
-  add_options(g, RunConfig, *(f"divergence_{name}" for name in names))
+  add_options(g, RunConfig, *group_options(RunConfig, "guard"))
 
 
 def _add_wire(p: argparse.ArgumentParser, cls) -> None:
@@ -131,7 +140,7 @@ def _add_wire(p: argparse.ArgumentParser, cls) -> None:
     "also of a collective over all devices); intra-node traffic keeps the compute / "
     "accumulation dtype (docs/collectives.md)",
   )
-  add_options(w, cls, *(f.name for f in dataclasses.fields(WireOptions)))
+  add_options(w, cls, *(f"wire.{path}" for path, _ in options(WireOptions)))
 
 
 def _add_common(p: argparse.ArgumentParser, cls) -> None:
@@ -151,7 +160,7 @@ def _add_common(p: argparse.ArgumentParser, cls) -> None:
     "train low-rank adapters only; the base weights are frozen "
     "(held once, at the P placement, with no gradient or optimizer state)",
   )
-  add_options(lora, cls, "lora_rank", "lora_alpha", "lora_targets")
+  add_options(lora, cls, *(f"lora.{path}" for path, _ in options(LoraOptions)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,24 +168,25 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   train = sub.add_parser("train", help="train a Flax LLaMA with a PaRO strategy")
   _add_common(train, RunConfig)
-  add_options(train, RunConfig, "steps", "seed", "lr", "warmup", "compile_top")
+  add_options(train, RunConfig, "optimizer.steps", "seed", "optimizer.lr", "optimizer.warmup")
+  add_options(train, RunConfig, "compile_top")
   data = train.add_argument_group(
     "data",
     "text, JSONL and pre-tokenized .bin files (default: "
     "the built-in corpus, Python's standard library sources)",
   )
-  add_options(data, RunConfig, "data", "text_field", "tokenizer", "bin_dtype", "eval_fraction")
-  add_options(data, RunConfig, "eval_every", "eval_batches")
+  add_options(data, RunConfig, *group_options(RunConfig, "data"))
+  add_options(data, RunConfig, *group_options(RunConfig, "eval"))
   add_options(train, RunConfig, "out")
   ckpt = train.add_argument_group(
     "checkpoints",
     "saved asynchronously into OUT/checkpoints/, also at the end and on Ctrl-C or SIGTERM "
     "(then the run stops after the current step; a second signal stops at once)",
   )
-  add_options(ckpt, RunConfig, "checkpoint_every", "keep", "max_bad_steps")
+  add_options(ckpt, RunConfig, "checkpoints.every", "checkpoints.keep", "max_bad_steps")
   _divergence_args(train)
   add_options(train, RunConfig, "memory_check")
-  add_options(ckpt, RunConfig, "resume")
+  add_options(ckpt, RunConfig, "checkpoints.resume")
   add_options(train, RunConfig, "init_from")
   dist = train.add_argument_group(
     "multi-process",
@@ -286,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   prep.add_argument("inputs", nargs="+", metavar="PATH", help="text / .jsonl files and globs")
   prep.add_argument("--out", required=True, metavar="DIR", help="directory for the shards")
-  add_options(prep, RunConfig, "tokenizer", "text_field")  # as train reads them
+  add_options(prep, DataConfig, "tokenizer", "text_field")  # as train reads them
   prep.add_argument(
     "--shard-tokens", type=int, default=100_000_000, metavar="N", help="token ids per shard"
   )
@@ -319,8 +329,7 @@ def _add_planner_commands(sub) -> None:
   plan = sub.add_parser(
     "plan", help="rank the 14 strategies for a cluster: memory, step time, the pick and why"
   )
-  wire = {f.name for f in dataclasses.fields(WireOptions)}
-  own = [f.name for f in dataclasses.fields(PlanConfig) if f.name not in wire]
+  own = [path for path, _ in options(PlanConfig) if not path.startswith("wire.")]
   add_options(plan, PlanConfig, *own)
   _add_wire(plan, PlanConfig)
   probe = sub.add_parser(
@@ -531,7 +540,7 @@ def _main(argv) -> None:
 
       peers = watch.start_peer_watch(beat)  # SLURM / mpirun: frozen processes named
       try:
-        train(config_of(args, RunConfig, mesh=mesh, data=tuple(args.data)))
+        train(config_of(args, RunConfig, mesh=mesh))
       finally:
         if peers:
           peers.stop()

@@ -223,7 +223,8 @@ def test_names_compare_case_insensitively():
     ["train", "--model", "TINY", "--dtype", "FP32", "--collectives", "HRing", "--remat", "Full"]
     + ["--bin-dtype", "UINT32", "--strategy", "iig"]
   )
-  assert (args.model, args.dtype, args.collectives, args.remat, args.bin_dtype) == (
+  bin_dtype = vars(args)["data.bin_dtype"]  # the flag's dest is its option's path
+  assert (args.model, args.dtype, args.collectives, args.remat, bin_dtype) == (
     "tiny",
     "fp32",
     "hring",

@@ -1,6 +1,7 @@
-"""The CLI's flags are the config dataclasses' fields: each field of RunConfig, InspectConfig and
-PlanConfig is a flag of its command with the field's default, parsing no flags gives the default
-config, a field without a flag is an error, and no help text writes a default by hand."""
+"""The CLI's flags are the config dataclasses' fields: each option of RunConfig, InspectConfig and
+PlanConfig, its groups' included (paro_jax/core/config.py `options`), is a flag of its command
+with the field's default, parsing no flags gives the default config, a field without a flag is an
+error, and no help text writes a default by hand."""
 
 import argparse
 import dataclasses
@@ -9,12 +10,21 @@ import re
 import pytest
 
 from paro_jax import cli
-from paro_jax.analysis.config import InspectConfig, PlanConfig, option
+from paro_jax.analysis.config import InspectConfig, PlanConfig
+from paro_jax.core.config import (
+  LoraOptions,
+  WireOptions,
+  group,
+  make_config,
+  option,
+  options,
+  value_at,
+)
 from paro_jax.run.config import RunConfig
 
 COMMANDS = {"train": RunConfig, "inspect": InspectConfig, "plan": PlanConfig}
 REQUIRED = {"plan": ["--nodes", "2"]}  # flags without a default
-BY_CLI = {"mesh", "data"}  # parsed by cli.py from the flag's text (mesh) or list (data)
+BY_CLI = {"mesh"}  # parsed by cli.py from the flag's text
 
 
 def _subparsers():
@@ -24,14 +34,14 @@ def _subparsers():
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_field_is_a_flag_with_the_fields_default(command):
   actions = {a.dest: a for a in _subparsers()[command]._actions if a.option_strings}
-  for field in dataclasses.fields(COMMANDS[command]):
-    assert field.name in actions, f"{COMMANDS[command].__name__}.{field.name} has no flag"
-    action = actions[field.name]
+  for path, field in options(COMMANDS[command]):
+    assert path in actions, f"{COMMANDS[command].__name__}.{path} has no flag"
+    action = actions[path]
     if field.default is dataclasses.MISSING:
-      assert action.required, field.name
+      assert action.required, path
     else:
-      assert action.default == field.default, (field.name, action.default, field.default)
-    assert action.help == field.metadata["help"], field.name
+      assert action.default == field.default, (path, action.default, field.default)
+    assert action.help == field.metadata["help"], path
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -47,11 +57,13 @@ def test_no_flags_parse_to_the_default_config(command):
     [command, *REQUIRED.get(command, []), "--seq-len", "96", "--dtype", "FP32", "--json"]
     if command != "train"
     else [command, "--seq-len", "96", "--dtype", "FP32", "--no-memory-check", "--lora-rank", "4"]
+    + ["--data", "a.txt", "b.txt", "--divergence-window", "7", "--steps", "9", "--warmup", "2"]
   )
   parsed = cli.config_of(args, cls, **{k: getattr(args, k) for k in BY_CLI if hasattr(cls, k)})
   assert (parsed.seq_len, parsed.dtype) == (96, "fp32")
-  if command == "train":
-    assert (parsed.memory_check, parsed.lora().rank) == (False, 4)
+  if command == "train":  # the groups' flags reach their groups
+    assert (parsed.memory_check, parsed.lora.rank, parsed.guard.window) == (False, 4, 7)
+    assert parsed.data.paths == ("a.txt", "b.txt") and parsed.optimizer.steps == 9
   else:
     assert parsed.as_json is True
 
@@ -59,22 +71,22 @@ def test_no_flags_parse_to_the_default_config(command):
 @pytest.mark.parametrize("errfb", [None, True, False])
 def test_step_flags_parse_back_to_the_step(errfb):
   """`train --strategy auto` hands the run's step to `inspect --target` as flags
-  (analysis/config.py step_flags): `inspect` parses them back to every StepConfig field."""
-  from paro_jax.analysis.config import StepConfig, step_flags
+  (core/config.py step_flags): `inspect` parses them back to every StepConfig field."""
+  from paro_jax.core.config import StepConfig, step_flags
 
   step = RunConfig(
     model="small", strategy="nig", mesh=(2, 4), micro_batches=3, batch_size=24, seq_len=96,
     dtype="fp32", collectives="horing", attention="xla", error_feedback=errfb,
-    param_delta=False, remat="layer", lora_rank=4, lora_alpha=8.5, lora_targets="wq,wo",
-    inter_params="int8", inter_grads="bf16", int8_block=64, grad_dtype="fp32", steps=20,
+    param_delta=False, remat="layer", lora=LoraOptions(rank=4, alpha=8.5, targets="wq,wo"),
+    wire=WireOptions(inter_params="int8", inter_grads="bf16", int8_block=64, grad_dtype="fp32"),
   )  # fmt: skip
-  for field in dataclasses.fields(StepConfig):  # every field away from its default
-    if field.name != "error_feedback":
-      assert getattr(step, field.name) != field.default, field.name
+  for path, field in options(StepConfig):  # every option away from its default
+    if path != "error_feedback":
+      assert value_at(step, path) != field.default, path
   args = cli.build_parser().parse_args(["inspect", *step_flags(step)])
   parsed = cli.config_of(args, InspectConfig, mesh=cli.parse_mesh_shape(args.mesh))
-  for field in dataclasses.fields(StepConfig):
-    assert getattr(parsed, field.name) == getattr(step, field.name), field.name
+  for path, _ in options(StepConfig):
+    assert value_at(parsed, path) == value_at(step, path), path
   # a value replaced, and one left out (None: its flag's default)
   flags = step_flags(step, strategy=None, model="7b")
   assert "--strategy" not in flags and flags[flags.index("--model") + 1] == "7b"
@@ -114,6 +126,37 @@ def test_flags_take_the_fields_defaults_and_types():
   assert p.parse_args(["--needed", "1", "--fast", "--steps", "3"]).steps == 3
   with pytest.raises(SystemExit):
     p.parse_args([])  # --needed is required
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Limits:
+  low: int = option(1, "the least", flag="--limit-low")
+  high: int = option(9, "the most", flag="--limit-high", metavar="N")
+  note: str = "kept"  # no option: keeps its default
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Grouped:
+  steps: int = option(5, "how many")
+  limits: _Limits = group(_Limits)
+
+
+def test_a_groups_options_are_flags_and_build_the_group():
+  assert [path for path, _ in options(_Grouped)] == ["steps", "limits.low", "limits.high"]
+  p = argparse.ArgumentParser()
+  cli.add_options(p, _Grouped, "steps", "limits.low", "limits.high")
+  # argparse's metavar is the flag's (LIMIT_LOW), not the dest's (LIMITS.LOW)
+  assert "--limit-low LIMIT_LOW" in p.format_help() and "--limit-high N" in p.format_help()
+  args = argparse.Namespace(command="toy", **vars(p.parse_args(["--limit-high", "4"])))
+  assert cli.config_of(args, _Grouped) == _Grouped(limits=_Limits(high=4))
+  assert make_config(_Grouped, {"limits.low": 2}).limits == _Limits(low=2)
+  assert make_config(_Grouped, {"limits.note": "set"}).limits.note == "set"  # not an option
+  with pytest.raises(TypeError, match="_Limits has no field lo"):
+    make_config(_Grouped, {"limits.lo": 2})  # a misspelt path is no default silently used
+  assert value_at(_Grouped(), "limits.high") == 9
+  del vars(args)["limits.low"]  # as if the parser lacked a group's flag
+  with pytest.raises(TypeError, match=r"field but no flag \['limits.low'\]"):
+    cli.config_of(args, _Grouped)
 
 
 # A default written by hand beside "default": the help should say %(default)s instead.
@@ -157,12 +200,12 @@ def test_the_hand_written_default_check_fails_where_it_should():
     ({"trainable_fraction": 1.5}, "LoRA), got 1.5"),
     ({"dtype": "fp8"}, "unknown --dtype 'fp8'; choose bf16 or fp32"),
     ({"peak_tflops": -1.0}, "--peak-tflops must be positive, got -1.0"),
-    ({"grad_dtype": "bf16"}, "unknown --grad-dtype 'bf16'; choose compute or fp32"),
+    ({"wire.grad_dtype": "bf16"}, "unknown --grad-dtype 'bf16'; choose compute or fp32"),
   ],
 )
 def test_plan_config_checks_its_values(change, message):
   with pytest.raises(ValueError) as e:
-    PlanConfig(nodes=2, **change)
+    make_config(PlanConfig, {"nodes": 2, **change})
   assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -186,10 +229,7 @@ def test_plan_step_flags_parse_back_to_the_plans_workload():
       micro_batches=4,
       seq_len=512,
       dtype="fp32",
-      inter_params="int8",
-      inter_grads="bf16",
-      int8_block=64,
-      grad_dtype="fp32",
+      wire=WireOptions(inter_params="int8", inter_grads="bf16", int8_block=64, grad_dtype="fp32"),
     )  # fmt: skip
   )
   inputs = plan.inputs
@@ -197,8 +237,8 @@ def test_plan_step_flags_parse_back_to_the_plans_workload():
   parsed = cli.config_of(args, InspectConfig, mesh=cli.parse_mesh_shape(args.mesh))
   assert parsed.mesh == (inputs["nodes"], inputs["devices_per_node"]) == (2, 8)
   assert parsed.batch_size == inputs["micro_batch"] * 16 and parsed.attention == "xla"
-  for name in ("model", "collectives", "micro_batches", "seq_len", "dtype", "inter_params"):
+  for name in ("model", "collectives", "micro_batches", "seq_len", "dtype"):
     assert getattr(parsed, name) == inputs[name], name
-  for name in ("inter_grads", "int8_block", "grad_dtype"):
-    assert getattr(parsed, name) == inputs[name], name
-  assert (parsed.micro_batches, parsed.seq_len, parsed.int8_block) == (4, 512, 64)
+  for name in ("inter_params", "inter_grads", "int8_block", "grad_dtype"):
+    assert getattr(parsed.wire, name) == inputs[name], name
+  assert (parsed.micro_batches, parsed.seq_len, parsed.wire.int8_block) == (4, 512, 64)

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from paro_jax.analysis.config import InspectConfig, PlanConfig
+from paro_jax.core.config import flag_of, options
 from paro_jax.core.names import DEFAULT_INT8_BLOCK
 from paro_jax.run.config import RunConfig
 from paro_jax.core.xla_flags import GPU_FLAGS
@@ -101,13 +102,13 @@ def test_quoted_defaults_are_checked_against_the_config_fields(cls, flags):
   """The defaults argparse has are the config dataclasses' (paro_jax/cli.py builds the flags from
   their fields): for each field's flag, its default quoted passes, any other value fails."""
   checked = 0
-  for field in dataclasses.fields(cls):
+  for _, field in options(cls):
     default = field.default
     if default in (dataclasses.MISSING, None) or isinstance(default, (bool, tuple)):
       continue  # required, computed at run time, or a flag without a value
     if "," in str(default):
       continue  # the checker reads a quoted default up to a comma
-    flag = field.metadata["flag"] or f"--{field.name.replace('_', '-')}"
+    flag = flag_of(field)
     right = f"Set `{flag}` (default {default})."
     assert docs_claims.check_flags(right, flags, "page.md") == [], right
     if any(d is None or d is docs_claims.UNKNOWN for d in flags[flag[2:]]):

@@ -81,23 +81,25 @@ def _baseline_entry(args, name: str, a: int, inter: int, intra: int) -> dict:
 
 
 def _strategy_entry(args, config: Config, a: int, inter: int, intra: int) -> dict:
-  from models.llama import Llama, LoraConfig, get_config
+  from models.llama import get_config
   from paro_jax.analysis.inspector import compile_step, report
-  from paro_jax.core.compress import WireConfig
-  from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+  from paro_jax.core.config import LoraOptions, StepConfig, WireOptions
+  from paro_jax.core.factory import build_engine
   from paro_jax.core.mesh import make_mesh
-  from paro_jax.core.strategy import parse_strategy
 
-  lora = LoraConfig(args.lora_rank, args.lora_alpha, args.lora_targets) if args.lora_rank else None
-  engine = Engine(
-    Llama(get_config(args.model), DTYPES[args.dtype], args.remat, lora=lora),
-    parse_strategy(config.name),
-    make_mesh(inter, intra),
-    OptimConfig(),
+  step = StepConfig(
+    strategy=config.name,
+    dtype=args.dtype,
+    remat=args.remat,
+    attention="xla",
     micro_batches=a,
     collectives=config.collectives,
-    wire=WireConfig(args.inter_params, args.inter_grads, args.int8_block),
+    wire=WireOptions(
+      inter_params=args.inter_params, inter_grads=args.inter_grads, int8_block=args.int8_block
+    ),
+    lora=LoraOptions(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets),
   )
+  engine = build_engine(step, get_config(args.model), make_mesh(inter, intra))
   r = report(engine, compile_step(engine, args.batch_size, args.seq_len))
   return {
     "measured": r["measured"],

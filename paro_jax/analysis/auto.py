@@ -27,7 +27,8 @@ from jax.sharding import Mesh
 
 from models.config import CONFIG
 from paro_jax.analysis import plan_compile, planner
-from paro_jax.analysis.config import StepConfig, step_flags
+from paro_jax.analysis.memory import available_memory
+from paro_jax.core.config import StepConfig, step_flags
 from paro_jax.analysis.probe import QUICK_SIZES, probe
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import ALL_GATHER, LEVEL_INTER
@@ -115,7 +116,7 @@ def auto_strategy(
   # What the allocator may use (on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION of the card); a CPU's
   # host memory is not planned for.
   gpu = device.platform != "cpu"
-  stats = (device.memory_stats() or {}) if gpu else {}
+  usable = available_memory(jax.local_devices())[0] if gpu else None
   itemsize = COMPUTE_DTYPE_BYTES[cfg.dtype]
   plan = planner.plan_for_profile(
     model_cfg,
@@ -128,12 +129,12 @@ def auto_strategy(
     profile,
     params=params,
     trainable=trainable,
-    device_memory=stats.get("bytes_limit"),
+    device_memory=usable,
     collectives=collectives,
     remat=cfg.remat != "none",
     fused_attention=attention == "cudnn",
-    wire=cfg.wire(),
-    grad_itemsize=cfg.grad_itemsize(itemsize),
+    wire=cfg.wire.formats(),
+    grad_itemsize=cfg.wire.grad_itemsize(itemsize),
   )
   if plan.pick is None:
     raise ValueError(f"--strategy auto: {plan.explain}")

@@ -15,21 +15,20 @@ import json
 import shutil
 import tempfile
 
-import jax
 import jax.numpy as jnp
 
-from models.llama import Llama, get_config, resolve_attention
+from models.llama import get_config
 from paro_jax.analysis import estimate, gpu, hlo, instruction_costs, schedule
 from paro_jax.analysis.abstract import abstract_inputs  # noqa: F401 - also imported from here
 from paro_jax.analysis.config import InspectConfig
 from paro_jax.analysis.costs import model_state_bytes, step_traffic
 from paro_jax.analysis.estimate import captured_stderr, format_estimate
-from paro_jax.analysis.planner import Workload, activation_bytes
-from paro_jax.core.collectives import resolve
-from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+from paro_jax.analysis.memory import step_memory
+from paro_jax.analysis.plan_inputs import Workload
+from paro_jax.core.engine import Engine
+from paro_jax.core.factory import build_engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.names import LEVEL_GLOBAL, LEVEL_INTER, LEVEL_INTRA, MIXED_IMPLS
-from paro_jax.core.strategy import parse_strategy
 from paro_jax.core.units import human_bytes, parse_rate
 from paro_jax.core.xla_flags import GPU_FLAGS
 
@@ -244,9 +243,12 @@ def gpu_report(
     grad_itemsize=jnp.dtype(engine.grad_dtype).itemsize,
     remat=engine.model.remat != "none",
     fused_attention=engine.model.attention == "cudnn",
+    wire=engine.wire,
+    error_feedback=engine.error_feedback,
+    param_delta=engine.param_delta,
   )
-  planned = r["memory"]["model_states"]["total"]
-  planned += activation_bytes(engine.strategy, workload, engine.inter, engine.intra)["total"]
+  # The plan's figure for this step (analysis/memory.py): what `paro-jax plan` prints.
+  planned = step_memory(engine.strategy, workload, engine.inter, engine.intra)["total"]
   device = gpu.target_gpu(target).memory_bytes
   compiled_bytes = r["memory"]["compiled"]["peak_bytes"]
   r["memory"].update(
@@ -347,26 +349,10 @@ def inspect(cfg: InspectConfig) -> dict:
   if target is not None:
     if mesh is None:
       raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
-    devices = gpu.devices(target, *mesh)
-  platform = "cuda" if target else jax.devices()[0].platform
-  strategy = parse_strategy(cfg.strategy)
-  collectives, _ = resolve(cfg.collectives, platform, jax.process_count(), strategy)
-  model_cfg = get_config(cfg.model)
-  dtype = DTYPES[cfg.dtype]
-  attention, _ = resolve_attention(cfg.attention, platform, dtype, model_cfg.head_dim)
-  engine = Engine(
-    Llama(model_cfg, dtype, cfg.remat, cfg.lora(), attention),
-    strategy,
-    make_mesh(*mesh, devices=devices) if target else make_mesh(*mesh) if mesh else make_mesh(),
-    OptimConfig(),
-    micro_batches=cfg.micro_batches,
-    collectives=collectives,
-    wire=cfg.wire(),
-    grad_dtype=cfg.grad_dtype,
-    prefetch=cfg.prefetch,
-    error_feedback=cfg.error_feedback,
-    param_delta=cfg.param_delta,
-  )
+    grid = make_mesh(*mesh, devices=gpu.devices(target, *mesh))  # compile-only GPUs
+  else:
+    grid = make_mesh(*mesh) if mesh else make_mesh()
+  engine = build_engine(cfg, get_config(cfg.model), grid, prefetch=cfg.prefetch)
   with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
     try:
       if target is None:

@@ -20,7 +20,7 @@ import sys
 import time
 
 from paro_jax.analysis import gpu  # no jax at import
-from paro_jax.analysis import config  # no jax
+from paro_jax.core import config  # no jax
 from paro_jax.core.units import human_bytes
 
 WITHIN = 0.10
@@ -66,10 +66,12 @@ def plan_step_flags(inputs: dict, attention: str) -> list[str]:
     seq_len=inputs["seq_len"],
     dtype=inputs["dtype"],
     attention=attention,
-    inter_params=inputs["inter_params"],
-    inter_grads=inputs["inter_grads"],
-    int8_block=inputs["int8_block"],
-    grad_dtype=inputs["grad_dtype"],
+    wire=config.WireOptions(
+      inter_params=inputs["inter_params"],
+      inter_grads=inputs["inter_grads"],
+      int8_block=inputs["int8_block"],
+      grad_dtype=inputs["grad_dtype"],
+    ),
   )
   return config.step_flags(step, strategy=None)
 

@@ -107,6 +107,9 @@ class Workload:
   wire: WireConfig = WireConfig()  # inter-node wire precision (--inter-params, --inter-grads)
   grad_itemsize: int | None = None  # the gradient accumulator's (--grad-dtype); None: itemsize
   fused_attention: bool = False  # cuDNN's fused kernel (--attention cudnn): no L x L scores
+  # --error-feedback / --param-delta (None: on where the wire formats call for them)
+  error_feedback: bool | None = None
+  param_delta: bool | None = None
 
   def __post_init__(self):
     for name in ("micro_batch", "micro_batches", "seq_len"):

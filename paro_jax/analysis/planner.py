@@ -1,8 +1,8 @@
 """`paro-jax plan` and `train --strategy auto`: rank the 14 strategies by predicted step time.
 
 The inputs (cluster, links, workload) are in plan_inputs.py, the model of one strategy's step
-time and memory in step_model.py (its docstring states the model), probe profiles in
-plan_profile.py; every public name of those stays importable from here.
+time in step_model.py (its docstring states the model) and of its memory in memory.py, probe
+profiles in plan_profile.py; the public names of the first two stay importable from here.
 
 The pick is the fastest strategy that fits. Predictions within `TIE` (1%) of the fastest are a tie
 the model cannot resolve (e.g. ING, INI and IIG with few trainable parameters); among those it
@@ -35,7 +35,6 @@ from paro_jax.analysis.plan_profile import load_profile, measured_links
 from paro_jax.analysis.step_model import (  # noqa: F401  (re-exported)
   PHASE_GROUPS,
   Estimate,
-  activation_bytes,
   collective_seconds,
   compute_seconds,
   estimate,
@@ -314,8 +313,8 @@ def run_plan(cfg: PlanConfig) -> Plan:
     psi,
     max(1, round(cfg.trainable_fraction * psi)),
     itemsize,
-    wire=cfg.wire(),
-    grad_itemsize=cfg.grad_itemsize(itemsize),
+    wire=cfg.wire.formats(),
+    grad_itemsize=cfg.wire.grad_itemsize(itemsize),
     # the plan is for GPUs: --attention as a run on them resolves it
     fused_attention=resolve_attention(
       cfg.attention, "cuda", "bfloat16" if itemsize == 2 else "float32", model_cfg.head_dim
@@ -343,10 +342,10 @@ def run_plan(cfg: PlanConfig) -> Plan:
     "micro_batches": cfg.micro_batches,
     "seq_len": cfg.seq_len,
     "dtype": cfg.dtype,
-    "inter_params": cfg.inter_params,
-    "inter_grads": cfg.inter_grads,
-    "int8_block": cfg.int8_block,
-    "grad_dtype": cfg.grad_dtype,
+    "inter_params": cfg.wire.inter_params,
+    "inter_grads": cfg.wire.inter_grads,
+    "int8_block": cfg.wire.int8_block,
+    "grad_dtype": cfg.wire.grad_dtype,
     "overlap": cfg.overlap,
     "profile": cfg.profile,
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),

@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from paro_jax.analysis.memory import available_memory
 from paro_jax.core.mesh import make_mesh, mesh_shape
 from paro_jax.core.units import parse_size
 from paro_jax.core.names import (
@@ -170,22 +171,8 @@ def probe(mesh: Mesh, sizes=DEFAULT_SIZES, repeats: int = 5, flops: bool = True)
     "devices, 2(k-1)/k x buffer for all_reduce; bandwidth in those bytes per second",
     "collectives": table,
     "flop_per_s": flop_per_s or None,
-    "device_memory": device_memory(device),
+    "device_memory": available_memory(jax.local_devices())[0],  # bytes one device may use
   }
-
-
-def device_memory(device) -> int | None:
-  """Bytes one device may use: a GPU's allocator limit; a CPU device's share of the host's
-  available memory (the virtual devices of a process share it)."""
-  if device.platform != "cpu":
-    return (device.memory_stats() or {}).get("bytes_limit")
-  try:
-    with open("/proc/meminfo") as f:
-      info = dict(line.split(":", 1) for line in f)
-    available = int(info["MemAvailable"].split()[0]) * 1024
-  except (OSError, KeyError, ValueError):
-    return None
-  return available // max(1, jax.local_device_count())
 
 
 def write_profile(profile: dict, path: str) -> None:

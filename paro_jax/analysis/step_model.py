@@ -19,8 +19,9 @@ Pure Python (no jax), so a laptop can plan a 128-GPU run. For every strategy:
   weight-gradient third for frozen parameters) / (peak FLOP/s x MFU). Communication and compute
   add up (no overlap) unless `overlap` says what fraction of the per-micro-batch traffic hides
   behind compute; the boundary syncs never overlap;
-- memory: model states (`costs.model_state_bytes`: 2Ψ/f(P) + 2Ψ'/f(Gr) + 12Ψ'/f(OS)) plus an
-  activation estimate (`activation_bytes`); a strategy fits when that is at most `usable_memory`
+- memory: memory.step_memory, the one model of a run's memory (model states 2Ψ/f(P) + 2Ψ'/f(Gr)
+  + 12Ψ'/f(OS), the int8 corrections' buffers, activations); a strategy fits when that is at most
+  `usable_memory`
   (0.9) of the device memory, leaving room for the CUDA context, communication buffers and
   fragmentation. JAX preallocates 75% of a GPU by default: raise XLA_PYTHON_CLIENT_MEM_FRACTION
   (e.g. to 0.95) for plans that need more.
@@ -35,8 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.core import feedback_rules  # no jax
-from paro_jax.analysis.costs import model_state_bytes, step_traffic
+from paro_jax.analysis.costs import step_traffic
+from paro_jax.analysis.memory import step_memory
 from paro_jax.analysis.plan_inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
 from paro_jax.core.names import (
   ALL_GATHER,
@@ -132,52 +133,6 @@ def compute_seconds(w: Workload, cluster: Cluster) -> float:
   return per_token * w.tokens_per_device / (cluster.flop_per_s * cluster.mfu)
 
 
-def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int = 1) -> dict:
-  """Per-device activation memory of one micro-batch with full remat (a rough estimate).
-
-  - boundary: each layer's input, kept for backward: L x b x s x D;
-  - layer: one layer's recomputed intermediates and their gradients (x2): q, k, v, attention
-    output, gate, up, the two norms, and either the fp32 scores with their probabilities
-    (attention written out) or, with the fused kernel, its fp32 softmax statistics per query;
-  - logits: fp32 logits and their gradient, b x s x V x 4 x 2;
-  - gathered: with P sharded, the full weights of the head and of one layer, two with the
-    prefetching layer stack (full remat: this layer's and the next one's); the full gradient of
-    one layer before its reduce-scatter, two with the stack (one waits a layer for its
-    reduce-scatter); with tied embeddings, the table's full gradient;
-  - synced_grads: the layers' synced gradients at the OS placement, written while the
-    accumulator (at Gr) is still alive: in the last micro-batch's backward on GPUs, at the
-    boundary's sync elsewhere. The stack adds each micro-batch's gradients into the accumulator
-    in place, so no other gradient buffer of the layer stack is held (core/prefetch.py).
-  """
-  c, b, s, item = w.model, w.micro_batch, w.seq_len, w.itemsize
-  q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-  layer_w = w.layer_params // c.layers
-  layer_grads = layer_w * w.psi_trained // w.psi
-  depth = 2 if w.remat else 1  # the prefetching stack runs with full remat
-  # per query and head: a row of fp32 scores and its probabilities, or the kernel's fp32 statistic
-  scores = 4 if w.fused_attention else s * (4 + item)
-  out = {
-    "boundary": c.layers * b * s * c.dim * item,
-    "layer": 2
-    * (b * s * (2 * q + 2 * kv + 3 * c.mlp + 2 * c.dim) * item + b * c.heads * s * scores),
-    "logits": 2 * b * s * c.vocab * 4,
-    "gathered": item
-    * (
-      (strategy.params.name != "N") * (depth * layer_w + c.vocab * c.dim)
-      + (depth if w.remat else strategy.grads.name != "N") * layer_grads
-      # A tied table's full gradient: the head's part waits through backward for the
-      # embedding's (models/llama.py), in every strategy (llama3.2-1b NNI on 2x4 H100: 0.5 GB).
-      + (c.tie_embeddings and w.psi_trained == w.psi) * c.vocab * c.dim
-    ),
-    "synced_grads": w.acc_itemsize
-    * c.layers
-    * layer_grads
-    // strategy.opt.shard_count(inter, intra),
-  }
-  out["total"] = sum(out.values())
-  return out
-
-
 @dataclasses.dataclass
 class Estimate:
   """The planner's prediction for one strategy."""
@@ -260,35 +215,7 @@ def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
   per_mb = times["param_gathers"] + times["grad_traffic"]
   hidden = cluster.overlap * min(per_mb, times["compute"])
   step = times["compute"] + per_mb - hidden + times["grad_sync"] + times["param_sync"]
-  states = model_state_bytes(
-    strategy,
-    w.psi,
-    w.psi_trained,
-    cluster.nodes,
-    cluster.devices_per_node,
-    w.itemsize,
-    w.acc_itemsize,
-    residual_bytes=feedback_rules.residual_bytes(
-      strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, w.acc_itemsize
-    ),
-    reference_bytes=feedback_rules.reference_bytes(
-      strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, w.itemsize
-    ),
-  )
-  if w.micro_batches == 1 and w.remat and not states.get("residual"):
-    # On GPUs each layer's gradient is synced inside the last micro-batch's backward (the Engine's
-    # program StepProgram.SYNC_IN_BACKWARD, core/step.py: with the prefetching stack, off with
-    # error feedback). With one micro-batch there is no earlier sum to add it to, so the layer
-    # stack's accumulator at Gr is never allocated (65b IIG on 4 x 8 H100, A=1: 53.0 GB
-    # compiled, 72.3 GB planned with it, experiments/results/gpu_estimates).
-    stack = (
-      w.acc_itemsize
-      * (w.layer_params * w.psi_trained // w.psi)
-      // strategy.grads.shard_count(cluster.nodes, cluster.devices_per_node)
-    )
-    states = {**states, "grads": states["grads"] - stack, "total": states["total"] - stack}
-  acts = activation_bytes(strategy, w, cluster.nodes, cluster.devices_per_node)
-  memory = {"model_states": states, "activations": acts, "total": states["total"] + acts["total"]}
+  memory = step_memory(strategy, w, cluster.nodes, cluster.devices_per_node)
   ways = strategy.opt.shard_count(cluster.nodes, cluster.devices_per_node)
   feasible = w.model.dim % ways == 0
   usable = cluster.usable_bytes

@@ -60,20 +60,38 @@ def residual_size(strategy, local_sizes: tuple[int, int], inter: int, intra: int
   return feedback_size(n, devices, inter)
 
 
-def residual_bytes(strategy, trainable: int, inter: int, intra: int, wire, grad_itemsize: int):
-  """Per-device bytes of the residual, for the memory models (0 where error feedback is off by
-  default)."""
+def residual_bytes(
+  strategy,
+  trainable: int,
+  inter: int,
+  intra: int,
+  wire,
+  grad_itemsize: int,
+  requested: bool | None = None,
+):
+  """Per-device bytes of the residual, for the memory model (0 where error feedback is off:
+  by default, or `requested` False, as `resolve` decides)."""
   grad_dtype = "float32" if grad_itemsize == 4 else "bfloat16"
-  if not resolve(strategy, wire, grad_dtype, None, wire.grads_codec.compresses(grad_itemsize))[0]:
+  active = wire.grads_codec.compresses(grad_itemsize)
+  if not resolve(strategy, wire, grad_dtype, requested, active)[0]:
     return 0
   placements = (strategy.grads, strategy.opt)
   local = tuple(-(-trainable // p.shard_count(inter, intra)) for p in placements)
   return 4 * residual_size(strategy, local, inter, intra)
 
 
-def reference_bytes(strategy, trainable: int, inter: int, intra: int, wire, itemsize: int):
-  """Per-device bytes of the delta parameter sync's reference (0 where it is off by default)."""
-  if not resolve_params(strategy, wire, None)[0]:
+def reference_bytes(
+  strategy,
+  trainable: int,
+  inter: int,
+  intra: int,
+  wire,
+  itemsize: int,
+  requested: bool | None = None,
+):
+  """Per-device bytes of the delta parameter sync's reference (0 where it is off: by default,
+  or `requested` False, as `resolve_params` decides)."""
+  if not resolve_params(strategy, wire, requested)[0]:
     return 0
   return itemsize * -(-trainable // strategy.params.shard_count(inter, intra))
 

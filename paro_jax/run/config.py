@@ -1,7 +1,8 @@
-"""`RunConfig`: what `paro-jax train` runs, a training step's configuration plus the run's;
-`DataConfig`: where its tokens come from.
+"""`RunConfig`: what `paro-jax train` runs, a training step's configuration plus the run's, the
+run's in groups: `optimizer` (the schedule), `data` (where its tokens come from), `eval`,
+`checkpoints` and `guard` (the divergence guard, run/divergence.py).
 
-Its flags are built from these fields by paro_jax/cli.py (analysis/config.py `option`). The
+Its flags are built from these fields by paro_jax/cli.py (core/config.py `option`, `group`). The
 module imports no jax or numpy: the CLI builds its parser before jax starts.
 """
 
@@ -13,15 +14,14 @@ import os
 import re
 import warnings
 
-from paro_jax.analysis.config import StepConfig, option
-from paro_jax.run.divergence import MODES, GuardConfig
+from paro_jax.core.config import StepConfig, group, option
+from paro_jax.run.divergence import GuardConfig
 
-_GUARD = GuardConfig()
+BIN_DTYPE_NAMES = ("uint16", "uint32")  # of .bin token files (run/data.py BIN_DTYPES)
 # Characters the checkpoint library cannot have in a path: orbax finds a save's per-process files
 # with a glob of the directory (`[`, `]`, `*`, `?` are patterns there) and TensorStore reads `\`
 # as an escape; the arrays of such a save are written but can never be read back.
 UNSAFE_PATH_CHARS = "[]*?\\"
-BIN_DTYPE_NAMES = ("uint16", "uint32")  # of .bin token files (run/data.py BIN_DTYPES)
 
 
 def unsafe_path_chars(path: str) -> str:
@@ -45,17 +45,54 @@ def refuse_unsafe_path(path: str, what: str) -> None:
   )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerOptions:
+  """The run's length and AdamW's learning-rate schedule (core/engine.py OptimConfig)."""
+
+  steps: int = option(50, "optimizer steps of the whole run")
+  lr: float = option(3e-3, "peak learning rate (AdamW)")
+  warmup: int = option(10, "steps of linear warmup, then cosine decay")
+
+  def __post_init__(self):
+    if not (math.isfinite(self.lr) and self.lr > 0):
+      raise ValueError(f"--lr must be a positive finite number, got {self.lr}")
+    if self.warmup < 0:
+      raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+    if self.steps < 1:
+      raise ValueError(f"--steps must be >= 1, got {self.steps}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Where a run's tokens come from (run/data.py reads them)."""
 
-  paths: tuple[str, ...] = ()  # files and globs; empty: the built-in corpus
-  text_field: str = "text"  # the field of a JSONL record that holds its text
-  tokenizer: str | None = None  # an HF tokenizer.json; None: bytes
-  bin_dtype: str | None = None  # of .bin files; None: inferred (see bin_dtype_for)
-  eval_fraction: float = 0.01  # the last fraction of the tokens is held out for eval
+  paths: tuple[str, ...] = option(  # files and globs (a str is one path); empty: built-in corpus
+    (),
+    "files and globs: *.jsonl (JSON lines), *.bin (token ids), else text",
+    flag="--data",
+    nargs="+",
+    metavar="PATH",
+  )
+  text_field: str = option("text", "the JSONL field holding the text")
+  tokenizer: str | None = option(  # None: bytes
+    None,
+    "an HF tokenizer.json (needs the hf extra; default: bytes, vocab 256)",
+    metavar="TOKENIZER_JSON",
+  )
+  bin_dtype: str | None = option(  # of .bin files; None: inferred (run/data.py bin_dtype_for)
+    None,
+    ".bin token dtype (default: uint16, or uint32 when the tokenizer's "
+    "vocab, else the model's, exceeds 65536)",
+    type=str.lower,
+    choices=BIN_DTYPE_NAMES,
+  )
+  eval_fraction: float = option(
+    0.01, "the last fraction of the tokens held out for eval (default %(default)s)"
+  )
 
   def __post_init__(self):
+    paths = (self.paths,) if isinstance(self.paths, str) else tuple(self.paths)
+    object.__setattr__(self, "paths", paths)  # the flag's list, or one path
     if self.bin_dtype is not None and self.bin_dtype not in BIN_DTYPE_NAMES:
       raise ValueError(
         f"unknown --bin-dtype {self.bin_dtype!r}; choose one of {list(BIN_DTYPE_NAMES)}"
@@ -65,8 +102,51 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalOptions:
+  """The eval loss: how often, over how many fixed batches of the eval split."""
+
+  every: int = option(
+    0, "eval loss every N steps (default %(default)s: never)", flag="--eval-every", metavar="N"
+  )
+  batches: int = option(
+    1,
+    "the eval loss is the mean over K fixed batches of the eval split (default %(default)s)",
+    flag="--eval-batches",
+    metavar="K",
+  )
+
+  def __post_init__(self):
+    if self.batches < 1:
+      raise ValueError(f"--eval-batches must be >= 1, got {self.batches}")
+    if self.every < 0:
+      raise ValueError(f"--eval-every must be >= 0 (0: off), got {self.every}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+  """When the run saves into OUT/checkpoints/, how many it keeps, and whether it resumes."""
+
+  every: int = option(
+    0,
+    "save every N steps (default %(default)s: only at the end)",
+    flag="--checkpoint-every",
+    metavar="N",
+  )
+  keep: int = option(3, "keep the newest K (default %(default)s)", metavar="K")
+  resume: bool = option(False, "continue from the newest checkpoint in OUT (any strategy or mesh)")
+
+  def __post_init__(self):
+    if self.keep < 1:
+      raise ValueError(f"--keep must be >= 1, got {self.keep}")
+    if self.every < 0:
+      raise ValueError(f"--checkpoint-every must be >= 0 (0: off), got {self.every}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig(StepConfig):
-  steps: int = option(50, "optimizer steps of the whole run")
+  """A training run: its step (StepConfig's fields), then the run's own fields and groups."""
+
+  optimizer: OptimizerOptions = group(OptimizerOptions)
   compile_top: int = option(
     3,
     "with --strategy auto on H100/H200 GPUs: compile the analytic top K, any within 10%% of "
@@ -76,44 +156,10 @@ class RunConfig(StepConfig):
     metavar="K",
   )
   seed: int = option(0, "of the initial weights and the batches")
-  lr: float = option(3e-3, "peak learning rate (AdamW)")
-  warmup: int = option(10, "steps of linear warmup, then cosine decay")
-  # DataConfig's
-  data: tuple[str, ...] = option(  # a str is one path; empty: the built-in corpus
-    DataConfig.paths,
-    "files and globs: *.jsonl (JSON lines), *.bin (token ids), else text",
-    nargs="+",
-    metavar="PATH",
-  )
-  text_field: str = option(DataConfig.text_field, "the JSONL field holding the text")
-  tokenizer: str | None = option(
-    DataConfig.tokenizer,
-    "an HF tokenizer.json (needs the hf extra; default: bytes, vocab 256)",
-    metavar="TOKENIZER_JSON",
-  )
-  bin_dtype: str | None = option(
-    DataConfig.bin_dtype,
-    ".bin token dtype (default: uint16, or uint32 when the tokenizer's "
-    "vocab, else the model's, exceeds 65536)",
-    type=str.lower,
-    choices=BIN_DTYPE_NAMES,
-  )
-  eval_fraction: float = option(
-    DataConfig.eval_fraction,
-    "the last fraction of the tokens held out for eval (default %(default)s)",
-  )
-  eval_every: int = option(0, "eval loss every N steps (default %(default)s: never)", metavar="N")
-  eval_batches: int = option(
-    1,
-    "the eval loss is the mean over K fixed batches of the eval split (default %(default)s)",
-    metavar="K",
-  )
+  data: DataConfig = group(DataConfig)
+  eval: EvalOptions = group(EvalOptions)
   out: str = option("runs/latest", "run directory: metrics.jsonl and checkpoints/")
-  checkpoint_every: int = option(
-    0, "save every N steps (default %(default)s: only at the end)", metavar="N"
-  )
-  keep: int = option(3, "keep the newest K (default %(default)s)", metavar="K")
-  resume: bool = option(False, "continue from the newest checkpoint in OUT (any strategy or mesh)")
+  checkpoints: CheckpointOptions = group(CheckpointOptions)
   init_from: str | None = option(  # the model (`model` is ignored) and, fresh, the weights
     None,
     "start from the weights of an HF LlamaForCausalLM directory (config.json "
@@ -128,37 +174,7 @@ class RunConfig(StepConfig):
     metavar="N",
   )
   # run/divergence.py: a loss or gradient norm that leaves its running band
-  divergence_guard: str = option(
-    _GUARD.mode,
-    "stop the run, warn once, or only check NaN/Inf (default %(default)s)",
-    choices=MODES,
-  )
-  divergence_window: int = option(
-    _GUARD.window,
-    "the band: the mean of the previous N in-band steps (default %(default)s)",
-    metavar="N",
-  )
-  divergence_loss_factor: float = option(
-    _GUARD.loss_factor,
-    "out of band: loss above X times its band (default %(default)g)",
-    metavar="X",
-  )
-  divergence_grad_factor: float = option(
-    _GUARD.grad_factor,
-    "out of band: gradient norm above X times its band (default %(default)g)",
-    metavar="X",
-  )
-  divergence_patience: int = option(
-    _GUARD.patience,
-    "stop after N out-of-band steps in a row (default %(default)s)",
-    metavar="N",
-  )
-  divergence_loss_cap: float = option(
-    _GUARD.loss_cap,
-    f"out of band: loss above L (default %(default)g: {_GUARD.cap_times_uniform:g} x "
-    f"ln(vocab), twice the loss of a uniform guess)",
-    metavar="L",
-  )
+  guard: GuardConfig = group(GuardConfig)
   progress_timeout: float = option(
     0.0,
     "exit (code 3, naming the last step) when no step finished for S seconds, the first "
@@ -180,58 +196,31 @@ class RunConfig(StepConfig):
 
     if self.dtype not in DTYPES:
       raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
-    if not (math.isfinite(self.lr) and self.lr > 0):
-      raise ValueError(f"--lr must be a positive finite number, got {self.lr}")
-    if self.warmup < 0:
-      raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
     if not 0 <= self.seed < 2**63:  # jax.random.key takes an int64, the batches' rng no sign
       raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
     super().__post_init__()
-    for name in ("steps", "keep", "max_bad_steps", "eval_batches"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-    if isinstance(self.data, str):
-      object.__setattr__(self, "data", (self.data,))
-    for name in ("checkpoint_every", "eval_every", "progress_timeout", "compile_top"):
+    if self.max_bad_steps < 1:
+      raise ValueError(f"--max-bad-steps must be >= 1, got {self.max_bad_steps}")
+    for name in ("progress_timeout", "compile_top"):
       if getattr(self, name) < 0:
         raise ValueError(
           f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"
         )
-    self.data_config()  # its checks
-    self.guard()  # its checks
     refuse_unsafe_path(self.out, "--out")
     # Last: a run refused for another flag gets its one error line, not this warning first.
-    if self.warmup > self.steps:
+    steps, warmup = self.optimizer.steps, self.optimizer.warmup
+    if warmup > steps:
       warnings.warn(
-        f"--warmup {self.warmup} is more than --steps {self.steps}: the learning rate warms up "
-        f"over all {self.steps} steps instead and reaches --lr only at the last one (pass "
-        f"--warmup {self.steps} or less to silence this)",
+        f"--warmup {warmup} is more than --steps {steps}: the learning rate warms up "
+        f"over all {steps} steps instead and reaches --lr only at the last one (pass "
+        f"--warmup {steps} or less to silence this)",
         stacklevel=3,
       )
-
-  def guard(self) -> GuardConfig:
-    return GuardConfig(
-      mode=self.divergence_guard,
-      window=self.divergence_window,
-      loss_factor=self.divergence_loss_factor,
-      grad_factor=self.divergence_grad_factor,
-      patience=self.divergence_patience,
-      loss_cap=self.divergence_loss_cap,
-    )
-
-  def data_config(self) -> DataConfig:
-    return DataConfig(
-      paths=tuple(self.data),
-      text_field=self.text_field,
-      tokenizer=self.tokenizer,
-      bin_dtype=self.bin_dtype,
-      eval_fraction=self.eval_fraction,
-    )
 
   def data_position(self) -> dict:
     """Besides (seed, step), what the batch of a step depends on."""
     return {
-      **dataclasses.asdict(self.data_config()),
+      **dataclasses.asdict(self.data),
       "micro_batches": self.micro_batches,
       "batch_size": self.batch_size,
       "seq_len": self.seq_len,

@@ -18,19 +18,55 @@ import dataclasses
 import math
 from collections import deque
 
+from paro_jax.core.config import option
+
 MODES = ("off", "warn", "stop")
+CAP_TIMES_UNIFORM = 2.0  # the default cap: this many times ln(vocab), a uniform guess's loss
 
 
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
-  mode: str = "stop"
-  window: int = 20  # the band: the mean of this many previous in-band steps
+  """The guard's settings: `paro-jax train --divergence-*` (the run config's group `guard`)."""
+
+  mode: str = option(
+    "stop",
+    "stop the run, warn once, or only check NaN/Inf (default %(default)s)",
+    flag="--divergence-guard",
+    choices=MODES,
+  )
+  window: int = option(  # the band: the mean of this many previous in-band steps
+    20,
+    "the band: the mean of the previous N in-band steps (default %(default)s)",
+    flag="--divergence-window",
+    metavar="N",
+  )
   min_history: int = 5  # in-band steps seen before the band is used (the cap applies at once)
-  loss_factor: float = 1.5  # out of band: loss > loss_factor x the band's mean loss
-  grad_factor: float = 10.0  # out of band: grad norm > grad_factor x the band's mean norm
-  patience: int = 3  # out-of-band steps in a row that stop (or warn about) the run
-  loss_cap: float = 0.0  # out of band above this loss; 0: cap_times_uniform x ln(vocab)
-  cap_times_uniform: float = 2.0
+  loss_factor: float = option(  # out of band: loss > loss_factor x the band's mean loss
+    1.5,
+    "out of band: loss above X times its band (default %(default)g)",
+    flag="--divergence-loss-factor",
+    metavar="X",
+  )
+  grad_factor: float = option(  # out of band: grad norm > grad_factor x the band's mean norm
+    10.0,
+    "out of band: gradient norm above X times its band (default %(default)g)",
+    flag="--divergence-grad-factor",
+    metavar="X",
+  )
+  patience: int = option(  # out-of-band steps in a row that stop (or warn about) the run
+    3,
+    "stop after N out-of-band steps in a row (default %(default)s)",
+    flag="--divergence-patience",
+    metavar="N",
+  )
+  loss_cap: float = option(  # out of band above this loss; 0: cap_times_uniform x ln(vocab)
+    0.0,
+    f"out of band: loss above L (default %(default)g: {CAP_TIMES_UNIFORM:g} x ln(vocab), twice "
+    f"the loss of a uniform guess)",
+    flag="--divergence-loss-cap",
+    metavar="L",
+  )
+  cap_times_uniform: float = CAP_TIMES_UNIFORM
 
   def __post_init__(self):
     if self.mode not in MODES:

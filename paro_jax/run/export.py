@@ -24,13 +24,13 @@ import numpy as np
 from safetensors import SafetensorError
 
 from models.hf import CONFIG, save_hf
-from models.llama import Llama, LlamaConfig, LoraConfig
+from models.llama import LlamaConfig, LoraConfig
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.prepare import pid_alive
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.config import LoraOptions, StepConfig
+from paro_jax.core.factory import build_engine
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.strategy import parse_strategy
 
 
 def _newest_meta(ckpt: Checkpointer):
@@ -85,12 +85,8 @@ def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
         base = None
     cfg = LlamaConfig(**meta.model_config)
     lora = LoraConfig(**meta.lora) if meta.lora else None
-    engine = Engine(
-      Llama(cfg, jnp.float32, lora=lora),
-      parse_strategy("NNN"),
-      make_mesh(1, 1, jax.devices()[:1]),
-      OptimConfig(),
-    )
+    one = StepConfig(strategy="NNN", dtype="fp32", lora=LoraOptions.of(lora))
+    engine = build_engine(one, cfg, make_mesh(1, 1, jax.devices()[:1]))
     # The one restore path resume uses: it verifies the checksums of the arrays as written
     # (whatever dtype the run trained in) and never returns NaN/Inf weights.
     state, meta = ckpt.restore(engine, meta.model_name)

@@ -1,10 +1,12 @@
 """Before any compile: refuse a run that cannot fit, in one line with the estimate and the fix.
 
-The estimate is the planner's memory model (paro_jax.analysis.planner: model states at their
-placements, plus one micro-batch's activations at the run's sequence length, micro-batch and
-remat), per device, against the memory of the devices: a GPU's own memory, or on the CPU the
-host's available memory shared by its virtual devices. A run started from HF weights is also held
-to its config's `max_position_embeddings`.
+The estimate is the planner's memory model (analysis/memory.py step_memory: model states at their
+placements with the int8 corrections' buffers, plus one micro-batch's activations at the run's
+sequence length, micro-batch and remat), per device, against the memory of the devices
+(analysis/memory.py available_memory: a GPU's own memory, or on the CPU the host's available
+memory shared by its virtual devices). `paro-jax plan` prints the same figure for the same
+workload, and the run's start-up banner this one. A run started from HF weights is also held to
+its config's `max_position_embeddings`.
 """
 
 from __future__ import annotations
@@ -14,42 +16,9 @@ import os
 
 import jax.numpy as jnp
 
-from paro_jax.analysis.costs import model_state_bytes
-from paro_jax.analysis.planner import Workload, activation_bytes
-from paro_jax.core.engine import DTYPES
-
-GIB = 2**30
-
-
-def host_available_bytes() -> int | None:
-  """MemAvailable of /proc/meminfo (None where there is none)."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    return None
-  return None
-
-
-def device_memory(devices) -> tuple[int | None, str]:
-  """(bytes one device may use, what that is), or (None, why not known)."""
-  device = devices[0]
-  if device.platform == "cpu":
-    available = host_available_bytes()
-    if available is None:
-      return None, "the host's available memory is unknown"
-    return available // len(devices), (
-      f"{available / GIB:.1f} GiB of available host memory shared by {len(devices)} CPU devices"
-    )
-  try:
-    limit = (device.memory_stats() or {}).get("bytes_limit")
-  except Exception:  # noqa: BLE001 - a backend without memory statistics: nothing to check
-    limit = None
-  if not limit:
-    return None, f"the memory of {device.device_kind} is unknown"
-  return int(limit), f"{limit / GIB:.1f} GiB on each {device.device_kind}"
+from paro_jax.analysis import memory
+from paro_jax.analysis.memory import GIB, step_memory
+from paro_jax.analysis.plan_inputs import Workload
 
 
 def position_limit(init_from: str | None) -> int | None:
@@ -63,8 +32,37 @@ def position_limit(init_from: str | None) -> int | None:
     return None
 
 
-def check_fits(cfg, model, strategy, inter: int, intra: int, attention: str, devices) -> None:
-  """Raise a ValueError naming the estimate and the fix when the run cannot fit."""
+def sequences_per_device(cfg, inter: int, intra: int) -> int:
+  """Sequences of one micro-batch on each device."""
+  return max(cfg.batch_size // (inter * intra), 1)
+
+
+def run_memory(cfg, model, strategy, inter: int, intra: int, gpu: bool) -> dict:
+  """analysis/memory.py step_memory of the run `cfg`: `model` (models/llama.py Llama, its
+  parameter counts and resolved attention) with `strategy` on an `inter` x `intra` mesh of GPUs
+  (`gpu`) or CPUs."""
+  itemsize = jnp.dtype(model.dtype).itemsize
+  work = Workload(
+    model.cfg,
+    micro_batch=sequences_per_device(cfg, inter, intra),
+    micro_batches=cfg.micro_batches,
+    seq_len=cfg.seq_len,
+    params=model.param_count(),
+    trainable=model.trainable_count(),
+    itemsize=itemsize,
+    remat=cfg.remat != "none",
+    wire=cfg.wire.formats(),
+    grad_itemsize=cfg.wire.grad_itemsize(itemsize),
+    fused_attention=model.attention == "cudnn",
+    error_feedback=cfg.error_feedback,
+    param_delta=cfg.param_delta,
+  )
+  return step_memory(strategy, work, inter, intra, gpu=gpu)
+
+
+def check_fits(cfg, strategy, need: dict, inter: int, intra: int, devices) -> None:
+  """Raise a ValueError naming the estimate `need` (run_memory's) and the fix when the run
+  cannot fit on `devices` (this process's)."""
   limit = position_limit(cfg.init_from)
   if limit and cfg.seq_len > limit:
     raise ValueError(
@@ -73,35 +71,28 @@ def check_fits(cfg, model, strategy, inter: int, intra: int, attention: str, dev
     )
   if not cfg.memory_check:
     return
-  itemsize = jnp.dtype(DTYPES[cfg.dtype]).itemsize
-  grad_itemsize = cfg.grad_itemsize(itemsize)
-  per_device = cfg.batch_size // (inter * intra)
-  work = Workload(
-    model.cfg,
-    micro_batch=max(per_device, 1),
-    micro_batches=cfg.micro_batches,
-    seq_len=cfg.seq_len,
-    params=model.param_count(),
-    trainable=model.trainable_count(),
-    itemsize=itemsize,
-    remat=cfg.remat != "none",
-    grad_itemsize=grad_itemsize,
-    fused_attention=attention == "cudnn",
-  )
-  states = model_state_bytes(
-    strategy, work.psi, work.psi_trained, inter, intra, itemsize, grad_itemsize
-  )["total"]
-  acts = activation_bytes(strategy, work, inter, intra)["total"]
-  usable, what = device_memory(devices)
-  if usable is None or states + acts <= usable:
+  usable, what = memory.available_memory(devices)
+  if usable is None or need["total"] <= usable:
     return
   more = "use more devices, "
   if str(strategy) != "GGG":
     more = "use more devices or a strategy that shards more (more G), "
+  states, acts = need["model_states"], need["activations"]["total"]
   raise ValueError(
-    f"this run needs about {(states + acts) / GIB:.1f} GiB per device (model states "
-    f"{states / GIB:.1f} GiB with strategy {strategy}, activations {acts / GIB:.1f} GiB for "
-    f"{work.micro_batch} sequence(s) of {cfg.seq_len} tokens per device; the planner's estimate), "
-    f"more than the {what}: lower --seq-len or --batch-size (raise --micro-batches to keep the "
-    f"tokens per step), {more}or pass --no-memory-check to try anyway"
+    f"this run needs about {need['total'] / GIB:.1f} GiB per device (model states "
+    f"{states['total'] / GIB:.1f} GiB with strategy {strategy}{_int8_buffers(states)}, "
+    f"activations {acts / GIB:.1f} GiB for {sequences_per_device(cfg, inter, intra)} "
+    f"sequence(s) of {cfg.seq_len} tokens per device; the planner's estimate), more than the "
+    f"{what}: lower --seq-len or --batch-size (raise --micro-batches to keep the tokens per "
+    f"step), {more}or pass --no-memory-check to try anyway"
   )
+
+
+def _int8_buffers(states: dict) -> str:
+  """What the int8 corrections add to the model states, where they run."""
+  parts = [
+    f"{name} {states[key] / GIB:.1f} GiB"
+    for key, name in (("residual", "error-feedback residual"), ("reference", "delta reference"))
+    if key in states
+  ]
+  return f" ({' and '.join(parts)} included)" if parts else ""

@@ -6,6 +6,8 @@ import json
 import math
 import warnings
 
+METRICS = "metrics.jsonl"  # in the run directory (train's --out)
+
 
 def read_rows(metrics_path: str) -> list[dict]:
   """The rows of a metrics.jsonl; a truncated last line (a run killed while writing) is

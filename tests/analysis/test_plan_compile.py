@@ -108,11 +108,14 @@ def test_auto_on_h100_compiles_the_runs_step_and_picks_by_xla(monkeypatch):
   """On an H100 (its device_kind), the candidates are compiled for the run's own step by
   `inspect --target h100` and the fastest by XLA's estimate is taken: one compile here."""
   from paro_jax.analysis import auto
+  from paro_jax.core.config import LoraOptions
   from paro_jax.run.config import RunConfig
 
   monkeypatch.setattr(plan_compile, "WITHIN", 0.0)  # the top 1 alone: one compile
   p = _tiny_plan()
-  step = RunConfig(strategy="auto", micro_batches=2, batch_size=8, seq_len=64, lora_rank=2)
+  step = RunConfig(
+    strategy="auto", micro_batches=2, batch_size=8, seq_len=64, lora=LoraOptions(rank=2)
+  )
   flags = auto.run_step_flags(step, (2, 4), "xla", "xla")
   pick, why, table = auto.check_by_xla(p, flags, "NVIDIA H100 80GB HBM3", 100e9, 1)
   (compiled,) = [c for c in plan_compile.candidates(p, 1)]

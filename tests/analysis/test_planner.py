@@ -11,7 +11,7 @@ import os
 import pytest
 
 from models.llama import PRESETS, Llama, get_config
-from paro_jax.analysis import hardware, planner
+from paro_jax.analysis import hardware, memory, planner
 from paro_jax.core import names, units
 from paro_jax.cli import main
 from paro_jax.analysis.costs import step_traffic
@@ -131,7 +131,7 @@ def test_fused_attention_keeps_no_scores():
   cfg = get_config("7b")
   b, s, item = 1, 2048, 2
   written, fused = (
-    planner.activation_bytes(
+    memory.activation_bytes(
       parse_strategy("GGG"),
       planner.Workload(cfg, micro_batch=b, seq_len=s, itemsize=item, fused_attention=f),
       2,

@@ -20,8 +20,11 @@ from safetensors.numpy import load_file, save_file
 from models.hf import WEIGHTS, config_to_hf, load_hf, read_config, save_hf
 from models.llama import Llama, next_token_loss
 from paro_jax import cli
-from paro_jax.run.checkpoint import Checkpointer
-from paro_jax.run.train import CHECKPOINTS, RunConfig, build, train
+from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.setup import build
+from paro_jax.run.train import train
 
 FIXTURE = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf_tiny"
@@ -208,17 +211,18 @@ RUN = {
   "batch_size": 8,
   "seq_len": 16,
   "dtype": "fp32",
-  "warmup": 1,
+  "optimizer.warmup": 1,
 }
 
 
 def test_export_round_trip(tmp_path):
   run = tmp_path / "run"
-  train(RunConfig(model="test", steps=2, out=str(run), **RUN))
+  run_cfg = make_config(RunConfig, {**RUN, "model": "test", "optimizer.steps": 2, "out": str(run)})
+  train(run_cfg)
   cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf")])
   cfg, params = load_hf(tmp_path / "hf")
   # The checkpoint read back independently, with the run's own engine (not export's).
-  engine = build(RunConfig(model="test", steps=2, out=str(run), **RUN))[0]
+  engine = build(run_cfg)[0]
   ckpt = Checkpointer(os.path.join(run, CHECKPOINTS))
   state, meta = ckpt.restore(engine, "test")
   ckpt.close()
@@ -233,7 +237,8 @@ def test_export_errors(tmp_path, capsys):
 
 
 def test_init_from_fixture_trains(tmp_path):
-  cfg = RunConfig(model="tiny", init_from=FIXTURE, steps=1, out=str(tmp_path / "run"), **RUN)
+  run = {**RUN, "model": "tiny", "init_from": FIXTURE, "optimizer.steps": 1}
+  cfg = make_config(RunConfig, {**run, "out": str(tmp_path / "run")})
   engine, batches, _ = build(cfg)
   model_cfg, params = load_hf(FIXTURE)
   assert engine.model.cfg == model_cfg  # --model is ignored
@@ -256,7 +261,12 @@ def our_logits_jnp(cfg, params, ids):
 
 def test_export_of_an_init_from_run_keeps_the_source_and_its_config(tmp_path, capsys):
   run = tmp_path / "run"
-  train(RunConfig(model="tiny", init_from=FIXTURE, steps=1, out=str(run), **RUN))
+  train(
+    make_config(
+      RunConfig,
+      {**RUN, "model": "tiny", "init_from": FIXTURE, "optimizer.steps": 1, "out": str(run)},
+    )
+  )
   before = {name: os.path.getmtime(os.path.join(FIXTURE, name)) for name in os.listdir(FIXTURE)}
   # The directory the run started from is never overwritten, not even with --overwrite.
   with pytest.raises(SystemExit) as e:
@@ -286,8 +296,8 @@ def test_model_from_an_hf_config_alone(tmp_path):
   """--model takes an HF config.json (or its directory): its shapes, trained from scratch. The
   benchmark's 3.03M-parameter model is one; its count from the shapes by hand."""
   from models.llama import get_config
-  from paro_jax.analysis.config import model_name
-  from paro_jax.run.train import RunConfig, build
+  from paro_jax.core.config import parse_model
+  from paro_jax.run.setup import build
 
   path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs")
   path = os.path.join(path, "llama-3m.json")
@@ -298,6 +308,6 @@ def test_model_from_an_hf_config_alone(tmp_path):
   assert get_config(str(tmp_path)) == get_config(path)
   engine = build(RunConfig(model=path, mesh=(2, 4), batch_size=8, seq_len=16))[0]
   assert engine.model.cfg == get_config(path)
-  assert model_name("TINY") == "tiny" and model_name("Dir/Config.json") == "Dir/Config.json"
+  assert parse_model("TINY") == "tiny" and parse_model("Dir/Config.json") == "Dir/Config.json"
   with pytest.raises(ValueError, match="unknown model preset 'nope'.*HF LLaMA config.json"):
     get_config("nope")

@@ -20,7 +20,10 @@ from paro_jax.analysis.inspector import compile_step, report
 from paro_jax.core.mesh import make_mesh
 from paro_jax.run.reference import reference_train
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
-from paro_jax.run.train import RunConfig, build, train
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.setup import build
+from paro_jax.run.train import train
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 # Every kind of target: q/k/v (A on embed, B on the flattened heads), wo/w_down (A on the
@@ -191,19 +194,20 @@ RUN = {
   "batch_size": 8,
   "seq_len": 16,
   "dtype": "fp32",
-  "warmup": 1,
-  "lora_rank": 4,
-  "lora_targets": "wq,wv,w_down",
+  "optimizer.warmup": 1,
+  "lora.rank": 4,
+  "lora.targets": "wq,wv,w_down",
 }
 
 
 def test_train_resume_other_strategy_and_export_merged(tmp_path):
   run = tmp_path / "run"
-  train(RunConfig(strategy="ING", steps=2, out=str(run), **RUN))
+  train(make_config(RunConfig, {**RUN, "strategy": "ING", "optimizer.steps": 2, "out": str(run)}))
   # Resume on another strategy and mesh; the LoRA flags must match the checkpoint's.
-  other = RunConfig(strategy="GGG", steps=3, out=str(run), resume=True, **{**RUN, "mesh": (1, 8)})
+  other = {**RUN, "strategy": "GGG", "mesh": (1, 8), "optimizer.steps": 3, "out": str(run)}
+  other = make_config(RunConfig, {**other, "checkpoints.resume": True})
   with pytest.raises(ValueError, match="was written with --lora-rank 4"):
-    train(dataclasses.replace(other, lora_rank=8))
+    train(dataclasses.replace(other, lora=dataclasses.replace(other.lora, rank=8)))
   train(other)
   cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf")])
   cfg, exported = load_hf(tmp_path / "hf")

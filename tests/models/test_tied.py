@@ -27,7 +27,10 @@ from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.reference import reference_train
-from paro_jax.run.train import RunConfig, build, train
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.setup import build
+from paro_jax.run.train import train
 
 CFG = LlamaConfig(
   vocab=61, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64, tie_embeddings=True
@@ -155,7 +158,7 @@ def test_checkpoints_from_before_tied_tables_still_resume():
   `tie_embeddings` existed reads back with their defaults, and a tied one is not an untied one."""
   from types import SimpleNamespace
 
-  from paro_jax.run.checkpoint import check_model
+  from paro_jax.run.checkpoint_content import check_model
 
   old = dataclasses.asdict(UNTIED)
   del old["rope_scaling"], old["tie_embeddings"]
@@ -167,7 +170,7 @@ def test_checkpoints_from_before_tied_tables_still_resume():
 
 
 # --- a run: --init-from a tied directory, resume resharded, export --------------------------
-RUN = {"batch_size": 8, "seq_len": 16, "dtype": "fp32", "warmup": 1, "init_from": FIXTURE}
+RUN = {"batch_size": 8, "seq_len": 16, "dtype": "fp32", "optimizer.warmup": 1, "init_from": FIXTURE}
 
 
 def losses_of(metrics):
@@ -177,14 +180,15 @@ def losses_of(metrics):
 
 def test_tied_run_resumes_resharded_and_exports_as_transformers_saves(tmp_path):
   run = tmp_path / "run"
+  run_of = lambda options: make_config(RunConfig, {**RUN, "optimizer.steps": 3, **options})
   first = train(
-    RunConfig(strategy="IIG", mesh=(2, 4), steps=3, checkpoint_every=2, out=str(run), **RUN)
+    run_of({"strategy": "IIG", "mesh": (2, 4), "checkpoints.every": 2, "out": str(run)})
   )
   straight = losses_of(first)
   # Back to step 2, then on under another strategy on another mesh: the one table is resharded,
   # and step 3 scores what the uninterrupted run scored.
   shutil.rmtree(run / CHECKPOINTS / "3")
-  resumed = RunConfig(strategy="GGG", mesh=(1, 8), steps=3, out=str(run), resume=True, **RUN)
+  resumed = run_of({"strategy": "GGG", "mesh": (1, 8), "out": str(run), "checkpoints.resume": True})
   np.testing.assert_allclose(losses_of(train(resumed))[3], straight[3], rtol=1e-5)
   engine = build(resumed)[0]
   ckpt = Checkpointer(os.path.join(run, CHECKPOINTS))

@@ -18,13 +18,18 @@ import orbax.checkpoint as ocp
 import pytest
 
 from models.llama import Llama, get_config
-from paro_jax.run.checkpoint import Checkpointer, CheckpointError, RunMeta
+from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.checkpoint_content import RunMeta
+from paro_jax.run.checkpoint_errors import CheckpointError
 from paro_jax.run.data import Batches, default_corpus
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 from paro_jax import cli
-from paro_jax.run.train import LOCK, NonFiniteSteps, RunConfig, train
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.stopping import LOCK, NonFiniteSteps
+from paro_jax.run.train import train
 from tests.run.tiny_run import RUN, losses
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,13 +37,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
-CFG = RunConfig(**RUN)
+CFG = make_config(RunConfig, RUN)
 BATCHES = Batches(default_corpus(), CFG.micro_batches, CFG.batch_size, CFG.seq_len, CFG.seed)
 
 
 def make_engine(strategy, mesh):
   """The engine train() builds for RUN (the same programs: compilation cache hits), on any mesh."""
-  optim = OptimConfig(learning_rate=CFG.lr, warmup_steps=CFG.warmup, total_steps=CFG.steps)
+  o = CFG.optimizer
+  optim = OptimConfig(learning_rate=o.lr, warmup_steps=o.warmup, total_steps=o.steps)
   return Engine(
     Llama(get_config(CFG.model), jnp.float32),
     parse_strategy(strategy),
@@ -68,7 +74,7 @@ def meta_for(engine, step):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   out = tmp_path_factory.mktemp("straight")
-  train(RunConfig(**RUN, out=str(out), checkpoint_every=2))
+  train(make_config(RunConfig, {**RUN, "out": str(out), "checkpoints.every": 2}))
   return out
 
 
@@ -108,7 +114,7 @@ def test_stop_and_resume_equals_uninterrupted(straight, tmp_path, monkeypatch):
 
   monkeypatch.setattr(Batches, "__call__", interrupt_at_3)
   with pytest.raises(KeyboardInterrupt):
-    train(RunConfig(**RUN, out=str(out), checkpoint_every=2))
+    train(make_config(RunConfig, {**RUN, "out": str(out), "checkpoints.every": 2}))
   monkeypatch.setattr(Batches, "__call__", real_call)
   assert Checkpointer(out / "checkpoints").steps() == [2, 3]
   assert losses(out)[0] == [1, 2, 3]
@@ -118,7 +124,11 @@ def test_stop_and_resume_equals_uninterrupted(straight, tmp_path, monkeypatch):
   with open(out / "metrics.jsonl", "a") as f:
     f.write(json.dumps({"step": 4, "loss": 99.0}) + "\n")
 
-  train(RunConfig(**RUN, out=str(out), checkpoint_every=2, resume=True))
+  train(
+    make_config(
+      RunConfig, {**RUN, "out": str(out), "checkpoints.every": 2, "checkpoints.resume": True}
+    )
+  )
   steps, resumed = losses(out)
   assert steps == [1, 2, 3, 4, 5, 6]
   np.testing.assert_allclose(resumed, losses(straight)[1], rtol=0, atol=1e-6)
@@ -127,9 +137,9 @@ def test_stop_and_resume_equals_uninterrupted(straight, tmp_path, monkeypatch):
 
 def test_resume_needs_a_checkpoint_and_a_fresh_run_refuses_old_ones(straight, tmp_path):
   with pytest.raises(FileNotFoundError, match="no checkpoint in .* to resume from"):
-    train(RunConfig(**RUN, out=str(tmp_path), resume=True))
+    train(make_config(RunConfig, {**RUN, "out": str(tmp_path), "checkpoints.resume": True}))
   with pytest.raises(ValueError, match="already holds checkpoints .* pass --resume"):
-    train(RunConfig(**RUN, out=str(straight)))
+    train(make_config(RunConfig, {**RUN, "out": str(straight)}))
 
 
 def test_checkpoint_stores_logical_shapes(saved_iig):
@@ -162,7 +172,11 @@ def test_restore_under_another_strategy_and_mesh(saved_iig, strategy, mesh_shape
 
 def test_checkpoint_of_another_model_is_refused(straight, tmp_path):
   with pytest.raises(ValueError) as e:
-    train(RunConfig(**{**RUN, "model": "tiny"}, out=str(straight), resume=True))
+    train(
+      make_config(
+        RunConfig, {**RUN, "model": "tiny", "out": str(straight), "checkpoints.resume": True}
+      )
+    )
   message = str(e.value)
   assert "is for model 'test'" in message and "builds model 'tiny'" in message
   assert "dim: 32 vs 128" in message and "--model test" in message
@@ -231,7 +245,11 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_goes_on(straight, tm
   sizes = [_damage(f, how) for f in files]
   assert files and (how == "truncated" or [os.path.getsize(f) for f in files] == sizes)
   with pytest.warns(UserWarning, match=r"step 6 is damaged .*falling back to step 4.*damaged-6"):
-    train(RunConfig(**RUN, out=str(out), checkpoint_every=2, resume=True))
+    train(
+      make_config(
+        RunConfig, {**RUN, "out": str(out), "checkpoints.every": 2, "checkpoints.resume": True}
+      )
+    )
   steps, resumed = losses(out)
   assert steps == [1, 2, 3, 4, 5, 6]
   np.testing.assert_allclose(resumed, losses(straight)[1], rtol=0, atol=1e-6)
@@ -262,7 +280,7 @@ def test_checksums_catch_any_changed_array(saved_iig, tmp_path):
 
 
 def test_checksum_depends_on_every_element_and_not_on_sharding():
-  from paro_jax.run.checkpoint import state_checksums
+  from paro_jax.run.checkpoint_content import state_checksums
 
   x = np.arange(64, dtype=np.float32).reshape(8, 8)
   mesh = make_mesh(2, 4)
@@ -375,7 +393,7 @@ def test_a_run_directory_is_locked(tmp_path):
   fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   try:
     with pytest.raises(ValueError, match=r"is in use by another run \(pid 4242 on elsewhere\)"):
-      train(RunConfig(**RUN, out=str(tmp_path)))
+      train(make_config(RunConfig, {**RUN, "out": str(tmp_path)}))
   finally:
     os.close(fd)
   assert not (tmp_path / "checkpoints").exists()
@@ -388,7 +406,11 @@ def test_metrics_of_a_run_that_saved_no_checkpoint_are_set_aside(tmp_path, capsy
   old = '{"step": 1, "loss": 5.0, "grad_norm": 1.0}\n'
   (tmp_path / "metrics.jsonl").write_text(old)
   (tmp_path / "metrics.unsaved-1.jsonl").write_text("an earlier one\n")
-  train(RunConfig(**{**RUN, "steps": 2}, out=str(tmp_path), resume=resume))
+  train(
+    make_config(
+      RunConfig, {**RUN, "optimizer.steps": 2, "out": str(tmp_path), "checkpoints.resume": resume}
+    )
+  )
   assert (tmp_path / "metrics.unsaved-2.jsonl").read_text() == old
   assert (tmp_path / "metrics.unsaved-1.jsonl").read_text() == "an earlier one\n"
   assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2]
@@ -446,7 +468,14 @@ def test_non_finite_steps_are_skipped_logged_and_stop_the_run(nan_batches, tmp_p
   nan_batches.update({2, 5, 6})  # steps 3, 6 and 7
   out = tmp_path / "run"
   with pytest.raises(NonFiniteSteps, match=r"step 7: loss nan.* 2 non-finite steps in a row"):
-    train(RunConfig(**{**RUN, "steps": 10}, out=str(out), checkpoint_every=2, max_bad_steps=2))
+    run = {
+      **RUN,
+      "optimizer.steps": 10,
+      "out": str(out),
+      "checkpoints.every": 2,
+      "max_bad_steps": 2,
+    }
+    train(make_config(RunConfig, run))
 
   def strict(name):
     raise ValueError(f"not strict JSON: {name}")
@@ -469,7 +498,8 @@ def test_resume_with_another_schedule_says_so(straight, tmp_path):
     match=r"resuming with --steps 7 --lr 0.001, but the checkpoint \(step 6\) was trained with "
     r"--steps 6 --lr 0.003: the learning-rate schedule changed",
   ):
-    train(RunConfig(**{**RUN, "steps": 7, "lr": 1e-3}, out=str(out), resume=True))
+    run = {**RUN, "optimizer.steps": 7, "optimizer.lr": 1e-3, "out": str(out)}
+    train(make_config(RunConfig, {**run, "checkpoints.resume": True}))
   assert losses(out)[0] == [1, 2, 3, 4, 5, 6, 7]
 
 
@@ -480,8 +510,9 @@ def test_resume_with_another_wire_precision(straight, tmp_path):
   out = tmp_path / "run"
   shutil.copytree(straight, out)
   shutil.rmtree(out / "checkpoints" / "6")
-  wire = {"inter_params": "int8", "inter_grads": "int8"}
-  train(RunConfig(**RUN, **wire, out=str(out), checkpoint_every=2, resume=True))
+  wire = {"wire.inter_params": "int8", "wire.inter_grads": "int8"}
+  run = {**RUN, **wire, "out": str(out), "checkpoints.every": 2, "checkpoints.resume": True}
+  train(make_config(RunConfig, run))
   steps, resumed = losses(out)
   assert steps == [1, 2, 3, 4, 5, 6]
   expected = losses(straight)[1]
@@ -493,20 +524,20 @@ def test_resume_with_another_wire_precision(straight, tmp_path):
 @pytest.mark.parametrize(
   "change,message",
   [
-    ({"lr": float("nan")}, "--lr must be a positive finite number, got nan"),
-    ({"lr": float("inf")}, "--lr must be a positive finite number, got inf"),
-    ({"warmup": -1}, "--warmup must be >= 0, got -1"),
+    ({"optimizer.lr": float("nan")}, "--lr must be a positive finite number, got nan"),
+    ({"optimizer.lr": float("inf")}, "--lr must be a positive finite number, got inf"),
+    ({"optimizer.warmup": -1}, "--warmup must be >= 0, got -1"),
     ({"max_bad_steps": 0}, "max-bad-steps must be >= 1"),
   ],
 )
 def test_bad_schedule_is_refused(change, message):
   with pytest.raises(ValueError, match=re.escape(message)):
-    RunConfig(**{**RUN, **change})
+    make_config(RunConfig, {**RUN, **change})
 
 
 def test_warmup_longer_than_the_run_is_said():
   with pytest.warns(UserWarning, match=r"--warmup 7 is more than --steps 6: .* all 6 steps"):
-    RunConfig(**{**RUN, "warmup": 7})
+    make_config(RunConfig, {**RUN, "optimizer.warmup": 7})
 
 
 @pytest.mark.parametrize("every", [0, 1])

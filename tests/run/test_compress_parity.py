@@ -15,7 +15,9 @@ threshold between them and was measured at this very run.
 import json
 import os
 
-from paro_jax.run.train import RunConfig, train
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.train import train
 
 # The CI test's run (the margin page records it as `ci_run`).
 CI_RUN = dict(
@@ -44,13 +46,10 @@ MARGIN = os.path.join(
 
 
 def run(tmp, wire):
-  cfg = RunConfig(
-    **CI_RUN,
-    eval_every=CI_RUN["steps"],
-    inter_params=wire,
-    inter_grads=wire,
-    out=os.path.join(tmp, wire),
-  )
+  paths = {"steps": "optimizer.steps", "warmup": "optimizer.warmup", "eval_batches": "eval.batches"}
+  options = {paths.get(k, k): v for k, v in CI_RUN.items()}  # CI_RUN names its flags
+  options |= {"eval.every": CI_RUN["steps"], "wire.inter_params": wire, "wire.inter_grads": wire}
+  cfg = make_config(RunConfig, {**options, "out": os.path.join(tmp, wire)})
   rows = [json.loads(line) for line in open(train(cfg))]
   return [r["eval_loss"] for r in rows if "eval_loss" in r], [r["loss"] for r in rows]
 

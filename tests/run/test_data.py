@@ -13,7 +13,8 @@ from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.analysis.hardware import mfu, peak_flops
 from paro_jax.core.strategy import parse_strategy
-from paro_jax.run.train import RunConfig, train
+from paro_jax.run.config import EvalOptions, OptimizerOptions, RunConfig
+from paro_jax.run.train import train
 
 TEXT = "def add(a, b):\n  return a + b\n" * 40
 
@@ -174,11 +175,9 @@ def jsonl_run(tmp_path_factory):
       micro_batches=2,
       batch_size=8,
       seq_len=16,
-      steps=4,
-      data=(str(root / "corpus.jsonl"),),
-      text_field="content",
-      eval_fraction=0.1,
-      eval_every=2,
+      optimizer=OptimizerOptions(steps=4),
+      data=DataConfig(paths=(str(root / "corpus.jsonl"),), text_field="content", eval_fraction=0.1),
+      eval=EvalOptions(every=2),
       out=str(out),
     )
   )

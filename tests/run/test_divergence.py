@@ -10,7 +10,11 @@ import pytest
 
 from paro_jax import cli
 from paro_jax.run.divergence import DivergenceGuard, GuardConfig
-from paro_jax.run.train import CHECKPOINTS, Diverged, NonFiniteSteps, RunConfig, train
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.checkpoint import CHECKPOINTS
+from paro_jax.run.stopping import Diverged, NonFiniteSteps
+from paro_jax.run.train import train
 
 
 # --- the band, without training -----------------------------------------------------------------
@@ -55,15 +59,15 @@ def test_a_resumed_run_keeps_its_band():
 @pytest.mark.parametrize(
   "change,message",
   [
-    ({"divergence_guard": "loud"}, "--divergence-guard must be one of off, warn, stop"),
-    ({"divergence_loss_factor": 1.0}, "--divergence-loss-factor must be a finite number above 1"),
-    ({"divergence_patience": 0}, "--divergence-patience must be >= 1"),
-    ({"divergence_loss_cap": -1.0}, "--divergence-loss-cap must be >= 0"),
+    ({"guard.mode": "loud"}, "--divergence-guard must be one of off, warn, stop"),
+    ({"guard.loss_factor": 1.0}, "--divergence-loss-factor must be a finite number above 1"),
+    ({"guard.patience": 0}, "--divergence-patience must be >= 1"),
+    ({"guard.loss_cap": -1.0}, "--divergence-loss-cap must be >= 0"),
   ],
 )
 def test_bad_guard_flags_are_refused(change, message):
   with pytest.raises(ValueError, match=message):
-    RunConfig(**change)
+    make_config(RunConfig, change)
 
 
 # --- training runs --------------------------------------------------------------------------
@@ -73,10 +77,10 @@ HUGE = {
   "mesh": (2, 4),
   "batch_size": 8,
   "seq_len": 32,
-  "steps": 12,
+  "optimizer.steps": 12,
   "dtype": "fp32",
-  "checkpoint_every": 1,
-  "keep": 1,
+  "checkpoints.every": 1,
+  "checkpoints.keep": 1,
 }
 
 
@@ -90,7 +94,7 @@ def huge_lr(tmp_path_factory):
   """`--lr 1e30`, a checkpoint every step, --keep 1: (run dir, the error it stopped with)."""
   out = str(tmp_path_factory.mktemp("huge") / "run")
   with pytest.raises((Diverged, NonFiniteSteps)) as e:
-    train(RunConfig(lr=1e30, out=out, **HUGE))
+    train(make_config(RunConfig, {**HUGE, "optimizer.lr": 1e30, "out": out}))
   return out, str(e.value)
 
 
@@ -111,12 +115,12 @@ def test_a_huge_lr_stops_naming_the_last_good_checkpoint(huge_lr):
 
 def test_resuming_the_named_checkpoint_with_a_sane_lr_trains_normally(huge_lr, tmp_path):
   out, _ = huge_lr
-  sane = {**HUGE, "lr": 3e-3, "keep": 3}
+  sane = {**HUGE, "optimizer.lr": 3e-3, "checkpoints.keep": 3}
   with pytest.warns(UserWarning, match="--lr 0.003, but the checkpoint .* --lr 1e"):
-    train(RunConfig(out=out, resume=True, **sane))
+    train(make_config(RunConfig, {**sane, "out": out, "checkpoints.resume": True}))
   # Update 1 ran at lr 0 in both runs: the resumed run is the uninterrupted sane run, exactly.
   fresh = str(tmp_path / "fresh")
-  train(RunConfig(out=fresh, **sane))
+  train(make_config(RunConfig, {**sane, "out": fresh}))
   resumed, want = rows_of(out), rows_of(fresh)
   assert [r["step"] for r in resumed] == list(range(1, 13))
   for got, ref in zip(resumed[1:], want[1:]):

@@ -18,8 +18,11 @@ from models.hf import load_hf
 from models.llama import Llama
 from paro_jax import cli
 from paro_jax.core.shards import join_trainable
-from paro_jax.run.checkpoint import Checkpointer
-from paro_jax.run.train import CHECKPOINTS, RunConfig, build, train
+from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.setup import build
+from paro_jax.run.train import train
 
 RUN = {
   "model": "test",
@@ -27,15 +30,17 @@ RUN = {
   "mesh": (2, 4),
   "batch_size": 8,
   "seq_len": 16,
-  "warmup": 1,
-  "steps": 2,
+  "optimizer.warmup": 1,
+  "optimizer.steps": 2,
 }
-LORA = {"lora_rank": 4, "lora_targets": "wq,wk,wv,wo"}
+LORA = {"lora.rank": 4, "lora.targets": "wq,wk,wv,wo"}
 KINDS = [(dtype, lora) for dtype in ("bf16", "fp32") for lora in (True, False)]
 
 
-def config(dtype, lora, out, **changes):
-  return RunConfig(dtype=dtype, out=str(out), **{**RUN, **(LORA if lora else {}), **changes})
+def config(dtype, lora, out, changes=()):
+  """The run of this kind; `changes` by option path."""
+  run = {**RUN, **(LORA if lora else {}), "dtype": dtype, "out": str(out)}
+  return make_config(RunConfig, {**run, **dict(changes)})
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +102,7 @@ def test_a_lora_run_resumes_in_the_other_dtype(runs, tmp_path, dtype, recwarn):
   out = tmp_path / "run"
   shutil.copytree(runs[dtype, True], out)
   other = "fp32" if dtype == "bf16" else "bf16"
-  train(config(other, True, out, steps=3, resume=True))
+  train(config(other, True, out, {"optimizer.steps": 3, "checkpoints.resume": True}))
   assert not any("damaged" in str(w.message) for w in recwarn)
   assert sorted(os.listdir(out / CHECKPOINTS)) == ["2", "3"]
 
@@ -121,7 +126,7 @@ def test_damaged_checkpoint_is_refused_alike_by_export_and_resume(runs, tmp_path
   exported = capsys.readouterr().err.strip().splitlines()[-1]
   assert e.value.code == 2
   with pytest.raises(ValueError) as resumed:
-    train(config("bf16", True, out, steps=3, resume=True))
+    train(config("bf16", True, out, {"optimizer.steps": 3, "checkpoints.resume": True}))
   assert sorted(os.listdir(out / CHECKPOINTS)) == before
   assert "checkpoint step 2 is damaged" in exported and "checkpoint step 2 is damaged" in str(
     resumed.value

@@ -8,17 +8,19 @@ import numpy as np
 import pytest
 
 from paro_jax.run.checkpoint import Checkpointer
-from paro_jax.run.train import RunConfig, train
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.train import train
 from tests.run.tiny_run import RUN as TINY_RUN, losses
 
-RUN = {**TINY_RUN, "inter_params": "int8", "inter_grads": "int8"}
+RUN = {**TINY_RUN, "wire.inter_params": "int8", "wire.inter_grads": "int8", "checkpoints.every": 2}
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   out = tmp_path_factory.mktemp("ef-straight")
-  train(RunConfig(**RUN, out=str(out), checkpoint_every=2))
+  train(make_config(RunConfig, {**RUN, "out": str(out)}))
   return out
 
 
@@ -27,7 +29,7 @@ def test_resume_with_error_feedback_equals_uninterrupted(straight, tmp_path):
   shutil.copytree(straight, out)
   shutil.rmtree(out / "checkpoints" / "6")
   shutil.rmtree(out / "checkpoints" / "4")
-  train(RunConfig(**RUN, out=str(out), checkpoint_every=2, resume=True))
+  train(make_config(RunConfig, {**RUN, "out": str(out), "checkpoints.resume": True}))
   steps, resumed = losses(out)
   assert steps == [1, 2, 3, 4, 5, 6]
   assert resumed == losses(straight)[1]  # bit for bit
@@ -39,12 +41,12 @@ def test_resume_without_the_residual_differs_and_says_so(straight, tmp_path):
   warning), and its later losses are not the uninterrupted run's: the saved residual is what
   made the resume above exact."""
   out = tmp_path / "run"
-  train(RunConfig(**RUN, out=str(out), checkpoint_every=2, error_feedback=False))
+  train(make_config(RunConfig, {**RUN, "out": str(out), "error_feedback": False}))
   shutil.rmtree(out / "checkpoints" / "6")
   shutil.rmtree(out / "checkpoints" / "4")
   assert Checkpointer(out / "checkpoints").steps() == [2]
   with pytest.warns(UserWarning, match="has no error-feedback residual: this run's starts at 0"):
-    train(RunConfig(**RUN, out=str(out), checkpoint_every=2, resume=True))
+    train(make_config(RunConfig, {**RUN, "out": str(out), "checkpoints.resume": True}))
   steps, resumed = losses(out)
   assert steps == [1, 2, 3, 4, 5, 6]
   expected = losses(straight)[1]

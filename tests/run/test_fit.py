@@ -1,13 +1,18 @@
 """A run that cannot fit is refused before anything is compiled, in one line with the planner's
 estimate and the fix."""
 
+import dataclasses
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from paro_jax import cli
-from paro_jax.run import fit
-from paro_jax.run.train import RunConfig, build
+from paro_jax.analysis import memory
+from paro_jax.run.config import RunConfig
+from paro_jax.run.setup import build
 
 FIXTURE = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf_tiny"
@@ -51,7 +56,8 @@ def test_the_check_compares_the_estimate_with_the_device_memory(monkeypatch):
   cfg = RunConfig(model="tiny", mesh=(2, 4), batch_size=16, seq_len=64)
   # The planner's estimate for this run, computed independently of fit.py's call.
   from paro_jax.analysis.costs import model_state_bytes
-  from paro_jax.analysis.planner import Workload, activation_bytes
+  from paro_jax.analysis.memory import activation_bytes
+  from paro_jax.analysis.plan_inputs import Workload
   from paro_jax.core.strategy import parse_strategy
   from models.llama import get_config
 
@@ -59,9 +65,70 @@ def test_the_check_compares_the_estimate_with_the_device_memory(monkeypatch):
   w = Workload(model, micro_batch=2, micro_batches=1, seq_len=64, itemsize=2)
   need = model_state_bytes(strategy, model.param_count(), model.param_count(), 2, 4)["total"]
   need += activation_bytes(strategy, w, 2, 4)["total"]
-  monkeypatch.setattr(fit, "device_memory", lambda devices: (need, "the test's memory"))
+  monkeypatch.setattr(memory, "available_memory", lambda devices: (need, "the test's memory"))
   build(cfg)  # exactly enough: accepted
-  monkeypatch.setattr(fit, "device_memory", lambda devices: (need - 1, "the test's memory"))
+  monkeypatch.setattr(memory, "available_memory", lambda devices: (need - 1, "the test's memory"))
   with pytest.raises(ValueError, match="more than the the test's memory"):
     build(cfg)
-  build(RunConfig(**{**cfg.__dict__, "memory_check": False}))  # the user's call
+  build(dataclasses.replace(cfg, memory_check=False))  # the user's call
+
+
+# A train whose every device has 1 GiB: each case below is refused, printing its estimate.
+REFUSE_ALL = """
+import json, sys
+from paro_jax import cli
+from paro_jax.analysis import memory
+memory.available_memory = lambda devices: (2**30, "1 GiB the test gives each device")
+for argv in json.loads(sys.argv[1]):
+  try:
+    cli.main(argv)
+  except SystemExit:
+    pass
+"""
+GIB = 2**30
+
+
+def test_plan_and_trains_refusal_print_the_same_memory(tmp_path, capsys):
+  """One memory model: `paro-jax plan --json` and the refusal of `paro-jax train` give the same
+  per-device memory for the same workload (7b on 4 nodes x 8, micro-batches of one sequence of
+  2048 tokens per device, A=8, int8 parameters and gradients), for a strategy with the error-
+  feedback residual and the delta reference (NIG, IIG), with the residual alone (NNI) and with
+  neither (GGG). The train runs on 32 CPU devices in a process of its own."""
+  strategies = ("NIG", "IIG", "NNI", "GGG")
+  step = ["--model", "7b", "--micro-batches", "8", "--seq-len", "2048", "--attention", "xla"]
+  step += ["--inter-params", "int8", "--inter-grads", "int8"]
+  cli.main(
+    ["plan", *step, "--nodes", "4", "--devices-per-node", "8", "--micro-batch", "1", "--json"]
+  )
+  planned = {e["strategy"]: e["memory"] for e in json.loads(capsys.readouterr().out)["ranking"]}
+  runs = [
+    ["train", *step, "--strategy", s, "--mesh", "4x8", "--batch-size", "32"]
+    + ["--out", str(tmp_path / s)]
+    for s in strategies
+  ]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not the tests' 8 devices
+  done = subprocess.run(
+    [sys.executable, "-c", REFUSE_ALL, json.dumps(runs)],
+    cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    env={**env, "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  refusals = [x for x in done.stderr.splitlines() if "this run needs about" in x]
+  assert len(refusals) == len(strategies), done.stderr
+  for s, line in zip(strategies, refusals):
+    plan, states = planned[s], planned[s]["model_states"]
+    assert f"needs about {plan['total'] / GIB:.1f} GiB per device" in line, (s, plan, line)
+    assert f"model states {states['total'] / GIB:.1f} GiB with strategy {s}" in line, line
+    assert f"activations {plan['activations']['total'] / GIB:.1f} GiB for 1 sequence(s)" in line
+    for key, name in (("residual", "error-feedback residual"), ("reference", "delta reference")):
+      assert (key in states) == (name in line), (s, key, line)
+      if key in states:
+        assert f"{name} {states[key] / GIB:.1f} GiB" in line
+    assert not (tmp_path / s).exists()
+  # where the int8 corrections apply, and what they add (7b NIG: its residual and reference)
+  assert {"residual", "reference"} <= set(planned["NIG"]["model_states"]) and "reference" not in (
+    planned["NNI"]["model_states"]
+  )
+  assert not {"residual", "reference"} & set(planned["GGG"]["model_states"])

@@ -152,7 +152,8 @@ def test_larger_than_memory_budget(tmp_path):
 def test_training_on_shards_equals_training_on_the_joined_file(tmp_path):
   """train --data 'shards/*.bin' (a TokenStream, eval split included) logs the very losses of a
   run on one .bin file holding the same tokens."""
-  from paro_jax.run.train import RunConfig, train
+  from paro_jax.run.config import EvalOptions, OptimizerOptions, RunConfig
+  from paro_jax.run.train import train
 
   texts = [_text(tmp_path / f"t{k}.txt", 20_000, k) for k in range(2)]
   prepare_data([str(tmp_path / "t*.txt")], str(tmp_path / "s"), shard_tokens=3_000, progress=False)
@@ -167,12 +168,10 @@ def test_training_on_shards_equals_training_on_the_joined_file(tmp_path):
       mesh=(2, 4),
       batch_size=8,
       seq_len=32,
-      steps=3,
-      warmup=1,
+      optimizer=OptimizerOptions(steps=3, warmup=1),
       dtype="fp32",
-      data=(data,),
-      eval_every=3,
-      eval_fraction=0.1,
+      data=DataConfig(paths=(data,), eval_fraction=0.1),
+      eval=EvalOptions(every=3),
       out=str(tmp_path / name),
     )
     rows = [json.loads(line) for line in open(train(cfg))]

@@ -124,7 +124,7 @@ def test_a_signal_after_a_stop_still_exits_with_its_code(monkeypatch):
   """After a stop the handler stays: a SIGTERM while the process shuts down (srun's, once another
   task has exited 143, while jax.distributed waits on it) exits 143, not by SIGTERM's default
   action; without a stop, leaving restores the handlers that were there before."""
-  from paro_jax.run.train import StopSignals
+  from paro_jax.run.stopping import StopSignals
 
   before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 

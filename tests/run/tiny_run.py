@@ -1,5 +1,7 @@
 """The small run the checkpoint and resume tests train (test_checkpoint.py,
-test_feedback_resume.py), and the losses of a run directory."""
+test_feedback_resume.py), and the losses of a run directory. RUN's keys are the RunConfig
+options' paths (paro_jax/core/config.py `options`):
+`make_config(RunConfig, {**RUN, "checkpoints.every": 2})`."""
 
 import json
 import os
@@ -13,8 +15,7 @@ RUN = dict(
   batch_size=8,
   seq_len=16,
   dtype="fp32",
-  steps=6,
-  warmup=2,
+  **{"optimizer.steps": 6, "optimizer.warmup": 2},
 )
 
 

@@ -1,0 +1,264 @@
+"""The configuration of a training step (`StepConfig`: model, strategy, mesh, batch, precision,
+wire formats, LoRA) and the flag metadata every command's config is declared with (`option`).
+
+Each field that is also a command-line flag is declared with `option()`: its default, its help and
+how argparse reads it are written here once, and paro_jax/cli.py builds the flags from them. A
+config nests its groups (`group()`: the wire formats, the adapters; a run's data, optimizer,
+checkpoints) as dataclasses of their own, whose options are flags like the others: `options()`
+lists them by path (`lora.rank`), `make_config()` makes a config from values by path.
+Pure Python (no jax, no numpy): the CLI builds its parser before jax starts, and `plan` never
+starts it. `RunConfig` (paro_jax/run/config.py) is the step's configuration plus a run's;
+`InspectConfig` and `PlanConfig` (paro_jax/analysis/config.py) are the analysis commands'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+
+from models.config import LoraConfig
+from paro_jax.core.names import (
+  ATTENTION_IMPLS,
+  AUTO_COLLECTIVES,
+  COLLECTIVE_IMPLS,
+  DEFAULT_INT8_BLOCK,
+  GRAD_DTYPES,
+  WIRE_FORMATS,
+)
+from paro_jax.core.strategy import ALIASES
+from paro_jax.core.units import COMPUTE_DTYPE_BYTES
+from paro_jax.core.wire import WireConfig
+
+
+def option(default=dataclasses.MISSING, help: str = "", *, flag: str | None = None, **add_argument):
+  """A config field that is also a command-line flag.
+
+  `help` is its --help text (argparse appends the default; "%(default)s" places it instead),
+  `flag` its option string (default: --the-field-name), and `add_argument` any other keywords of
+  argparse's (type, choices, metavar, action, nargs). No default: the flag is required.
+  """
+  return dataclasses.field(default=default, metadata={"help": help, "flag": flag, **add_argument})
+
+
+def group(cls):
+  """A config field holding a group of options: a config dataclass of its own, by default its
+  fields' defaults. Its options are flags like the config's own; the config reads
+  `cfg.<group>.<field>`."""
+  return dataclasses.field(default_factory=cls, metadata={"group": cls})
+
+
+def options(cls, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+  """(path, field) of every option of the config class `cls`, its groups' included, in field
+  order: the path of the field `rank` of the group `lora` is `lora.rank` (the CLI's argparse
+  dest). Fields that are neither options nor groups keep their defaults."""
+  out = []
+  for field in dataclasses.fields(cls):
+    if "group" in field.metadata:
+      out += options(field.metadata["group"], f"{prefix}{field.name}.")
+    elif "help" in field.metadata:
+      out.append((prefix + field.name, field))
+  return out
+
+
+def flag_of(field: dataclasses.Field) -> str:
+  """An option's flag: its `flag`, else --the-field-name."""
+  return field.metadata["flag"] or f"--{field.name.replace('_', '-')}"
+
+
+def make_config(cls, values: dict):
+  """The config `cls` from values by path (`options`; a group's fields that are no options too),
+  each group built from its own values; a field without a value keeps its default. A path that
+  names no field is an error, not a value silently dropped."""
+  kwargs, used = {}, set()
+  for field in dataclasses.fields(cls):
+    if "group" in field.metadata:
+      inner = f"{field.name}."
+      own = {k[len(inner) :]: v for k, v in values.items() if k.startswith(inner)}
+      kwargs[field.name] = make_config(field.metadata["group"], own)
+      used.update(inner + k for k in own)
+    elif field.name in values:
+      kwargs[field.name] = values[field.name]
+      used.add(field.name)
+  unknown = sorted(set(values) - used)
+  if unknown:
+    raise TypeError(f"{cls.__name__} has no field {', '.join(unknown)}")
+  return cls(**kwargs)
+
+
+def value_at(cfg, path: str):
+  """The value of the option at `path` (`options`) of the config `cfg`."""
+  return functools.reduce(getattr, path.split("."), cfg)
+
+
+MODEL_HELP = (
+  "preset: tiny, small, 7b, 13b, 65b, llama3.1-8b, llama3.1-70b, llama3.1-405b, llama3.2-1b, "
+  "llama3.2-3b; or an HF LLaMA config.json (its shapes, from scratch)"
+)
+COMPUTE_DTYPES = tuple(COMPUTE_DTYPE_BYTES)  # bf16, fp32
+
+
+def parse_model(value: str) -> str:
+  """--model: preset names in any case; a path as given."""
+  return value if os.sep in value or value.endswith(".json") else value.lower()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WireOptions:
+  """What the parameter gathers and gradient reductions carry across nodes (core/wire.py), and
+  the gradients' accumulation dtype."""
+
+  inter_params: str = option(
+    "same",
+    "parameter gathers across nodes: same (the compute dtype), bf16, or int8 with a scale "
+    "per block (default %(default)s)",
+    type=str.lower,
+    choices=WIRE_FORMATS,
+  )
+  inter_grads: str = option(
+    "same",
+    "gradient reductions across nodes: same (the accumulation dtype), bf16, or int8 sent "
+    "once to each chunk's owner and summed in fp32 (default %(default)s)",
+    type=str.lower,
+    choices=WIRE_FORMATS,
+  )
+  int8_block: int = option(
+    DEFAULT_INT8_BLOCK, "elements per fp32 scale of the int8 format (default %(default)s)"
+  )
+  grad_dtype: str = option(
+    "compute",
+    "gradient accumulation and boundary reduction dtype (default: the compute dtype)",
+    type=str.lower,
+    choices=GRAD_DTYPES,
+  )
+
+  def __post_init__(self):
+    self.formats()  # their checks
+    if self.grad_dtype not in GRAD_DTYPES:
+      raise ValueError(f"unknown --grad-dtype {self.grad_dtype!r}; choose compute or fp32")
+
+  def formats(self) -> WireConfig:
+    """The engine's wire formats (core/wire.py)."""
+    return WireConfig(self.inter_params, self.inter_grads, self.int8_block)
+
+  def grad_itemsize(self, compute_itemsize: int) -> int:
+    """Bytes per gradient element accumulated and synced: fp32's, or the compute dtype's."""
+    return 4 if self.grad_dtype == "fp32" else compute_itemsize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraOptions:
+  """Low-rank adapters to train instead of the whole model (models/config.py LoraConfig)."""
+
+  rank: int = option(
+    0, "adapter rank (default %(default)s: full training)", flag="--lora-rank", metavar="R"
+  )
+  alpha: float = option(
+    16.0,
+    "adapter scale alpha (the update is alpha/R x A B; default %(default)g)",
+    flag="--lora-alpha",
+  )
+  targets: str = option(
+    "wq,wv",
+    "comma-separated weights to adapt, from wq,wk,wv,wo,w_gate,w_up,w_down (default %(default)s)",
+    flag="--lora-targets",
+  )
+
+  def __post_init__(self):
+    self.adapters()  # their checks
+
+  def adapters(self) -> LoraConfig | None:
+    """The model's adapters; None for rank 0 (full training)."""
+    return LoraConfig.from_flags(self.rank, self.alpha, self.targets)
+
+  @classmethod
+  def of(cls, lora: LoraConfig | None) -> LoraOptions:
+    """The options that give `lora` (a checkpoint's adapters; None: full training)."""
+    if lora is None:
+      return cls()
+    return cls(rank=lora.rank, alpha=lora.alpha, targets=",".join(lora.targets))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig:
+  """One training step: the model, its strategy on a mesh, its batch, precision and memory."""
+
+  model: str = option("tiny", MODEL_HELP, type=parse_model)
+  strategy: str = option(
+    "IIG",
+    "three letters P,G,OS from {N,I,G} (e.g. IIG, any case) or an alias: "
+    + ", ".join(f"{k}={v}" for k, v in ALIASES.items())
+    + "; train also takes auto (probe the mesh, take the planner's pick) (default %(default)s)",
+  )
+  # (inter, intra); None: one group per process. The flag's text is parsed by the CLI.
+  mesh: tuple[int, int] | None = option(
+    None, "GROUPSxDEVICES, e.g. 2x4 (default: one group per process)"
+  )
+  micro_batches: int = option(1, "A: micro-batches per step")
+  batch_size: int = option(16, "global micro-batch size (sequences)")
+  seq_len: int = option(64, "tokens per sequence")
+  dtype: str = option("bf16", "compute dtype", type=str.lower, choices=COMPUTE_DTYPES)
+  collectives: str = option(
+    "xla",
+    "how collectives over all devices run: xla (XLA's own) and hring in two levels, ring "
+    "flat, horing two overlapped levels, hring+xla / horing+xla the rings over both axes and "
+    "XLA's over one; auto: hring+xla where XLA's would cross nodes on every hop (CPU "
+    "processes), else xla",
+    type=str.lower,
+    choices=(AUTO_COLLECTIVES, *COLLECTIVE_IMPLS),
+  )
+  attention: str = option(  # models/config.py resolve_attention
+    "auto",
+    "xla: attention written out (scores, mask, softmax); cudnn: cuDNN's fused kernel "
+    "(GPUs, bf16); auto: cudnn where it applies, else xla",
+    type=str.lower,
+    choices=ATTENTION_IMPLS,
+  )
+  wire: WireOptions = group(WireOptions)
+  error_feedback: bool | None = option(  # of int8 gradients (core/feedback.py)
+    None,
+    "keep each device's int8 gradient rounding error and add it to the next step's "
+    "gradient (default: on with --inter-grads int8 where the strategy reduces gradients across "
+    "nodes at the step's end; --no-error-feedback to compare)",
+    action=argparse.BooleanOptionalAction,
+  )
+  param_delta: bool | None = option(
+    None,
+    "int8 parameter syncs send each weight's change since the last step against a copy "
+    "every device keeps (default: on with --inter-params int8 where the step's parameter sync "
+    "crosses nodes; --no-param-delta to compare)",
+    action=argparse.BooleanOptionalAction,
+  )
+  remat: str = option(  # models/llama.py REMAT_POLICIES
+    "full",
+    "what backward recomputes per layer: full (all, weight gather included), "
+    "layer (all but matmul outputs), none (keeps every layer's weights)",
+    type=str.lower,
+    choices=("full", "layer", "none"),
+  )
+  lora: LoraOptions = group(LoraOptions)
+
+  def __post_init__(self):
+    for name in ("micro_batches", "batch_size", "seq_len"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
+def step_flags(cfg: StepConfig, **replace) -> list[str]:
+  """The command-line flags that give `cfg`'s StepConfig options (`replace` overriding values by
+  path): what `train --strategy auto` hands `paro-jax inspect --target` to compile the run's own
+  step. The inverse of the CLI's parsing (tests/test_cli_config.py parses them back)."""
+  out = []
+  for path, field in options(StepConfig):
+    value = replace[path] if path in replace else value_at(cfg, path)
+    flag = flag_of(field)
+    if value is None:  # the flag's absence is its default (None: decided at run time)
+      continue
+    if field.metadata.get("action") is argparse.BooleanOptionalAction:
+      out.append(flag if value else "--no-" + flag[2:])
+    elif path == "mesh":
+      out += [flag, "x".join(str(n) for n in value)]
+    else:
+      out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+  return out

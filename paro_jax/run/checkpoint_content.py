@@ -1,0 +1,252 @@
+"""What a checkpoint holds besides the arrays (`RunMeta`), the checksums that verify the arrays,
+and how a saved state is read into an engine: the restore target (shapes, shardings, dtypes as
+written), the int8 corrections' buffers that carry over or restart, the check that the model is
+the run's. run/checkpoint.py's Checkpointer writes and reads with these."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from models.config import LlamaConfig
+from paro_jax.core.engine import Engine, TrainState
+
+FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMeta:
+  """What a checkpoint records besides the arrays; `step` is also the data position."""
+
+  step: int
+  seed: int
+  model_name: str
+  model_config: dict  # dataclasses.asdict(LlamaConfig)
+  strategy: str
+  mesh: tuple[int, int]  # (inter, intra)
+  dtype: str
+  data: dict  # what batch `step` is a function of, besides (seed, step)
+  format: int = FORMAT
+  lora: dict | None = None  # dataclasses.asdict(LoraConfig) of a LoRA run
+  checksums: dict | None = None  # leaf path -> [h1, h2] (state_checksums); set by save
+  train: dict | None = None  # what the learning-rate schedule depends on: steps, lr, warmup
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "RunMeta":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+      raise ValueError(f"checkpoint metadata has unknown keys {sorted(unknown)}")
+    return cls(**{**d, "mesh": tuple(d["mesh"])})
+
+
+class NonFiniteStateError(ValueError):
+  """A state holding NaN or Inf: never saved, never exported."""
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """Two wrapping 32-bit sums of the bits of `x`, weighted by logical position: any change of
+  one element changes the first; the order of summation (the sharding) changes neither."""
+  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  words = lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
+  index, stride = jnp.zeros(words.shape, jnp.uint32), 1
+  for d in reversed(range(words.ndim)):  # the flat position, without a (sharded) reshape
+    index = index + lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= words.shape[d]
+  h1 = jnp.sum(words * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+  mixed = (words ^ (words >> jnp.uint32(15))) * jnp.uint32(0x2C1B3C6D)
+  h2 = jnp.sum(mixed ^ (index * jnp.uint32(0x9E3779B1)), dtype=jnp.uint32)
+  return jnp.stack([h1, h2])
+
+
+@jax.jit
+def _integrity(state):
+  """(checksum of every leaf, whether every floating-point leaf is finite)."""
+  sums = jax.tree.map(_leaf_checksum, state)
+  finite = [
+    jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+  return sums, jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)
+
+
+def state_checksums(state) -> tuple[dict, bool]:
+  """{leaf path: [h1, h2]} of a state's arrays, and whether all its floats are finite."""
+  sums, finite = _integrity(state)
+  paths = jax.tree_util.tree_leaves_with_path(jax.device_get(sums))
+  return {jax.tree_util.keystr(p): [int(v) for v in h] for p, h in paths}, bool(finite)
+
+
+def abstract_state(engine: Engine) -> TrainState:
+  """The TrainState's shapes and dtypes with the engine's target shardings, for restoring."""
+  shapes = jax.eval_shape(engine.state_from_params, engine.shapes)
+  return jax.tree.map(
+    lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+    shapes,
+    engine.state_shardings,
+  )
+
+
+def saved_field(written, field: str):
+  """The metadata of the TrainState field `field` as a step saved it, or None if it saved none."""
+  return written[field] if field in written else None
+
+
+def stored_like(written, target: TrainState) -> TrainState:
+  """`target` (shapes and shardings) with the dtypes of `written` (a step's saved metadata)."""
+  dtypes = {_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(written)}
+  missing = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_leaves_with_path(target)
+    if _names(p) not in dtypes
+  ]
+  if missing:
+    raise ValueError(f"{len(missing)} arrays are missing (first: {missing[0]})")
+  return jax.tree_util.tree_map_with_path(
+    lambda p, s: jax.ShapeDtypeStruct(s.shape, dtypes[_names(p)], sharding=s.sharding), target
+  )
+
+
+def _names(path) -> tuple:
+  """A leaf's path as plain names and indices: orbax's metadata tree spells the TrainState's
+  fields and optax's named tuples as dict keys."""
+  return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
+
+
+def cast_like(target):
+  """A function converting a state (as written) to the dtypes of `target`; bf16 to fp32 is
+  exact, so resume and export see the same values whichever dtype they run in."""
+
+  def cast(state):
+    return jax.tree.map(lambda x, t: x.astype(t.dtype), state, target)
+
+  return cast
+
+
+def residual_target(target: TrainState, meta: RunMeta, engine: Engine, saved):
+  """(what to read, whether the error-feedback residual carries over). The residual is each
+  device's own (core/feedback.py): laid out by strategy and mesh, it carries over only to the
+  same strategy on the same mesh; otherwise it is read as saved (or not at all) and restarts."""
+  want = target.residual
+  same = meta.strategy == engine.strategy.name and tuple(meta.mesh) == (engine.inter, engine.intra)
+  if saved is None or want is None or not same or tuple(saved.shape) != tuple(want.shape):
+    if saved is None:
+      return target._replace(residual=None), want is None
+    replicated = jax.sharding.NamedSharding(engine.mesh, jax.sharding.PartitionSpec())
+    read = jax.ShapeDtypeStruct(tuple(saved.shape), jnp.float32, sharding=replicated)
+    return target._replace(residual=read), False
+  return target, True
+
+
+def restart_residual(state: TrainState, engine: Engine, meta: RunMeta) -> TrainState:
+  """The state with the engine's fresh residual (zeros, or none), said in one line."""
+  fresh = None
+  if engine.error_feedback:
+    sharding = engine.state_shardings.residual
+    fresh = jax.device_put(jnp.zeros(engine.inter * engine.intra * engine.residual_size), sharding)
+  if state.residual is None:
+    what = f"step {meta.step}'s checkpoint has no error-feedback residual: this run's starts at 0"
+  else:
+    what = (
+      f"the error-feedback residual of step {meta.step}'s checkpoint ({meta.strategy} on "
+      f"{meta.mesh[0]}x{meta.mesh[1]}) does not carry over to {engine.strategy.name} on "
+      f"{engine.inter}x{engine.intra} with error feedback {engine.feedback_note}: "
+      f"{'it restarts at 0' if fresh is not None else 'dropped'} (one step's rounding error)"
+    )
+  warnings.warn(what, stacklevel=3)
+  return state._replace(residual=fresh)
+
+
+def reference_target(target: TrainState, saved: bool):
+  """(what to read, what to do with the delta parameter sync's reference after the checks). The
+  reference is the weights every device received at the last sync (core/feedback.py): a run
+  with the delta sync resumed from a step saved without it starts one from the restored weights
+  ("start"); a run without it drops a saved one ("drop"), which is still read, so that the step's
+  checksums cover what was written."""
+  if saved and target.reference is None:
+    return target._replace(reference=target.master), "drop"  # the master's shapes and shardings
+  if not saved and target.reference is not None:
+    return target._replace(reference=None), "start"
+  return target, None
+
+
+def restart_reference(state: TrainState, engine: Engine, meta: RunMeta, what: str) -> TrainState:
+  if what == "drop":
+    return state._replace(reference=None)
+  warnings.warn(
+    f"step {meta.step}'s checkpoint has no reference of the delta parameter sync: this run's "
+    f"starts from the restored weights",
+    stacklevel=3,
+  )
+  weights = jax.tree.map(lambda w: w.astype(engine.compute_dtype), state.master)
+  return state._replace(reference=weights)
+
+
+def verify(state: TrainState, meta: RunMeta) -> None:
+  """Raise if the restored arrays are not those that were saved (or hold NaN/Inf)."""
+  sums, finite = state_checksums(state)
+  if meta.checksums is not None:
+    bad = [k for k in meta.checksums if sums.get(k) != meta.checksums[k]]
+    if bad or set(sums) != set(meta.checksums):
+      raise ValueError(
+        f"checksum mismatch in {len(bad)} of {len(meta.checksums)} arrays (first: "
+        f"{(bad or sorted(set(sums) ^ set(meta.checksums)))[0]}): its files are damaged"
+      )
+  if not finite:
+    raise NonFiniteStateError("it holds NaN or Inf values")
+
+
+def check_model(meta: RunMeta, engine: Engine, model_name: str | None, where: str) -> None:
+  """A checkpoint for another model is refused, naming both configs and the fix."""
+  mine = dataclasses.asdict(engine.model.cfg)
+  lora = dataclasses.asdict(engine.model.lora) if engine.model.lora else None
+  same = lambda d: None if d is None else {**d, "targets": tuple(d["targets"])}  # JSON: a list
+  if same(meta.lora) != same(lora):
+
+    def flags(d):
+      return (
+        "no LoRA flags"
+        if d is None
+        else f"--lora-rank {d['rank']} --lora-alpha {d['alpha']} "
+        f"--lora-targets {','.join(d['targets'])}"
+      )
+
+    raise ValueError(
+      f"checkpoint {where} was written with {flags(meta.lora)}, this run has "
+      f"{flags(lora)}: resume with the checkpoint's LoRA flags, or start a new run "
+      f"with another --out"
+    )
+  if _read_config(meta.model_config) == engine.model.cfg:
+    return
+  differ = ", ".join(
+    f"{k}: {meta.model_config.get(k)} vs {mine.get(k)}"
+    for k in sorted(set(mine) | set(meta.model_config))
+    if meta.model_config.get(k) != mine.get(k)
+  )
+  raise ValueError(
+    f"checkpoint {where} is for model {meta.model_name!r} {meta.model_config}, but this run "
+    f"builds model {model_name!r} {mine} (checkpoint vs run: {differ}). Resume with "
+    f"{_model_flag(meta.model_name)}, or start a new run with another --out"
+  )
+
+
+def _read_config(recorded: dict) -> LlamaConfig | None:
+  """The recorded model config; a field added since it was written takes its default (None: a
+  config this version cannot read)."""
+  try:
+    return LlamaConfig(**recorded)
+  except (TypeError, ValueError):
+    return None
+
+
+def _model_flag(model_name: str) -> str:
+  """The train flag that rebuilds a recorded model: a preset, or HF weights (`hf:DIR`)."""
+  return (
+    f"--init-from {model_name[3:]}" if model_name.startswith("hf:") else f"--model {model_name}"
+  )

@@ -1,0 +1,74 @@
+"""What a run of `paro-jax train` says (process 0): the line at its start, the line when it
+stops or finishes, and where its newest good checkpoint is."""
+
+from __future__ import annotations
+
+import statistics
+
+import jax
+
+from paro_jax.core.engine import Engine
+from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.config import RunConfig
+from paro_jax.run.setup import model_name
+
+
+def banner(cfg: RunConfig, engine: Engine, need: dict) -> str:
+  """The run's first line: the model, strategy, mesh, batch, precision, wire formats and the
+  memory estimate `need` (run/fit.py run_memory: what `paro-jax plan` prints for it)."""
+  n_params, n_trained = engine.model.param_count(), engine.model.trainable_count()
+  lora = engine.model.lora
+  what = (
+    f"LoRA rank {lora.rank} on {','.join(lora.targets)}: {n_trained / 1e6:.3f}M of "
+    f"{n_params / 1e6:.2f}M params trained"
+    if lora
+    else f"{n_params / 1e6:.2f}M params"
+  )
+  mib = 2**20
+  return (
+    f"paro-jax: {model_name(cfg)} ({what}), strategy "
+    f"{engine.strategy} on mesh {engine.inter}x{engine.intra} ({jax.device_count()} "
+    f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
+    f"{cfg.batch_size}x{cfg.seq_len}, {cfg.dtype}, collectives={engine.collectives}, inter "
+    f"wire params={cfg.wire.inter_params} (delta {engine.param_delta_note}) grads="
+    f"{cfg.wire.inter_grads} (error feedback {engine.feedback_note}), grads in "
+    f"{cfg.wire.grad_dtype}; memory {need['total'] / mib:.2f} MiB/device (model states "
+    f"{need['model_states']['total'] / mib:.2f}, activations "
+    f"{need['activations']['total'] / mib:.2f}; the planner's estimate)"
+  )
+
+
+def stop_line(saved: int | None, ckpt: Checkpointer) -> str:
+  """What a stopped run leaves, and how to continue it."""
+  if saved is None:
+    return "\nparo-jax: stopped before any step finished; nothing was saved"
+  return (
+    f"\nparo-jax: stopped; checkpoint step {saved} is in {ckpt.directory}: continue "
+    f"with the same command and --resume"
+  )
+
+
+def good_line(good: int | None, ckpt: Checkpointer) -> str:
+  """Where the newest checkpoint saved before a divergence is."""
+  if good is None:
+    return "no checkpoint was saved before it"
+  return f"the newest checkpoint before it is step {good} in {ckpt.directory}"
+
+
+def summary(rows, skipped, metrics_path, saved, directory) -> str:
+  """The last line of a run: final loss, eval loss, median tokens/s, where things are."""
+  if not rows:
+    return f"paro-jax: nothing to do; checkpoint step {saved} is in {directory}"
+  last = rows[-1]
+  evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+  timed = [r["tokens_per_s"] for r in rows[1:]] or [last["tokens_per_s"]]  # the first: compile
+  parts = [
+    f"step {last['step']}: loss {last['loss']:.4f}",
+    f"eval loss {evals[-1]:.4f}" if evals else "no eval (--eval-every)",
+    f"median {statistics.median(timed):.0f} tokens/s",
+  ]
+  if skipped:
+    parts.append(f"{skipped} non-finite steps skipped")
+  return f"paro-jax: done, {', '.join(parts)}; wrote {metrics_path} and " + (
+    f"checkpoint step {saved} in {directory}" if saved is not None else "no checkpoint"
+  )

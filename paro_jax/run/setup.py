@@ -1,0 +1,202 @@
+"""Setting up a run of `paro-jax train` from its RunConfig: the model, strategy (`--strategy auto`
+included), the check that it fits, the data and the engine (`build`); the state it starts from,
+fresh or resumed (`start_state`); the metadata its checkpoints carry; the metrics rows a resumed
+run keeps. Every bad input fails here, before anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+
+import jax
+
+from models.hf import load_hf, read_config
+from models.llama import get_config, resolve_attention
+from paro_jax.analysis.auto import auto_strategy
+from paro_jax.core import collectives as comm
+from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
+from paro_jax.core.factory import build_engine, step_model
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.names import AUTO_COLLECTIVES
+from paro_jax.core.strategy import parse_strategy
+from paro_jax.run.checkpoint import Checkpointer
+from paro_jax.run.checkpoint_content import RunMeta
+from paro_jax.run.config import RunConfig
+from paro_jax.run.data import Batches, load_tokens, split_eval
+from paro_jax.run.fit import check_fits, run_memory
+from paro_jax.run.metrics import METRICS, dump_row, read_rows
+
+
+def build(cfg: RunConfig):
+  """Model, engine and batches for a run; every bad input fails here, before any compile."""
+  auto = cfg.strategy.strip().lower() == "auto"
+  strategy = None if auto else parse_strategy(cfg.strategy)
+  model_cfg = read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)
+  mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
+  platform, processes = jax.devices()[0].platform, jax.process_count()
+  attention, why = resolve_attention(cfg.attention, platform, DTYPES[cfg.dtype], model_cfg.head_dim)
+  if cfg.attention == "auto" and platform != "cpu" and jax.process_index() == 0:
+    print(f"paro-jax: --attention {why}: {attention}", flush=True)
+  model = step_model(cfg, model_cfg, attention)
+  collectives, _ = comm.resolve(cfg.collectives, platform, processes)
+  if auto:  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/auto.py)
+    name, why, table = auto_strategy(
+      mesh,
+      cfg,
+      model_cfg,
+      model.param_count(),
+      model.trainable_count(),
+      collectives,
+      attention,
+      cfg.compile_top,
+    )
+    if jax.process_index() == 0:
+      if table:
+        print(table, flush=True)
+      print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
+    strategy = parse_strategy(name)
+  inter, intra = mesh.devices.shape
+  need = run_memory(cfg, model, strategy, inter, intra, gpu=platform != "cpu")
+  check_fits(cfg, strategy, need, inter, intra, jax.local_devices())
+  collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
+  if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
+    print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
+  tokens, eval_tokens = split_eval(load_tokens(cfg.data, model_cfg.vocab), cfg.data.eval_fraction)
+  o = cfg.optimizer
+  optim = OptimConfig(learning_rate=o.lr, warmup_steps=o.warmup, total_steps=o.steps)
+  engine = build_engine(
+    cfg, model_cfg, mesh, optim, strategy=strategy, attention=attention, collectives=collectives
+  )
+  engine.check_batch_size(cfg.batch_size)
+  batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+  eval_batches = None
+  if cfg.eval.every:
+    # --eval-batches K: one eval batch of K step batches, so one program scores them all (K
+    # programs in flight at once can deadlock XLA:CPU's collectives).
+    eval_batches = Batches(
+      eval_tokens,
+      cfg.micro_batches * cfg.eval.batches,
+      cfg.batch_size,
+      cfg.seq_len,
+      cfg.seed,
+      what=f"the eval split (the last {cfg.data.eval_fraction:g} of the tokens)",
+    )
+  return engine, batches, eval_batches
+
+
+def place_batch(engine: Engine, batches: Batches, step: int) -> jax.Array:
+  """Batch `step` on the mesh; with several processes each reads and places only its rows.
+  The eval batches may hold more micro-batches than a step."""
+  other = batches.shape[0] != engine.micro_batches
+  if jax.process_count() == 1:
+    return engine.shard_batch(batches(step), any_micro_batches=other)
+  rows = batches.process_rows(jax.process_index(), jax.process_count())
+  return engine.shard_local_batch(batches(step, rows), batches.shape, any_micro_batches=other)
+
+
+def model_name(cfg: RunConfig) -> str:
+  """The preset, or `hf:DIR` for a run started from HF weights."""
+  return f"hf:{cfg.init_from}" if cfg.init_from else cfg.model
+
+
+def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
+  return RunMeta(
+    step=step,
+    seed=cfg.seed,
+    model_name=model_name(cfg),
+    model_config=dataclasses.asdict(engine.model.cfg),
+    strategy=str(engine.strategy),
+    mesh=(engine.inter, engine.intra),
+    dtype=cfg.dtype,
+    data=cfg.data_position(),
+    lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None,
+    train=schedule_of(cfg),
+  )
+
+
+def schedule_of(cfg: RunConfig) -> dict:
+  """What the learning-rate schedule depends on."""
+  return dataclasses.asdict(cfg.optimizer)  # steps, lr, warmup
+
+
+def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
+  """A fresh state (random, or --init-from's weights), or with --resume the newest intact
+  checkpoint placed for this engine."""
+  if not cfg.checkpoints.resume:
+    if ckpt.steps():
+      raise ValueError(
+        f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}): pass "
+        f"--resume to continue that run, or another --out to start a new one"
+      )
+    if cfg.init_from:
+      _, params = load_hf(cfg.init_from)  # its config is the engine's (build read it)
+      # With LoRA: the HF weights are the frozen base; the adapters start fresh (B = 0).
+      params = engine.model.with_adapters(params, jax.random.key(cfg.seed))
+      return engine.state_from_params(params)
+    return engine.init_state(jax.random.key(cfg.seed))
+  state, meta = ckpt.restore(engine, model_name(cfg), set_aside=True)
+  was = {"seed": meta.seed, **meta.data}
+  now = json.loads(json.dumps({"seed": cfg.seed, **cfg.data_position()}))  # tuples as lists
+  for key in was:
+    if was[key] != now[key]:
+      warnings.warn(
+        f"resuming with {key}={now[key]!r}, but the checkpoint was trained with "
+        f"{was[key]!r}: the batches after step {meta.step} differ from an "
+        f"uninterrupted run's",
+        stacklevel=2,
+      )
+  if meta.train is not None and meta.train != schedule_of(cfg):
+    changed = [k for k in ("steps", "lr", "warmup") if meta.train.get(k) != schedule_of(cfg)[k]]
+    warnings.warn(
+      f"resuming with {' '.join(f'--{k} {schedule_of(cfg)[k]:g}' for k in changed)}, but the "
+      f"checkpoint (step {meta.step}) was trained with "
+      f"{' '.join(f'--{k} {meta.train[k]:g}' for k in changed)}: the learning-rate schedule "
+      f"changed from step {meta.step} on",
+      stacklevel=2,
+    )
+  print(
+    f"paro-jax: resumed from {ckpt.directory}/{meta.step} (saved by strategy {meta.strategy} "
+    f"on mesh {meta.mesh[0]}x{meta.mesh[1]})",
+    flush=True,
+  )
+  return state
+
+
+def starting_point(
+  cfg: RunConfig, engine: Engine, ckpt: Checkpointer, main: bool
+) -> tuple[RunConfig, TrainState, list[str]]:
+  """(the run's config as it runs, the state it starts from, the metrics rows it keeps) for the
+  run directory as it is: a run that stopped before its first checkpoint has nothing to resume,
+  so its metrics are set aside (not deleted) and the run starts over, with or without --resume
+  (process 0 decides: the others follow, or it fails alone)."""
+  metrics_path = os.path.join(cfg.out, METRICS)
+  written = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
+  if not ckpt.steps() and (written or not main):
+    cfg = dataclasses.replace(cfg, checkpoints=dataclasses.replace(cfg.checkpoints, resume=False))
+    if main:
+      set_aside_metrics(metrics_path)
+  state = start_state(cfg, engine, ckpt)
+  rows = kept_rows(metrics_path, int(state.step)) if main and cfg.checkpoints.resume else []
+  return cfg, state, rows
+
+
+def set_aside_metrics(metrics_path: str) -> None:
+  """Rename the metrics of a run that saved no checkpoint to metrics.unsaved-<n>.jsonl."""
+  stem, n = metrics_path[: -len(".jsonl")], 1
+  while os.path.exists(f"{stem}.unsaved-{n}.jsonl"):
+    n += 1
+  os.rename(metrics_path, f"{stem}.unsaved-{n}.jsonl")
+  print(
+    f"paro-jax: {os.path.dirname(metrics_path) or '.'} holds the metrics of a run that stopped "
+    f"before its first checkpoint: kept as {stem}.unsaved-{n}.jsonl; starting from step 0",
+    flush=True,
+  )
+
+
+def kept_rows(metrics_path: str, upto: int) -> list[str]:
+  """The metrics rows of steps <= upto: a resumed run redoes (and rewrites) the later ones."""
+  if not os.path.exists(metrics_path):
+    return []
+  return [dump_row(r) for r in read_rows(metrics_path) if r["step"] <= upto]
