@@ -35,6 +35,14 @@ class ByteTokenizer:
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
+  def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """(the bytes, the character span each byte belongs to)."""
+    spans = [(i, i + 1) for i, c in enumerate(text) for _ in range(len(c.encode("utf-8")))]
+    return self.encode(text), spans
+
+  def token_id(self, token: str) -> int | None:
+    return None  # no special tokens in 256 bytes
+
 
 class HFTokenizer:
   """An HF `tokenizer.json` through the `tokenizers` package."""
@@ -64,6 +72,15 @@ class HFTokenizer:
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
+
+  def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """(the ids without the special tokens the post-processor adds, each one's character span
+    in `text`): as transformers tokenizes a rendered chat."""
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    return np.asarray(encoding.ids, dtype=np.uint32), encoding.offsets
+
+  def token_id(self, token: str) -> int | None:
+    return self._tok.token_to_id(token)
 
 
 def make_tokenizer(cfg: DataConfig):

@@ -1,0 +1,127 @@
+"""`paro-jax eval SOURCE`: the mean next-token loss and perplexity of a model on `--data`.
+
+SOURCE is a run directory (train's --out: its newest intact checkpoint, restored onto the asked
+strategy and mesh) or an HF LlamaForCausalLM directory. What is scored does not depend on the
+batch size, the mesh or the strategy:
+- a token stream: consecutive, non-overlapping windows of seq_len+1 tokens from token 0 (window k
+  is tokens[k(S+1) : (k+1)(S+1)], its first S tokens the inputs, its last S the targets), a
+  trailing partial window dropped; every full window exactly once, the last batch filled with
+  rows whose targets do not count;
+- instruction data: every example (after --long-examples), one per row, its targets those
+  training counts (the completion's, the assistant's).
+The loss is the sum of the scored targets' losses over their count, summed on the host in fp64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import numpy as np
+
+from models.hf import CONFIG, load_hf, read_config
+from models.llama import Llama, LlamaConfig, LoraConfig
+from paro_jax.core.batch import Batch
+from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.strategy import parse_strategy
+from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
+from paro_jax.run.examples import ExampleBatches
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """A model to score: its config, adapters and HF directory (tokenizer, chat template)."""
+
+  kind: str  # "run" or "hf"
+  path: str
+  config: LlamaConfig
+  lora: LoraConfig | None
+  hf_dir: str | None  # the HF directory (the run's --init-from), if any
+  model_name: str | None  # a run's, as its checkpoints record it
+
+
+def open_source(source: str) -> Source:
+  """What SOURCE is, read without jax: a run directory or an HF directory; else one line."""
+  if os.path.isdir(os.path.join(source, CHECKPOINTS)):
+    ckpt = Checkpointer(os.path.join(source, CHECKPOINTS), read_only=True)
+    try:
+      meta = None
+      for step in reversed(ckpt.steps()):
+        try:
+          meta = ckpt.read_meta(step)
+          break
+        except Exception:  # noqa: BLE001, S112 - a damaged step: restore() skips it too
+          continue
+    finally:
+      ckpt.close()
+    if meta is None:
+      raise FileNotFoundError(f"{source}/{CHECKPOINTS} holds no readable checkpoint to score")
+    hf_dir = meta.model_name[3:] if meta.model_name.startswith("hf:") else None
+    lora = LoraConfig(**meta.lora) if meta.lora else None
+    cfg = LlamaConfig(**meta.model_config)
+    return Source("run", source, cfg, lora, hf_dir, meta.model_name)
+  if os.path.isfile(os.path.join(source, CONFIG)):
+    return Source("hf", source, read_config(source), None, source, None)
+  raise FileNotFoundError(
+    f"{source} is neither a run directory (train's --out, with {CHECKPOINTS}/) nor an HF model "
+    f"directory (with {CONFIG}): pass one of them"
+  )
+
+
+def build_engine(source: Source, strategy: str, mesh, dtype: str, collectives: str = "xla"):
+  """An engine for the source's model (in `dtype`) on `mesh` with `strategy`, and its state."""
+  model = Llama(source.config, DTYPES[dtype], lora=source.lora)
+  mesh = make_mesh(*mesh) if mesh else make_mesh()
+  engine = Engine(model, parse_strategy(strategy), mesh, OptimConfig(), collectives=collectives)
+  if source.kind == "hf":
+    _, params = load_hf(source.path)
+    return engine, engine.state_from_params(params)
+  ckpt = Checkpointer(os.path.join(source.path, CHECKPOINTS), read_only=True)
+  try:
+    # the restore resume uses: checksums verified, any strategy or mesh
+    state, _ = ckpt.restore(engine, source.model_name)
+  finally:
+    ckpt.close()
+  return engine, state
+
+
+def window_batches(tokens, seq_len: int, batch_size: int):
+  """The token stream's windows (module docstring) as Batches of one micro-batch of
+  `batch_size` rows; the last filled with empty rows. Yields (batch, windows in it)."""
+  L1 = seq_len + 1
+  n = len(tokens) // L1
+  if n == 0:
+    raise ValueError(
+      f"--data has {len(tokens)} tokens, fewer than one window of --seq-len {seq_len} + 1: use a "
+      f"shorter --seq-len or more data"
+    )
+  for lo in range(0, n, batch_size):
+    rows = min(batch_size, n - lo)
+    batch = np.zeros((1, batch_size, L1), np.int32)
+    batch[0, :rows] = np.asarray(tokens[lo * L1 + np.arange(rows * L1)]).reshape(rows, L1)
+    weights = np.zeros((1, batch_size, seq_len), np.int32)
+    weights[0, :rows] = 1
+    yield Batch(batch, weights), rows
+
+
+def example_batches(batches: ExampleBatches):
+  """Every example of an unshuffled ExampleBatches once, a batch at a time: (batch, examples)."""
+  rows, B = batches.rows_per_epoch(), batches.shape[1]
+  for step in range(math.ceil(rows / B)):
+    yield batches(step), min(B, rows - step * B)
+
+
+def score(engine: Engine, state, batches) -> dict:
+  """The mean loss over the scored targets of `batches` ((Batch, rows) pairs), perplexity, the
+  scored targets ("tokens") and the windows (examples) scored."""
+  total, targets, windows = 0.0, 0, 0
+  for batch, rows in batches:
+    loss_sum, count = engine.eval_sums(state, engine.shard_batch(batch, any_micro_batches=True))
+    total += float(jax.device_get(loss_sum))
+    targets += int(jax.device_get(count))
+    windows += rows
+  loss = total / max(targets, 1)
+  return {"loss": loss, "perplexity": math.exp(loss), "tokens": targets, "windows": windows}
