@@ -1,7 +1,8 @@
 """Token streams and deterministic batches.
 
 Sources (`--data`, any number of paths and globs, in sorted order): text files; JSONL files whose
-records carry the text in one field (`--text-field`); pre-tokenized `.bin` files of uint16 or
+records carry the text in one field (`--text-field`), and Parquet files likewise (one column,
+read a batch of rows at a time: run/records.py); pre-tokenized `.bin` files of uint16 or
 uint32 ids (read with np.memmap: never loaded whole, any number of them, e.g. the shards of
 `paro-jax prepare-data`, paro_jax/run/prepare.py). Several sources are read as one stream
 (`TokenStream`) without being joined in memory. Text is tokenized at byte level (vocabulary 256)
@@ -242,8 +243,15 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
           f"{path} holds token id {top}, outside the model's vocabulary of "
           f"{model_vocab} (read as {dtype.name}; is --bin-dtype right?)"
         )
-    elif path.endswith(".jsonl"):
-      docs = [tokenizer.encode(text) for text in read_jsonl(path, cfg.text_field)]
+    elif path.endswith((".jsonl", ".parquet")):
+      from paro_jax.run.records import read_texts  # (it imports this module)
+
+      texts = (
+        read_jsonl(path, cfg.text_field)
+        if path.endswith(".jsonl")
+        else read_texts(path, cfg.text_field)
+      )
+      docs = [tokenizer.encode(text) for text in texts]
       tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint8)
     elif cfg.tokenizer:
       with open(path, "rb") as f:

@@ -30,7 +30,9 @@ def _parquet(path: str):
   try:
     return pq.ParquetFile(path)
   except Exception as e:  # pyarrow's ArrowInvalid and friends
-    raise ValueError(f"{path} is not a readable Parquet file ({e}): pass a *.parquet file") from None
+    raise ValueError(
+      f"{path} is not a readable Parquet file ({e}): pass a *.parquet file"
+    ) from None
 
 
 def parquet_columns(path: str) -> list[str]:

@@ -59,4 +59,3 @@ def load_examples(files: list[str], encoder: Encoder | None, model_vocab: int) -
   top = int(np.max(examples.tokens)) if len(examples) else 0
   check_vocab(top + 1, model_vocab, "the encoded examples' largest id")
   return examples
-
