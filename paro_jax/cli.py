@@ -18,7 +18,7 @@ from paro_jax.cluster.restart import _flag
 from paro_jax.core.names import check_batch_divides, parse_mesh_shape
 from paro_jax.core.units import parse_rate
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
-from paro_jax.run.config import BIN_DTYPE_NAMES, RunConfig
+from paro_jax.run.config import BIN_DTYPE_NAMES, EvalConfig, RunConfig
 from paro_jax.run.plot import plot_runs
 
 # The modules that import jax (or numpy) are imported inside the commands, once the device flags
@@ -161,10 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
   add_options(train, RunConfig, "steps", "seed", "lr", "warmup", "compile_top")
   data = train.add_argument_group(
     "data",
-    "text, JSONL and pre-tokenized .bin files (default: "
-    "the built-in corpus, Python's standard library sources)",
+    "text, JSONL, Parquet and pre-tokenized .bin files (default: the built-in corpus, Python's "
+    "standard library sources); JSONL and Parquet records of text, prompt-completion or chat",
   )
   add_options(data, RunConfig, "data", "text_field", "tokenizer", "bin_dtype", "eval_fraction")
+  add_options(data, RunConfig, "data_format", "chat_template", "pack", "long_examples")
   add_options(data, RunConfig, "eval_every", "eval_batches")
   add_options(train, RunConfig, "out")
   ckpt = train.add_argument_group(
@@ -266,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     action="store_true",
     help="plain processes on 127.0.0.1, no namespaces and no shaping",
   )
+  _add_eval(sub)
   prep = sub.add_parser(
     "prepare-data",
     help="tokenize text/JSONL files into .bin shards for train --data 'OUT/*.bin'",
@@ -291,6 +293,36 @@ def build_parser() -> argparse.ArgumentParser:
   for p in sub.choices.values():
     p.formatter_class = _Help
   return parser
+
+
+def _add_eval(sub) -> None:
+  """`eval SOURCE`: a model's mean loss on --data (paro_jax/run/evaluate.py)."""
+  ev = sub.add_parser(
+    "eval",
+    help="score a run's newest checkpoint or an HF model on --data: mean loss and perplexity",
+    description="The mean next-token cross-entropy and perplexity of SOURCE over --data: a "
+    "token stream in consecutive, non-overlapping windows of --seq-len + 1 tokens from token 0 "
+    "(a trailing partial window dropped), instruction data over the target tokens training "
+    "counts; the same whatever --batch-size, --mesh and --strategy.",
+  )
+  ev.add_argument(
+    "source",
+    metavar="SOURCE",
+    help="a run directory (train's --out: its newest intact checkpoint) or an HF "
+    "LlamaForCausalLM directory",
+  )
+  add_options(ev, RunConfig, "strategy", "mesh", "batch_size", "seq_len", "dtype")
+  add_options(ev, RunConfig, "collectives", "attention")
+  data = ev.add_argument_group("data", "as train reads it (default: the built-in corpus)")
+  add_options(data, RunConfig, "data", "text_field", "tokenizer", "bin_dtype")
+  add_options(data, RunConfig, "data_format", "chat_template", "long_examples")
+  ev.add_argument(
+    "--json",
+    dest="as_json",
+    action="store_true",
+    help="print one JSON object: loss, perplexity, tokens (the targets scored), windows (or "
+    "examples) scored",
+  )
 
 
 def _add_process_flags(group) -> None:
@@ -498,6 +530,10 @@ def _main(argv) -> None:
       from paro_jax.analysis.inspector import inspect  # imports jax: after the device flag is set
 
       inspect(config_of(args, InspectConfig, mesh=mesh))
+    if args.command == "eval":
+      from paro_jax.run.evaluate import run_eval  # imports jax: after the device flag is set
+
+      run_eval(config_of(args, EvalConfig, mesh=mesh, data=tuple(args.data)))
     if args.command == "train":
       from paro_jax.run.train import train  # imports jax: after the device flag is set
 

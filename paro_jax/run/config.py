@@ -22,6 +22,8 @@ _GUARD = GuardConfig()
 # as an escape; the arrays of such a save are written but can never be read back.
 UNSAFE_PATH_CHARS = "[]*?\\"
 BIN_DTYPE_NAMES = ("uint16", "uint32")  # of .bin token files (run/data.py BIN_DTYPES)
+DATA_FORMATS = ("auto", "text", "prompt-completion", "chat")  # run/instruct.py
+LONG_EXAMPLES = ("drop", "truncate")
 
 
 def unsafe_path_chars(path: str) -> str:
@@ -54,8 +56,19 @@ class DataConfig:
   tokenizer: str | None = None  # an HF tokenizer.json; None: bytes
   bin_dtype: str | None = None  # of .bin files; None: inferred (see bin_dtype_for)
   eval_fraction: float = 0.01  # the last fraction of the tokens is held out for eval
+  # instruction data (run/instruct.py, run/examples.py)
+  data_format: str = "auto"  # of the records; auto: from each file's first record
+  chat_template: str | None = None  # a jinja2 file; None: the model's HF directory's
+  pack: bool = False  # several examples per row, kept apart
+  long_examples: str = "drop"  # examples longer than a row: dropped (counted) or truncated
 
   def __post_init__(self):
+    if self.data_format not in DATA_FORMATS:
+      raise ValueError(f"unknown --data-format {self.data_format!r}; choose one of {DATA_FORMATS}")
+    if self.long_examples not in LONG_EXAMPLES:
+      raise ValueError(
+        f"unknown --long-examples {self.long_examples!r}; choose one of {LONG_EXAMPLES}"
+      )
     if self.bin_dtype is not None and self.bin_dtype not in BIN_DTYPE_NAMES:
       raise ValueError(
         f"unknown --bin-dtype {self.bin_dtype!r}; choose one of {list(BIN_DTYPE_NAMES)}"
@@ -100,7 +113,32 @@ class RunConfig(StepConfig):
   )
   eval_fraction: float = option(
     DataConfig.eval_fraction,
-    "the last fraction of the tokens held out for eval (default %(default)s)",
+    "the last fraction of the tokens (of instruction data: of the examples) held out for eval "
+    "(default %(default)s)",
+  )
+  data_format: str = option(
+    DataConfig.data_format,
+    "the records' shape: text (--text-field), prompt-completion ({prompt, completion}: loss on "
+    "the completion and EOS), chat ({messages}: loss on the assistant's turns); auto: from each "
+    "file's first record (default %(default)s)",
+    choices=DATA_FORMATS,
+  )
+  chat_template: str | None = option(
+    DataConfig.chat_template,
+    "a jinja2 chat template for chat records (default: the one of --init-from's HF directory, "
+    "else of --tokenizer's)",
+    metavar="FILE",
+  )
+  pack: bool = option(
+    DataConfig.pack,
+    "instruction data: pack several examples into each sequence, each attending only to itself "
+    "(default: one example per sequence, padded)",
+  )
+  long_examples: str = option(
+    DataConfig.long_examples,
+    "instruction examples longer than --seq-len + 1 tokens: drop them (counted in the log) or "
+    "keep their first --seq-len + 1 tokens (default %(default)s)",
+    choices=LONG_EXAMPLES,
   )
   eval_every: int = option(0, "eval loss every N steps (default %(default)s: never)", metavar="N")
   eval_batches: int = option(
@@ -224,6 +262,10 @@ class RunConfig(StepConfig):
       tokenizer=self.tokenizer,
       bin_dtype=self.bin_dtype,
       eval_fraction=self.eval_fraction,
+      data_format=self.data_format,
+      chat_template=self.chat_template,
+      pack=self.pack,
+      long_examples=self.long_examples,
     )
 
   def data_position(self) -> dict:
@@ -234,3 +276,36 @@ class RunConfig(StepConfig):
       "batch_size": self.batch_size,
       "seq_len": self.seq_len,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """What `paro-jax eval` scores (run/evaluate.py): SOURCE on --data, on a step's mesh."""
+
+  source: str
+  strategy: str
+  mesh: tuple | None
+  batch_size: int
+  seq_len: int
+  dtype: str
+  collectives: str
+  attention: str
+  data: tuple[str, ...]
+  text_field: str
+  tokenizer: str | None
+  bin_dtype: str | None
+  data_format: str
+  chat_template: str | None
+  long_examples: str
+  as_json: bool = False
+
+  def data_config(self) -> DataConfig:
+    return DataConfig(
+      paths=tuple(self.data),
+      text_field=self.text_field,
+      tokenizer=self.tokenizer,
+      bin_dtype=self.bin_dtype,
+      data_format=self.data_format,
+      chat_template=self.chat_template,
+      long_examples=self.long_examples,
+    )

@@ -15,6 +15,7 @@ The loss is the sum of the scored targets' losses over their count, summed on th
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 
@@ -73,7 +74,7 @@ def open_source(source: str) -> Source:
 
 def build_engine(source: Source, strategy: str, mesh, dtype: str, collectives: str = "xla"):
   """An engine for the source's model (in `dtype`) on `mesh` with `strategy`, and its state."""
-  model = Llama(source.config, DTYPES[dtype], lora=source.lora)
+  model = Llama(source.config, DTYPES[dtype], lora=source.lora)  # attention written out
   mesh = make_mesh(*mesh) if mesh else make_mesh()
   engine = Engine(model, parse_strategy(strategy), mesh, OptimConfig(), collectives=collectives)
   if source.kind == "hf":
@@ -125,3 +126,53 @@ def score(engine: Engine, state, batches) -> dict:
     windows += rows
   loss = total / max(targets, 1)
   return {"loss": loss, "perplexity": math.exp(loss), "tokens": targets, "windows": windows}
+
+
+def run_eval(cfg) -> dict:
+  """`paro-jax eval` (an EvalConfig, run/config.py): score SOURCE on its data and print it."""
+  from paro_jax.core import collectives as comm
+  from paro_jax.run.data import expand_paths, load_tokens
+  from paro_jax.run.examples import select
+  from paro_jax.run.instruct import TEXT
+  from paro_jax.run.sources import data_format, hf_directory, instruction_examples
+
+  source = open_source(cfg.source)
+  data = cfg.data_config()
+  files = expand_paths(data.paths) if data.paths else []
+  fmt = data_format(files, data.text_field, data.data_format)
+  platform = jax.devices()[0].platform
+  strategy = parse_strategy(cfg.strategy)
+  collectives, _ = comm.resolve(cfg.collectives, platform, jax.process_count(), strategy)
+  engine, state = build_engine(source, cfg.strategy, cfg.mesh, cfg.dtype, collectives)
+  engine.check_batch_size(cfg.batch_size)
+  vocab = source.config.vocab
+  if fmt == TEXT:
+    batches = window_batches(load_tokens(data, vocab), cfg.seq_len, cfg.batch_size)
+  else:
+    directory = hf_directory(data, source.hf_dir)
+    examples = instruction_examples(data, files, fmt, directory, vocab)
+    rows = ExampleBatches(
+      examples,
+      select(examples, cfg.seq_len, data.long_examples),
+      1,
+      cfg.batch_size,
+      cfg.seq_len,
+      seed=0,
+      shuffle=False,
+      what=f"the examples of {', '.join(files)}",
+    )
+    batches = example_batches(rows)
+  result = score(engine, state, batches)
+  if jax.process_index() == 0:
+    if cfg.as_json:
+      print(json.dumps(result), flush=True)
+    else:
+      what = "windows" if fmt == TEXT else "examples"
+      print(
+        f"paro-jax: {cfg.source}: loss {result['loss']:.6f}, perplexity "
+        f"{result['perplexity']:.4f} over {result['tokens']} target tokens in "
+        f"{result['windows']} {what} (strategy {engine.strategy} on mesh "
+        f"{engine.inter}x{engine.intra}, {cfg.dtype})",
+        flush=True,
+      )
+  return result

@@ -152,6 +152,28 @@ class ExampleBatches:
     self.shape = (micro_batches, batch_size, seq_len + 1)
     self._epochs: dict[int, np.ndarray] = {}  # epoch -> its rows' bounds in its order
     self._ends = [0]  # rows of the epochs so far, cumulative
+    self.note = None  # which examples were left out, for the run's log
+
+  def describe(self, attention: str = "xla") -> str:
+    """The banner's line: the examples, how they are laid out, how attention keeps them apart."""
+    rows = self.rows_per_epoch()
+    layout = (
+      f"packed, up to {MAX_SEGMENTS} per sequence ({rows} sequences an epoch)"
+      if self.pack
+      else "one per sequence, right-padded"
+    )
+    apart = ""
+    if self.pack:
+      apart = (
+        "; attention inside each example by cuDNN's fused kernel in its packed layout (Hopper "
+        "GPUs and later)"
+        if attention == "cudnn"
+        else "; attention inside each example (a mask per sequence)"
+      )
+    return (
+      f"paro-jax: instruction data: {len(self.selection)} training examples, {layout}; loss on "
+      f"their target tokens only{apart}"
+    )
 
   def _order(self, epoch: int) -> np.ndarray:
     n = len(self.selection)

@@ -22,11 +22,10 @@ import os
 import numpy as np
 
 from paro_jax.run.chat import load_chat_template, normalize_messages, special_tokens, token_mask
+from paro_jax.run.config import DATA_FORMATS, LONG_EXAMPLES  # noqa: F401 - the flags' choices
 from paro_jax.run.data import ByteTokenizer
 
-TEXT, PROMPT_COMPLETION, CHAT = "text", "prompt-completion", "chat"
-DATA_FORMATS = ("auto", TEXT, PROMPT_COMPLETION, CHAT)
-LONG_EXAMPLES = ("drop", "truncate")
+TEXT, PROMPT_COMPLETION, CHAT = DATA_FORMATS[1:]
 
 
 def record_format(record: dict, text_field: str) -> str | None:

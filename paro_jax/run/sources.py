@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from paro_jax.run.data import check_vocab
+from paro_jax.run.config import DataConfig
+from paro_jax.run.data import check_vocab, make_tokenizer
 from paro_jax.run.example_shards import example_format, read_examples
-from paro_jax.run.examples import Examples, from_encoded
-from paro_jax.run.instruct import DATA_FORMATS, TEXT, Encoder, detect_format
+from paro_jax.run.examples import ExampleBatches, Examples, dropped_line, from_encoded, select
+from paro_jax.run.instruct import DATA_FORMATS, TEXT, Encoder, detect_format, tokenizer_directory
 from paro_jax.run.records import first_record, is_records, read_records
 
 
@@ -59,3 +60,57 @@ def load_examples(files: list[str], encoder: Encoder | None, model_vocab: int) -
   top = int(np.max(examples.tokens)) if len(examples) else 0
   check_vocab(top + 1, model_vocab, "the encoded examples' largest id")
   return examples
+
+
+def hf_directory(data: DataConfig, init_from: str | None) -> str | None:
+  """The HF directory whose chat template and special tokens the records use: the model's
+  (--init-from), else the one --tokenizer's tokenizer.json lives in."""
+  return init_from or tokenizer_directory(data.tokenizer)
+
+
+def instruction_examples(data: DataConfig, files, fmt: str, directory, model_vocab: int):
+  """The examples of instruction data files (records encoded, or prepared shards)."""
+  needs_encoder = any(not p.endswith(".bin") for p in files)
+  encoder = None
+  if needs_encoder:
+    tokenizer = make_tokenizer(data)
+    check_vocab(tokenizer.vocab_size, model_vocab, f"tokenizer {data.tokenizer or 'bytes'}")
+    encoder = Encoder(fmt, tokenizer, directory, data.chat_template)
+  return load_examples(files, encoder, model_vocab)
+
+
+def instruction_batches(
+  data: DataConfig,
+  files,
+  fmt,
+  directory,
+  model_vocab,
+  micro_batches,
+  batch_size,
+  seq_len,
+  seed,
+  eval_micro_batches=None,
+):
+  """(train batches, eval batches or None, the line saying which examples were left out or
+  None): the last --eval-fraction of the examples held out, in order, for eval."""
+  examples = instruction_examples(data, files, fmt, directory, model_vocab)
+  selection = select(examples, seq_len, data.long_examples)
+  train, held = selection.split(data.eval_fraction)
+  batches = ExampleBatches(
+    examples, train, micro_batches, batch_size, seq_len, seed, pack=data.pack
+  )
+  eval_batches = None
+  if eval_micro_batches:
+    eval_batches = ExampleBatches(
+      examples,
+      held,
+      eval_micro_batches,
+      batch_size,
+      seq_len,
+      seed,
+      pack=data.pack,
+      shuffle=False,
+      what=f"the eval split (the last {data.eval_fraction:g} of the examples)",
+    )
+  total = len(examples) + sum(examples.dropped.values())
+  return batches, eval_batches, dropped_line(selection.dropped, total)

@@ -29,7 +29,10 @@ from paro_jax.run.divergence import DivergenceGuard
 from paro_jax.run.fit import check_fits
 from paro_jax.analysis.costs import model_state_bytes
 from paro_jax.run.metrics import dump_row, read_rows
-from paro_jax.run.data import Batches, load_tokens, split_eval
+from paro_jax.run.data import Batches, expand_paths, load_tokens, split_eval
+from paro_jax.run.examples import ExampleBatches
+from paro_jax.run.instruct import TEXT
+from paro_jax.run.sources import data_format, hf_directory, instruction_batches
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core import collectives as comm
@@ -74,9 +77,38 @@ def build(cfg: RunConfig):
   collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
   if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
     print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
-  tokens, eval_tokens = split_eval(
-    load_tokens(cfg.data_config(), model_cfg.vocab), cfg.eval_fraction
-  )
+  data = cfg.data_config()
+  files = expand_paths(data.paths) if data.paths else []
+  fmt = data_format(files, data.text_field, data.data_format)
+  if fmt != TEXT:  # instruction data: examples with loss masks (run/examples.py)
+    batches, eval_batches, dropped = instruction_batches(
+      data,
+      files,
+      fmt,
+      hf_directory(data, cfg.init_from),
+      model_cfg.vocab,
+      cfg.micro_batches,
+      cfg.batch_size,
+      cfg.seq_len,
+      cfg.seed,
+      cfg.micro_batches * cfg.eval_batches if cfg.eval_every else None,
+    )
+    batches.note = dropped
+  else:
+    tokens, eval_tokens = split_eval(load_tokens(data, model_cfg.vocab), cfg.eval_fraction)
+    batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+    eval_batches = None
+    if cfg.eval_every:
+      # --eval-batches K: one eval batch of K step batches, so one program scores them all (K
+      # programs in flight at once can deadlock XLA:CPU's collectives).
+      eval_batches = Batches(
+        eval_tokens,
+        cfg.micro_batches * cfg.eval_batches,
+        cfg.batch_size,
+        cfg.seq_len,
+        cfg.seed,
+        what=f"the eval split (the last {cfg.eval_fraction:g} of the tokens)",
+      )
   optim = OptimConfig(learning_rate=cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps)
   engine = Engine(
     model,
@@ -91,19 +123,6 @@ def build(cfg: RunConfig):
     param_delta=cfg.param_delta,
   )
   engine.check_batch_size(cfg.batch_size)
-  batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
-  eval_batches = None
-  if cfg.eval_every:
-    # --eval-batches K: one eval batch of K step batches, so one program scores them all (K
-    # programs in flight at once can deadlock XLA:CPU's collectives).
-    eval_batches = Batches(
-      eval_tokens,
-      cfg.micro_batches * cfg.eval_batches,
-      cfg.batch_size,
-      cfg.seq_len,
-      cfg.seed,
-      what=f"the eval split (the last {cfg.eval_fraction:g} of the tokens)",
-    )
   return engine, batches, eval_batches
 
 
@@ -370,6 +389,10 @@ def train(cfg: RunConfig) -> str:
         f"model states {mem['total'] / 2**20:.2f} MiB/device",
         flush=True,
       )
+      if isinstance(batches, ExampleBatches):
+        print(batches.describe(engine.model.attention), flush=True)
+        if batches.note:
+          print(batches.note, flush=True)
     return _train_locked(cfg, engine, batches, eval_batches, main, stop)
 
 
@@ -441,7 +464,9 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
     nonlocal last_time
     jax.block_until_ready(metrics)
     now = time.perf_counter()
-    row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+    # targets: the target tokens the step's loss is the mean over (all but each row's first
+    # token of a token stream; instruction data's completion or assistant tokens)
+    row = {"step": step, **{k: int(v) if k == "targets" else float(v) for k, v in metrics.items()}}
     watch.finished(step)
     # The first step of a process includes compilation; later ones are pure step time.
     row["step_time_s"] = now - last_time
@@ -562,6 +587,8 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
     raise Interrupted(stop.signum)
   if main:
     print(_summary(done, bad["total"], metrics_path, saved, ckpt.directory), flush=True)
+    if getattr(batches, "note", None):  # the examples left out, again at the end
+      print(batches.note, flush=True)
   return metrics_path
 
 
