@@ -270,15 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
   _add_eval(sub)
   prep = sub.add_parser(
     "prepare-data",
-    help="tokenize text/JSONL files into .bin shards for train --data 'OUT/*.bin'",
-    description="Tokenize text and JSONL files (byte-level, or an HF tokenizer.json) into .bin "
-    "shards of token ids, a block at a time (memory stays small whatever the data's size), "
-    "with a progress bar. Train on them with --data 'OUT/*.bin': the shards are read by memory "
-    "map, each process reading only the tokens of its rows.",
+    help="tokenize text/JSONL/Parquet files into .bin shards for train --data 'OUT/*.bin'",
+    description="Tokenize text, JSONL and Parquet files (byte-level, or an HF tokenizer.json) "
+    "into .bin shards of token ids (instruction records: with their target masks), a block at a "
+    "time (memory stays small whatever the data's size), with a progress bar. Train on them "
+    "with --data 'OUT/*.bin': the shards are read by memory map, each process reading only the "
+    "tokens of its rows.",
   )
-  prep.add_argument("inputs", nargs="+", metavar="PATH", help="text / .jsonl files and globs")
+  prep.add_argument(
+    "inputs", nargs="+", metavar="PATH", help="text / .jsonl / .parquet files and globs"
+  )
   prep.add_argument("--out", required=True, metavar="DIR", help="directory for the shards")
   add_options(prep, RunConfig, "tokenizer", "text_field")  # as train reads them
+  add_options(prep, RunConfig, "data_format", "chat_template")
   prep.add_argument(
     "--shard-tokens", type=int, default=100_000_000, metavar="N", help="token ids per shard"
   )
@@ -455,10 +459,22 @@ def _main(argv) -> None:
       from paro_jax.run.prepare import prepare_data  # numpy: not at the CLI's start
 
       meta = prepare_data(
-        args.inputs, args.out, args.tokenizer, args.text_field, args.shard_tokens, args.bin_dtype
+        args.inputs,
+        args.out,
+        args.tokenizer,
+        args.text_field,
+        args.shard_tokens,
+        args.bin_dtype,
+        data_format=args.data_format,
+        chat_template=args.chat_template,
       )
+      if meta.get("dropped"):
+        n = meta["dropped"]["no target"]
+        print(f"paro-jax: {n} records with no target token left out (no completion or answer)")
+      examples = f"{meta['examples']} {meta['format']} examples, " if "examples" in meta else ""
       print(
-        f"paro-jax: wrote {meta['tokens']} tokens ({meta['dtype']}) in {len(meta['shards'])} "
+        f"paro-jax: wrote {examples}{meta['tokens']} tokens ({meta['dtype']}) in "
+        f"{len(meta['shards'])} "
         f"shards to {args.out}: train with --data '{os.path.join(args.out, '*.bin')}' "
         f"--bin-dtype {meta['dtype']}"
       )

@@ -1,7 +1,10 @@
-"""`paro-jax prepare-data`: tokenize text and JSONL files into `.bin` shards, in bounded memory.
+"""`paro-jax prepare-data`: tokenize text, JSONL and Parquet files into `.bin` shards, in bounded
+memory.
 
 The sources are read in sorted order (as `train --data` reads them), a block at a time: text files
-in blocks of whole lines (about 1 MiB), JSONL files a record at a time. Tokens go to
+in blocks of whole lines (about 1 MiB), JSONL files a record at a time, Parquet files a batch of
+rows at a time (run/records.py). Instruction data (prompt-completion or chat records) becomes
+shards of examples with their target masks (run/example_shards.py). Tokens go to
 `OUT/shard-00000.bin`, `shard-00001.bin`, ... of at most `--shard-tokens` ids each (uint16, or
 uint32 when the tokenizer's vocabulary needs it), written as they come; memory stays at a few
 blocks whatever the size of the data. `OUT/meta.json` records the tokenizer, dtype and counts.
@@ -21,6 +24,10 @@ import os
 import numpy as np
 from tqdm import tqdm
 
+from paro_jax.run import sources
+from paro_jax.run.example_shards import ExampleShardWriter
+from paro_jax.run.instruct import TEXT, Encoder, tokenizer_directory
+from paro_jax.run.records import read_records, read_texts
 from paro_jax.run.data import (
   BIN_DTYPES,
   TEXT_SAMPLE,
@@ -104,8 +111,13 @@ def prepare_data(
   bin_dtype: str | None = None,
   block: int = BLOCK,
   progress: bool | None = None,
+  data_format: str = "auto",
+  chat_template: str | None = None,
 ) -> dict:
-  """Tokenize `paths` (files and globs) into shards in `out`; returns the meta.json contents."""
+  """Tokenize `paths` (files and globs) into shards in `out`; returns the meta.json contents.
+  Instruction data (prompt-completion or chat records, `data_format`) become shards of examples
+  with their target masks (run/example_shards.py); examples with no target are left out and
+  counted in meta.json."""
   if shard_tokens < 1:
     raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
   files = expand_paths(paths, flag="")
@@ -133,7 +145,13 @@ def prepare_data(
       f"{out} already holds {len(old)} shards ({os.path.basename(old[0])}, ...): pass another "
       f"--out, or delete them to prepare the data again"
     )
-  writer = ShardWriter(out, dtype, shard_tokens)
+  fmt = sources.data_format(files, text_field, data_format)
+  encoder, dropped = None, 0
+  if fmt != TEXT:
+    encoder = Encoder(fmt, tok, tokenizer_directory(tokenizer), chat_template)
+    writer = ExampleShardWriter(out, dtype, shard_tokens)
+  else:
+    writer = ShardWriter(out, dtype, shard_tokens)
   total_bytes = sum(os.path.getsize(p) for p in files)
   bar = tqdm(
     total=total_bytes, unit="B", unit_scale=True, desc="prepare-data", disable=progress is False
@@ -141,8 +159,18 @@ def prepare_data(
   try:
     for path in files:
       before = writer.total
-      if path.endswith(".jsonl"):
+      if encoder is not None:  # one record at a time (Parquet: a batch of rows)
+        for where, record in read_records(path, progress=bar.update):
+          tokens, mask = encoder(where, record)
+          if np.any(mask[1:]):
+            writer.write(tokens, mask)
+          else:
+            dropped += 1
+      elif path.endswith(".jsonl"):
         for text in read_jsonl(path, text_field, progress=bar.update):
+          writer.write(tok.encode(text))
+      elif path.endswith(".parquet"):
+        for text in read_texts(path, text_field, progress=bar.update):
           writer.write(tok.encode(text))
       else:
         for raw, text in _text_blocks(path, block):
@@ -150,12 +178,14 @@ def prepare_data(
             np.frombuffer(raw, np.uint8) if isinstance(tok, ByteTokenizer) else tok.encode(text)
           )
           bar.update(len(raw))
-      if writer.total == before:
+      if writer.total == before and encoder is None:
         raise ValueError(f"data file {path!r} is empty: give a file with text in it")
+    if encoder is not None and not writer.total:
+      raise ValueError(f"no example with a target token in {', '.join(files)}: nothing to train on")
   except BaseException:
     writer.close()
-    for p in writer.paths:  # no partial set of shards that a later train would take as whole
-      os.remove(p)
+    for p in writer.paths() if encoder else writer.paths:  # no partial set of shards that a
+      os.remove(p)  # later train would take as whole
     raise
   finally:
     bar.close()
@@ -167,9 +197,15 @@ def prepare_data(
     "tokens": writer.total,
     "shards": [
       {"file": os.path.basename(p), "tokens": n} for p, n in zip(writer.paths, writer.counts)
-    ],
+    ]
+    if encoder is None
+    else writer.meta()["shards"],
     "sources": files,
   }
+  if encoder is not None:
+    meta.update(
+      format=fmt, examples=writer.examples, dropped={"no target": dropped} if dropped else {}
+    )
   with open(os.path.join(out, META), "w") as f:
     json.dump(meta, f, indent=1)
   return meta

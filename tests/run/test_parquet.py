@@ -84,3 +84,66 @@ def test_not_parquet_is_one_line(tmp_path):
   bad.write_text("not parquet")
   with pytest.raises(ValueError, match=r"bad.parquet is not a readable Parquet file .*\*\.parquet"):
     load_tokens(DataConfig(paths=(str(bad),)), 256)
+
+
+CHILD = """
+import resource, sys
+import pyarrow.parquet as pq
+from paro_jax.run.prepare import prepare_data
+
+small, big, out, cap, mode = sys.argv[1:6]
+prepare_data([small], out + "-warm", progress=False)  # imports, thread pools, first allocations
+status = open("/proc/self/status").read().split("VmSize:")[1]
+limit = int(status.split()[0]) * 1024 + int(cap)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # from here, `cap` bytes more at most
+if mode == "whole":
+  print("read", len(pq.read_table(big).to_pylist()))
+else:
+  meta = prepare_data([big], out, progress=False)
+  print("prepared", meta["examples"], meta["tokens"])
+"""
+CAP = 16 << 20
+
+
+def write_records(path, records, size, rng):
+  letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
+  writer = None
+  for _ in range(records // 1000):
+    rows = [
+      {"prompt": rng.choice(letters, size).tobytes().decode(), "completion": " done."}
+      for _ in range(1000)
+    ]
+    table = pa.Table.from_pylist(rows)
+    writer = writer or pq.ParquetWriter(path, table.schema)
+    writer.write_table(table)
+  writer.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmSize from /proc")
+def test_prepare_data_of_a_parquet_file_larger_than_the_memory_cap(tmp_path):
+  """A 64 MB Parquet file of instruction records is prepared with 16 MiB of address space to
+  spare; reading the same file whole under the same cap fails (the cap is real)."""
+  import subprocess
+  import sys
+
+  rng = np.random.default_rng(0)
+  small, big = tmp_path / "small.parquet", tmp_path / "big.parquet"
+  write_records(small, 1000, 20, rng)
+  write_records(big, 16000, 4000, rng)
+  assert os.path.getsize(big) > 3 * CAP
+  env = {**os.environ, "MALLOC_ARENA_MAX": "2", "JAX_PLATFORMS": "cpu"}  # no arena per thread
+  run = lambda mode, out: subprocess.run(
+    [sys.executable, "-c", CHILD, str(small), str(big), str(tmp_path / out), str(CAP), mode],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  whole = run("whole", "whole")
+  assert whole.returncode != 0 and ("MemoryError" in whole.stderr or "Resource" in whole.stderr)
+  done = run("prepare", "shards")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split()[-2:] == ["16000", str(16000 * (4000 + len(" done.")))]
+  with open(tmp_path / "shards" / "meta.json") as f:
+    meta = json.load(f)
+  assert meta["format"] == "prompt-completion" and meta["examples"] == 16000
