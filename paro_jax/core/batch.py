@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 
@@ -35,6 +34,8 @@ class Batch(NamedTuple):
 
 def take(batch, index):
   """`batch[index]` of a plain batch or of every array of a Batch (index on the leading axes)."""
+  import jax  # here: the data side (prepare-data) reads Batch without starting jax
+
   return jax.tree.map(lambda x: x[index], batch)
 
 
