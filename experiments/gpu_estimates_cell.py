@@ -80,6 +80,9 @@ def planner_times(
       devices_per_node=GPUS_PER_NODE,
       gpu=args.target,
       inter_bandwidth=f"{gbit:g}gbit",
+      # The results page was computed with the 300 GB/s that plan then assumed for every GPU;
+      # plan's default is now the --gpu's own (450 GB/s for an H100): pinned until a rerun.
+      intra_bandwidth="300GB/s",
       micro_batches=a,
       seq_len=args.seq_len,
       as_json=True,

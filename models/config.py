@@ -162,8 +162,10 @@ def get_config(name: str) -> LlamaConfig:
   if os.path.isdir(name) or (name.endswith(".json") and os.path.isfile(name)):
     return read_config(name)
   if name.endswith(".json") or os.sep in name:
-    raise FileNotFoundError(
-      f"--model {name} does not exist: give an HF LLaMA config.json (or its directory), or a "
+    exists = os.path.exists(name)
+    what = "is not a .json file nor a directory" if exists else "does not exist"
+    raise (ValueError if exists else FileNotFoundError)(
+      f"--model {name} {what}: give an HF LLaMA config.json (or its directory), or a "
       f"preset: {', '.join(PRESETS)}"
     )
   raise ValueError(
@@ -188,6 +190,8 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
   def refuse(why):
     raise ValueError(f"{where}: unsupported HF config: {why}")
 
+  if not isinstance(hf, dict):
+    refuse(f"a JSON {type(hf).__name__}, not an object of fields (vocab_size, hidden_size, ...)")
   archs = hf.get("architectures") or []
   if hf.get("model_type", "llama") != "llama" or (archs and "LlamaForCausalLM" not in archs):
     refuse(

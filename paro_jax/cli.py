@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 
 from paro_jax import report
@@ -184,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     "SLURM srun / Open MPI mpirun); --mesh GxM then counts all processes' devices",
   )
   _add_process_flags(dist)
+  dist.add_argument(
+    "--heartbeat-timeout",
+    type=float,
+    default=60.0,
+    metavar="S",
+    help="a process that sent the others no heartbeat for S s (stopped, frozen) is named and the "
+    "others exit (code 124): for SLURM/mpirun; under paro-jax launch the launcher's own "
+    "--heartbeat-timeout applies (0: off)",
+  )
   add_options(dist, RunConfig, "progress_timeout")
   inspect = sub.add_parser(
     "inspect", help="compile a training step (no allocation) and report its communication"
@@ -458,16 +468,26 @@ def _main(argv) -> None:
     if args.command == "prepare-data":
       from paro_jax.run.prepare import prepare_data  # numpy: not at the CLI's start
 
-      meta = prepare_data(
-        args.inputs,
-        args.out,
-        args.tokenizer,
-        args.text_field,
-        args.shard_tokens,
-        args.bin_dtype,
-        data_format=args.data_format,
-        chat_template=args.chat_template,
-      )
+      try:
+        meta = prepare_data(
+          args.inputs,
+          args.out,
+          args.tokenizer,
+          args.text_field,
+          args.shard_tokens,
+          args.bin_dtype,
+          data_format=args.data_format,
+          chat_template=args.chat_template,
+        )
+      except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (prepare.Stopped)
+        name = signal.Signals(getattr(e, "signum", signal.SIGINT)).name
+        print(
+          f"\nparo-jax: stopped by {name}: nothing was published in {args.out} (the partial "
+          f"shards were removed): run the same command again",
+          file=sys.stderr,
+          flush=True,
+        )
+        raise
       if meta.get("dropped"):
         n = meta["dropped"]["no target"]
         print(f"paro-jax: {n} records with no target token left out (no completion or answer)")
@@ -493,6 +513,11 @@ def _main(argv) -> None:
       run_plan(config_of(args, PlanConfig))
       return
     mesh = parse_mesh_shape(args.mesh) if args.mesh else None
+    if args.command == "inspect" and args.inter_bandwidth and not args.target:
+      raise ValueError(
+        "--inter-bandwidth sets the link of XLA's step-time estimate, made only for a GPU "
+        "compile: pass --target h100 (or h200) with it, or leave it out"
+      )
     if getattr(args, "target", None):  # a compile for GPUs described, not present: no devices
       _check_shape(args, mesh)
       args.target = gpu.check_target(args.target)
@@ -537,7 +562,10 @@ def _main(argv) -> None:
       provide_cpu_devices(per_process)
     _check_shape(args, mesh)
     add_xla_flags()  # GPU collective overlap (HO-Ring); harmless elsewhere
-    distributed.maybe_initialize(*multi)  # before anything touches devices
+    beat = getattr(args, "heartbeat_timeout", 0.0)
+    if not beat >= 0:
+      raise ValueError(f"--heartbeat-timeout must be >= 0 seconds (0: off), got {beat}")
+    distributed.maybe_initialize(*multi, heartbeat_timeout=beat)  # before anything uses devices
     if args.command == "probe":
       from paro_jax.analysis.probe import run_probe  # imports jax: after the device flag is set
 
@@ -553,7 +581,12 @@ def _main(argv) -> None:
     if args.command == "train":
       from paro_jax.run.train import train  # imports jax: after the device flag is set
 
-      train(config_of(args, RunConfig, mesh=mesh, data=tuple(args.data)))
+      peers = watch.start_peer_watch(beat)  # SLURM / mpirun: frozen processes named
+      try:
+        train(config_of(args, RunConfig, mesh=mesh, data=tuple(args.data)))
+      finally:
+        if peers:
+          peers.stop()
   except (ValueError, OSError) as e:  # OSError: missing files, a full disk while checkpointing
     report.error(e)
     sys.exit(2)

@@ -34,7 +34,29 @@ def files(tmp_path_factory):
   (d / "full").mkdir()
   (d / "full" / "config.json").write_text("{}")
   (d / "a_file").write_text("x")
+  (d / "sur.jsonl").write_text('{"text": "ok"}\n{"text": "a \\ud800 b"}\n')  # JSON's escape
+  (d / "listcfg").mkdir()
+  (d / "listcfg" / "config.json").write_text("[4096, 32]")
+  _tokenizers(d)
   return d
+
+
+def _tokenizers(d):
+  """bpe.json, a small BPE; holes.json, the same with one id moved to 5000 (ids need not be
+  contiguous: its vocabulary counts 51 entries, a model needs 5001 rows)."""
+  import json
+
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"])
+  tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 5, trainer)
+  tok.save(str(d / "bpe.json"))
+  spec = json.loads((d / "bpe.json").read_text())
+  vocab = spec["model"]["vocab"]
+  vocab[max(vocab, key=vocab.get)] = 5000
+  (d / "holes.json").write_text(json.dumps(spec))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +71,7 @@ def trained_run(tmp_path_factory):
 def _cases():
   """(id, argv builder, text the line must contain); `f` is the files dir, `out` a fresh dir."""
   t = lambda *a: lambda f, out: [*TRAIN, "--out", out, *[x.format(f=f) for x in a]]
-  p = lambda *a: lambda f, out: [*PLAN, *a]
+  p = lambda *a: lambda f, out: [*PLAN, *[x.format(f=f) for x in a]]
   return [
     # data
     ("missing-data", t("--data", "{f}/nope.txt"), "data file '{f}/nope.txt' does not exist"),
@@ -66,6 +88,26 @@ def _cases():
     ("missing-init-from", t("--init-from", "{f}/nope"), "HF model directory"),
     ("out-is-a-file", t("--out", "{f}/a_file"), "is a file: pass a directory for the run"),
     ("resume-nothing", t("--resume"), "no checkpoint in"),
+    (
+      "lone-surrogate",  # JSON allows "\ud800"; no UTF-8 encodes it
+      t("--data", "{f}/sur.jsonl"),
+      "sur.jsonl:2: the 'text' field holds a lone surrogate ('\\ud800' at character 2)",
+    ),
+    (
+      "lone-surrogate-hf",
+      t("--data", "{f}/sur.jsonl", "--tokenizer", "{f}/bpe.json"),
+      "sur.jsonl:2: the 'text' field holds a lone surrogate",
+    ),
+    ("tokenizer-dir", t("--tokenizer", "{f}/dir"), "is a directory without a tokenizer.json"),
+    (
+      "tokenizer-id-holes",  # before compiling, not as NaN three steps in
+      t("--tokenizer", "{f}/holes.json"),
+      "has a vocabulary of 5001, more than the model's 256",
+    ),
+    ("seed-huge", t("--seed", str(2**64)), f"--seed must be in [0, 2**63), got {2**64}"),
+    ("seed-negative", t("--seed", "-1"), "--seed must be in [0, 2**63), got -1"),
+    ("config-list", t("--init-from", "{f}/listcfg"), "unsupported HF config: a JSON list"),
+    ("model-config-list", t("--model", "{f}/listcfg"), "unsupported HF config: a JSON list"),
     # models, meshes and strategies
     ("unknown-model", t("--model", "70b"), "unknown model preset '70b'"),
     ("missing-model-json", t("--model", "{f}/cfg.json"), "cfg.json does not exist"),
@@ -107,6 +149,12 @@ def _cases():
     ("plan-mfu", p("--mfu", "0"), "--mfu must be in (0, 1], got 0.0"),
     ("plan-unknown-model", p("--model", "70b"), "unknown model preset '70b'"),
     ("plan-memory", p("--device-memory", "lots"), "bad --device-memory 'lots'"),
+    ("plan-model-file", p("--model", "{f}/a_file"), "a_file is not a .json file nor a directory"),
+    (
+      "inspect-bandwidth-without-target",
+      lambda f, o: ["inspect", "--inter-bandwidth", "100gbit"],
+      "--inter-bandwidth sets the link of XLA's step-time estimate, made only for a GPU compile",
+    ),
     # export, launch, the other commands
     (
       "export-non-empty",
@@ -214,3 +262,45 @@ def test_first_save_on_a_full_disk_is_one_line(small_tmpfs):
   lines = proc.stderr.splitlines()
   assert len(lines) == 1 and lines[0].startswith("paro-jax: error: the disk is full"), lines[:20]
   assert "could not write checkpoint" in lines[0] and "no earlier checkpoint" in lines[0]
+
+
+def test_prepare_data_on_a_full_disk_is_one_line(small_tmpfs, tmp_path, capsys):
+  """Shards that do not fit: `the disk is full`, naming the directory and the fix (not numpy's
+  byte counts), and nothing left there."""
+  (tmp_path / "big.txt").write_text("a line of text\n" * 70_000)  # 1 MB of shards
+  out = small_tmpfs / "shards"
+  with pytest.raises(SystemExit) as e:
+    main(["prepare-data", str(tmp_path / "big.txt"), "--out", str(out)])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.replace("\r", "\n")
+  lines = [x for x in err.splitlines() if x.strip() and not x.startswith("prepare-data:")]  # bar
+  assert lines == [
+    f"paro-jax: error: the disk is full: could not write the shards into {out}; nothing was "
+    f"published there (the partial shards were removed). Free space on the disk holding {out}, "
+    f"or pass another --out"
+  ], err
+  assert os.listdir(out) == []
+
+
+def test_export_on_a_full_disk_is_one_line_and_blocks_no_retry(trained_run, small_tmpfs, capsys):
+  """The HF model does not fit: one line (it exited 1 printing nothing), nothing left where it
+  was written (config.json alone blocked a retry without --overwrite); once there is room the
+  same command works; --overwrite replaces the model's files and keeps the others."""
+  filler = small_tmpfs / "filler"
+  filler.write_bytes(bytes(200 * 1024))  # 56 KiB left, less than the `test` model's 142 KB
+  out = small_tmpfs / "hf"
+  line = _one_line(capsys, ["export", str(trained_run), "--out", str(out)])
+  assert line == (
+    f"paro-jax: error: the disk is full: could not write the HF model to {out}; --out is as it "
+    f"was (nothing was written there): free space on the disk holding {out}, or pass another --out"
+  )
+  assert os.listdir(small_tmpfs) == ["filler"]  # no partial output, hidden or not
+  filler.unlink()
+  main(["export", str(trained_run), "--out", str(out)])
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+  (out / "tokenizer.json").write_text("{}")
+  (out / "model.safetensors").write_bytes(b"old")
+  main(["export", str(trained_run), "--out", str(out), "--overwrite"])
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+  assert (out / "model.safetensors").stat().st_size > 100_000
+  assert sorted(os.listdir(small_tmpfs)) == ["hf"]

@@ -241,8 +241,10 @@ class PlanConfig(WireOptions):
   inter_bandwidth: str = option(
     "100gbit", "each node's inter-node link, shared by its devices (e.g. 100gbit, 400Gb/s, 50GB/s)"
   )
-  intra_bandwidth: str = option(
-    "300GB/s", "per device inside a node (e.g. 300GB/s for NVLink A100)"
+  intra_bandwidth: str | None = option(
+    None,
+    "per device inside a node, each direction (default: the GPU's NVLink, e.g. 300GB/s for an "
+    "A100, 450GB/s for an H100 or H200; PCIe for cards without it)",
   )
   inter_latency: str = option("50us", "per collective between nodes")
   intra_latency: str = option("10us", "per collective inside a node")

@@ -184,17 +184,45 @@ def computation_counts(hlo_text: str) -> dict[str, int]:
   return dict(mult)
 
 
+def _operands(rest: str) -> list[str]:
+  """The operand names of an instruction, from the text after its `op(`."""
+  depth = 0
+  for i, ch in enumerate(rest):
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if depth < 0:
+      return re.findall(r"%([\w.\-]+)", rest[:i])
+  return []
+
+
+def _inherited_name(name: str, graph: dict[str, tuple[str, list[str]]]) -> str:
+  """The op_name of the nearest named producer of `name`'s operands (breadth first, within its
+  computation). XLA's passes that make a collective (a combined all-reduce of concatenated
+  gradients, XLA:GPU's) may give it no op_name; the data it carries names its phase."""
+  seen, frontier = {name}, list(graph[name][1])
+  while frontier:
+    named = [graph[n][0] for n in frontier if n in graph and graph[n][0]]
+    if named:
+      return named[0]
+    seen.update(frontier)
+    frontier = [m for n in frontier if n in graph for m in graph[n][1] if m not in seen]
+  return ""
+
+
 def parse_collectives(hlo_text: str) -> list[Collective]:
-  """All collectives of an HLO module with their per-step execution counts."""
+  """All collectives of an HLO module with their per-step execution counts. A collective without
+  an op_name takes its operands' (`_inherited_name`)."""
   found = []
+  graphs = defaultdict(dict)  # computation -> {instruction: (op_name, operands)}
   for comp, _, instr in walk(hlo_text):
     if instr is None:
       continue
     name, type_text, op, rest = instr
+    opname = _OPNAME_RE.search(rest)
+    graphs[comp][name] = (opname.group(1) if opname else "", _operands(rest))
     base = op[: -len("-start")] if op.endswith("-start") else op
     if base in HLO_COLLECTIVE_OPS and not op.endswith("-done"):
       nbytes, dtypes = _array_bytes(_result_type(op, type_text))
-      opname = _OPNAME_RE.search(rest)
       found.append(
         Collective(
           name,
@@ -210,6 +238,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
   mult = computation_counts(hlo_text)
   for c in found:
     c.count = mult.get(c.computation, 0)
+    c.op_name = c.op_name or _inherited_name(c.name, graphs[c.computation])
   return [c for c in found if c.count]
 
 

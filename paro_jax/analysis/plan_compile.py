@@ -196,6 +196,10 @@ def format_rerank(plan, r: dict) -> str:
   if r["pick"] is None:
     lines.append("no compiled candidate fits: the analytic pick stands unchecked")
   else:
-    agree = "agrees with" if r["pick"] == plan.pick else f"differs from the analytic {plan.pick}"
+    agree = (
+      "agrees with the analytic pick"
+      if r["pick"] == plan.pick
+      else f"differs from the analytic {plan.pick}"
+    )
     lines.append(f"pick by XLA's estimate: {r['pick']} ({agree})")
   return "\n".join(lines)

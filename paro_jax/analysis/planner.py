@@ -79,22 +79,39 @@ class Plan:
       **({"xla": self.xla} if self.xla is not None else {}),
     }
 
+  # (header, width): each numeric column right-aligned, widened where a value needs it
+  COLUMNS = (
+    ("fits", 5),
+    ("memory", 11),
+    ("states", 11),
+    ("step s", 9),
+    ("compute", 9),
+    ("gathers", 9),
+    ("grads", 9),
+    ("grad sync", 10),
+    ("par sync", 9),
+    ("tokens/s", 11),
+  )
+
   def format(self) -> str:
-    lines = [
-      f"{'#':>3s} {'strategy':9s}{'known as':13s}{'fits':>5s}{'memory':>11s}"
-      f"{'states':>11s}{'step s':>9s}{'compute':>9s}{'gathers':>9s}{'grads':>9s}"
-      f"{'grad sync':>10s}{'par sync':>9s}{'tokens/s':>11s}"
-    ]
-    for i, e in enumerate(self.ranking, 1):
+    rows = []
+    for e in self.ranking:
       t = e.times
       fits = "yes" if e.fits else ("n/a" if not e.feasible else "no")
-      lines.append(
-        f"{i:3d} {e.strategy:9s}{KNOWN_NAMES.get(e.strategy, ''):13s}{fits:>5s}"
-        f"{human_bytes(e.memory_bytes):>11s}{human_bytes(e.memory['model_states']['total']):>11s}"
-        f"{e.step_time_s:9.3f}{t['compute']:9.3f}{t['param_gathers']:9.3f}"
-        f"{t['grad_traffic']:9.3f}{t['grad_sync']:10.3f}{t['param_sync']:9.3f}"
-        f"{e.tokens_per_s:11,.0f}"
+      rows.append(
+        [fits, human_bytes(e.memory_bytes), human_bytes(e.memory["model_states"]["total"])]
+        + [f"{v:.3f}" for v in (e.step_time_s, t["compute"], t["param_gathers"])]
+        + [f"{v:.3f}" for v in (t["grad_traffic"], t["grad_sync"], t["param_sync"])]
+        + [f"{e.tokens_per_s:,.0f}"]
       )
+    widths = [max([w] + [len(r[k]) + 1 for r in rows]) for k, (_, w) in enumerate(self.COLUMNS)]
+    cells = lambda values: "".join(f"{v:>{w}s}" for v, w in zip(values, widths))  # noqa: E731
+    lines = [f"{'#':>3s} {'strategy':9s}{'known as':13s}" + cells(h for h, _ in self.COLUMNS)]
+    for i, (e, row) in enumerate(zip(self.ranking, rows), 1):
+      lines.append(f"{i:3d} {e.strategy:9s}{KNOWN_NAMES.get(e.strategy, ''):13s}" + cells(row))
+    notes = sorted({e.note for e in self.ranking if not e.feasible})
+    if notes:  # what n/a means, once per reason
+      lines.append(f"fits n/a: {'; '.join(notes)}: the strategy cannot run on this mesh")
     return "\n".join(lines + ["", self.explain])
 
 
@@ -129,11 +146,11 @@ def _explain(
       f"{', '.join(e.strategy for e in fitting)}"
     )
   else:
-    out = [e.strategy for e in all_ if not e.fits]
-    head = (
-      f"{len(fitting)} of {len(all_)} strategies fit{room} ({', '.join(out)} "
-      f"{'does' if len(out) == 1 else 'do'} not)"
-    )
+    out = [e.strategy for e in all_ if not e.fits and e.feasible]
+    cannot = [e.strategy for e in all_ if not e.feasible]
+    said = [f"{', '.join(out)} {'does' if len(out) == 1 else 'do'} not"] if out else []
+    said += [f"{', '.join(cannot)} cannot shard the model that many ways"] if cannot else []
+    head = f"{len(fitting)} of {len(all_)} strategies fit{room} ({'; '.join(said)})"
   why = (
     f"pick {_named(pick.strategy)}: {pick.step_time_s:.3f} s/step, "
     f"{pick.tokens_per_s:,.0f} tokens/s, {human_bytes(pick.memory_bytes)} per device"
@@ -270,7 +287,9 @@ def run_plan(cfg: PlanConfig) -> Plan:
     memory = prof["device_memory"]
   network = Links(
     parse_bandwidth(cfg.inter_bandwidth, "--inter-bandwidth"),
-    parse_bandwidth(cfg.intra_bandwidth, "--intra-bandwidth"),
+    parse_bandwidth(cfg.intra_bandwidth, "--intra-bandwidth")
+    if cfg.intra_bandwidth
+    else card.intra_bandwidth,
     parse_latency(cfg.inter_latency, "--inter-latency"),
     parse_latency(cfg.intra_latency, "--intra-latency"),
     GLOBAL_MODEL_OF[cfg.collectives],
@@ -346,7 +365,8 @@ def run_plan(cfg: PlanConfig) -> Plan:
       f"{cfg.devices_per_node} devices of {human_bytes(memory)}{probed}, {flops / 1e12:.3g} "
       f"TFLOP/s peak ({src}) x MFU {cfg.mfu:g}; inter "
       f"{network.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
-      f"{network.intra_bandwidth / 1e9:g} GB/s per device, global collectives "
+      f"{network.intra_bandwidth / 1e9:g} GB/s per device"
+      f"{'' if cfg.intra_bandwidth else f' ({card.name} {card.intra_link})'}, global collectives "
       f"{network.global_collectives} (--collectives {cfg.collectives}); A={cfg.micro_batches} "
       f"micro-batches of {cfg.micro_batch} x {cfg.seq_len} tokens per device"
       + (

@@ -8,9 +8,28 @@ Nothing in this module touches devices: it must run before anything else does.
 
 from __future__ import annotations
 
+import math
 import os
 
 from paro_jax.cluster import gloo_rs
+
+# JAX's coordination service (process 0) aborts every process (SIGABRT: a C++ check failure and
+# its stack; `client.h: Terminating process because the JAX distributed service detected fatal
+# errors`) once a process sent it no heartbeat for this long; a client does the same when the
+# service stops answering. It names no process to the user. Ours name the frozen one (the
+# launcher's heartbeat files, train's PeerWatch) after their --heartbeat-timeout: JAX's must be
+# longer. It fired 0.85-0.9 of its timeout after a SIGSTOP here (17.8 s of 20, 36.9 of 40, 82
+# of 100 on a loaded machine): twice ours plus 30 s leaves room.
+JAX_HEARTBEAT_TIMEOUT = 100  # jax.distributed.initialize's default heartbeat_timeout_seconds
+HEARTBEAT_TIMEOUT_ENV = "PARO_JAX_HEARTBEAT_TIMEOUT"  # the launcher's, for its nodes
+
+
+def coordination_heartbeat(watch_timeout: float) -> int:
+  """JAX's coordination-service heartbeat timeout when ours is `watch_timeout` s (0: off)."""
+  if not watch_timeout:
+    return JAX_HEARTBEAT_TIMEOUT
+  return max(JAX_HEARTBEAT_TIMEOUT, math.ceil(2 * watch_timeout + 30))
+
 
 # The variables JAX's SlurmCluster / OmpiCluster need (jax/_src/clusters/*.py, jax 0.10.2).
 _SLURM_VARS = (
@@ -78,7 +97,11 @@ def process_count(coordinator=None, num_processes=None, process_id=None, environ
 
 
 def maybe_initialize(
-  coordinator=None, num_processes=None, process_id=None, gloo_reduce_scatter=False
+  coordinator=None,
+  num_processes=None,
+  process_id=None,
+  gloo_reduce_scatter=False,
+  heartbeat_timeout: float = 0.0,
 ) -> bool:
   """Call `jax.distributed.initialize` when flags or a SLURM/Open MPI environment ask for it.
 
@@ -86,6 +109,8 @@ def maybe_initialize(
   `jax_cpu_collectives_implementation`; an explicit JAX_CPU_COLLECTIVES_IMPLEMENTATION is kept),
   and reduce-scatters then run as an all-reduce and a slice (`gloo_rs`: gloo's own reduce-scatter
   can corrupt its result); `gloo_reduce_scatter=True` keeps gloo's, to show that it does.
+  JAX's coordination heartbeat is set longer than the frozen-process watch that names the
+  process: the launcher's (its nodes' env HEARTBEAT_TIMEOUT_ENV) or `heartbeat_timeout`, train's.
   """
   explicit = _check_flags(coordinator, num_processes, process_id)
   detected = None if explicit else detect_cluster()
@@ -103,15 +128,18 @@ def maybe_initialize(
   local = None
   if "JAX_LOCAL_DEVICE_IDS" not in os.environ and (explicit or one_process_per_node()):
     local = []
+  watch = float(os.environ.get(HEARTBEAT_TIMEOUT_ENV, heartbeat_timeout))
+  beat = {"heartbeat_timeout_seconds": coordination_heartbeat(watch)}
   if explicit:
     jax.distributed.initialize(
       coordinator_address=coordinator,
       num_processes=num_processes,
       process_id=process_id,
       local_device_ids=local,
+      **beat,
     )
-  else:
-    jax.distributed.initialize(local_device_ids=local)  # JAX's own SLURM / Open MPI detection
+  else:  # JAX's own SLURM / Open MPI detection
+    jax.distributed.initialize(local_device_ids=local, **beat)
   if not gloo_reduce_scatter:
     gloo_rs.install()
   return True

@@ -52,6 +52,7 @@ from paro_jax.cluster.netns import (  # noqa: F401 - NS_PREFIX, node_link, sent_
   remove_stale_namespaces,
   sent_bytes,
 )
+from paro_jax.cluster.distributed import HEARTBEAT_TIMEOUT_ENV
 from paro_jax.cluster.restart import restart_argv
 from paro_jax.cluster.supervise import (
   Interrupted,
@@ -310,6 +311,9 @@ def _launch_once(
       if network:
         cmd = ["ip", "netns", "exec", network.namespaces[k], *cmd]
       node_env = dict(base_env)
+      # JAX's coordination service must not abort the healthy nodes before the launcher names
+      # a frozen one (cluster/distributed.py sets its heartbeat timeout from this).
+      node_env[HEARTBEAT_TIMEOUT_ENV] = f"{heartbeat_timeout:g}"
       if watch:
         node_env[HEARTBEAT_ENV] = watch.paths[k]
       proc = subprocess.Popen(
@@ -339,6 +343,14 @@ def _launch_once(
           bad = min(failed, key=lambda n: n.proc.returncode >= 0)
           code = bad.proc.returncode
           what = f"failed with {describe_exit(code)}"
+          frozen = [k for k in bad.unhealthy if 0 <= k < nodes and k != bad.index]
+          if frozen:  # JAX's coordination service aborted `bad`: the frozen node is the cause
+            aborted = bad.index
+            bad, code = children[frozen[0]], 124
+            what = (
+              f"sent JAX's coordination service no heartbeat for its timeout: it is stopped "
+              f"(SIGSTOP) or frozen (the service then aborted node {aborted})"
+            )
         else:
           bad, code = children[verdict[0]], 124
           what = verdict[1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,13 @@ from paro_jax import report
 
 
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+# What JAX's coordination service logs when it aborts the processes (jaxlib 0.10.2): the error
+# it propagates, then the processes it names, one per line ("1", or "/job:.../task:1").
+_COORDINATION_ABORT = (
+  "Use error polling to propagate the following error",  # the service, in process 0
+  "Terminating process because the JAX distributed service",  # each client
+)
+_UNHEALTHY = "The following tasks are unhealthy (stopped sending heartbeats):"
 
 
 class Node:
@@ -30,6 +38,9 @@ class Node:
     self.index, self.proc, self.show_gloo = index, proc, show_gloo
     self.tail = collections.deque(maxlen=15)
     self.in_traceback = self.after_traceback = False
+    self.aborting = False  # JAX's coordination service is aborting the process: all is noise
+    self.unhealthy: list[int] = []  # the processes that service named (no heartbeats)
+    self._listing = False
     self.threads = [
       threading.Thread(target=self._pump, args=(proc.stdout, out, lock, False), daemon=True),
       threading.Thread(target=self._pump, args=(proc.stderr, err, lock, True), daemon=True),
@@ -56,6 +67,18 @@ class Node:
       return not self.show_gloo
     if not stderr:
       return False
+    if self.aborting or any(marker in line for marker in _COORDINATION_ABORT):
+      # JAX's coordination service found a process without heartbeats and aborts this one: its
+      # log lines, the processes it names and the C++ check-failure stack go to the log; the
+      # launcher's line names the process.
+      self.aborting = True
+      if _UNHEALTHY in line:
+        self._listing = True
+      elif self._listing and (m := re.search(r"(\d+)\s*$", line)):
+        self.unhealthy.append(int(m.group(1)))
+      else:
+        self._listing = False
+      return True
     if line.startswith(("Traceback (most recent call last)", *_CHAINED)):
       self.in_traceback = True
       return True

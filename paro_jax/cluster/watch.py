@@ -10,6 +10,11 @@ Inside each process (`paro-jax train`):
   for S s.
 - `PeerLost`: a collective of the run failed (another process died: its connection closed); the
   process exits with one line naming itself and its last step (`peer_lost`).
+- `PeerWatch` (`train --heartbeat-timeout S` under SLURM / mpirun): the processes beat through
+  JAX's coordination key-value store; a process whose beat stopped for S s (SIGSTOP, a stalled
+  machine) is named by the others, which exit (124). JAX's coordination service is given a
+  longer heartbeat timeout (cluster/distributed.py): it would abort the healthy processes first
+  (SIGABRT and a C++ stack), naming no one.
 
 In the launcher, `Watch` turns the heartbeat files into a verdict: a node whose heartbeat is older
 than the heartbeat timeout is frozen (SIGSTOP, a machine that stalls; a dead process is seen
@@ -122,6 +127,136 @@ class Watchdog(threading.Thread):
         sys.stderr.flush()
         self._exit(LOST_EXIT)
         return
+
+
+FROZEN_EXIT = 124  # a process named frozen (or stuck), as `paro-jax launch` exits
+BEAT_PREFIX = "paro_jax/beat/"  # PeerWatch's keys in JAX's coordination key-value store
+DONE = "done"
+
+
+class PeerWatch(threading.Thread):
+  """Each process writes a counter under BEAT_PREFIX + its index every `interval` s and reads the
+  others' (one round trip to the store, which JAX's coordination service keeps in process 0). A
+  peer whose counter did not change for `timeout` s, or a store that answered no round trip for
+  that long (process 0 itself frozen), is named, and this process exits with FROZEN_EXIT. A
+  process that ends writes `done` (`stop`) and is no longer watched."""
+
+  def __init__(
+    self,
+    client,
+    process: int,
+    processes: int,
+    timeout: float,
+    interval: float = 1.0,
+    exit=os._exit,
+    clock=time.monotonic,
+  ):
+    super().__init__(daemon=True, name="paro-jax-peer-watch")
+    self.client, self.process, self.processes = client, process, processes
+    self.timeout, self.interval, self._exit, self._clock = timeout, interval, exit, clock
+    self.answered = clock()  # the last round trip the store answered
+    self.changed = {k: self.answered for k in range(processes) if k != process}
+    self.seen: dict[int, str] = {}
+    self.stopped = threading.Event()
+    self._beats = threading.Thread(target=self._beat, daemon=True, name="paro-jax-beat")
+
+  def start(self) -> None:
+    self._beats.start()
+    super().start()
+
+  def _beat(self) -> None:
+    n = 0
+    while not self.stopped.is_set():
+      n += 1
+      try:
+        self.client.key_value_set(f"{BEAT_PREFIX}{self.process}", str(n), allow_overwrite=True)
+        beats = self.client.key_value_dir_get(BEAT_PREFIX)
+      except Exception:  # noqa: BLE001 - the service shut down (the run is ending): stop watching
+        self.stopped.set()
+        return
+      self.observe(beats)
+      self.stopped.wait(self.interval)
+
+  def observe(self, beats) -> None:
+    """One answered round trip: the (key, counter) pairs of every process."""
+    now = self.answered = self._clock()
+    for key, value in beats:
+      k = int(key.rsplit("/", 1)[1])
+      if k not in self.changed:
+        continue
+      if value == DONE:
+        del self.changed[k]
+      elif value != self.seen.get(k):
+        self.seen[k], self.changed[k] = value, now
+
+  def verdict(self) -> str | None:
+    now = self._clock()
+    if now - self.answered > self.timeout and self.process != 0:
+      return (
+        f"process 0, which runs JAX's coordination service, answered no heartbeat for "
+        f"{now - self.answered:.0f} s"
+      )
+    late = [k for k, t in self.changed.items() if now - t > self.timeout]
+    if late:
+      k = min(late, key=self.changed.get)
+      return f"process {k} sent no heartbeat for {now - self.changed[k]:.0f} s"
+    return None
+
+  def run(self) -> None:
+    last = self._clock()
+    while not self.stopped.wait(self.interval):
+      now = self._clock()
+      if now - last > self.timeout / 2:
+        # This process was itself stopped (SIGSTOP) and just continued: what it saw of the
+        # others is that old, not theirs. Start over rather than blame a peer.
+        self.answered = now
+        self.changed = dict.fromkeys(self.changed, now)
+      last = now
+      why = self.verdict()
+      if why:
+        sys.stderr.write(
+          f"paro-jax: error: process {self.process} of {self.processes}: {why} "
+          f"(--heartbeat-timeout {self.timeout:g}): it is stopped (SIGSTOP) or frozen; exiting. "
+          f"The last step this process finished: {last_step()}\n"
+        )
+        sys.stderr.flush()
+        self._exit(FROZEN_EXIT)
+        return
+
+  def stop(self) -> None:
+    """This process is ending: say so to the others, stop beating. Waits at most a few seconds
+    (a frozen process 0 answers nothing)."""
+    if self.stopped.is_set():
+      return
+    self.stopped.set()
+    self._beats.join(timeout=2 * self.interval + 1)
+    done = threading.Thread(target=self._done, daemon=True, name="paro-jax-beat-done")
+    done.start()
+    done.join(timeout=2 * self.interval + 1)
+
+  def _done(self) -> None:
+    try:
+      self.client.key_value_set(f"{BEAT_PREFIX}{self.process}", DONE, allow_overwrite=True)
+    except Exception:  # noqa: BLE001, S110 - the service is gone: nobody is left to tell
+      pass
+
+
+def start_peer_watch(timeout: float, environ=None) -> PeerWatch | None:
+  """A PeerWatch for a multi-process run that no `paro-jax launch` watches (its nodes have env
+  PARO_JAX_HEARTBEAT); None for one process or `timeout` 0. After jax.distributed.initialize."""
+  env = os.environ if environ is None else environ
+  if not timeout or HEARTBEAT_ENV in env:
+    return None
+  # jax.distributed's client (jax 0.10 has no public accessor; orbax reads it the same way).
+  from jax._src.distributed import global_state
+
+  if global_state.client is None or not global_state.num_processes > 1:
+    return None
+  peers = PeerWatch(
+    global_state.client, global_state.process_id, global_state.num_processes, timeout
+  )
+  peers.start()
+  return peers
 
 
 class Watch:

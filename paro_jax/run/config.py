@@ -222,6 +222,8 @@ class RunConfig(StepConfig):
       raise ValueError(f"--lr must be a positive finite number, got {self.lr}")
     if self.warmup < 0:
       raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+    if not 0 <= self.seed < 2**63:  # jax.random.key takes an int64, the batches' rng no sign
+      raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
     super().__post_init__()
     for name in ("steps", "keep", "max_bad_steps", "eval_batches"):
       if getattr(self, name) < 1:

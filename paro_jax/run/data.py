@@ -2,12 +2,12 @@
 
 Sources (`--data`, any number of paths and globs, in sorted order): text files; JSONL files whose
 records carry the text in one field (`--text-field`), and Parquet files likewise (one column,
-read a batch of rows at a time: run/records.py); pre-tokenized `.bin` files of uint16 or
-uint32 ids (read with np.memmap: never loaded whole, any number of them, e.g. the shards of
-`paro-jax prepare-data`, paro_jax/run/prepare.py). Several sources are read as one stream
-(`TokenStream`) without being joined in memory. Text is tokenized at byte level (vocabulary 256)
-or by an HF `tokenizer.json` (`--tokenizer`, needs the `tokenizers` package:
-`pip install -e ".[hf]"`).
+read a batch of rows at a time: run/records.py); pre-tokenized `.bin` files of uint16 or uint32
+ids (read by os.pread, window by window: never loaded whole, any number of them, e.g. the shards
+of `paro-jax prepare-data`, paro_jax/run/prepare.py, checked against their meta.json). Several
+sources are read as one stream (`TokenStream`) without being joined in memory. Text is tokenized
+at byte level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, needs the
+`tokenizers` package: `pip install -e ".[hf]"`).
 
 The default corpus is real text that every Python installation carries: the source files of
 the Python standard library, so a training run needs no download.
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import glob
 import json
-import mmap
 import os
+import re
 import sysconfig
 
 import numpy as np
@@ -55,6 +55,14 @@ class HFTokenizer:
       raise ValueError(
         f'--tokenizer {path} needs the `tokenizers` package: pip install -e ".[hf]"'
       ) from e
+    if os.path.isdir(path):  # an HF model directory: its tokenizer.json
+      inside = os.path.join(path, "tokenizer.json")
+      if not os.path.isfile(inside):
+        raise FileNotFoundError(
+          f"--tokenizer {path} is a directory without a tokenizer.json: pass the tokenizer.json "
+          f"of an HF model (or its directory), or leave --tokenizer out for byte-level tokens"
+        )
+      path = inside
     if not os.path.isfile(path):
       raise FileNotFoundError(
         f"tokenizer file {path!r} does not exist: pass --tokenizer with an "
@@ -69,7 +77,12 @@ class HFTokenizer:
         f"--tokenizer {path} is not a valid HF tokenizer.json ({why}): pass the tokenizer.json "
         f"of an HF model, or leave --tokenizer out for byte-level tokens"
       ) from None
-    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    # Ids need not be contiguous (a tokenizer.json may number its tokens with gaps): the largest
+    # id + 1 is what a model's embedding must hold.
+    ids = self._tok.get_vocab(with_added_tokens=True).values()
+    self.vocab_size = max(
+      self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1
+    )
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
@@ -111,7 +124,9 @@ def expand_paths(patterns, flag: str = "--data") -> list[str]:
   files = []
   named = f"{flag} " if flag else ""
   for pattern in patterns:
-    matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    # A file whose name holds glob characters (`data[1].txt`) is that file, not a pattern.
+    literal = not glob.has_magic(pattern) or os.path.exists(pattern)
+    matches = [pattern] if literal else sorted(glob.glob(pattern))
     if not matches:
       raise FileNotFoundError(f"{named or 'input '}{pattern!r} matches no file")
     for path in matches:
@@ -132,8 +147,8 @@ def expand_paths(patterns, flag: str = "--data") -> list[str]:
 
 
 def bin_max(path: str, dtype: np.dtype, chunk: int = 1 << 22) -> int:
-  """The largest id of a .bin file, read in chunks by plain reads (not the memmap: pages of a
-  mapping stay in the process's resident memory)."""
+  """The largest id of a .bin file, read in chunks by plain reads (pages of a memory map would
+  stay in the process's resident memory)."""
   top = 0
   with open(path, "rb") as f:
     while block := f.read(chunk * dtype.itemsize):
@@ -141,20 +156,95 @@ def bin_max(path: str, dtype: np.dtype, chunk: int = 1 << 22) -> int:
   return top
 
 
-def read_bin(path: str, dtype: np.dtype) -> np.ndarray:
+def read_bin(path: str, dtype: np.dtype) -> BinFile:
   size = os.path.getsize(path)
   if size % dtype.itemsize:
     raise ValueError(
       f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; is --bin-dtype right?"
     )
-  if not size:
-    return np.zeros(0, dtype)
-  tokens = np.memmap(path, dtype=dtype, mode="r")
-  # Batches read random windows: without this the kernel reads ahead (megabytes per window)
-  # and a long run ends up with all of the file resident.
-  if hasattr(mmap, "MADV_RANDOM") and getattr(tokens, "_mmap", None) is not None:
-    tokens._mmap.madvise(mmap.MADV_RANDOM)
-  return tokens
+  return BinFile(path, dtype)
+
+
+class DataChanged(ValueError):
+  """A data file shrank while the run read it."""
+
+
+class _Fd:
+  """An open file descriptor, closed when the last BinFile view on it goes."""
+
+  def __init__(self, path: str):
+    self.fd = os.open(path, os.O_RDONLY)
+    self.bytes = os.fstat(self.fd).st_size  # when the run opened it
+    if hasattr(os, "posix_fadvise"):  # random windows: no read-ahead of megabytes per window
+      os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+  def __del__(self):
+    try:
+      os.close(self.fd)
+    except (OSError, TypeError):  # already closed, or the interpreter is shutting down
+      pass
+
+
+class BinFile:
+  """The token ids of a .bin file, as a 1-D array that reads only what is indexed, by os.pread.
+
+  Not a memory map: a file truncated while the run reads it (another program rewriting a shard)
+  makes a mapped read past its new end a SIGBUS, which kills the process without a word; a short
+  pread is a `DataChanged` error naming the file. `f[lo:hi]` is a view; `f[idx]` (an integer
+  array) reads each run of consecutive indices (a batch's windows) with one call."""
+
+  def __init__(self, path: str, dtype, _fd: _Fd | None = None, start: int = 0, size=None):
+    self.path, self.dtype = path, np.dtype(dtype)
+    self._fd = _fd or _Fd(path)
+    self.start = start
+    self.size = self._fd.bytes // self.dtype.itemsize - start if size is None else size
+    self.shape = (self.size,)
+    self.ndim = 1
+
+  def __len__(self) -> int:
+    return self.size
+
+  def _read(self, lo: int, n: int, into: np.ndarray | None = None) -> np.ndarray:
+    """Tokens lo..lo+n-1, read into `into` (n tokens, contiguous) or a new array."""
+    into = np.empty(n, self.dtype) if into is None else into
+    got = os.preadv(self._fd.fd, [memoryview(into).cast("B")], (self.start + lo) * into.itemsize)
+    if got < into.nbytes:
+      now = os.fstat(self._fd.fd).st_size
+      raise DataChanged(
+        f"{self.path} shrank from {self._fd.bytes} to {now} bytes while the run read it "
+        f"(truncated or rewritten by another program)"
+      )
+    return into
+
+  def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+    """`self[starts[..., None] + arange(length)]`, each window read straight into its row."""
+    starts = np.asarray(starts)
+    if starts.size and (starts.min() < 0 or starts.max() + length > self.size):
+      raise IndexError(f"token index out of range [0, {self.size})")
+    out = np.empty((*starts.shape, length), self.dtype)
+    for row, lo in zip(out.reshape(-1, length), starts.reshape(-1).tolist()):
+      self._read(lo, length, into=row)
+    return out
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      lo, hi, step = index.indices(self.size)
+      if step != 1:
+        raise IndexError("a BinFile slice must have step 1")
+      return BinFile(self.path, self.dtype, self._fd, self.start + lo, max(0, hi - lo))
+    idx = np.asarray(index)
+    flat = idx.reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= self.size):
+      raise IndexError(f"token index out of range [0, {self.size})")
+    out = np.empty(flat.size, self.dtype)
+    cuts = np.flatnonzero(np.diff(flat) != 1) + 1  # where a run of consecutive indices ends
+    for a, b in zip(np.r_[0, cuts], np.r_[cuts, flat.size]):
+      out[a:b] = self._read(int(flat[a]), int(b - a))
+    return out.reshape(idx.shape)
+
+  def __array__(self, dtype=None, copy=None):
+    whole = self._read(0, self.size)
+    return whole if dtype is None else whole.astype(dtype)
 
 
 def read_jsonl(path: str, field: str, progress=None):
@@ -190,9 +280,15 @@ def _read_jsonl(path: str, field: str, progress):
           f"not text: fix or drop that record, or pass --text-field with the field that holds "
           f"the text"
         )
+      if bad := _SURROGATE.search(text):  # JSON's "\ud800" escape: no character, no UTF-8
+        raise ValueError(
+          f"{path}:{n}: the {field!r} field holds a lone surrogate ({ascii(bad.group())} at "
+          f"character {bad.start()}), which is not text: fix or drop that record"
+        )
       yield text
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
 TEXT_SAMPLE = 1 << 20  # bytes of a text file checked for being text
 MAX_CONTROL = 0.05  # fraction of control characters (other than tab, newlines, form feed) allowed
 
@@ -222,6 +318,51 @@ def check_text(path: str, head: bytes) -> None:
     )
 
 
+SHARD = re.compile(r"shard-\d{5}\.bin")  # the files of `paro-jax prepare-data` (run/prepare.py)
+META = "meta.json"
+
+
+def check_shards(directory: str, dtype_flag: str | None) -> np.dtype:
+  """A directory of prepare-data shards must be complete: its meta.json written (prepare-data
+  writes it last) and every shard on disk the size it records. Returns the shards' dtype."""
+  fix = f"prepare the data again (paro-jax prepare-data ... --out {directory})"
+  on_disk = sorted(n for n in os.listdir(directory) if SHARD.fullmatch(n))
+  path = os.path.join(directory, META)
+  if not os.path.exists(path):
+    raise ValueError(
+      f"{directory} holds prepare-data shards ({on_disk[0]}, ...) but no {META}: the "
+      f"preparation did not finish (stopped or killed), so the set may be partial: {fix}"
+    )
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+    listed = {s["file"]: int(s["tokens"]) for s in meta["shards"]}
+    dtype = np.dtype(meta["dtype"])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"{path} is not a complete prepare-data {META} ({e!r}): {fix}") from None
+  if dtype_flag and np.dtype(BIN_DTYPES[dtype_flag]) != dtype:
+    raise ValueError(
+      f"--bin-dtype {dtype_flag}, but {path} says its shards are {dtype.name}: pass --bin-dtype "
+      f"{dtype.name} (or leave it out)"
+    )
+  missing = sorted(set(listed) - set(on_disk))
+  extra = sorted(set(on_disk) - set(listed))
+  if missing or extra:
+    what = f"{missing[0]} is missing" if missing else f"{extra[0]} is not in it"
+    raise ValueError(
+      f"{path} lists {len(listed)} shards, {directory} holds {len(on_disk)} ({what}): {fix}"
+    )
+  for name, tokens in listed.items():
+    size = os.path.getsize(os.path.join(directory, name))
+    if size != tokens * dtype.itemsize:
+      raise ValueError(
+        f"{os.path.join(directory, name)} is {size} bytes, but {META} records {tokens} "
+        f"{dtype.name} tokens ({tokens * dtype.itemsize} bytes): it was truncated or rewritten: "
+        f"{fix}"
+      )
+  return dtype
+
+
 def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
   """All tokens of the sources, in order; ids checked against the model's vocabulary."""
   tokenizer = make_tokenizer(cfg)
@@ -232,10 +373,17 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
   )
   if not cfg.paths:
     return default_corpus()
-  dtype = bin_dtype_for(cfg, tokenizer.vocab_size if cfg.tokenizer else model_vocab)
+  shard_dtypes = {}  # directory of prepare-data shards -> their dtype (meta.json)
   parts = []
   for path in expand_paths(cfg.paths):
     if path.endswith(".bin"):
+      if SHARD.fullmatch(os.path.basename(path)):
+        where = os.path.dirname(path) or "."
+        if where not in shard_dtypes:
+          shard_dtypes[where] = check_shards(where, cfg.bin_dtype)
+        dtype = shard_dtypes[where]
+      else:
+        dtype = bin_dtype_for(cfg, tokenizer.vocab_size if cfg.tokenizer else model_vocab)
       tokens = read_bin(path, dtype)
       top = bin_max(path, dtype) if tokens.size else 0
       if top >= model_vocab:
@@ -268,12 +416,12 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
     if tokens.size == 0:
       raise ValueError(f"data file {path!r} is empty: give a file with text in it")
     parts.append(tokens)
-  # One file stays as it is (a memmap for .bin); several are read as one stream, not joined.
+  # One file stays as it is (a BinFile for .bin); several are read as one stream, not joined.
   return parts[0] if len(parts) == 1 else TokenStream(parts)
 
 
 class TokenStream:
-  """Several 1-D token arrays (memmaps of .bin shards) read as their concatenation, which is never
+  """Several 1-D token arrays (BinFiles of .bin shards) read as their concatenation, which is never
   built: `stream[idx]` (integer arrays) gathers from the parts the indices fall in (a window may
   span two), `stream[lo:hi]` is a stream over views. Only the tokens asked for are read."""
 
@@ -306,6 +454,31 @@ class TokenStream:
       sel = which == k
       out[sel] = self.parts[k][idx[sel] - self.offsets[k]]
     return out
+
+  def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+    """`self[starts[..., None] + arange(length)]`: a window inside one part is read by that
+    part's `windows` (one read for a BinFile); one that spans two is gathered."""
+    starts = np.asarray(starts)
+    flat = starts.reshape(-1)
+    out = np.empty((flat.size, length), self.dtype)
+    first = np.searchsorted(self.offsets, flat, side="right") - 1
+    last = np.searchsorted(self.offsets, flat + length - 1, side="right") - 1
+    for k in np.unique(first):
+      sel = (first == k) & (last == k)
+      if sel.any():
+        out[sel] = windows(self.parts[k], flat[sel] - self.offsets[k], length)
+    spans = first != last
+    if spans.any():
+      out[spans] = self[flat[spans][:, None] + np.arange(length)]
+    return out.reshape(*starts.shape, length)
+
+
+def windows(tokens, starts: np.ndarray, length: int) -> np.ndarray:
+  """The windows of `length` tokens at `starts`: through `tokens.windows` where it has one
+  (BinFile, TokenStream), else by indexing (an array in memory)."""
+  if hasattr(tokens, "windows"):
+    return tokens.windows(starts, length)
+  return np.asarray(tokens)[np.asarray(starts)[..., None] + np.arange(length)]
 
 
 def split_eval(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -365,8 +538,7 @@ class Batches:
     lo, hi = rows or (0, B)
     rng = np.random.default_rng([self.seed, step])
     starts_AxB = rng.integers(0, self.tokens.size - L1, size=(A, B))[:, lo:hi]
-    windows = self.tokens[starts_AxB[..., None] + np.arange(L1)]
-    return windows.astype(np.int32)
+    return windows(self.tokens, starts_AxB, L1).astype(np.int32)
 
   def process_rows(self, process: int, processes: int) -> tuple[int, int]:
     """The rows process `process` of `processes` holds: the batch is split over the mesh's

@@ -43,8 +43,9 @@ class ExampleShardWriter:
   def examples(self) -> int:
     return sum(len(s) for s in self.starts)
 
+  @property
   def paths(self) -> list[str]:
-    """Every file written, each shard's three."""
+    """Every file written, each shard's three (what prepare-data publishes)."""
     return [p for shard in self.shards for p in (shard, *companions(shard))]
 
   def write(self, tokens: np.ndarray, mask: np.ndarray) -> None:
@@ -121,14 +122,20 @@ def read_examples(shards: list[str]) -> Examples:
     if entry is None:
       raise ValueError(f"{shard} is not in {os.path.join(directory, META)}: {fix}")
     mask_path, starts_path = companions(shard)
-    for path, size in ((mask_path, entry["tokens"]), (starts_path, 8 * (entry["examples"] + 1))):
+    dtype = np.dtype(meta["dtype"])
+    sizes = (
+      (shard, entry["tokens"] * dtype.itemsize),
+      (mask_path, entry["tokens"]),
+      (starts_path, 8 * (entry["examples"] + 1)),
+    )
+    for path, size in sizes:
       if not os.path.isfile(path) or os.path.getsize(path) != size:
         got = os.path.getsize(path) if os.path.isfile(path) else "missing"
         raise ValueError(
           f"{path}: {got} bytes, {META} records {size} (its shard holds {entry['tokens']} tokens, "
           f"{entry['examples']} examples): {fix}"
         )
-    tokens.append(read_bin(shard, np.dtype(meta["dtype"])))
+    tokens.append(read_bin(shard, dtype))
     masks.append(read_bin(mask_path, np.dtype(np.uint8)))
     local = np.fromfile(starts_path, np.int64)
     starts.append(local[:-1] + offset)

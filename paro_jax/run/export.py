@@ -4,20 +4,29 @@ The checkpoint is restored through paro_jax.run.checkpoint onto a one-device eng
 mesh 1x1) built for the model config the checkpoint records; its fp32 master weights are written
 with models.hf.save_hf. A LoRA run's adapters are merged into its (frozen) base weights first:
 the export is a plain LLaMA.
+
+The files are written into a hidden directory beside --out (`.NAME.partial-PID`) and moved into
+place once complete: a failed export (a full disk, Ctrl-C) leaves --out as it was.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from safetensors import SafetensorError
+
 from models.hf import CONFIG, save_hf
 from models.llama import Llama, LlamaConfig, LoraConfig
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
+from paro_jax.run.prepare import pid_alive
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.mesh import make_mesh
@@ -72,6 +81,8 @@ def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
           base = json.load(f)
       except (OSError, ValueError):
         base = None  # the source is gone or unreadable: write our fields only
+      if not isinstance(base, dict):
+        base = None
     cfg = LlamaConfig(**meta.model_config)
     lora = LoraConfig(**meta.lora) if meta.lora else None
     engine = Engine(
@@ -97,5 +108,37 @@ def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
     raise ValueError(
       f"checkpoint step {meta.step} of {run_dir} holds NaN or Inf weights: not exported"
     )
-  save_hf(cfg, params, out, base_config=base)
+  _write(cfg, params, out, base)
   return meta.step
+
+
+def _write(cfg: LlamaConfig, params, out: str, base: dict | None) -> None:
+  """save_hf into `.NAME.partial-PID` beside `out`, then into place: a new `out` is that
+  directory renamed; an existing one (--overwrite) gets each file replaced, its others kept."""
+  parent, name = os.path.split(os.path.abspath(out))
+  os.makedirs(parent, exist_ok=True)
+  stem = os.path.join(parent, f".{name}.partial-")
+  for stale in glob.glob(glob.escape(stem) + "*"):  # of an export that was killed (-9)
+    pid = stale[len(stem) :]
+    if pid.isdigit() and not pid_alive(int(pid)):
+      shutil.rmtree(stale, ignore_errors=True)
+  partial = f"{stem}{os.getpid()}"
+  try:
+    save_hf(cfg, params, partial, base_config=base)
+    if os.path.isdir(out) and os.listdir(out):
+      for file in os.listdir(partial):
+        os.replace(os.path.join(partial, file), os.path.join(out, file))
+    else:
+      if os.path.isdir(out):
+        os.rmdir(out)  # empty: renamed over
+      os.rename(partial, out)
+  except (OSError, SafetensorError) as e:
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "os error 28" in str(e)
+    what = "the disk is full" if full else " ".join(str(e).split())
+    fix = f"free space on the disk holding {out}" if full else "fix that"
+    raise ValueError(
+      f"{what}: could not write the HF model to {out}; --out is as it was (nothing was "
+      f"written there): {fix}, or pass another --out"
+    ) from None
+  finally:
+    shutil.rmtree(partial, ignore_errors=True)

@@ -8,7 +8,13 @@ shards of examples with their target masks (run/example_shards.py). Tokens go to
 `OUT/shard-00000.bin`, `shard-00001.bin`, ... of at most `--shard-tokens` ids each (uint16, or
 uint32 when the tokenizer's vocabulary needs it), written as they come; memory stays at a few
 blocks whatever the size of the data. `OUT/meta.json` records the tokenizer, dtype and counts.
-`train --data 'OUT/*.bin'` then reads the shards by memory map.
+`train --data 'OUT/*.bin'` then reads the shards, checked against meta.json (paro_jax/run/data.py).
+
+Nothing is published until everything is written: the shards are written into `OUT/.partial-PID/`
+and moved into OUT, then meta.json is written, only at the end. A stop (SIGINT, SIGTERM, SIGHUP:
+Ctrl-C, `timeout`, `kill`, SLURM) or an error (a full disk included) removes the partial shards and
+leaves OUT as it was; a `kill -9` leaves its `.partial-PID/` (never read as data), which the next
+prepare-data into OUT removes.
 
 Byte-level tokens are exactly what `train --data FILE` would use for the same files. With an HF
 tokenizer, text files are tokenized per block of lines, so a token never spans a block boundary
@@ -17,9 +23,13 @@ tokenizer, text files are tokenized per block of lines, so a token never spans a
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
+import shutil
+import signal
+import threading
 
 import numpy as np
 from tqdm import tqdm
@@ -43,38 +53,113 @@ META = "meta.json"
 BLOCK = 1 << 20  # bytes of text tokenized at once
 
 
-class ShardWriter:
-  """Appends token arrays to OUT/shard-NNNNN.bin files of at most `shard_tokens` ids."""
+PARTIAL = ".partial-"  # OUT/.partial-PID/: the shards of a prepare-data still writing
 
-  def __init__(self, out: str, dtype: np.dtype, shard_tokens: int):
-    self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+
+class Stopped(KeyboardInterrupt):
+  """prepare-data was stopped by a signal; nothing was published."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+class ShardWriter:
+  """Appends token arrays to `directory`/shard-NNNNN.bin files of at most `shard_tokens` ids."""
+
+  def __init__(self, directory: str, dtype: np.dtype, shard_tokens: int):
+    self.directory, self.dtype, self.shard_tokens = directory, dtype, shard_tokens
     self.paths: list[str] = []
     self.counts: list[int] = []
     self.total = 0
     self._file = None
 
   def write(self, tokens: np.ndarray) -> None:
-    tokens = np.asarray(tokens).astype(self.dtype, copy=False)
+    tokens = np.ascontiguousarray(np.asarray(tokens).astype(self.dtype, copy=False))
     while tokens.size:
       if self._file is None or self.counts[-1] == self.shard_tokens:
         self._next()
       room = self.shard_tokens - self.counts[-1]
       head, tokens = tokens[:room], tokens[room:]
-      head.tofile(self._file)
+      self._file.write(head.data)  # a file's write, not tofile: a full disk is ENOSPC
       self.counts[-1] += head.size
       self.total += head.size
 
   def _next(self) -> None:
-    if self._file:
-      self._file.close()
-    self.paths.append(os.path.join(self.out, f"shard-{len(self.paths):05d}.bin"))
+    self.close()
+    self.paths.append(os.path.join(self.directory, shard_name(len(self.paths))))
     self.counts.append(0)
     self._file = open(self.paths[-1], "wb")
 
   def close(self) -> None:
     if self._file:
-      self._file.close()
-      self._file = None
+      file, self._file = self._file, None
+      file.close()
+
+
+def shard_name(k: int) -> str:
+  return f"shard-{k:05d}.bin"
+
+
+class _StopOn:
+  """SIGTERM and SIGHUP raise `Stopped` in the main thread as Ctrl-C raises KeyboardInterrupt, so
+  that the partial shards are removed (their default action would end the process on the spot)."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+  def __init__(self):
+    self._old = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in self.SIGNALS:
+        self._old[sig] = signal.signal(sig, self._raise)
+    return self
+
+  def _raise(self, signum, frame):
+    raise Stopped(signum)
+
+  def hold(self) -> None:
+    """From here on no signal interrupts, Ctrl-C included: the publishing renames are quick, and
+    a set cut between them would be neither published nor removed."""
+    if threading.current_thread() is not threading.main_thread():
+      return
+    self._old.setdefault(signal.SIGINT, signal.getsignal(signal.SIGINT))
+    for sig in self._old:
+      signal.signal(sig, signal.SIG_IGN)
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def _remove_stale(out: str) -> None:
+  """Remove the `.partial-PID` directories of prepare-data runs that were killed (-9)."""
+  for path in glob.glob(os.path.join(glob.escape(out), PARTIAL + "*")):
+    pid = path.rsplit(PARTIAL, 1)[1]
+    if pid.isdigit() and not pid_alive(int(pid)):
+      shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+  """Whether process `pid` exists on this host."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _disk_full(e: OSError, out: str) -> ValueError | None:
+  if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    return None
+  what = "the disk is full" if e.errno == errno.ENOSPC else "the disk quota is exceeded"
+  return ValueError(
+    f"{what}: could not write the shards into {out}; nothing was published there (the partial "
+    f"shards were removed). Free space on the disk holding {out}, or pass another --out"
+  )
 
 
 def _text_blocks(path: str, block: int = BLOCK):
@@ -139,73 +224,88 @@ def prepare_data(
       f"--bin-dtype uint32"
     )
   os.makedirs(out, exist_ok=True)
-  old = sorted(glob.glob(os.path.join(out, "shard-*.bin")))
-  if old:
+  _remove_stale(out)
+  old = sorted(glob.glob(os.path.join(glob.escape(out), "shard-*.bin")))
+  if old or os.path.exists(os.path.join(out, META)):
+    what = f"{len(old)} shards ({os.path.basename(old[0])}, ...)" if old else META
     raise ValueError(
-      f"{out} already holds {len(old)} shards ({os.path.basename(old[0])}, ...): pass another "
-      f"--out, or delete them to prepare the data again"
+      f"{out} already holds {what}: pass another --out, or delete them to prepare the data again"
     )
   fmt = sources.data_format(files, text_field, data_format)
   encoder, dropped = None, 0
   if fmt != TEXT:
     encoder = Encoder(fmt, tok, tokenizer_directory(tokenizer), chat_template)
-    writer = ExampleShardWriter(out, dtype, shard_tokens)
+  partial = os.path.join(out, f"{PARTIAL}{os.getpid()}")
+  os.makedirs(partial)
+  if encoder is not None:
+    writer = ExampleShardWriter(partial, dtype, shard_tokens)
   else:
-    writer = ShardWriter(out, dtype, shard_tokens)
+    writer = ShardWriter(partial, dtype, shard_tokens)
   total_bytes = sum(os.path.getsize(p) for p in files)
   bar = tqdm(
     total=total_bytes, unit="B", unit_scale=True, desc="prepare-data", disable=progress is False
   )
   try:
-    for path in files:
-      before = writer.total
-      if encoder is not None:  # one record at a time (Parquet: a batch of rows)
-        for where, record in read_records(path, progress=bar.update):
-          tokens, mask = encoder(where, record)
-          if np.any(mask[1:]):
-            writer.write(tokens, mask)
-          else:
-            dropped += 1
-      elif path.endswith(".jsonl"):
-        for text in read_jsonl(path, text_field, progress=bar.update):
-          writer.write(tok.encode(text))
-      elif path.endswith(".parquet"):
-        for text in read_texts(path, text_field, progress=bar.update):
-          writer.write(tok.encode(text))
-      else:
-        for raw, text in _text_blocks(path, block):
-          writer.write(
-            np.frombuffer(raw, np.uint8) if isinstance(tok, ByteTokenizer) else tok.encode(text)
-          )
-          bar.update(len(raw))
-      if writer.total == before and encoder is None:
-        raise ValueError(f"data file {path!r} is empty: give a file with text in it")
-    if encoder is not None and not writer.total:
-      raise ValueError(f"no example with a target token in {', '.join(files)}: nothing to train on")
-  except BaseException:
-    writer.close()
-    for p in writer.paths() if encoder else writer.paths:  # no partial set of shards that a
-      os.remove(p)  # later train would take as whole
-    raise
+    with _StopOn() as stop:
+      for path in files:
+        before = writer.total
+        if encoder is not None:  # one record at a time (Parquet: a batch of rows)
+          for where, record in read_records(path, progress=bar.update):
+            tokens, mask = encoder(where, record)
+            if np.any(mask[1:]):
+              writer.write(tokens, mask)
+            else:
+              dropped += 1
+        elif path.endswith(".jsonl"):
+          for text in read_jsonl(path, text_field, progress=bar.update):
+            writer.write(tok.encode(text))
+        elif path.endswith(".parquet"):
+          for text in read_texts(path, text_field, progress=bar.update):
+            writer.write(tok.encode(text))
+        else:
+          for raw, text in _text_blocks(path, block):
+            writer.write(
+              np.frombuffer(raw, np.uint8) if isinstance(tok, ByteTokenizer) else tok.encode(text)
+            )
+            bar.update(len(raw))
+        if writer.total == before and encoder is None:
+          raise ValueError(f"data file {path!r} is empty: give a file with text in it")
+      if encoder is not None and not writer.total:
+        raise ValueError(
+          f"no record with a target token in {', '.join(files)}: nothing to train on"
+        )
+      writer.close()
+      meta = {
+        "tokenizer": tokenizer or "bytes",
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype.name,
+        "tokens": writer.total,
+        "shards": [
+          {"file": os.path.basename(p), "tokens": n} for p, n in zip(writer.paths, writer.counts)
+        ],
+        "sources": files,
+      }
+      if encoder is not None:  # instruction data: the examples' shards (run/example_shards.py)
+        dropped = {"no target": dropped} if dropped else {}
+        meta.update(**writer.meta(), format=fmt, dropped=dropped)
+      with open(os.path.join(partial, META), "w") as f:
+        json.dump(meta, f, indent=1)
+      stop.hold()
+      # Published: every shard moved into OUT, then meta.json, which train requires: a set
+      # interrupted between the renames has no meta.json and is refused whole.
+      for p in writer.paths:
+        os.rename(p, os.path.join(out, os.path.basename(p)))
+      os.rename(os.path.join(partial, META), os.path.join(out, META))
+  except OSError as e:
+    full = _disk_full(e, out)
+    if full is None:
+      raise
+    raise full from None
   finally:
     bar.close()
-  writer.close()
-  meta = {
-    "tokenizer": tokenizer or "bytes",
-    "vocab_size": tok.vocab_size,
-    "dtype": dtype.name,
-    "tokens": writer.total,
-    "shards": [
-      {"file": os.path.basename(p), "tokens": n} for p, n in zip(writer.paths, writer.counts)
-    ]
-    if encoder is None
-    else writer.meta()["shards"],
-    "sources": files,
-  }
-  if encoder is not None:
-    meta.update(
-      format=fmt, examples=writer.examples, dropped={"no target": dropped} if dropped else {}
-    )
-  with open(os.path.join(out, META), "w") as f:
-    json.dump(meta, f, indent=1)
+    try:
+      writer.close()
+    except OSError:
+      pass  # the error being raised says it (a full disk fails the flush again)
+    shutil.rmtree(partial, ignore_errors=True)  # after an error or stop: the partial shards
   return meta

@@ -29,7 +29,7 @@ from paro_jax.run.divergence import DivergenceGuard
 from paro_jax.run.fit import check_fits
 from paro_jax.analysis.costs import model_state_bytes
 from paro_jax.run.metrics import dump_row, read_rows
-from paro_jax.run.data import Batches, expand_paths, load_tokens, split_eval
+from paro_jax.run.data import Batches, DataChanged, expand_paths, load_tokens, split_eval
 from paro_jax.run.examples import ExampleBatches
 from paro_jax.run.instruct import TEXT
 from paro_jax.run.sources import data_format, hf_directory, instruction_batches
@@ -571,6 +571,22 @@ def _train_locked(cfg, engine, batches, eval_batches, main, stop) -> str:
       bar.close()
       _stopped(main, saved, ckpt)
       raise
+    except DataChanged as e:
+      # A data file shrank under the run (run/data.py): the steps done are sound, saved as on a
+      # stop (one process: with several, saving needs all of them, and the others are waiting in
+      # a collective for this one). The line says where to continue from.
+      if pending is not None:
+        record(*pending)
+      intact = not any(x.is_deleted() for x in jax.tree.leaves(state))
+      if jax.process_count() == 1 and intact and int(state.step) > start:
+        save(state)
+      ckpt.close()
+      bar.close()
+      kept = f"checkpoint step {saved} is in {ckpt.directory}" if saved is not None else None
+      raise DataChanged(
+        f"{e}; {kept or 'no checkpoint was saved'}: restore the file (or prepare the data "
+        f"again) and run the same command" + (" with --resume" if kept else "")
+      ) from None
     except BaseException as e:
       try:
         ckpt.close()  # lets a save in flight complete; the newest checkpoint stays as it is

@@ -157,6 +157,16 @@ def test_gradient_sync_runs_inside_the_last_backward(strategy):
   assert not any("micro_batches/while/body" in c["op_name"] for c in synced)
 
 
+def test_no_inter_node_bytes_are_filed_under_other():
+  """NNI's per-layer gradient all-reduces between nodes, combined by XLA:GPU into all-reduces of
+  concatenated gradients without an op_name, are filed under `gradient sync`; only the loss's
+  few bytes are `other`."""
+  rows = gpu_report("NNI", "xla", micro_batches=2, model="tiny", seq=128)["overlap"]["collectives"]
+  inter = [c for c in rows if c["level"] == "inter"]
+  assert inter and all(c["phase"] == "gradient sync" for c in inter), inter
+  assert sum(c["bytes_per_device"] for c in rows if c["phase"] == "other") < 64
+
+
 def test_cudnn_checks_read_the_target():
   """jax asks the local GPU for its compute capability and the cuDNN library for its version;
   for a target the two answers come from the target's description (analysis/gpu.py)."""

@@ -153,3 +153,26 @@ def test_hlo_parser_on_synthetic_module():
   }
   assert hlo.level_of(ar, intra=4) == "global" and hlo.phase_of(ar.op_name) == "gradient sync"
   assert hlo.device_bytes(ar, 8)[3] == pytest.approx(2 * 7 / 8 * 32)
+
+
+COMBINED = """HloModule m
+
+ENTRY %main (a: f32[8], b: f32[4]) -> f32[12] {
+  %a = f32[8]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %rs = f32[2]{0} reduce-scatter(%a), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add, metadata={op_name="jit(f)/shard_map/micro_batches/transpose(micro_batches)/jvp(layer_grad_sync)/reduce_scatter"}
+  %bc = f32[2]{0} bitcast(%rs), metadata={scheduling_name="bc"}
+  %cat = f32[6]{0} fusion(%bc, /*index=1*/%b), kind=kLoop, calls=%concat, metadata={scheduling_name="cat"}
+  %ars = f32[6]{0} all-reduce-start(%cat), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add, metadata={scheduling_name="ars"}
+  ROOT %ard = f32[6]{0} all-reduce-done(%ars)
+}
+"""
+
+
+def test_a_combined_collective_takes_the_phase_of_its_data():
+  """XLA:GPU's all-reduce combiner concatenates per-layer gradients into one all-reduce that
+  carries no op_name (NNI's inter-node gradient all-reduces, 96% of its inter bytes, were filed
+  under `other`): it takes the name of the nearest named producer of its operands."""
+  found = {c.name: c for c in hlo.parse_collectives(COMBINED)}
+  assert hlo.phase_of(found["ars"].op_name) == "gradient sync"
+  assert hlo.level_of(found["ars"], intra=4) == "inter"

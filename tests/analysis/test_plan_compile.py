@@ -75,6 +75,10 @@ def test_table_shows_xla_and_repriced_steps_beside_the_analytic_rank():
   assert row[7] == str(order.index(other) + 1)
   assert row[9:] == ["30.0", "GB"]
   assert lines[-1] == f"pick by XLA's estimate: {other} (differs from the analytic {p.pick})"
+  # XLA's fastest is the analytic pick: the last line says so, with its object
+  r["compiled"][0]["estimate"]["step_s"] = 2.0
+  last = plan_compile.format_rerank(p, {**r, "pick": p.pick}).splitlines()[-1]
+  assert last == f"pick by XLA's estimate: {p.pick} (agrees with the analytic pick)"
 
 
 # --- `train --strategy auto` on GPUs (analysis/auto.py) -----------------------------------------

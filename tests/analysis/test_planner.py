@@ -240,6 +240,37 @@ def test_plan_json_schema(capsys):
   assert fits == sorted(fits, reverse=True)  # fitting ones first
 
 
+@pytest.mark.parametrize("gpu,link", [("a100-80gb", 300e9), ("h100", 450e9), ("h200", 450e9)])
+def test_plan_takes_the_gpus_intra_node_link(capsys, gpu, link):
+  """Without --intra-bandwidth the node's link is the --gpu's NVLink (per direction: half the
+  datasheet's 600 GB/s for an A100, 900 GB/s for an H100 or H200), not the A100's for every GPU;
+  --intra-bandwidth overrides it."""
+  base = ["plan", "--model", "7b", "--nodes", "4", "--gpu", gpu, "--json"]
+  main(base)
+  assert json.loads(capsys.readouterr().out)["inputs"]["intra_bandwidth_bytes_per_s"] == link
+  main([*base, "--intra-bandwidth", "100GB/s"])
+  assert json.loads(capsys.readouterr().out)["inputs"]["intra_bandwidth_bytes_per_s"] == 100e9
+
+
+def test_plan_table_at_100000_nodes(capsys):
+  """Ten-digit token rates stay apart from the column before them, and the strategies that
+  cannot shard the model that many ways (fits `n/a`) are explained, not listed as not fitting."""
+  main(["plan", "--model", "7b", "--nodes", "100000"])
+  lines = capsys.readouterr().out.splitlines()
+  header = lines.index(next(line for line in lines if line.lstrip().startswith("# strategy")))
+  rows = lines[header + 1 : header + 15]
+  for row in rows:
+    cells = row.split()
+    assert cells[-1].replace(",", "").isdigit() and cells[-2].replace(".", "").isdigit(), row
+    assert row.index(cells[-1]) + len(cells[-1]) == len(lines[header]), row  # right-aligned
+  assert sum(" n/a " in row for row in rows) == 9
+  assert lines[header + 15] == (
+    "fits n/a: the model dimension 4096 does not split 800000 ways (paro_jax shards every leaf "
+    "along it): the strategy cannot run on this mesh"
+  )
+  assert "(NNN does not; NNG, NIG, NGG, ING, IIG, IGG, GNG, GIG, GGG cannot shard" in lines[-1]
+
+
 def test_plan_table(capsys):
   main(PLAN)
   out = capsys.readouterr().out

@@ -295,6 +295,7 @@ def test_stopped_process_is_noticed_by_its_heartbeat(tmp_path):
   assert proc.returncode == 124, err[-3000:]
   assert "node 1 (process 1 of 2) sent no heartbeat for" in err, err[-3000:]
   assert "it is stopped (SIGSTOP) or frozen" in err
+  assert "Check failure" not in err and "SIGABRT" not in err  # JAX's coordination service
   assert re.search(r"Last step finished: node 0: step \d+, node 1: step \d+", err), err[-3000:]
   assert not any(_alive(k) for k in kids)
   assert _namespaces_of(proc.pid) == []
@@ -502,6 +503,128 @@ def test_watch_names_frozen_and_stuck_nodes(tmp_path):
   w.read()
   k, why = w.verdict()
   assert k == 1 and "finished no step for 31 s (--progress-timeout 30): it is hung" in why
+
+
+def test_jax_coordination_service_outlasts_our_heartbeat_watch(monkeypatch):
+  """JAX's coordination service aborts the healthy processes (SIGABRT, a C++ stack, no name)
+  about 0.85-0.9 of its heartbeat timeout after a process stops: it gets more than twice ours
+  (the launcher's, passed in its nodes' environment, or train's --heartbeat-timeout), so that
+  ours names the frozen process first; JAX's own default when ours is off."""
+  import jax
+
+  from paro_jax.cluster import distributed, gloo_rs
+
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(jax.config, "update", lambda *a: None)
+  monkeypatch.setattr(gloo_rs, "install", lambda: None)
+  monkeypatch.delenv(distributed.HEARTBEAT_TIMEOUT_ENV, raising=False)
+  flags = ("127.0.0.1:1234", 2, 0)
+  for ours, jaxs in ((60, 150), (120, 270), (6, 100), (0, 100)):
+    assert distributed.maybe_initialize(*flags, heartbeat_timeout=ours)
+    assert calls[-1]["heartbeat_timeout_seconds"] == jaxs
+    assert jaxs == 100 or 0.85 * jaxs > ours + 30  # it fires after ours, with room to stop
+  monkeypatch.setenv(distributed.HEARTBEAT_TIMEOUT_ENV, "120")  # the launcher's wins
+  assert distributed.maybe_initialize(*flags, heartbeat_timeout=60)
+  assert calls[-1]["heartbeat_timeout_seconds"] == 270
+
+
+class _Store:
+  """A stand-in for jax.distributed's client: the key-value store PeerWatch beats through."""
+
+  def __init__(self):
+    self.kv, self.frozen = {}, False
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    while self.frozen:  # process 0, which holds the store, is stopped: the call never returns
+      time.sleep(0.01)
+    self.kv[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in sorted(self.kv.items()) if k.startswith(prefix)]
+
+
+def test_peer_watch_names_a_frozen_process(capsys):
+  """Under SLURM (train --heartbeat-timeout S): a process whose beat stopped for S s is named
+  by the others, which exit 124 with one line; a process that ended (`done`) is not watched; a
+  store that stops answering names process 0 (it runs JAX's coordination service)."""
+  from paro_jax.cluster import watch
+
+  now, codes, store = [0.0], [], _Store()
+
+  def advance(to):  # the clock runs on, a second per tick, while the watch polls
+    while now[0] < to:
+      now[0] += 1.0
+      time.sleep(0.03)
+
+  watch.finished(7)
+  peers = watch.PeerWatch(store, 0, 3, 20, interval=0.01, exit=codes.append, clock=lambda: now[0])
+  peers.start()
+  for t in (5.0, 10.0, 15.0):  # processes 1 and 2 beat; then 2 ends, 1 stops
+    advance(t)
+    store.kv["paro_jax/beat/1"] = store.kv["paro_jax/beat/2"] = str(t)
+    time.sleep(0.05)
+  store.kv["paro_jax/beat/2"] = watch.DONE
+  advance(35.0)
+  assert codes == []
+  advance(37.0)
+  peers.join(5)
+  assert codes == [124]
+  err = capsys.readouterr().err
+  assert err == (
+    "paro-jax: error: process 0 of 3: process 1 sent no heartbeat for 21 s (--heartbeat-timeout "
+    "20): it is stopped (SIGSTOP) or frozen; exiting. The last step this process finished: 7\n"
+  )
+  now[0], codes, store = 0.0, [], _Store()
+  peers = watch.PeerWatch(store, 1, 2, 20, interval=0.01, exit=codes.append, clock=lambda: now[0])
+  peers.start()
+  time.sleep(0.1)
+  now[0] = 50.0  # this process itself was stopped for 50 s: it blames no one on waking
+  time.sleep(0.1)
+  assert codes == [] and capsys.readouterr().err == ""
+  store.frozen = True
+  advance(72.0)
+  peers.join(5)
+  assert codes == [124]
+  assert "process 1 of 2: process 0, which runs JAX's coordination service, answered no " in (
+    capsys.readouterr().err
+  )
+  store.frozen = False
+
+
+# What JAX's coordination service prints as it aborts node 0 after node 1 was SIGSTOPped
+# (jaxlib 0.10.2, `paro-jax launch --heartbeat-timeout 120` before the fix; the stack shortened).
+JAX_ABORT = os.path.join(REPO, "tests", "fixtures", "jax_coordination_abort.txt")
+
+ABORTING_NODE = """import os, resource, signal, sys, time
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+if sys.argv[sys.argv.index("--process-id") + 1] == "0":
+  time.sleep(0.5)
+  print("a line of its own", file=sys.stderr)
+  sys.stderr.write(open(sys.argv[1]).read())
+  sys.stderr.flush()
+  os.kill(os.getpid(), signal.SIGABRT)
+time.sleep(60)
+"""
+
+
+def test_launcher_names_the_node_jax_coordination_found_frozen(tmp_path):
+  """When JAX's coordination service aborts a node for another's missing heartbeats (its own
+  timeout shorter than the launcher's, or the launcher's off), the launcher names the frozen
+  node (exit 124, as its own heartbeat watch does) and keeps the C++ stack out of the terminal."""
+  (tmp_path / "node.py").write_text(ABORTING_NODE)
+  out, err = io.StringIO(), io.StringIO()
+  argv = ["python", str(tmp_path / "node.py"), JAX_ABORT]
+  code = launch(argv, nodes=2, devices_per_node=1, shaped=False, stdout=out, stderr=err)
+  text = err.getvalue()
+  assert code == 124, text
+  assert (
+    "paro-jax: error: node 1 (process 1 of 2) sent JAX's coordination service no heartbeat for "
+    "its timeout: it is stopped (SIGSTOP) or frozen (the service then aborted node 0); stopped "
+    "the other nodes."
+  ) in text, text
+  assert "[node 0] a line of its own" in text
+  assert "Check failure" not in text and "@     0x" not in text and "client.h" not in text, text
 
 
 def test_watchdog_exits_a_process_without_progress(capsys):

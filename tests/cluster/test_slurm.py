@@ -281,6 +281,48 @@ def test_sigkilled_task_ends_the_job(cluster, tmp_path):
   assert "Traceback" not in output, output[-3000:]
 
 
+def test_frozen_task_is_named(cluster, tmp_path):
+  """SIGSTOP of one task: the other names it after --heartbeat-timeout s (their beats through
+  JAX's coordination key-value store) and exits 124 with one line; srun ends the job. JAX's
+  coordination service, given a longer heartbeat timeout (70 s here), never aborts the task that
+  still runs (SIGABRT and a C++ stack, naming no one: what happened at ~90 s before). The stopped
+  task, which SLURM continues in order to end it, finds the service gone and is aborted by JAX's
+  client, with its stack: that one is not prevented (docs/failures.md)."""
+  out = tmp_path / "run"
+  train = [*TRAIN, "--steps", "500", "--heartbeat-timeout", "20", "--out", str(out)]
+  srun = ["srun", "--label", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+  cmd = cluster.exec_argv([*srun, sys.executable, "-m", "paro_jax", *train])
+  proc = subprocess.Popen(
+    cmd, env=cluster.env(_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  try:
+    _wait_rows(out / "metrics.jsonl", 2, timeout=300)
+    node1 = cluster.state["namespaces"][1]
+    pids = subprocess.run(["ip", "netns", "pids", node1], capture_output=True, text=True).stdout
+    tasks = [p for p in pids.split() if b"paro_jax\0train" in _cmdline(p)]
+    assert len(tasks) == 1, pids
+    os.kill(int(tasks[0]), signal.SIGSTOP)
+    stopped = time.monotonic()
+    output, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - stopped
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode != 0
+  line = (
+    r"^0: paro-jax: error: process 0 of 2: process 1 sent no heartbeat for \d+ s "
+    r"\(--heartbeat-timeout 20\): it is stopped \(SIGSTOP\) or frozen; exiting\. The last step "
+    r"this process finished: \d+$"
+  )
+  assert re.search(line, output, re.M), output[-3000:]
+  assert "pjnode0: task 0: Exited with exit code 124" in output, output[-3000:]
+  # The stopped task, continued by SLURM to be ended, does not blame the one that named it.
+  assert "1: paro-jax: error: process 1 of 2: process 0" not in output, output[-3000:]
+  assert 20 <= took < 60, took
+  healthy = "\n".join(x for x in output.splitlines() if x.startswith("0: "))
+  assert "Check failure" not in healthy and "Traceback" not in output, output[-3000:]
+
+
 def _cmdline(pid: str) -> bytes:
   try:
     with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models.llama import Llama, get_config, next_token_loss
-from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
+from paro_jax.run.data import Batches, BinFile, DataConfig, load_tokens, split_eval
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.analysis.hardware import mfu, peak_flops
@@ -37,7 +37,7 @@ def test_text_glob_jsonl_and_bin_sources(tmp_path):
   ids = np.arange(1000, dtype=np.uint16) % 300
   ids.tofile(tmp_path / "t.bin")
   got = load_tokens(DataConfig(paths=(str(tmp_path / "t.bin"),)), 512)
-  assert isinstance(got, np.memmap) and got.dtype == np.uint16
+  assert isinstance(got, BinFile) and got.dtype == np.uint16
   np.testing.assert_array_equal(got, ids)
   # Read as uint32 the same bytes are other ids: outside a 512 vocabulary, a clear error.
   with pytest.raises(ValueError, match="outside the model's vocabulary of 512 .*uint32"):
@@ -84,6 +84,28 @@ def test_hf_tokenizer(tmp_path):
   np.testing.assert_array_equal(got, tok.encode(TEXT).ids)
   with pytest.raises(ValueError, match=r"vocabulary of \d+, more than the model's 32"):
     load_tokens(DataConfig(paths=(str(tmp_path / "c.txt"),), tokenizer=path), 32)
+
+
+def test_names_with_glob_characters_and_tokenizer_directories(tmp_path):
+  """A file named like a glob (`data[1].txt`, common in generated names) is that file; an HF
+  model directory given as --tokenizer is read through its tokenizer.json."""
+  pytest.importorskip("tokenizers", reason="the HF tokenizer path needs `tokenizers`")
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+  (tmp_path / "data[1].txt").write_text(TEXT)
+  got = load_tokens(DataConfig(paths=(str(tmp_path / "data[1].txt"),)), 256)
+  np.testing.assert_array_equal(got, np.frombuffer(TEXT.encode(), np.uint8))
+  (tmp_path / "data1.txt").write_text("other")  # what the pattern would match: not taken
+  got = load_tokens(DataConfig(paths=(str(tmp_path / "data[1].txt"),)), 256)
+  assert got.size == len(TEXT.encode())
+  tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator([TEXT] * 3, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+  (tmp_path / "hf").mkdir()
+  tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+  data = (str(tmp_path / "data[1].txt"),)
+  got = load_tokens(DataConfig(paths=data, tokenizer=str(tmp_path / "hf")), 64)
+  np.testing.assert_array_equal(got, tok.encode(TEXT).ids)
 
 
 def test_byte_tokens_need_a_256_vocabulary():

@@ -5,13 +5,16 @@ exact), and both preparing and reading stay within a memory budget smaller than 
 import glob
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from paro_jax.run.data import Batches, DataConfig, TokenStream, load_tokens, split_eval
+from paro_jax.run.data import Batches, BinFile, DataConfig, TokenStream, load_tokens, split_eval
 from paro_jax.run.prepare import prepare_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +40,7 @@ def test_shards_read_as_one_stream(tmp_path):
   assert [s["tokens"] for s in meta["shards"]][:-1] == [7_000] * (len(meta["shards"]) - 1)
   stream = load_tokens(DataConfig(paths=(str(tmp_path / "shards" / "*.bin"),)), 256)
   assert isinstance(stream, TokenStream) and len(stream.parts) == len(meta["shards"])
-  assert all(isinstance(p, np.memmap) for p in stream.parts)
+  assert all(isinstance(p, BinFile) for p in stream.parts)
   np.testing.assert_array_equal(stream[np.arange(stream.size)], joined)
   train_s, eval_s = split_eval(stream, 0.05)
   train_j, eval_j = split_eval(joined, 0.05)
@@ -175,3 +178,114 @@ def test_training_on_shards_equals_training_on_the_joined_file(tmp_path):
     rows = [json.loads(line) for line in open(train(cfg))]
     losses.append([(r["loss"], r.get("eval_loss")) for r in rows])
   assert losses[0] == losses[1] and len(losses[0]) == 3 and losses[0][-1][1] is not None
+
+
+def _wait_for(predicate, timeout, what):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if predicate():
+      return
+    time.sleep(0.05)
+  pytest.fail(f"{what} did not happen in {timeout} s")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stopped_prepare_data_publishes_nothing(tmp_path, sig):
+  """SIGTERM (timeout, kill, SLURM), SIGHUP (a closed terminal) or Ctrl-C while shards are being
+  written: one line saying nothing was published, exit 128 + the signal, and OUT as it was: no
+  shard (complete or partial) that `train --data 'OUT/*.bin'` would take for the whole corpus."""
+  with open(tmp_path / "big.jsonl", "w") as f:  # records are tokenized one by one: seconds
+    f.writelines(json.dumps({"text": f"record {i} " + "x" * 50}) + "\n" for i in range(400_000))
+  out = tmp_path / "shards"
+  cmd = [sys.executable, "-m", "paro_jax", "prepare-data", str(tmp_path / "big.jsonl")]
+  cmd += ["--out", str(out), "--shard-tokens", str(2**20)]
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+  def written():  # three shards, wherever prepare-data writes them (glob skips .hidden dirs)
+    return sum(n.startswith("shard-") for _, _, names in os.walk(out) for n in names) >= 3
+
+  _wait_for(lambda: written() or proc.poll() is not None, 60, "three shards written")
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 128 + sig, err[-3000:]
+  lines = [line for line in err.splitlines() if line.strip() and "prepare-data:" not in line]
+  assert lines == [
+    f"paro-jax: stopped by {sig.name}: nothing was published in {out} (the partial shards were "
+    f"removed): run the same command again"
+  ], err[-3000:]
+  assert os.listdir(out) == []
+
+
+def test_shards_are_checked_against_their_meta_json(tmp_path):
+  """train reads a prepare-data directory only whole: meta.json present (written last) and
+  every shard the size it records; a leftover of a killed prepare-data is never read."""
+  _text(tmp_path / "t.txt", 20_000, 0)
+  shards = tmp_path / "s"
+  prepare_data([str(tmp_path / "t.txt")], str(shards), shard_tokens=7_000, progress=False)
+  glob_bin = DataConfig(paths=(str(shards / "*.bin"),))
+  assert load_tokens(glob_bin, 256).size == 20_000
+  with pytest.raises(ValueError, match="--bin-dtype uint32, but .*meta.json says its shards are"):
+    load_tokens(DataConfig(paths=glob_bin.paths, bin_dtype="uint32"), 256)
+  meta = json.loads((shards / "meta.json").read_text())
+  (shards / "meta.json").unlink()  # what a prepare-data stopped before this fix left
+  with pytest.raises(
+    ValueError, match=r"holds prepare-data shards \(shard-00000.bin, ...\) but no"
+  ):
+    load_tokens(glob_bin, 256)
+  (shards / "meta.json").write_text(json.dumps(meta)[:40])
+  with pytest.raises(ValueError, match="is not a complete prepare-data meta.json"):
+    load_tokens(glob_bin, 256)
+  (shards / "meta.json").write_text(json.dumps(meta))
+  os.truncate(shards / "shard-00001.bin", 1000)
+  with pytest.raises(ValueError, match="shard-00001.bin is 1000 bytes, but meta.json records 7000"):
+    load_tokens(glob_bin, 256)
+  os.remove(shards / "shard-00001.bin")
+  with pytest.raises(ValueError, match=r"lists 3 shards, .* holds 2 \(shard-00001.bin is missing"):
+    load_tokens(DataConfig(paths=(str(shards / "shard-00000.bin"),)), 256)
+  # A prepare-data killed with -9 leaves its .partial-PID directory: not data; the next one
+  # into that directory removes it.
+  dead = tmp_path / "again" / ".partial-999999999"
+  dead.mkdir(parents=True)
+  (dead / "shard-00000.bin").write_bytes(b"x" * 10)
+  prepare_data([str(tmp_path / "t.txt")], str(tmp_path / "again"), progress=False)
+  assert sorted(os.listdir(tmp_path / "again")) == ["meta.json", "shard-00000.bin"]
+
+
+def test_a_shard_truncated_while_training_is_one_line_and_keeps_the_steps(tmp_path):
+  """Another program truncates the shard a run reads: one line naming the file (not SIGBUS, rc
+  135), the steps done saved as on a stop, and that checkpoint resumes once the file is back."""
+  _text(tmp_path / "t.txt", 50_000, 0)
+  shards = tmp_path / "s"
+  prepare_data([str(tmp_path / "t.txt")], str(shards), progress=False)
+  shard = shards / "shard-00000.bin"
+  kept = shard.read_bytes()
+  out = tmp_path / "run"
+  train = [sys.executable, "-m", "paro_jax", "train", "--model", "test", "--mesh", "1x2"]
+  train += ["--batch-size", "2", "--seq-len", "16", "--warmup", "1", "--dtype", "fp32"]
+  train += ["--data", str(shards / "*.bin"), "--eval-fraction", "0", "--out", str(out)]
+  # As a user runs it (conftest's JAX_PLATFORMS would let JAX's CUDA plugin log its lines).
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  proc = subprocess.Popen(
+    [*train, "--steps", "100000"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE, text=True,
+  )  # fmt: skip
+  metrics = out / "metrics.jsonl"
+  rows = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0  # noqa: E731
+  _wait_for(lambda: rows() >= 3 or proc.poll() is not None, 300, "three steps")
+  os.truncate(shard, 0)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 2, err[-3000:]
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("paro-jax: error: "), err[-3000:]
+  step = int(re.search(r"checkpoint step (\d+) is in", lines[0]).group(1))
+  assert f"{shard} shrank from {len(kept)} to 0 bytes while the run read it" in lines[0]
+  assert lines[0].endswith("and run the same command with --resume")
+  assert step >= 3 and json.loads(metrics.read_text().splitlines()[-1])["step"] == step
+  shard.write_bytes(kept)
+  again = subprocess.run(
+    [*train, "--steps", str(step + 1), "--resume"], cwd=REPO, env=env, capture_output=True,
+    text=True, timeout=300,
+  )  # fmt: skip
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"resumed from {out}/checkpoints/{step}" in again.stdout
