@@ -8,6 +8,7 @@ from the string, not by the loader), scored by the model on the record alone.
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -130,3 +131,53 @@ def test_packed_and_unpacked_give_the_same_per_example_losses(fmt):
   assert sorted(per_example[True]) == sorted(per_example[False]) == list(range(len(rows)))
   for pos in range(len(rows)):
     np.testing.assert_allclose(per_example[True][pos], per_example[False][pos], rtol=1e-5)
+
+
+def chat_records(n=64, seed=1):
+  rng = np.random.default_rng(seed)
+  words = "the harbour master kept a logbook every morning wind tide boats".split()
+  out = []
+  for _ in range(n):
+    question = " ".join(rng.choice(words, int(rng.integers(3, 8))))
+    out.append(
+      {
+        "messages": [
+          {"role": "system", "content": "Reverse the words."},
+          {"role": "user", "content": question},
+          {"role": "assistant", "content": " ".join(reversed(question.split()))},
+        ]
+      }
+    )
+  return out
+
+
+def test_lora_with_ing_on_chat_data_end_to_end(tmp_path, capsys):
+  """The PEFT case: chat JSONL, LoRA adapters on an HF model, ING on 2x4, packed; the run's loss
+  is over the assistant tokens only, eval scores them, export writes the merged model."""
+  data = write_jsonl(tmp_path / "chat.jsonl", chat_records())
+  out, tok = str(tmp_path / "run"), os.path.join(CHAT_MODEL, "tokenizer.json")
+  common = ["--data", data, "--tokenizer", tok, "--seq-len", "128", "--batch-size", "8", *FP32]
+  main(
+    ["train", "--init-from", CHAT_MODEL, "--lora-rank", "4", "--strategy", "ING", "--mesh", "2x4"]
+    + ["--pack", "--steps", "8", "--warmup", "2", "--lr", "1e-2", "--out", out, *common]
+  )
+  banner = capsys.readouterr().out
+  assert "LoRA rank 4" in banner and "strategy ING" in banner and "packed" in banner
+  rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+  assert rows[-1]["loss"] < rows[0]["loss"]
+  # the targets of a step: the assistant tokens of the examples its rows hold, each with its
+  # <|eot_id|>; the system and user turns are context (most of a row's tokens)
+  assert all(0 < r["targets"] < 8 * 128 / 4 for r in rows), [r["targets"] for r in rows]
+  scores = {}
+  for source in (CHAT_MODEL, out):
+    main(["eval", source, "--json", "--mesh", "2x4", *common])
+    scores[source] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert scores[out]["tokens"] == scores[CHAT_MODEL]["tokens"] and scores[out]["windows"] == 64
+  assert scores[out]["loss"] < scores[CHAT_MODEL]["loss"]  # the adapters learned
+  main(["export", out, "--out", str(tmp_path / "hf")])
+  for name in ("tokenizer.json", "tokenizer_config.json"):  # the chat template, bos_token
+    if not os.path.exists(tmp_path / "hf" / name):  # (until export copies them itself)
+      shutil.copy(os.path.join(CHAT_MODEL, name), tmp_path / "hf")
+  main(["eval", str(tmp_path / "hf"), "--json", "--mesh", "2x4", *common])
+  merged = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert merged["loss"] == pytest.approx(scores[out]["loss"], rel=1e-5)
