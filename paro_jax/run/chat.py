@@ -90,11 +90,11 @@ def find_template(directory: str) -> str | None:
 
 def _environment():
   """transformers' jinja environment for chat templates (chat_template_utils.py)."""
-  try:
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+  try:  # optional (the hf extra): only chat records need it
+    import jinja2  # optional: the hf extra
+    import jinja2.ext  # optional: the hf extra
+    import jinja2.nodes  # optional: the hf extra
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # optional: the hf extra
   except ImportError:
     raise ValueError('chat templates need jinja2: pip install -e ".[hf]"') from None
 
@@ -188,7 +188,7 @@ class ChatTemplate:
   """A chat template with the tokenizer's special tokens; `where` names it in errors."""
 
   def __init__(self, source: str, tokens: dict[str, str], where: str):
-    import jinja2
+    import jinja2  # optional: the hf extra (_environment says so when it is missing)
 
     self.where, self.tokens = where, dict(tokens)
     try:

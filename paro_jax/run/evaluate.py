@@ -24,12 +24,16 @@ import numpy as np
 
 from models.hf import CONFIG, load_hf, read_config
 from models.llama import Llama, LlamaConfig, LoraConfig
+from paro_jax.core import collectives as comm
 from paro_jax.core.batch import Batch
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.run.examples import ExampleBatches
+from paro_jax.run.data import expand_paths, load_tokens
+from paro_jax.run.examples import ExampleBatches, select
+from paro_jax.run.instruct import TEXT
+from paro_jax.run.sources import data_format, hf_directory, instruction_examples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,12 +134,6 @@ def score(engine: Engine, state, batches) -> dict:
 
 def run_eval(cfg) -> dict:
   """`paro-jax eval` (an EvalConfig, run/config.py): score SOURCE on its data and print it."""
-  from paro_jax.core import collectives as comm
-  from paro_jax.run.data import expand_paths, load_tokens
-  from paro_jax.run.examples import select
-  from paro_jax.run.instruct import TEXT
-  from paro_jax.run.sources import data_format, hf_directory, instruction_examples
-
   source = open_source(cfg.source)
   data = cfg.data_config()
   files = expand_paths(data.paths) if data.paths else []

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 
-from paro_jax.run.data import _not_utf8
-
 PARQUET_ROWS = 1024  # rows decoded at once
 RECORD_FILES = (".jsonl", ".parquet")
 INSTALL = 'pip install -e ".[hf]"'
@@ -61,7 +59,9 @@ def read_records(path: str, columns=None, progress=None):
           raise ValueError(f"{path}:{n}: a JSON {type(record).__name__}, not an object")
         yield f"{path}:{n}", record
   except UnicodeDecodeError as e:
-    raise ValueError(_not_utf8(path, e)) from None
+    raise ValueError(
+      f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x}): pass JSONL in UTF-8"
+    ) from None
 
 
 def _parquet_records(path: str, columns, progress):
