@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   _add_common(inspect, InspectConfig)
   add_options(inspect, InspectConfig, "as_json", "target", "inter_bandwidth", "prefetch")
-  add_options(inspect, InspectConfig, "hlo_out")
+  add_options(inspect, InspectConfig, "hlo_out", "pack")
   plot = sub.add_parser("plot", help="PNG of loss (train, eval) and throughput of runs")
   plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (--out of train)")
   plot.add_argument("--out", default="runs/plot.png", help="the PNG to write")

@@ -187,6 +187,7 @@ def test_help_shows_every_default_and_no_internal_remarks():
   subs = parser._subparsers._group_actions[0].choices
   assert set(subs) == {
     "train",
+    "eval",
     "inspect",
     "plot",
     "export",

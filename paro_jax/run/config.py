@@ -118,9 +118,9 @@ class RunConfig(StepConfig):
   )
   data_format: str = option(
     DataConfig.data_format,
-    "the records' shape: text (--text-field), prompt-completion ({prompt, completion}: loss on "
-    "the completion and EOS), chat ({messages}: loss on the assistant's turns); auto: from each "
-    "file's first record (default %(default)s)",
+    "what the records hold: text, a prompt and its completion (loss on the completion and EOS), "
+    "or chat messages (loss on the assistant's turns); default %(default)s: from each file's "
+    "first record",
     choices=DATA_FORMATS,
   )
   chat_template: str | None = option(

@@ -41,8 +41,9 @@ def detect_format(where: str, record: dict, text_field: str) -> str:
   found = record_format(record, text_field)
   if found is None:
     raise ValueError(
-      f"{where}: a record with fields {sorted(record)}: pass records with {text_field!r} (text; "
-      f"--text-field names another), 'prompt' and 'completion', or 'messages' (a chat)"
+      f"{where}: the record has no {text_field!r} field (it has {sorted(record)}): pass "
+      f"--text-field with the field that holds the text, or records with 'prompt' and "
+      f"'completion', or 'messages' (a chat)"
     )
   return found
 
