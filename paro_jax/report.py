@@ -164,18 +164,27 @@ class _Handler(logging.Handler):
 
 
 def _excepthook(kind, value, tb) -> None:
-  """Exceptions that reach the top of a thread: noise into the log, the rest as Python shows it
-  (an uncaught exception of the project is a bug, and its traceback is what to report)."""
+  """An exception that ends the program: as Python shows it (an uncaught exception of the
+  project is a bug, and its traceback is what to report), but one that only repeats known noise
+  (a full disk under a library's frames) as one error line: never silent, it ends the run."""
   text = "".join(traceback.format_exception(kind, value, tb))
   log(f"uncaught exception:\n{text}")
   if not is_noise(text):
     sys.__excepthook__(kind, value, tb)
+    return
+  where = log_path()
+  error(f"{kind.__name__}: {value}" + (f" (the traceback is in {where})" if where else ""))
 
 
 def _thread_excepthook(args) -> None:
+  """Exceptions that reach the top of another thread (orbax's and TensorStore's writers): noise
+  into the log; the main thread reports what the failure means for the run."""
   if args.exc_type is SystemExit:
     return
-  _excepthook(args.exc_type, args.exc_value, args.exc_traceback)
+  text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+  log(f"uncaught exception in thread {getattr(args.thread, 'name', '?')}:\n{text}")
+  if not is_noise(text):
+    sys.__excepthook__(args.exc_type, args.exc_value, args.exc_traceback)
 
 
 def _unraisablehook(u) -> None:

@@ -259,3 +259,30 @@ def test_each_process_and_command_has_its_log(monkeypatch):
   launch = ["launch", "--nodes", "2", "--devices-per-node", "2"]
   assert place(launch, ["train", "--out", "r"]) == ("r", "paro-jax.launch.log")
   assert place(["plan", "--nodes", "2"]) == (None, "paro-jax.log")
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_an_uncaught_full_disk_error_is_never_silent(tmp_path, thread):
+  """A full disk under a library's frames is known noise in the writer threads (the run says
+  what it means), but one that ends the program is one error line naming the log: it exited 1
+  printing nothing (an export on a full disk did)."""
+  code = (
+    "import errno, threading\n"
+    "from paro_jax import report\n"
+    f"report.install(); report.set_log_dir({str(tmp_path)!r})\n"
+    "def fail():\n"
+    "  raise OSError(errno.ENOSPC, 'No space left on device')\n"
+    + ("t = threading.Thread(target=fail); t.start(); t.join()\n" if thread else "fail()\n")
+  )
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert "Traceback" not in done.stderr
+  log = open(tmp_path / "paro-jax.log").read()
+  assert "No space left on device" in log and "Traceback" in log
+  if thread:  # the thread's failure is the main thread's to report: nothing here, exit 0
+    assert done.returncode == 0 and done.stderr == ""
+  else:
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+      f"paro-jax: error: OSError: [Errno 28] No space left on device (the traceback is in "
+      f"{tmp_path / 'paro-jax.log'})"
+    ]
