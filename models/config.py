@@ -363,6 +363,9 @@ def check_hf_dir(directory: str) -> str:
 # fused kernel (flash attention: the L x L scores never reach memory), GPUs only, bf16/fp16, head
 # dim a multiple of 8. "auto" (resolve_attention) picks cudnn where it applies, else xla.
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# Examples in one packed row, at most (run/packing.py packs no more): cuDNN's kernel takes a
+# packed row as its runs (these examples and the padding after them), in arrays of static size.
+MAX_SEGMENTS = 64
 FUSED_DTYPES = ("bfloat16", "float16")
 
 

@@ -25,6 +25,7 @@ from models.config import (  # noqa: F401 - re-exported: the config needs no jax
   HIDDEN_PRESETS,
   LAYERS,
   LORA_TARGETS,
+  MAX_SEGMENTS,
   PRESETS,
   LlamaConfig,
   LoraConfig,
@@ -137,11 +138,30 @@ def rope_tables(seq_len: int, cfg: LlamaConfig):
   return jnp.sin(angles_LxK2), jnp.cos(angles_LxK2)
 
 
-def apply_rope(x_BxLxHxK, sin_LxK2, cos_LxK2):
-  """Rotate pairs (first half, second half) of each head, as HF LLaMA does (rotate_half)."""
+def segment_positions(segments_BxL):
+  """Each token's position in its segment (a run of equal ids): 0 where a run starts."""
+  L = segments_BxL.shape[1]
+  index_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), segments_BxL.shape)
+  starts = jnp.concatenate(
+    [jnp.ones_like(segments_BxL[:, :1], bool), segments_BxL[:, 1:] != segments_BxL[:, :-1]], 1
+  )
+  return index_BxL - lax.cummax(jnp.where(starts, index_BxL, 0), axis=1)
+
+
+def segment_rope_tables(segments_BxL, cfg: LlamaConfig):
+  """sin and cos tables, each B x L x K/2 (fp32), at the positions in each segment: a packed
+  example is rotated as it would be alone in a row (the same values as `rope_tables`)."""
+  positions_BxL = segment_positions(segments_BxL).astype(jnp.float32)
+  angles_BxLxK2 = positions_BxL[..., None] * inverse_frequencies(cfg)
+  return jnp.sin(angles_BxLxK2), jnp.cos(angles_BxLxK2)
+
+
+def apply_rope(x_BxLxHxK, sin, cos):
+  """Rotate pairs (first half, second half) of each head, as HF LLaMA does (rotate_half). The
+  tables are L x K/2 (every row alike) or B x L x K/2 (positions per segment)."""
   x = x_BxLxHxK.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
-  sin, cos = sin_LxK2[None, :, None, :], cos_LxK2[None, :, None, :]
+  sin, cos = sin[..., None, :], cos[..., None, :]  # a heads axis; a rows axis if missing
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxLxHxK.dtype)
 
@@ -156,13 +176,48 @@ def fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation: str):
   )
 
 
+def segment_runs(segments_BxL, runs: int):
+  """(offsets B x runs+1, lengths B x runs) of each row's runs of equal segment ids (its
+  examples and the padding after them), -1 past the last: cuDNN's packed layout."""
+  L = segments_BxL.shape[1]
+  starts_BxL = jnp.concatenate(
+    [jnp.ones_like(segments_BxL[:, :1], bool), segments_BxL[:, 1:] != segments_BxL[:, :-1]], 1
+  )
+  first = lambda row: jnp.nonzero(row, size=runs + 1, fill_value=L)[0]
+  offsets = jax.vmap(first)(starts_BxL).astype(jnp.int32)  # each run's start, then L
+  lengths = offsets[:, 1:] - offsets[:, :-1]
+  lengths = jnp.where(offsets[:, :-1] < L, lengths, -1)
+  return jnp.where(offsets < L, offsets, -1), lengths
+
+
+def packed_fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segments_BxL):
+  """Causal attention inside each segment with cuDNN's fused kernel, in its packed layout
+  (jax's wrapper of it: each row's runs as offsets and lengths; Hopper GPUs and later)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # the only jax API with offsets
+
+  offsets, lengths = segment_runs(segments_BxL, MAX_SEGMENTS + 1)
+  return fa.dot_product_attention(
+    q_BxLxHxK,
+    k_BxLxGxK,
+    v_BxLxGxK,
+    q_seqlen=lengths,
+    kv_seqlen=lengths,
+    q_offsets=offsets,
+    kv_offsets=offsets,
+    scale=1 / math.sqrt(q_BxLxHxK.shape[-1]),
+    mask_type=fa.MaskType.PADDING_CAUSAL,
+  )
+
+
 class Attention(nn.Module):
   cfg: LlamaConfig
   lora: LoraConfig | None = None
   impl: str = "xla"  # "xla" or "cudnn" (resolve_attention)
 
   @nn.compact
-  def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
+  def __call__(self, x_BxLxD, sin, cos, segments_BxL=None):
+    """`segments_BxL`: the example each token belongs to (0: padding); a token attends to the
+    earlier tokens of its own example only. None: one sequence per row (plain causal)."""
     c = self.cfg
     D, H, G, K = c.dim, c.heads, c.kv_heads, c.head_dim
     dt = x_BxLxD.dtype
@@ -182,19 +237,27 @@ class Attention(nn.Module):
     v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wv_DxGxK.astype(dt)) + lora(
       "wv", x_BxLxD, (G, K)
     )
-    q_BxLxHxK = apply_rope(q_BxLxHxK, sin_LxK2, cos_LxK2)
-    k_BxLxGxK = apply_rope(k_BxLxGxK, sin_LxK2, cos_LxK2)
+    q_BxLxHxK = apply_rope(q_BxLxHxK, sin, cos)
+    k_BxLxGxK = apply_rope(k_BxLxGxK, sin, cos)
     B, L = x_BxLxD.shape[:2]
     if self.impl == "cudnn":
-      out_BxLxHK = fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, "cudnn").reshape(B, L, H * K)
-      return self._out(out_BxLxHK, wo_HxKxD, lora)
+      if segments_BxL is None:
+        out_BxLxHxK = fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, "cudnn")
+      else:
+        out_BxLxHxK = packed_fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segments_BxL)
+      return self._out(out_BxLxHxK.reshape(B, L, H * K), wo_HxKxD, lora)
     # Grouped-query attention: R = H/G query heads share each key/value head.
     q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
     scores_BxGxRxLxL = jnp.einsum(
       "blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK, preferred_element_type=jnp.float32
     ) / jnp.sqrt(K).astype(jnp.float32)
     causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
-    scores_BxGxRxLxL = jnp.where(causal_LxL, scores_BxGxRxLxL, jnp.finfo(jnp.float32).min)
+    if segments_BxL is None:
+      visible = causal_LxL
+    else:  # causal and inside the token's own example: B x 1 x 1 x L x L
+      same_BxLxL = segments_BxL[:, :, None] == segments_BxL[:, None, :]
+      visible = (causal_LxL & same_BxLxL)[:, None, None]
+    scores_BxGxRxLxL = jnp.where(visible, scores_BxGxRxLxL, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(dt)
     out_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxLxGxK)
     return self._out(out_BxLxGxRxK.reshape(B, L, H * K), wo_HxKxD, lora)
@@ -235,11 +298,11 @@ class Block(nn.Module):
   attention: str = "xla"
 
   @nn.compact
-  def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
+  def __call__(self, x_BxLxD, sin, cos, segments_BxL=None):
     with jax.named_scope("attention"):
       h = RMSNorm(self.cfg.norm_eps, name="attn_norm")(x_BxLxD)
       attention = Attention(self.cfg, self.lora, self.attention, name="attn")
-      x_BxLxD = x_BxLxD + attention(h, sin_LxK2, cos_LxK2)
+      x_BxLxD = x_BxLxD + attention(h, sin, cos, segments_BxL)
     with jax.named_scope("mlp"):
       h = RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x_BxLxD)
       return x_BxLxD + MLP(self.cfg, self.lora, name="mlp")(h)
@@ -408,6 +471,7 @@ class Llama:
     tokens_BxL,
     materialize: Callable = _identity,
     run_layers: Callable | None = None,
+    segments_BxL=None,
   ):
     """Logits (fp32) for the tokens. `materialize(subtree)` returns full weights for a subtree.
 
@@ -418,12 +482,20 @@ class Llama:
     rematerialisation and gradient routing of the stack (the engine uses it to prefetch the
     next layer's weights, paro_jax/core/prefetch.py). Without it: `lax.scan` over the layers, each
     under `jax.checkpoint` with the model's remat policy, weights through `materialize`.
+
+    `segments_BxL` (int32; None: one sequence per row): several examples packed in a row, each
+    a run of equal ids (0 for padding). Each example attends only to itself and its positions
+    start at 0, so its logits are those it would get alone in a row.
     """
-    sin, cos = rope_tables(tokens_BxL.shape[1], self.cfg)
+    if segments_BxL is None:
+      sin, cos = rope_tables(tokens_BxL.shape[1], self.cfg)
+    else:
+      sin, cos = segment_rope_tables(segments_BxL, self.cfg)
 
     def layer(x_BxLxD, layer_params):
       with jax.named_scope("layer"):
-        return self.block.apply({"params": materialize(layer_params)}, x_BxLxD, sin, cos), None
+        weights = {"params": materialize(layer_params)}
+        return self.block.apply(weights, x_BxLxD, sin, cos, segments_BxL), None
 
     if REMAT_POLICIES[self.remat] is not None:
       # Recompute each layer (its parameter gather included) in backward: only one layer's full
@@ -443,7 +515,7 @@ class Llama:
 
       def block_fn(x_BxLxD, layer_weights):
         with jax.named_scope("layer"):
-          return self.block.apply({"params": layer_weights}, x_BxLxD, sin, cos)
+          return self.block.apply({"params": layer_weights}, x_BxLxD, sin, cos, segments_BxL)
 
       x_BxLxD = run_layers(block_fn, x_BxLxD, params[LAYERS])
     table_VxD = embed_weights["embedding"] if self.cfg.tie_embeddings else None
@@ -457,3 +529,16 @@ def next_token_loss(logits_BxLxV, targets_BxL):
   return optax.softmax_cross_entropy_with_integer_labels(
     logits_BxLxV.astype(jnp.float32), targets_BxL
   ).mean()
+
+
+def weighted_token_loss(logits_BxLxV, targets_BxL, weights_BxL):
+  """The sum of the cross-entropies (fp32) of the targets whose weight is 1 (0: not a target,
+  e.g. a prompt or padding token). A sum, not a mean: the caller divides by the target count of
+  the whole step, so that micro-batches and devices with more targets weigh more."""
+  import optax  # local: models/ does not otherwise need optax
+
+  ce_BxL = optax.softmax_cross_entropy_with_integer_labels(
+    logits_BxLxV.astype(jnp.float32), targets_BxL
+  )
+  # where, not a product: a padding position's loss must not reach the sum even if not finite
+  return jnp.sum(jnp.where(weights_BxL > 0, ce_BxL, 0.0))

@@ -20,7 +20,7 @@ from paro_jax.core.config import LoraOptions, WireOptions, flag_of, make_config,
 from paro_jax.core.names import check_batch_divides, parse_mesh_shape
 from paro_jax.core.units import parse_rate
 from paro_jax.core.xla_flags import add_xla_flags, cpu_without_gpu_driver, provide_cpu_devices
-from paro_jax.run.config import BIN_DTYPE_NAMES, DataConfig, RunConfig
+from paro_jax.run.config import BIN_DTYPE_NAMES, DataConfig, EvalConfig, RunConfig
 from paro_jax.run.plot import plot_runs
 
 # The modules that import jax (or numpy) are imported inside the commands, once the device flags
@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
   add_options(train, RunConfig, "compile_top")
   data = train.add_argument_group(
     "data",
-    "text, JSONL and pre-tokenized .bin files (default: "
-    "the built-in corpus, Python's standard library sources)",
+    "text, JSONL, Parquet and pre-tokenized .bin files (default: the built-in corpus, Python's "
+    "standard library sources); JSONL and Parquet records of text, prompt-completion or chat",
   )
   add_options(data, RunConfig, *group_options(RunConfig, "data"))
   add_options(data, RunConfig, *group_options(RunConfig, "eval"))
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   _add_common(inspect, InspectConfig)
   add_options(inspect, InspectConfig, "as_json", "target", "inter_bandwidth", "prefetch")
-  add_options(inspect, InspectConfig, "hlo_out")
+  add_options(inspect, InspectConfig, "hlo_out", "pack")
   plot = sub.add_parser("plot", help="PNG of loss (train, eval) and throughput of runs")
   plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (--out of train)")
   plot.add_argument("--out", default="runs/plot.png", help="the PNG to write")
@@ -286,17 +286,22 @@ def build_parser() -> argparse.ArgumentParser:
     action="store_true",
     help="plain processes on 127.0.0.1, no namespaces and no shaping",
   )
+  _add_eval(sub)
   prep = sub.add_parser(
     "prepare-data",
-    help="tokenize text/JSONL files into .bin shards for train --data 'OUT/*.bin'",
-    description="Tokenize text and JSONL files (byte-level, or an HF tokenizer.json) into .bin "
-    "shards of token ids, a block at a time (memory stays small whatever the data's size), "
-    "with a progress bar. Train on them with --data 'OUT/*.bin': the shards are read by memory "
-    "map, each process reading only the tokens of its rows.",
+    help="tokenize text/JSONL/Parquet files into .bin shards for train --data 'OUT/*.bin'",
+    description="Tokenize text, JSONL and Parquet files (byte-level, or an HF tokenizer.json) "
+    "into .bin shards of token ids (instruction records: with their target masks), a block at a "
+    "time (memory stays small whatever the data's size), with a progress bar. Train on them "
+    "with --data 'OUT/*.bin': the shards are read by memory map, each process reading only the "
+    "tokens of its rows.",
   )
-  prep.add_argument("inputs", nargs="+", metavar="PATH", help="text / .jsonl files and globs")
+  prep.add_argument(
+    "inputs", nargs="+", metavar="PATH", help="text / .jsonl / .parquet files and globs"
+  )
   prep.add_argument("--out", required=True, metavar="DIR", help="directory for the shards")
   add_options(prep, DataConfig, "tokenizer", "text_field")  # as train reads them
+  add_options(prep, DataConfig, "data_format", "chat_template")
   prep.add_argument(
     "--shard-tokens", type=int, default=100_000_000, metavar="N", help="token ids per shard"
   )
@@ -311,6 +316,27 @@ def build_parser() -> argparse.ArgumentParser:
   for p in sub.choices.values():
     p.formatter_class = _Help
   return parser
+
+
+def _add_eval(sub) -> None:
+  """`eval SOURCE`: a model's mean loss on --data (paro_jax/run/evaluate.py)."""
+  ev = sub.add_parser(
+    "eval",
+    help="score a run's newest checkpoint or an HF model on --data: mean loss and perplexity",
+    description="The mean next-token cross-entropy and perplexity of SOURCE over --data: a "
+    "token stream in consecutive, non-overlapping windows of --seq-len + 1 tokens from token 0 "
+    "(a trailing partial window dropped), instruction data over the target tokens training "
+    "counts; the same whatever --batch-size, --mesh and --strategy.",
+  )
+  fields = dict(options(EvalConfig))
+  ev.add_argument("source", metavar="SOURCE", help=fields["source"].metadata["help"])
+  add_options(ev, EvalConfig, "strategy", "mesh", "batch_size", "seq_len", "dtype")
+  add_options(ev, EvalConfig, "collectives", "attention")
+  data = ev.add_argument_group("data", "as train reads it (default: the built-in corpus)")
+  add_options(data, EvalConfig, "data.paths", "data.text_field", "data.tokenizer")
+  add_options(data, EvalConfig, "data.bin_dtype", "data.data_format", "data.chat_template")
+  add_options(data, EvalConfig, "data.long_examples")
+  add_options(ev, EvalConfig, "as_json")
 
 
 def _add_process_flags(group) -> None:
@@ -443,7 +469,14 @@ def _main(argv) -> None:
 
       try:
         meta = prepare_data(
-          args.inputs, args.out, args.tokenizer, args.text_field, args.shard_tokens, args.bin_dtype
+          args.inputs,
+          args.out,
+          args.tokenizer,
+          args.text_field,
+          args.shard_tokens,
+          args.bin_dtype,
+          data_format=args.data_format,
+          chat_template=args.chat_template,
         )
       except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (prepare.Stopped)
         name = signal.Signals(getattr(e, "signum", signal.SIGINT)).name
@@ -454,8 +487,13 @@ def _main(argv) -> None:
           flush=True,
         )
         raise
+      if meta.get("dropped"):
+        n = meta["dropped"]["no target"]
+        print(f"paro-jax: {n} records with no target token left out (no completion or answer)")
+      examples = f"{meta['examples']} {meta['format']} examples, " if "examples" in meta else ""
       print(
-        f"paro-jax: wrote {meta['tokens']} tokens ({meta['dtype']}) in {len(meta['shards'])} "
+        f"paro-jax: wrote {examples}{meta['tokens']} tokens ({meta['dtype']}) in "
+        f"{len(meta['shards'])} "
         f"shards to {args.out}: train with --data '{os.path.join(args.out, '*.bin')}' "
         f"--bin-dtype {meta['dtype']}"
       )
@@ -535,6 +573,12 @@ def _main(argv) -> None:
       from paro_jax.analysis.inspector import inspect  # imports jax: after the device flag is set
 
       inspect(config_of(args, InspectConfig, mesh=mesh))
+    if args.command == "eval":
+      from paro_jax.run.evaluate import run_eval  # imports jax: after the device flag is set
+
+      # all of --data is scored, one example per row
+      unsplit = {"data.pack": False, "data.eval_fraction": 0.0}
+      run_eval(config_of(args, EvalConfig, mesh=mesh, **unsplit))
     if args.command == "train":
       from paro_jax.run.train import train  # imports jax: after the device flag is set
 

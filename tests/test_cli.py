@@ -124,7 +124,8 @@ def test_bad_data_is_one_line(tmp_path, capsys):
 
 
 def test_text_check_accepts_text_cut_mid_character(tmp_path):
-  from paro_jax.run.data import TEXT_SAMPLE, DataConfig, load_tokens
+  from paro_jax.run.config import DataConfig
+  from paro_jax.run.data import load_tokens, TEXT_SAMPLE
 
   text = ("ü" * (TEXT_SAMPLE // 2 + 7)).encode()  # the sample ends inside a 2-byte character
   (tmp_path / "u.txt").write_bytes(text)
@@ -187,6 +188,7 @@ def test_help_shows_every_default_and_no_internal_remarks():
   subs = parser._subparsers._group_actions[0].choices
   assert set(subs) == {
     "train",
+    "eval",
     "inspect",
     "plot",
     "export",

@@ -121,7 +121,8 @@ def child_baseline(args) -> None:
   import jax
 
   from paro_jax.core.names import parse_mesh_shape
-  from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
+  from paro_jax.run.config import DataConfig
+  from paro_jax.run.data import Batches, load_tokens, split_eval
 
   inter, intra = parse_mesh_shape(args.mesh)
   mesh = auto_mesh(inter, intra)

@@ -129,7 +129,8 @@ def rank_main(local: int, args, nodes: int, per_node: int) -> None:
   import torch.distributed as dist
 
   from models.llama import get_config
-  from paro_jax.run.data import Batches, DataConfig, load_tokens, split_eval
+  from paro_jax.run.config import DataConfig
+  from paro_jax.run.data import Batches, load_tokens, split_eval
 
   _die_with_parent()
   torch.set_num_threads(1)

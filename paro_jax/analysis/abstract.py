@@ -7,11 +7,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from paro_jax.core.batch import Batch
 from paro_jax.core.engine import Engine
 
 
-def abstract_inputs(engine: Engine, batch_size: int, seq_len: int):
-  """Abstract (state, batch) for engine.train_step, with shardings and no memory behind them."""
+def abstract_inputs(engine: Engine, batch_size: int, seq_len: int, packed: bool = False):
+  """Abstract (state, batch) for engine.train_step, with shardings and no memory behind them.
+  `packed`: a Batch of packed rows (instruction data with `--pack`: loss weights and segment
+  ids) instead of a token stream's tokens."""
   engine.check_batch_size(batch_size)
   shapes = jax.eval_shape(lambda: engine.init_state(jax.random.key(0)))
   state = jax.tree.map(
@@ -19,7 +22,9 @@ def abstract_inputs(engine: Engine, batch_size: int, seq_len: int):
     shapes,
     engine.state_shardings,
   )
-  batch = jax.ShapeDtypeStruct(
-    (engine.micro_batches, batch_size, seq_len + 1), jnp.int32, sharding=engine.batch_sharding
-  )
+  A, sharding = engine.micro_batches, engine.batch_sharding
+  batch = jax.ShapeDtypeStruct((A, batch_size, seq_len + 1), jnp.int32, sharding=sharding)
+  if packed:
+    rows = jax.ShapeDtypeStruct((A, batch_size, seq_len), jnp.int32, sharding=sharding)
+    batch = Batch(batch, rows, rows)
   return state, batch

@@ -49,6 +49,12 @@ class InspectConfig(StepConfig):
     action="store_false",
   )
   hlo_out: str | None = option(None, "write the compiled (scheduled) HLO text here", metavar="FILE")
+  pack: bool = option(
+    False,
+    "compile the step for packed instruction data (several examples per sequence, kept apart: "
+    "train --pack) and say how attention runs (with --target: whether cuDNN's fused kernel "
+    "does)",
+  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -132,11 +132,20 @@ def devices(name: str, inter: int, intra: int) -> list:
   return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
 
 
-def compile_step(engine, target: str, batch_size: int, seq_len: int, flags: dict, dump_dir: str):
-  """engine.train_step compiled for the engine's (GPU-topology) mesh, dumped into dump_dir."""
+def compile_step(
+  engine,
+  target: str,
+  batch_size: int,
+  seq_len: int,
+  flags: dict,
+  dump_dir: str,
+  packed: bool = False,
+):
+  """engine.train_step compiled for the engine's (GPU-topology) mesh, dumped into dump_dir.
+  `packed`: on packed rows of instruction data (`abstract_inputs`)."""
   from paro_jax.analysis.abstract import abstract_inputs  # imports jax: not at this module's import
 
-  state, batch = abstract_inputs(engine, batch_size, seq_len)
+  state, batch = abstract_inputs(engine, batch_size, seq_len, packed)
   with cudnn_checks(target):
     lowered = engine.train_step.lower(state, batch)
   # the schedule dump gives what XLA's scheduler charged each instruction (instruction_costs.py)

@@ -311,3 +311,12 @@ def crosses_groups(c: Collective, device: int, intra: int) -> bool:
   if c.kind == "collective-permute":
     return any(s == device and s // intra != t // intra for s, t in c.pairs or ())
   return level_of(c, intra) in (LEVEL_INTER, LEVEL_GLOBAL)
+
+
+def packed_attention(hlo_text: str) -> str:
+  """How a compiled step keeps packed rows' examples apart: cuDNN's fused attention kernel in
+  its packed layout, or attention written out with a segment mask."""
+  kernels = hlo_text.count('custom_call_target="__cudnn$fmhaSoftmax')
+  if kernels:
+    return f"cuDNN's fused kernel in its packed layout ({kernels} calls forward and backward)"
+  return "written out in XLA, a segment mask per sequence (no fused kernel)"

@@ -33,8 +33,8 @@ from paro_jax.core.units import human_bytes, parse_rate
 from paro_jax.core.xla_flags import GPU_FLAGS
 
 
-def compile_step(engine: Engine, batch_size: int, seq_len: int):
-  state, batch = abstract_inputs(engine, batch_size, seq_len)
+def compile_step(engine: Engine, batch_size: int, seq_len: int, packed: bool = False):
+  state, batch = abstract_inputs(engine, batch_size, seq_len, packed)
   return engine.train_step.lower(state, batch).compile()
 
 
@@ -356,10 +356,12 @@ def inspect(cfg: InspectConfig) -> dict:
   with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
     try:
       if target is None:
-        compiled = compile_step(engine, cfg.batch_size, cfg.seq_len)
+        compiled = compile_step(engine, cfg.batch_size, cfg.seq_len, cfg.pack)
       else:
         with captured_stderr() as log:
-          compiled = gpu.compile_step(engine, target, cfg.batch_size, cfg.seq_len, GPU_FLAGS, dump)
+          compiled = gpu.compile_step(
+            engine, target, cfg.batch_size, cfg.seq_len, GPU_FLAGS, dump, packed=cfg.pack
+          )
     except Exception as e:  # XLA's own limits (e.g. out of host memory while compiling)
       raise RuntimeError(
         f"XLA could not compile the {cfg.model} step for {cfg.strategy} "
@@ -370,6 +372,8 @@ def inspect(cfg: InspectConfig) -> dict:
     else:
       rate = parse_rate(cfg.inter_bandwidth) if cfg.inter_bandwidth else None
       r = gpu_report(engine, compiled, target, cfg.batch_size, cfg.seq_len, dump, log[0], rate)
+    if cfg.pack:
+      r["packed_attention"] = hlo.packed_attention(compiled.as_text())
     if cfg.hlo_out:
       _write_hlo(compiled.as_text(), dump, cfg.hlo_out)
   if cfg.as_json:
@@ -379,6 +383,8 @@ def inspect(cfg: InspectConfig) -> dict:
     if target is not None:
       print("\n" + format_gpu_report(r), flush=True)
       print("\n" + format_estimate(r["estimate"]), flush=True)
+    if cfg.pack:
+      print(f"\npacked rows (--pack): attention {r['packed_attention']}", flush=True)
   return r
 
 

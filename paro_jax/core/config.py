@@ -42,6 +42,13 @@ def option(default=dataclasses.MISSING, help: str = "", *, flag: str | None = No
   return dataclasses.field(default=default, metadata={"help": help, "flag": flag, **add_argument})
 
 
+def option_like(cls, name: str):
+  """A field declared as the option `name` of the config class `cls` is (its default, help and
+  argparse keywords): for another command's config taking the same flag (`eval`'s --strategy)."""
+  field = cls.__dataclass_fields__[name]
+  return dataclasses.field(default=field.default, metadata=dict(field.metadata))
+
+
 def group(cls):
   """A config field holding a group of options: a config dataclass of its own, by default its
   fields' defaults. Its options are flags like the config's own; the config reads

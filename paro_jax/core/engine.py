@@ -24,9 +24,10 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.llama import LAYERS, Llama, next_token_loss
+from models.llama import LAYERS, Llama, next_token_loss, weighted_token_loss
 from paro_jax.core import collectives as comm
 from paro_jax.core import feedback, step
+from paro_jax.core.batch import Batch, inputs_of
 from paro_jax.core.compress import WireConfig
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import (
@@ -241,6 +242,7 @@ class Engine:
     self.batch_sharding = NamedSharding(mesh, self.batch_spec)
     self.train_step = jax.jit(self._train_step, donate_argnums=0)
     self._eval_loss = jax.jit(self._eval_loss_fn)
+    self._eval_sums = jax.jit(self._eval_sums_fn)
 
   # --- state -------------------------------------------------------------------------------
   def init_state(self, rng) -> TrainState:
@@ -302,70 +304,113 @@ class Engine:
   def check_batch_size(self, batch_size: int) -> None:
     check_batch_divides(batch_size, self.inter, self.intra)
 
-  def shard_batch(self, tokens_AxBxL1, any_micro_batches: bool = False) -> jax.Array:
-    """Place a global (A, B, L+1) token array (identical on every process) on the mesh.
-    `any_micro_batches`: A need not be the step's (an eval batch of several step batches)."""
-    A, B, _ = tokens_AxBxL1.shape
+  def shard_batch(self, batch_AxBxL1, any_micro_batches: bool = False):
+    """Place a global (A, B, L+1) token array, or a Batch of such rows (identical on every
+    process), on the mesh. `any_micro_batches`: A need not be the step's (an eval batch of
+    several step batches)."""
+    A, B, _ = batch_AxBxL1.shape
     if A != self.micro_batches and not any_micro_batches:
       raise ValueError(
         f"batch has {A} micro-batches, the engine was built for {self.micro_batches}"
       )
     self.check_batch_size(B)
-    return jax.make_array_from_callback(
-      tokens_AxBxL1.shape, self.batch_sharding, lambda idx: tokens_AxBxL1[idx]
+    return jax.tree.map(
+      lambda x: jax.make_array_from_callback(x.shape, self.batch_sharding, lambda idx: x[idx]),
+      batch_AxBxL1,
     )
 
-  def shard_local_batch(self, local_tokens, global_shape, any_micro_batches=False) -> jax.Array:
-    """Place this process's rows of the global (A, B, L+1) batch (`Batches.process_rows`)."""
+  def shard_local_batch(self, local_batch, global_shape, any_micro_batches=False):
+    """Place this process's rows of the global (A, B, L+1) batch (`Batches.process_rows`), an
+    array or a Batch; `global_shape` is the tokens'."""
     if global_shape[0] != self.micro_batches and not any_micro_batches:
       raise ValueError(
         f"batch has {global_shape[0]} micro-batches, the engine was built for {self.micro_batches}"
       )
     self.check_batch_size(global_shape[1])
-    return jax.make_array_from_process_local_data(
-      self.batch_sharding, local_tokens, tuple(global_shape)
+    return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(
+        self.batch_sharding, x, (*global_shape[:2], x.shape[2])
+      ),
+      local_batch,
     )
 
   # --- evaluation --------------------------------------------------------------------------
-  def eval_loss(self, state: TrainState, tokens_AxBxL1) -> jax.Array:
-    """Mean next-token loss over a placed batch of any number of micro-batches, forward only,
-    with the master weights in the compute dtype (gathered as the step gathers them, at full
-    precision on every level)."""
-    return self._eval_loss(state, tokens_AxBxL1)
+  def eval_loss(self, state: TrainState, batch_AxBxL1) -> jax.Array:
+    """Mean next-token loss over a placed batch of any number of micro-batches (for a Batch,
+    over its counted targets), forward only, with the master weights in the compute dtype
+    (gathered as the step gathers them, at full precision on every level)."""
+    if isinstance(batch_AxBxL1, Batch):
+      total, targets = self._eval_sums(state, batch_AxBxL1)
+      return total / jnp.maximum(targets, 1)
+    return self._eval_loss(state, batch_AxBxL1)
 
-  def _eval_loss_fn(self, state, tokens_AxBxL1):
+  def eval_sums(self, state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(the summed loss of the counted targets, how many) of a placed Batch, forward only: sums
+    of several batches add up to the mean of all of them (`paro-jax eval`)."""
+    return self._eval_sums(state, batch)
+
+  def _eval_forward(self, state, batch_AxBxL1, micro_fn, reduce_fn, out_specs):
+    """Forward only, with the parameters as eval sees them: `micro_fn(logits, batch_BxL1)` of
+    each micro-batch on each device, then `reduce_fn` of their stack (in the shard_map)."""
     params = self.params(state)  # compute dtype, P placement
     # The exact weights, whatever the wire precision: eval scores the model the run trains (its
     # fp32 master), so runs with and without compressed traffic are compared on equal terms.
     materialize = step.materializer(self, WireConfig())
 
-    def local_loss(params, tokens_AxBxL1):
+    def local(params, batch_AxBxL1):
       # Forward only: no gradient reaches the sink, so the parameter itself can stand in.
       shards = jax.tree.map(lambda p, d: Shard(p, p, d), params, self.dims)
 
-      def micro_loss(_, tokens_BxL1):
-        logits = self.model.apply(shards, tokens_BxL1[:, :-1], materialize)
-        return None, next_token_loss(logits, tokens_BxL1[:, 1:])
+      def micro(_, batch_BxL1):
+        inputs, _, _, segments = inputs_of(batch_BxL1)
+        logits = self.model.apply(shards, inputs, materialize, segments_BxL=segments)
+        return None, micro_fn(logits, batch_BxL1)
 
-      _, losses = lax.scan(micro_loss, None, tokens_AxBxL1)
+      _, per_micro = lax.scan(micro, None, batch_AxBxL1)
+      return reduce_fn(per_micro)
+
+    return jax.shard_map(
+      local,
+      mesh=self.mesh,
+      in_specs=(self.specs.params, self.batch_spec),
+      out_specs=out_specs,
+      check_vma=self.collectives == "xla",  # the rings' replicated results: see _train_step
+    )(params, batch_AxBxL1)
+
+  def _eval_loss_fn(self, state, tokens_AxBxL1):
+    def mean(losses):
       # Every device holds the same number of rows: the mean of the local means is the mean.
       return lax.psum(jnp.mean(losses), GLOBAL_AXES) / (self.inter * self.intra)
 
-    return jax.shard_map(
-      local_loss,
-      mesh=self.mesh,
-      in_specs=(self.specs.params, self.batch_spec),
-      out_specs=PartitionSpec(),
-      check_vma=self.collectives == "xla",  # the rings' replicated results: see _train_step
-    )(params, tokens_AxBxL1)
+    loss = lambda logits, tokens_BxL1: next_token_loss(logits, tokens_BxL1[:, 1:])
+    return self._eval_forward(state, tokens_AxBxL1, loss, mean, PartitionSpec())
 
-  def _train_step(self, state: TrainState, tokens_AxBxL1):
+  def _eval_sums_fn(self, state, batch: Batch):
+    def sums(logits, batch_BxL1):
+      _, targets, weights, _ = inputs_of(batch_BxL1)
+      return weighted_token_loss(logits, targets, weights), jnp.sum(weights)
+
+    total = lambda per_micro: jax.tree.map(lambda x: lax.psum(jnp.sum(x), GLOBAL_AXES), per_micro)
+    return self._eval_forward(state, batch, sums, total, (PartitionSpec(), PartitionSpec()))
+
+  def _train_step(self, state: TrainState, batch_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no
     # varying->invariant cast, so the replication of their outputs cannot be checked. The lax
     # collectives keep check_vma on, and the tests check the rings against them.
     check_vma = self.collectives == "xla"
+    # The step's loss is the mean over its targets: all tokens but each row's first in a token
+    # stream (known when tracing); for a Batch, the count of its weights over every row, the same
+    # on every device.
+    if isinstance(batch_AxBxL1, Batch):
+      targets = jnp.maximum(jnp.sum(batch_AxBxL1.weights), 1)
+      body = lambda *args: step.local_step(self, *args[:-1], targets_per_step=args[-1])
+      extra, extra_specs = (targets,), (PartitionSpec(),)
+    else:
+      targets = batch_AxBxL1[..., 1:].size
+      body = functools.partial(step.local_step, self, targets_per_step=targets)
+      extra, extra_specs = (), ()
     step_fn = jax.shard_map(
-      functools.partial(step.local_step, self, tokens_per_step=tokens_AxBxL1[..., 1:].size),
+      body,
       mesh=self.mesh,
       in_specs=(
         self.trained_specs.opt,
@@ -374,6 +419,7 @@ class Engine:
         self.residual_spec,
         self.reference_specs,
         self.batch_spec,
+        *extra_specs,
       ),
       out_specs=(
         self.trained_specs.opt,
@@ -386,8 +432,14 @@ class Engine:
       check_vma=check_vma,
     )
     master, opt_state, residual, reference, loss, grad_norm = step_fn(
-      state.master, state.opt_state, state.frozen, state.residual, state.reference, tokens_AxBxL1
+      state.master,
+      state.opt_state,
+      state.frozen,
+      state.residual,
+      state.reference,
+      batch_AxBxL1,
+      *extra,
     )
-    metrics = {"loss": loss, "grad_norm": grad_norm}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "targets": targets}
     new = TrainState(state.step + 1, master, opt_state, state.frozen, residual, reference)
     return new, metrics

@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from models.llama import LAYERS, next_token_loss
+from models.llama import LAYERS, next_token_loss, weighted_token_loss
 from paro_jax.core import buckets, feedback, prefetch
 from paro_jax.core import collectives as comm
+from paro_jax.core.batch import Batch, inputs_of, take
 from paro_jax.core.compress import WireConfig
 from paro_jax.core.names import GLOBAL_AXES
 from paro_jax.core.sharding import local_shape
@@ -86,52 +87,60 @@ def param_sync(engine, master, frozen, reference):
 
 
 # --- phase 1 ------------------------------------------------------------------------------------
-def micro_batches(engine, params, tokens_AxBxL1, tokens_per_step):
+def micro_batches(engine, params, batch_AxBxL1, targets_per_step):
   """(the gradients summed over the micro-batches at Gr, each micro-batch's loss). With
-  `SYNC_IN_BACKWARD` the layers' sum is already synced (at OS) by the last one's backward."""
+  `SYNC_IN_BACKWARD` the layers' sum is already synced (at OS) by the last one's backward.
+  `batch_AxBxL1`: the tokens, or a Batch (core/batch.py); `targets_per_step`: how many targets
+  the whole step counts (over every micro-batch and device)."""
   sinks = make_sinks(engine)
   materialize = materializer(engine)
 
-  def micro_grads(tokens_BxL1, sinks, final=False, acc=None, after=None):
+  def micro_grads(batch_BxL1, sinks, final=False, acc=None, after=None):
     # Tie the parameters to this micro-batch: otherwise XLA hoists the loop-invariant gathers
     # (embedding, head) out of the micro-batch loop and keeps their full copies alive for the
     # whole step, which is not the schedule (nor the memory) the strategy promises. `after` (the
     # accumulated gradients of the earlier micro-batches) ties the last micro-batch to them too:
     # otherwise XLA may run its forward before the earlier backward, with two micro-batches'
     # activations alive at once (7b IGG on 2x4 H100: 18% above the plan).
-    params_mb, _ = lax.optimization_barrier((params, (tokens_BxL1, after)))
+    params_mb, _ = lax.optimization_barrier((params, (batch_BxL1, after)))
 
     def loss_fn(sinks):
       # Each device's share of the step's mean loss: summed over devices and micro-batches it is
-      # the mean over all tokens of the step.
-      loss = micro_loss(engine, params_mb, sinks, tokens_BxL1, materialize, final, acc)
-      return loss * (tokens_BxL1[:, 1:].size / tokens_per_step)
+      # the mean over all targets of the step.
+      loss = micro_loss(engine, params_mb, sinks, batch_BxL1, materialize, final, acc)
+      if isinstance(batch_BxL1, Batch):  # a sum over this device's counted targets
+        return loss / targets_per_step
+      return loss * (batch_BxL1[:, 1:].size / targets_per_step)
 
     return jax.value_and_grad(loss_fn)(sinks)
 
-  def micro_step(acc, tokens_BxL1):
+  def micro_step(acc, batch_BxL1):
     if engine.layer_stack is LayerStack.MODEL_SCAN:
-      loss, grads = micro_grads(tokens_BxL1, sinks)
+      loss, grads = micro_grads(batch_BxL1, sinks)
       return jax.tree.map(jnp.add, acc, grads), loss
     # The prefetching stack adds its layers' gradients into the accumulator itself.
-    loss, grads = micro_grads(tokens_BxL1, sinks, acc=acc[LAYERS])
+    loss, grads = micro_grads(batch_BxL1, sinks, acc=acc[LAYERS])
     rest = {k: jax.tree.map(jnp.add, acc[k], grads[k]) for k in acc if k != LAYERS}
     return {**rest, LAYERS: grads[LAYERS]}, loss
 
-  A = tokens_AxBxL1.shape[0]
+  A = batch_AxBxL1.shape[0]
   with jax.named_scope("micro_batches"):
     if engine.program is StepProgram.BOUNDARY_SYNC:
-      return lax.scan(micro_step, sinks, tokens_AxBxL1)
+      return lax.scan(micro_step, sinks, batch_AxBxL1)
     # The layers' gradients are synced inside the last micro-batch's backward, each as soon as it
     # is final (the last layer's first), beside the backward of the layers below it; only the
     # embedding's and the head's wait for phase 2. Same sums in the same order.
     acc, losses = sinks, jnp.zeros((0,), jnp.float32)
     if A > 1:
-      acc, losses = lax.scan(micro_step, sinks, tokens_AxBxL1[:-1])
+      acc, losses = lax.scan(micro_step, sinks, take(batch_AxBxL1, slice(None, -1)))
     final_sinks = {**sinks, LAYERS: make_sinks(engine, synced=True)[LAYERS]}
     earlier = acc if A > 1 else None
     loss, last = micro_grads(
-      tokens_AxBxL1[-1], final_sinks, final=True, acc=acc[LAYERS] if A > 1 else None, after=earlier
+      take(batch_AxBxL1, -1),
+      final_sinks,
+      final=True,
+      acc=acc[LAYERS] if A > 1 else None,
+      after=earlier,
     )
     losses = jnp.concatenate([losses, loss[None]])
   rest = {k: v for k, v in acc.items() if k != LAYERS}
@@ -154,20 +163,24 @@ def make_sinks(engine, synced: bool = False):
   return jax.tree.map(sink_like, engine.trained_shapes, engine.trained_dims)
 
 
-def micro_loss(engine, params, sinks, tokens_BxL1, materialize, final=False, acc=None):
-  """This device's mean next-token loss on its rows of a micro-batch, from the P-placed
-  parameters; differentiated with respect to the sinks, it gives the gradients at Gr.
-  `final`, `acc`: for the prefetching stack (`prefetch_layers`)."""
+def micro_loss(engine, params, sinks, batch_BxL1, materialize, final=False, acc=None):
+  """This device's next-token loss on its rows of a micro-batch, from the P-placed parameters:
+  the mean over its tokens, or for a Batch the sum over its counted targets. Differentiated with
+  respect to the sinks, it gives the gradients at Gr. `final`, `acc`: for the prefetching stack
+  (`prefetch_layers`)."""
   # Frozen leaves get no sink (None): they are gathered without a gradient.
   shards = jax.tree.map(
     lambda m, p, k, d: Shard(p, k if m else None, d), engine.mask, params, sinks, engine.dims
   )
-  inputs = tokens_BxL1[:, :-1]
+  inputs, targets, weights, segments = inputs_of(batch_BxL1)
   if engine.layer_stack is LayerStack.MODEL_SCAN:
-    logits = engine.model.apply(shards, inputs, materialize)
+    logits = engine.model.apply(shards, inputs, materialize, segments_BxL=segments)
   else:
-    logits = engine.model.apply(shards, inputs, materialize, prefetch_layers(engine, final, acc))
-  return next_token_loss(logits, tokens_BxL1[:, 1:])
+    run_layers = prefetch_layers(engine, final, acc)
+    logits = engine.model.apply(shards, inputs, materialize, run_layers, segments)
+  if weights is None:
+    return next_token_loss(logits, targets)
+  return weighted_token_loss(logits, targets, weights)
 
 
 def materializer(engine, wire: WireConfig | None = None):
@@ -270,12 +283,12 @@ def optimizer(engine, master, opt_state, grads, loss, residual, new_residual):
 
 # --- the four together ----------------------------------------------------------------------------
 def local_step(
-  engine, master, opt_state, frozen, residual, reference, tokens_AxBxL1, *, tokens_per_step
+  engine, master, opt_state, frozen, residual, reference, batch_AxBxL1, *, targets_per_step
 ):
   """Phases 0-3 on this device's shards; (master, opt_state, residual, reference, loss, norm)."""
   with jax.named_scope("param_sync"):
     params, reference = param_sync(engine, master, frozen, reference)
-  acc, losses = micro_batches(engine, params, tokens_AxBxL1, tokens_per_step)
+  acc, losses = micro_batches(engine, params, batch_AxBxL1, targets_per_step)
   grads, new_residual = grad_sync(engine, acc, residual)
   # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
   loss = lax.psum(jnp.sum(losses), GLOBAL_AXES)

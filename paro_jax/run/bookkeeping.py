@@ -126,7 +126,9 @@ class Bookkeeper:
   def _row(self, step: int, metrics: dict) -> dict:
     jax.block_until_ready(metrics)
     now = time.perf_counter()
-    row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+    # targets: the target tokens the step's loss is the mean over (all but each row's first
+    # token of a token stream; instruction data's completion or assistant tokens)
+    row = {"step": step, **{k: int(v) if k == "targets" else float(v) for k, v in metrics.items()}}
     watch.finished(step)
     # The first step of a process includes compilation; later ones are pure step time.
     row["step_time_s"] = now - self.last_time

@@ -14,14 +14,16 @@ import os
 import re
 import warnings
 
-from paro_jax.core.config import StepConfig, group, option
+from paro_jax.core.config import LoraOptions, StepConfig, group, option, option_like
 from paro_jax.run.divergence import GuardConfig
 
-BIN_DTYPE_NAMES = ("uint16", "uint32")  # of .bin token files (run/data.py BIN_DTYPES)
+BIN_DTYPE_NAMES = ("uint16", "uint32")  # of .bin token files (run/bins.py BIN_DTYPES)
 # Characters the checkpoint library cannot have in a path: orbax finds a save's per-process files
 # with a glob of the directory (`[`, `]`, `*`, `?` are patterns there) and TensorStore reads `\`
 # as an escape; the arrays of such a save are written but can never be read back.
 UNSAFE_PATH_CHARS = "[]*?\\"
+DATA_FORMATS = ("auto", "text", "prompt-completion", "chat")  # run/instruct.py
+LONG_EXAMPLES = ("drop", "truncate")
 
 
 def unsafe_path_chars(path: str) -> str:
@@ -68,7 +70,7 @@ class DataConfig:
 
   paths: tuple[str, ...] = option(  # files and globs (a str is one path); empty: built-in corpus
     (),
-    "files and globs: *.jsonl (JSON lines), *.bin (token ids), else text",
+    "files and globs: *.jsonl (JSON lines), *.parquet, *.bin (token ids), else text",
     flag="--data",
     nargs="+",
     metavar="PATH",
@@ -79,7 +81,7 @@ class DataConfig:
     "an HF tokenizer.json (needs the hf extra; default: bytes, vocab 256)",
     metavar="TOKENIZER_JSON",
   )
-  bin_dtype: str | None = option(  # of .bin files; None: inferred (run/data.py bin_dtype_for)
+  bin_dtype: str | None = option(  # of .bin files; None: inferred (run/bins.py bin_dtype_for)
     None,
     ".bin token dtype (default: uint16, or uint32 when the tokenizer's "
     "vocab, else the model's, exceeds 65536)",
@@ -87,12 +89,45 @@ class DataConfig:
     choices=BIN_DTYPE_NAMES,
   )
   eval_fraction: float = option(
-    0.01, "the last fraction of the tokens held out for eval (default %(default)s)"
+    0.01,
+    "the last fraction of the tokens (of instruction data: of the examples) held out for eval "
+    "(default %(default)s)",
+  )
+  # instruction data (run/instruct.py, run/examples.py)
+  data_format: str = option(
+    "auto",
+    "what the records hold: text, a prompt and its completion (loss on the completion and EOS), "
+    "or chat messages (loss on the assistant's turns); default %(default)s: from each file's "
+    "first record",
+    choices=DATA_FORMATS,
+  )
+  chat_template: str | None = option(  # None: the model's HF directory's
+    None,
+    "a jinja2 chat template for chat records (default: the one of --init-from's HF directory, "
+    "else of --tokenizer's)",
+    metavar="FILE",
+  )
+  pack: bool = option(
+    False,
+    "instruction data: pack several examples into each sequence, each attending only to itself "
+    "(default: one example per sequence, padded)",
+  )
+  long_examples: str = option(
+    "drop",
+    "instruction examples longer than --seq-len + 1 tokens: drop them (counted in the log) or "
+    "keep their first --seq-len + 1 tokens (default %(default)s)",
+    choices=LONG_EXAMPLES,
   )
 
   def __post_init__(self):
     paths = (self.paths,) if isinstance(self.paths, str) else tuple(self.paths)
     object.__setattr__(self, "paths", paths)  # the flag's list, or one path
+    if self.data_format not in DATA_FORMATS:
+      raise ValueError(f"unknown --data-format {self.data_format!r}; choose one of {DATA_FORMATS}")
+    if self.long_examples not in LONG_EXAMPLES:
+      raise ValueError(
+        f"unknown --long-examples {self.long_examples!r}; choose one of {LONG_EXAMPLES}"
+      )
     if self.bin_dtype is not None and self.bin_dtype not in BIN_DTYPE_NAMES:
       raise ValueError(
         f"unknown --bin-dtype {self.bin_dtype!r}; choose one of {list(BIN_DTYPE_NAMES)}"
@@ -225,3 +260,33 @@ class RunConfig(StepConfig):
       "batch_size": self.batch_size,
       "seq_len": self.seq_len,
     }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+  """What `paro-jax eval` scores (run/evaluate.py): SOURCE on --data, with a step's strategy,
+  mesh, batch and dtype, none of which changes what is scored."""
+
+  source: str = option(  # the command's positional argument
+    help="a run directory (train's --out: its newest intact checkpoint) or an HF "
+    "LlamaForCausalLM directory"
+  )
+  strategy: str = option_like(StepConfig, "strategy")
+  mesh: tuple[int, int] | None = option_like(StepConfig, "mesh")
+  batch_size: int = option_like(StepConfig, "batch_size")
+  seq_len: int = option_like(StepConfig, "seq_len")
+  dtype: str = option_like(StepConfig, "dtype")
+  collectives: str = option_like(StepConfig, "collectives")
+  attention: str = option_like(StepConfig, "attention")
+  data: DataConfig = group(DataConfig)  # as train reads it; all of it is scored
+  as_json: bool = option(
+    False,
+    "print one JSON object: loss, perplexity, tokens (the targets scored), windows (or "
+    "examples) scored",
+    flag="--json",
+  )
+
+  def step(self, lora: LoraOptions) -> StepConfig:
+    """The step whose engine scores (core/factory.py), with the source's adapters."""
+    names = ("strategy", "mesh", "batch_size", "seq_len", "dtype", "collectives", "attention")
+    return StepConfig(**{n: getattr(self, n) for n in names}, lora=lora)

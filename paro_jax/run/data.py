@@ -1,11 +1,12 @@
 """Token streams and deterministic batches.
 
 Sources (`--data`, any number of paths and globs, in sorted order): text files; JSONL files whose
-records carry the text in one field (`--text-field`); pre-tokenized `.bin` files of uint16 or
-uint32 ids (read by os.pread, window by window: never loaded whole, any number of them, e.g. the
-shards of `paro-jax prepare-data`, paro_jax/run/prepare.py, checked against their meta.json).
-Several sources are read as one stream (`TokenStream`) without being joined in memory. Text is
-tokenized at byte level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, needs the
+records carry the text in one field (`--text-field`), and Parquet files likewise (one column,
+read a batch of rows at a time: run/records.py); pre-tokenized `.bin` files of uint16 or uint32
+ids (read by os.pread, window by window: never loaded whole, any number of them, e.g. the shards
+of `paro-jax prepare-data`, paro_jax/run/prepare.py, checked against their meta.json). Several
+sources are read as one stream (`TokenStream`) without being joined in memory. Text is tokenized
+at byte level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, needs the
 `tokenizers` package: `pip install -e ".[hf]"`).
 
 The default corpus is real text that every Python installation carries: the source files of
@@ -22,81 +23,9 @@ import sysconfig
 
 import numpy as np
 
-from paro_jax.run.config import BIN_DTYPE_NAMES, DataConfig  # noqa: F401 - also imported from here
-
-BYTE_VOCAB = 256
-BIN_DTYPES = {name: np.dtype(name).type for name in BIN_DTYPE_NAMES}
-
-
-# --- tokenizers ------------------------------------------------------------------------------
-class ByteTokenizer:
-  vocab_size = BYTE_VOCAB
-
-  def encode(self, text: str) -> np.ndarray:
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-
-class HFTokenizer:
-  """An HF `tokenizer.json` through the `tokenizers` package."""
-
-  def __init__(self, path: str):
-    try:
-      import tokenizers  # optional: only for HF tokenizer files
-    except ImportError as e:
-      raise ValueError(
-        f'--tokenizer {path} needs the `tokenizers` package: pip install -e ".[hf]"'
-      ) from e
-    if os.path.isdir(path):  # an HF model directory: its tokenizer.json
-      inside = os.path.join(path, "tokenizer.json")
-      if not os.path.isfile(inside):
-        raise FileNotFoundError(
-          f"--tokenizer {path} is a directory without a tokenizer.json: pass the tokenizer.json "
-          f"of an HF model (or its directory), or leave --tokenizer out for byte-level tokens"
-        )
-      path = inside
-    if not os.path.isfile(path):
-      raise FileNotFoundError(
-        f"tokenizer file {path!r} does not exist: pass --tokenizer with an "
-        f"HF tokenizer.json, or leave it out for byte-level tokens"
-      )
-    self.path = path
-    try:
-      self._tok = tokenizers.Tokenizer.from_file(path)
-    except Exception as e:  # the Rust side raises a bare Exception
-      why = str(e).splitlines()[0] if str(e) else type(e).__name__
-      raise ValueError(
-        f"--tokenizer {path} is not a valid HF tokenizer.json ({why}): pass the tokenizer.json "
-        f"of an HF model, or leave --tokenizer out for byte-level tokens"
-      ) from None
-    # Ids need not be contiguous (a tokenizer.json may number its tokens with gaps): the largest
-    # id + 1 is what a model's embedding must hold.
-    ids = self._tok.get_vocab(with_added_tokens=True).values()
-    self.vocab_size = max(
-      self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1
-    )
-
-  def encode(self, text: str) -> np.ndarray:
-    return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
-
-
-def make_tokenizer(cfg: DataConfig):
-  return HFTokenizer(cfg.tokenizer) if cfg.tokenizer else ByteTokenizer()
-
-
-def check_vocab(vocab_size: int, model_vocab: int, what: str) -> None:
-  if vocab_size > model_vocab:
-    raise ValueError(
-      f"{what} has a vocabulary of {vocab_size}, more than the model's {model_vocab}:"
-      f" use a model with vocab >= {vocab_size}, or a smaller tokenizer"
-    )
-
-
-def bin_dtype_for(cfg: DataConfig, vocab_size: int) -> np.dtype:
-  """--bin-dtype if given; else uint16 (the nanoGPT convention) unless the vocabulary (the
-  tokenizer's, else the model's) does not fit in 16 bits, then uint32."""
-  if cfg.bin_dtype:
-    return np.dtype(BIN_DTYPES[cfg.bin_dtype])
-  return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+from paro_jax.run.bins import SHARD, bin_dtype_for, bin_max, check_shards, read_bin
+from paro_jax.run.config import DataConfig
+from paro_jax.run.tokenizers import check_vocab, make_tokenizer
 
 
 # --- sources ---------------------------------------------------------------------------------
@@ -126,107 +55,6 @@ def expand_paths(patterns, flag: str = "--data") -> list[str]:
         raise FileNotFoundError(f"data file {path!r} does not exist: {fix}")
       files.append(path)
   return files
-
-
-def bin_max(path: str, dtype: np.dtype, chunk: int = 1 << 22) -> int:
-  """The largest id of a .bin file, read in chunks by plain reads (pages of a memory map would
-  stay in the process's resident memory)."""
-  top = 0
-  with open(path, "rb") as f:
-    while block := f.read(chunk * dtype.itemsize):
-      top = max(top, int(np.frombuffer(block, dtype).max()))
-  return top
-
-
-def read_bin(path: str, dtype: np.dtype) -> BinFile:
-  size = os.path.getsize(path)
-  if size % dtype.itemsize:
-    raise ValueError(
-      f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; is --bin-dtype right?"
-    )
-  return BinFile(path, dtype)
-
-
-class DataChanged(ValueError):
-  """A data file shrank while the run read it."""
-
-
-class _Fd:
-  """An open file descriptor, closed when the last BinFile view on it goes."""
-
-  def __init__(self, path: str):
-    self.fd = os.open(path, os.O_RDONLY)
-    self.bytes = os.fstat(self.fd).st_size  # when the run opened it
-    if hasattr(os, "posix_fadvise"):  # random windows: no read-ahead of megabytes per window
-      os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-
-  def __del__(self):
-    try:
-      os.close(self.fd)
-    except (OSError, TypeError):  # already closed, or the interpreter is shutting down
-      pass
-
-
-class BinFile:
-  """The token ids of a .bin file, as a 1-D array that reads only what is indexed, by os.pread.
-
-  Not a memory map: a file truncated while the run reads it (another program rewriting a shard)
-  makes a mapped read past its new end a SIGBUS, which kills the process without a word; a short
-  pread is a `DataChanged` error naming the file. `f[lo:hi]` is a view; `f[idx]` (an integer
-  array) reads each run of consecutive indices (a batch's windows) with one call."""
-
-  def __init__(self, path: str, dtype, _fd: _Fd | None = None, start: int = 0, size=None):
-    self.path, self.dtype = path, np.dtype(dtype)
-    self._fd = _fd or _Fd(path)
-    self.start = start
-    self.size = self._fd.bytes // self.dtype.itemsize - start if size is None else size
-    self.shape = (self.size,)
-    self.ndim = 1
-
-  def __len__(self) -> int:
-    return self.size
-
-  def _read(self, lo: int, n: int, into: np.ndarray | None = None) -> np.ndarray:
-    """Tokens lo..lo+n-1, read into `into` (n tokens, contiguous) or a new array."""
-    into = np.empty(n, self.dtype) if into is None else into
-    got = os.preadv(self._fd.fd, [memoryview(into).cast("B")], (self.start + lo) * into.itemsize)
-    if got < into.nbytes:
-      now = os.fstat(self._fd.fd).st_size
-      raise DataChanged(
-        f"{self.path} shrank from {self._fd.bytes} to {now} bytes while the run read it "
-        f"(truncated or rewritten by another program)"
-      )
-    return into
-
-  def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
-    """`self[starts[..., None] + arange(length)]`, each window read straight into its row."""
-    starts = np.asarray(starts)
-    if starts.size and (starts.min() < 0 or starts.max() + length > self.size):
-      raise IndexError(f"token index out of range [0, {self.size})")
-    out = np.empty((*starts.shape, length), self.dtype)
-    for row, lo in zip(out.reshape(-1, length), starts.reshape(-1).tolist()):
-      self._read(lo, length, into=row)
-    return out
-
-  def __getitem__(self, index):
-    if isinstance(index, slice):
-      lo, hi, step = index.indices(self.size)
-      if step != 1:
-        raise IndexError("a BinFile slice must have step 1")
-      return BinFile(self.path, self.dtype, self._fd, self.start + lo, max(0, hi - lo))
-    idx = np.asarray(index)
-    flat = idx.reshape(-1)
-    if flat.size and (flat.min() < 0 or flat.max() >= self.size):
-      raise IndexError(f"token index out of range [0, {self.size})")
-    out = np.empty(flat.size, self.dtype)
-    cuts = np.flatnonzero(np.diff(flat) != 1) + 1  # where a run of consecutive indices ends
-    for a, b in zip(np.r_[0, cuts], np.r_[cuts, flat.size]):
-      out[a:b] = self._read(int(flat[a]), int(b - a))
-    return out.reshape(idx.shape)
-
-  def __array__(self, dtype=None, copy=None):
-    whole = self._read(0, self.size)
-    return whole if dtype is None else whole.astype(dtype)
 
 
 def read_jsonl(path: str, field: str, progress=None):
@@ -300,51 +128,6 @@ def check_text(path: str, head: bytes) -> None:
     )
 
 
-SHARD = re.compile(r"shard-\d{5}\.bin")  # the files of `paro-jax prepare-data` (run/prepare.py)
-META = "meta.json"
-
-
-def check_shards(directory: str, dtype_flag: str | None) -> np.dtype:
-  """A directory of prepare-data shards must be complete: its meta.json written (prepare-data
-  writes it last) and every shard on disk the size it records. Returns the shards' dtype."""
-  fix = f"prepare the data again (paro-jax prepare-data ... --out {directory})"
-  on_disk = sorted(n for n in os.listdir(directory) if SHARD.fullmatch(n))
-  path = os.path.join(directory, META)
-  if not os.path.exists(path):
-    raise ValueError(
-      f"{directory} holds prepare-data shards ({on_disk[0]}, ...) but no {META}: the "
-      f"preparation did not finish (stopped or killed), so the set may be partial: {fix}"
-    )
-  try:
-    with open(path) as f:
-      meta = json.load(f)
-    listed = {s["file"]: int(s["tokens"]) for s in meta["shards"]}
-    dtype = np.dtype(meta["dtype"])
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise ValueError(f"{path} is not a complete prepare-data {META} ({e!r}): {fix}") from None
-  if dtype_flag and np.dtype(BIN_DTYPES[dtype_flag]) != dtype:
-    raise ValueError(
-      f"--bin-dtype {dtype_flag}, but {path} says its shards are {dtype.name}: pass --bin-dtype "
-      f"{dtype.name} (or leave it out)"
-    )
-  missing = sorted(set(listed) - set(on_disk))
-  extra = sorted(set(on_disk) - set(listed))
-  if missing or extra:
-    what = f"{missing[0]} is missing" if missing else f"{extra[0]} is not in it"
-    raise ValueError(
-      f"{path} lists {len(listed)} shards, {directory} holds {len(on_disk)} ({what}): {fix}"
-    )
-  for name, tokens in listed.items():
-    size = os.path.getsize(os.path.join(directory, name))
-    if size != tokens * dtype.itemsize:
-      raise ValueError(
-        f"{os.path.join(directory, name)} is {size} bytes, but {META} records {tokens} "
-        f"{dtype.name} tokens ({tokens * dtype.itemsize} bytes): it was truncated or rewritten: "
-        f"{fix}"
-      )
-  return dtype
-
-
 def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
   """All tokens of the sources, in order; ids checked against the model's vocabulary."""
   tokenizer = make_tokenizer(cfg)
@@ -373,8 +156,15 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
           f"{path} holds token id {top}, outside the model's vocabulary of "
           f"{model_vocab} (read as {dtype.name}; is --bin-dtype right?)"
         )
-    elif path.endswith(".jsonl"):
-      docs = [tokenizer.encode(text) for text in read_jsonl(path, cfg.text_field)]
+    elif path.endswith((".jsonl", ".parquet")):
+      from paro_jax.run.records import read_texts  # (it imports this module)
+
+      texts = (
+        read_jsonl(path, cfg.text_field)
+        if path.endswith(".jsonl")
+        else read_texts(path, cfg.text_field)
+      )
+      docs = [tokenizer.encode(text) for text in texts]
       tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint8)
     elif cfg.tokenizer:
       with open(path, "rb") as f:

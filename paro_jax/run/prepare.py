@@ -1,11 +1,14 @@
-"""`paro-jax prepare-data`: tokenize text and JSONL files into `.bin` shards, in bounded memory.
+"""`paro-jax prepare-data`: tokenize text, JSONL and Parquet files into `.bin` shards, in bounded
+memory.
 
 The sources are read in sorted order (as `train --data` reads them), a block at a time: text files
-in blocks of whole lines (about 1 MiB), JSONL files a record at a time. Tokens go to
+in blocks of whole lines (about 1 MiB), JSONL files a record at a time, Parquet files a batch of
+rows at a time (run/records.py). Instruction data (prompt-completion or chat records) becomes
+shards of examples with their target masks (run/example_shards.py). Tokens go to
 `OUT/shard-00000.bin`, `shard-00001.bin`, ... of at most `--shard-tokens` ids each (uint16, or
 uint32 when the tokenizer's vocabulary needs it), written as they come; memory stays at a few
 blocks whatever the size of the data. `OUT/meta.json` records the tokenizer, dtype and counts.
-`train --data 'OUT/*.bin'` then reads the shards, checked against meta.json (paro_jax/run/data.py).
+`train --data 'OUT/*.bin'` then reads the shards, checked against meta.json (paro_jax/run/bins.py).
 
 Nothing is published until everything is written: the shards are written into `OUT/.partial-PID/`
 and moved into OUT, then meta.json is written, only at the end. A stop (SIGINT, SIGTERM, SIGHUP:
@@ -31,16 +34,13 @@ import threading
 import numpy as np
 from tqdm import tqdm
 
-from paro_jax.run.data import (
-  BIN_DTYPES,
-  TEXT_SAMPLE,
-  ByteTokenizer,
-  HFTokenizer,
-  _not_utf8,
-  check_text,
-  expand_paths,
-  read_jsonl,
-)
+from paro_jax.run import sources
+from paro_jax.run.example_shards import ExampleShardWriter
+from paro_jax.run.instruct import TEXT, Encoder, tokenizer_directory
+from paro_jax.run.records import read_records, read_texts
+from paro_jax.run.bins import BIN_DTYPES
+from paro_jax.run.data import _not_utf8, check_text, expand_paths, read_jsonl, TEXT_SAMPLE
+from paro_jax.run.tokenizers import ByteTokenizer, HFTokenizer
 
 META = "meta.json"
 BLOCK = 1 << 20  # bytes of text tokenized at once
@@ -189,8 +189,13 @@ def prepare_data(
   bin_dtype: str | None = None,
   block: int = BLOCK,
   progress: bool | None = None,
+  data_format: str = "auto",
+  chat_template: str | None = None,
 ) -> dict:
-  """Tokenize `paths` (files and globs) into shards in `out`; returns the meta.json contents."""
+  """Tokenize `paths` (files and globs) into shards in `out`; returns the meta.json contents.
+  Instruction data (prompt-completion or chat records, `data_format`) become shards of examples
+  with their target masks (run/example_shards.py); examples with no target are left out and
+  counted in meta.json."""
   if shard_tokens < 1:
     raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
   files = expand_paths(paths, flag="")
@@ -219,9 +224,16 @@ def prepare_data(
     raise ValueError(
       f"{out} already holds {what}: pass another --out, or delete them to prepare the data again"
     )
+  fmt = sources.data_format(files, text_field, data_format)
+  encoder, dropped = None, 0
+  if fmt != TEXT:
+    encoder = Encoder(fmt, tok, tokenizer_directory(tokenizer), chat_template)
   partial = os.path.join(out, f"{PARTIAL}{os.getpid()}")
   os.makedirs(partial)
-  writer = ShardWriter(partial, dtype, shard_tokens)
+  if encoder is not None:
+    writer = ExampleShardWriter(partial, dtype, shard_tokens)
+  else:
+    writer = ShardWriter(partial, dtype, shard_tokens)
   total_bytes = sum(os.path.getsize(p) for p in files)
   bar = tqdm(
     total=total_bytes, unit="B", unit_scale=True, desc="prepare-data", disable=progress is False
@@ -230,8 +242,18 @@ def prepare_data(
     with _StopOn() as stop:
       for path in files:
         before = writer.total
-        if path.endswith(".jsonl"):
+        if encoder is not None:  # one record at a time (Parquet: a batch of rows)
+          for where, record in read_records(path, progress=bar.update):
+            tokens, mask = encoder(where, record)
+            if np.any(mask[1:]):
+              writer.write(tokens, mask)
+            else:
+              dropped += 1
+        elif path.endswith(".jsonl"):
           for text in read_jsonl(path, text_field, progress=bar.update):
+            writer.write(tok.encode(text))
+        elif path.endswith(".parquet"):
+          for text in read_texts(path, text_field, progress=bar.update):
             writer.write(tok.encode(text))
         else:
           for raw, text in _text_blocks(path, block):
@@ -239,8 +261,12 @@ def prepare_data(
               np.frombuffer(raw, np.uint8) if isinstance(tok, ByteTokenizer) else tok.encode(text)
             )
             bar.update(len(raw))
-        if writer.total == before:
+        if writer.total == before and encoder is None:
           raise ValueError(f"data file {path!r} is empty: give a file with text in it")
+      if encoder is not None and not writer.total:
+        raise ValueError(
+          f"no record with a target token in {', '.join(files)}: nothing to train on"
+        )
       writer.close()
       meta = {
         "tokenizer": tokenizer or "bytes",
@@ -252,6 +278,9 @@ def prepare_data(
         ],
         "sources": files,
       }
+      if encoder is not None:  # instruction data: the examples' shards (run/example_shards.py)
+        dropped = {"no target": dropped} if dropped else {}
+        meta.update(**writer.meta(), format=fmt, dropped=dropped)
       with open(os.path.join(partial, META), "w") as f:
         json.dump(meta, f, indent=1)
       stop.hold()

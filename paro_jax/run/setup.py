@@ -24,7 +24,9 @@ from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import RunMeta
 from paro_jax.run.config import RunConfig
-from paro_jax.run.data import Batches, load_tokens, split_eval
+from paro_jax.run.data import Batches, expand_paths, load_tokens, split_eval
+from paro_jax.run.instruct import TEXT
+from paro_jax.run.sources import data_format, hf_directory, instruction_batches
 from paro_jax.run.fit import check_fits, run_memory
 from paro_jax.run.metrics import METRICS, dump_row, read_rows
 
@@ -63,27 +65,46 @@ def build(cfg: RunConfig):
   collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
   if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
     print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
-  tokens, eval_tokens = split_eval(load_tokens(cfg.data, model_cfg.vocab), cfg.data.eval_fraction)
+  batches, eval_batches = run_batches(cfg, model_cfg.vocab)
   o = cfg.optimizer
   optim = OptimConfig(learning_rate=o.lr, warmup_steps=o.warmup, total_steps=o.steps)
   engine = build_engine(
     cfg, model_cfg, mesh, optim, strategy=strategy, attention=attention, collectives=collectives
   )
   engine.check_batch_size(cfg.batch_size)
-  batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
-  eval_batches = None
-  if cfg.eval.every:
-    # --eval-batches K: one eval batch of K step batches, so one program scores them all (K
-    # programs in flight at once can deadlock XLA:CPU's collectives).
-    eval_batches = Batches(
-      eval_tokens,
-      cfg.micro_batches * cfg.eval.batches,
+  return engine, batches, eval_batches
+
+
+def run_batches(cfg: RunConfig, vocab: int):
+  """The run's batches and its eval batches (None without --eval-every): windows of a token
+  stream (run/data.py), or instruction examples with their loss masks (run/examples.py)."""
+  data = cfg.data
+  files = expand_paths(data.paths) if data.paths else []
+  fmt = data_format(files, data.text_field, data.data_format)
+  eval_rows = cfg.micro_batches * cfg.eval.batches if cfg.eval.every else None
+  if fmt != TEXT:
+    batches, eval_batches, dropped = instruction_batches(
+      data,
+      files,
+      fmt,
+      hf_directory(data, cfg.init_from),
+      vocab,
+      cfg.micro_batches,
       cfg.batch_size,
       cfg.seq_len,
       cfg.seed,
-      what=f"the eval split (the last {cfg.data.eval_fraction:g} of the tokens)",
+      eval_rows,
     )
-  return engine, batches, eval_batches
+    batches.note = dropped
+    return batches, eval_batches
+  tokens, eval_tokens = split_eval(load_tokens(data, vocab), data.eval_fraction)
+  batches = Batches(tokens, cfg.micro_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+  if eval_rows is None:
+    return batches, None
+  # --eval-batches K: one eval batch of K step batches, so one program scores them all (K
+  # programs in flight at once can deadlock XLA:CPU's collectives).
+  what = f"the eval split (the last {data.eval_fraction:g} of the tokens)"
+  return batches, Batches(eval_tokens, eval_rows, cfg.batch_size, cfg.seq_len, cfg.seed, what=what)
 
 
 def place_batch(engine: Engine, batches: Batches, step: int) -> jax.Array:

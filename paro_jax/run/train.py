@@ -18,7 +18,9 @@ from paro_jax.run import reporting
 from paro_jax.run.bookkeeping import Bookkeeper
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.config import RunConfig
-from paro_jax.run.data import Batches, DataChanged
+from paro_jax.run.bins import DataChanged
+from paro_jax.run.data import Batches
+from paro_jax.run.examples import ExampleBatches
 from paro_jax.run.fit import run_memory
 from paro_jax.run.setup import build, place_batch, starting_point
 from paro_jax.run.stopping import Interrupted, RunLock, StopSignals, StopVote
@@ -42,6 +44,10 @@ def train(cfg: RunConfig) -> str:
       gpu = jax.devices()[0].platform != "cpu"
       need = run_memory(cfg, engine.model, engine.strategy, engine.inter, engine.intra, gpu)
       print(reporting.banner(cfg, engine, need), flush=True)
+      if isinstance(batches, ExampleBatches):  # how the examples are laid out, which left out
+        print(batches.describe(engine.model.attention), flush=True)
+        if batches.note:
+          print(batches.note, flush=True)
     ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.checkpoints.keep)
     stop.ckpt = ckpt
     try:
@@ -60,6 +66,8 @@ def train(cfg: RunConfig) -> str:
     if main:
       line = reporting.summary(book.rows, book.bad_total, book.path, book.saved, ckpt.directory)
       print(line, flush=True)
+      if getattr(batches, "note", None):  # the examples left out, again at the end
+        print(batches.note, flush=True)
     return book.path
 
 
@@ -120,7 +128,7 @@ def _run(
       print(reporting.stop_line(book.saved, book.ckpt), flush=True)
     raise
   except DataChanged as e:
-    # A data file shrank under the run (run/data.py): the steps done are sound, saved as on a
+    # A data file shrank under the run (run/bins.py): the steps done are sound, saved as on a
     # stop (one process: with several, saving needs all of them, and the others are waiting in
     # a collective for this one). The line says where to continue from.
     if pending is not None:

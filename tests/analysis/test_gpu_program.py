@@ -98,6 +98,32 @@ def test_attention_is_cudnns_fused_kernel():
   assert kernels and all(schedule._Compute(comps).instr(i) for i in kernels)
 
 
+def test_packed_rows_keep_cudnns_fused_kernel():
+  """Instruction data packed several examples to a row (`--pack`): attention stays inside each
+  example through cuDNN's packed layout (each row's runs as offsets and lengths), still the fused
+  kernel forward and backward, its mask causal inside each run."""
+  from models.llama import Llama, get_config
+  from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.strategy import parse_strategy
+
+  engine = Engine(
+    Llama(get_config(MODEL), DTYPES["bf16"], attention="cudnn"),
+    parse_strategy("IIG"),
+    make_mesh(*MESH, devices=gpu.devices("h100", *MESH)),
+    OptimConfig(),
+  )
+  import tempfile
+
+  with tempfile.TemporaryDirectory() as dump:
+    hlo = gpu.compile_step(engine, "h100", BATCH, SEQ, GPU_FLAGS, dump, packed=True).as_text()
+  fwd = [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$fmhaSoftmax"' in line]
+  assert fwd and 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in hlo
+  # causal inside the rows' runs (the token stream's kernel: CAUSAL over the whole row)
+  assert all('"mask_type": "PADDING_CAUSAL"' in line for line in fwd)
+  assert '"mask_type": "CAUSAL"' in gpu_report("IIG", "xla")["hlo"]
+
+
 def _in_loop(rows, scope):
   """The collectives of a layer loop's body issued under `scope` (layer_gather: forward's
   prefetch of the next layer; layer_regather, layer_grad_scatter: backward's)."""

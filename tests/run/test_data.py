@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from models.llama import Llama, get_config, next_token_loss
-from paro_jax.run.data import Batches, BinFile, DataConfig, load_tokens, split_eval
+from paro_jax.run.bins import BinFile
+from paro_jax.run.config import DataConfig
+from paro_jax.run.data import Batches, load_tokens, split_eval
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.analysis.hardware import mfu, peak_flops

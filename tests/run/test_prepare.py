@@ -14,7 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from paro_jax.run.data import Batches, BinFile, DataConfig, TokenStream, load_tokens, split_eval
+from paro_jax.run.bins import BinFile
+
+from paro_jax.run.config import DataConfig
+
+from paro_jax.run.data import Batches, load_tokens, split_eval, TokenStream
 from paro_jax.run.prepare import prepare_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,7 +93,8 @@ PEAK = "int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) // 1
 READER = """
 import sys
 import numpy as np
-from paro_jax.run.data import Batches, DataConfig, TokenStream, load_tokens, split_eval
+from paro_jax.run.config import DataConfig
+from paro_jax.run.data import Batches, load_tokens, split_eval, TokenStream
 def rss(kind):
   return int(open("/proc/self/status").read().split(kind + ":")[1].split()[0]) // 1024
 tokens = load_tokens(DataConfig(paths=(sys.argv[1],)), 256)

@@ -1,0 +1,286 @@
+"""Chat templates, rendered as transformers renders them, and the assistant's spans in the text.
+
+A model's chat template is the jinja2 template of its HF directory: `chat_template.jinja`, else
+the `chat_template` of tokenizer_config.json (a string, or a list of named templates of which
+"default" is taken), as transformers loads them; `--chat-template FILE` names another. It is
+rendered in the environment transformers builds (utils/chat_template_utils.py,
+`_compile_jinja_template`): jinja2's immutable sandbox with trim_blocks and lstrip_blocks, the loop
+controls, `raise_exception`, `strftime_now`, its `tojson`, `dict` and `namespace`, the tokenizer's
+special tokens (bos_token, eos_token, ...) as variables; then tokenized without adding special
+tokens (`apply_chat_template(tokenize=True)`).
+
+Which characters are the assistant's (the loss is on their tokens):
+- a template with `{% generation %}` blocks: the text each block renders, as transformers'
+  `return_assistant_tokens_mask` finds it;
+- any other: what the template writes for an assistant message after the generation prompt,
+  its end-of-turn token included, found by rendering prefixes of the conversation: for assistant
+  message i, render(messages[:i], add_generation_prompt=True) and render(messages[:i+1]) must
+  each be the start of render(messages); the span is the text between their ends. This needs a
+  template that renders a conversation prefix by prefix (Llama 3's, ChatML's do); one that
+  rewrites earlier turns (e.g. drops their reasoning) is refused naming the message, with the fix
+  (a template with `{% generation %}` blocks).
+A token is the assistant's when its characters overlap a span (transformers' rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import json
+import os
+import re
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' name for it in an HF directory
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS = (  # transformers' SPECIAL_TOKENS_ATTRIBUTES: variables of every template
+  "bos_token",
+  "eos_token",
+  "unk_token",
+  "sep_token",
+  "pad_token",
+  "cls_token",
+  "mask_token",
+)
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def tokenizer_config(directory: str) -> dict:
+  """tokenizer_config.json of an HF directory ({} if it has none)."""
+  path = os.path.join(directory, TOKENIZER_CONFIG)
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path} is not JSON ({e.msg} at line {e.lineno})") from None
+
+
+def special_tokens(directory: str | None) -> dict[str, str]:
+  """The named special tokens of an HF directory's tokenizer_config.json, as strings."""
+  config = tokenizer_config(directory) if directory else {}
+  out = {}
+  for name in SPECIAL_TOKENS:
+    value = config.get(name)
+    if isinstance(value, dict):  # an AddedToken written out
+      value = value.get("content")
+    if isinstance(value, str):
+      out[name] = value
+  return out
+
+
+def find_template(directory: str) -> str | None:
+  """The chat template of an HF directory, as transformers loads it; None if it has none."""
+  path = os.path.join(directory, CHAT_TEMPLATE_FILE)
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  template = tokenizer_config(directory).get("chat_template")
+  if isinstance(template, list):  # named templates
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    if "default" not in named:
+      raise ValueError(
+        f"{os.path.join(directory, TOKENIZER_CONFIG)} has chat templates {sorted(named)} and no "
+        f"'default': pass --chat-template FILE with the one to use"
+      )
+    template = named["default"]
+  return template if isinstance(template, str) else None
+
+
+def _environment():
+  """transformers' jinja environment for chat templates (chat_template_utils.py)."""
+  try:  # optional (the hf extra): only chat records need it
+    import jinja2  # optional: the hf extra
+    import jinja2.ext  # optional: the hf extra
+    import jinja2.nodes  # optional: the hf extra
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # optional: the hf extra
+  except ImportError:
+    raise ValueError('chat templates need jinja2: pip install -e ".[hf]"') from None
+
+  class AssistantTracker(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: records where each block's text lands."""
+
+    tags = {"generation"}
+
+    def __init__(self, environment):
+      super().__init__(environment)
+      environment.extend(activate_tracker=self.activate_tracker)
+      self._tracking = contextvars.ContextVar("assistant_tracker", default=None)
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+      call = self.call_method("_generation_support")
+      return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    @jinja2.pass_eval_context
+    def _generation_support(self, context, caller):
+      rv = caller()
+      if (tracking := self._tracking.get()) is not None:
+        blocks, spans = tracking
+        start = len("".join(blocks))
+        spans.append((start, start + len(rv)))
+      return rv
+
+    @contextlib.contextmanager
+    def activate_tracker(self, blocks, spans):
+      token = self._tracking.set((blocks, spans))
+      try:
+        yield
+      finally:
+        self._tracking.reset(token)
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' filter: no HTML escaping, json.dumps' options
+    return json.dumps(
+      x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+  def strftime_now(format):
+    return datetime.datetime.now().strftime(format)
+
+  class TemplateNamespace(jinja2.utils.Namespace):
+    """Refuses underscore attributes, as transformers' does."""
+
+    def __init__(*args, **kwargs):
+      self, args = args[0], args[1:]
+      attrs = dict(*args, **kwargs)
+      for name in attrs:
+        TemplateNamespace._check(name)
+      jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+      TemplateNamespace._check(name)
+      jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+      if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+          f"chat templates cannot store underscore attributes on a namespace: {name!r}"
+        )
+
+  class TemplateDict:
+    def __call__(self, *args, **kwargs):
+      return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+      return dict.fromkeys(*args, **kwargs)
+
+  env = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[AssistantTracker, jinja2.ext.loopcontrols]
+  )
+  env.filters["tojson"] = tojson
+  env.globals.update(
+    raise_exception=raise_exception,
+    strftime_now=strftime_now,
+    dict=TemplateDict(),
+    namespace=TemplateNamespace,
+  )
+  return env
+
+
+class ChatTemplate:
+  """A chat template with the tokenizer's special tokens; `where` names it in errors."""
+
+  def __init__(self, source: str, tokens: dict[str, str], where: str):
+    import jinja2  # optional: the hf extra (_environment says so when it is missing)
+
+    self.where, self.tokens = where, dict(tokens)
+    try:
+      self.template = _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+      raise ValueError(f"the chat template of {where} does not parse: {e} (line {e.lineno})")
+    self.tracks_generation = bool(_GENERATION.search(source))
+
+  def _variables(self, messages, add_generation_prompt: bool) -> dict:
+    # as transformers passes them: no tools or documents, the special tokens
+    return dict(
+      messages=messages,
+      tools=None,
+      documents=None,
+      add_generation_prompt=add_generation_prompt,
+      **self.tokens,
+    )
+
+  def render(self, messages, add_generation_prompt: bool = False) -> str:
+    return self.template.render(**self._variables(messages, add_generation_prompt))
+
+  def render_with_spans(self, messages) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered conversation, the assistant's character spans in it), in order."""
+    if self.tracks_generation:
+      blocks, spans = [], []
+      with self.template.environment.activate_tracker(blocks, spans):
+        for block in self.template.generate(**self._variables(messages, False)):
+          blocks.append(block)
+      return "".join(blocks), [s for s in spans if s[1] > s[0]]
+    text = self.render(messages)
+    spans = []
+    for i, message in enumerate(messages):
+      if message.get("role") != "assistant":
+        continue
+      before = self.render(messages[:i], add_generation_prompt=True)
+      through = self.render(messages[: i + 1])
+      if not (text.startswith(through) and through.startswith(before)):
+        raise ValueError(
+          f"the chat template of {self.where} does not render conversations prefix by prefix "
+          f"(message {i}, the assistant's, is not rendered the same within the whole "
+          f"conversation), so its tokens cannot be found: pass --chat-template FILE with a "
+          f"template that marks them with {{% generation %}} blocks"
+        )
+      if len(through) > len(before):
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def load_chat_template(chat_template: str | None, directory: str | None) -> ChatTemplate:
+  """--chat-template FILE, else the chat template of the model's HF directory; its special
+  tokens from the directory's tokenizer_config.json. None of either is one line."""
+  tokens = special_tokens(directory)
+  if chat_template:
+    if not os.path.isfile(chat_template):
+      raise FileNotFoundError(f"--chat-template {chat_template!r} does not exist: pass a file")
+    with open(chat_template, encoding="utf-8") as f:
+      return ChatTemplate(f.read(), tokens, chat_template)
+  source = find_template(directory) if directory else None
+  if source is None:
+    where = f"{directory} has no chat template" if directory else "no HF directory is given"
+    raise ValueError(
+      f"chat records need a chat template and {where} ({CHAT_TEMPLATE_FILE}, or "
+      f"chat_template in {TOKENIZER_CONFIG}): pass --chat-template FILE"
+    )
+  return ChatTemplate(source, tokens, directory)
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for it
+
+
+def normalize_messages(messages) -> list[dict]:
+  """Messages as transformers hands them to a template: keys whose value is None dropped, a
+  message's reasoning under both names templates read (`reasoning_content`, `thinking`)."""
+  out = []
+  for message in messages:
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is not None:
+      message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    out.append(message)
+  return out
+
+
+def token_mask(offsets, spans) -> list[int]:
+  """1 for each token (its character span `offsets[i]`) overlapping an assistant span, else 0:
+  transformers' rule (`apply_chat_template(return_assistant_tokens_mask=True)`)."""
+  mask, k = [0] * len(offsets), 0
+  for i, (start, end) in enumerate(offsets):
+    while k < len(spans) and start >= spans[k][1]:
+      k += 1
+    if k == len(spans):
+      break
+    if end > spans[k][0]:
+      mask[i] = 1
+  return mask

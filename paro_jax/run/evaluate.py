@@ -1,0 +1,174 @@
+"""`paro-jax eval SOURCE`: the mean next-token loss and perplexity of a model on `--data`.
+
+SOURCE is a run directory (train's --out: its newest intact checkpoint, restored onto the asked
+strategy and mesh) or an HF LlamaForCausalLM directory. What is scored does not depend on the
+batch size, the mesh or the strategy:
+- a token stream: consecutive, non-overlapping windows of seq_len+1 tokens from token 0 (window k
+  is tokens[k(S+1) : (k+1)(S+1)], its first S tokens the inputs, its last S the targets), a
+  trailing partial window dropped; every full window exactly once, the last batch filled with
+  rows whose targets do not count;
+- instruction data: every example (after --long-examples), one per row, its targets those
+  training counts (the completion's, the assistant's).
+The loss is the sum of the scored targets' losses over their count, summed on the host in fp64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import numpy as np
+
+from models.hf import CONFIG, load_hf, read_config
+from models.llama import LlamaConfig, LoraConfig
+from paro_jax.core.batch import Batch
+from paro_jax.core.config import LoraOptions
+from paro_jax.core.engine import Engine
+from paro_jax.core.factory import build_engine
+from paro_jax.core.mesh import make_mesh
+from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
+from paro_jax.run.config import EvalConfig
+from paro_jax.run.data import expand_paths, load_tokens
+from paro_jax.run.examples import ExampleBatches, select
+from paro_jax.run.instruct import TEXT
+from paro_jax.run.sources import data_format, hf_directory, instruction_examples
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """A model to score: its config, adapters and HF directory (tokenizer, chat template)."""
+
+  kind: str  # "run" or "hf"
+  path: str
+  config: LlamaConfig
+  lora: LoraConfig | None
+  hf_dir: str | None  # the HF directory (the run's --init-from), if any
+  model_name: str | None  # a run's, as its checkpoints record it
+
+
+def open_source(source: str) -> Source:
+  """What SOURCE is, read without jax: a run directory or an HF directory; else one line."""
+  if os.path.isdir(os.path.join(source, CHECKPOINTS)):
+    ckpt = Checkpointer(os.path.join(source, CHECKPOINTS), read_only=True)
+    try:
+      meta = None
+      for step in reversed(ckpt.steps()):
+        try:
+          meta = ckpt.read_meta(step)
+          break
+        except Exception:  # noqa: BLE001, S112 - a damaged step: restore() skips it too
+          continue
+    finally:
+      ckpt.close()
+    if meta is None:
+      raise FileNotFoundError(f"{source}/{CHECKPOINTS} holds no readable checkpoint to score")
+    hf_dir = meta.model_name[3:] if meta.model_name.startswith("hf:") else None
+    lora = LoraConfig(**meta.lora) if meta.lora else None
+    cfg = LlamaConfig(**meta.model_config)
+    return Source("run", source, cfg, lora, hf_dir, meta.model_name)
+  if os.path.isfile(os.path.join(source, CONFIG)):
+    return Source("hf", source, read_config(source), None, source, None)
+  raise FileNotFoundError(
+    f"{source} is neither a run directory (train's --out, with {CHECKPOINTS}/) nor an HF model "
+    f"directory (with {CONFIG}): pass one of them"
+  )
+
+
+def source_engine(source: Source, cfg: EvalConfig):
+  """The engine that scores the source's model (with its adapters) on cfg's step and mesh, and
+  the source's state placed for it."""
+  mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
+  engine = build_engine(cfg.step(LoraOptions.of(source.lora)), source.config, mesh)
+  if source.kind == "hf":
+    _, params = load_hf(source.path)
+    return engine, engine.state_from_params(params)
+  ckpt = Checkpointer(os.path.join(source.path, CHECKPOINTS), read_only=True)
+  try:
+    # the restore resume uses: checksums verified, any strategy or mesh
+    state, _ = ckpt.restore(engine, source.model_name)
+  finally:
+    ckpt.close()
+  return engine, state
+
+
+def window_batches(tokens, seq_len: int, batch_size: int):
+  """The token stream's windows (module docstring) as Batches of one micro-batch of
+  `batch_size` rows; the last filled with empty rows. Yields (batch, windows in it)."""
+  L1 = seq_len + 1
+  n = len(tokens) // L1
+  if n == 0:
+    raise ValueError(
+      f"--data has {len(tokens)} tokens, fewer than one window of --seq-len {seq_len} + 1: use a "
+      f"shorter --seq-len or more data"
+    )
+  for lo in range(0, n, batch_size):
+    rows = min(batch_size, n - lo)
+    batch = np.zeros((1, batch_size, L1), np.int32)
+    batch[0, :rows] = np.asarray(tokens[lo * L1 + np.arange(rows * L1)]).reshape(rows, L1)
+    weights = np.zeros((1, batch_size, seq_len), np.int32)
+    weights[0, :rows] = 1
+    yield Batch(batch, weights), rows
+
+
+def example_batches(batches: ExampleBatches):
+  """Every example of an unshuffled ExampleBatches once, a batch at a time: (batch, examples)."""
+  rows, B = batches.rows_per_epoch(), batches.shape[1]
+  for step in range(math.ceil(rows / B)):
+    yield batches(step), min(B, rows - step * B)
+
+
+def score(engine: Engine, state, batches) -> dict:
+  """The mean loss over the scored targets of `batches` ((Batch, rows) pairs), perplexity, the
+  scored targets ("tokens") and the windows (examples) scored."""
+  total, targets, windows = 0.0, 0, 0
+  for batch, rows in batches:
+    loss_sum, count = engine.eval_sums(state, engine.shard_batch(batch, any_micro_batches=True))
+    total += float(jax.device_get(loss_sum))
+    targets += int(jax.device_get(count))
+    windows += rows
+  loss = total / max(targets, 1)
+  return {"loss": loss, "perplexity": math.exp(loss), "tokens": targets, "windows": windows}
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+  """`paro-jax eval`: score SOURCE on its data and print it."""
+  source = open_source(cfg.source)
+  data = cfg.data
+  files = expand_paths(data.paths) if data.paths else []
+  fmt = data_format(files, data.text_field, data.data_format)
+  engine, state = source_engine(source, cfg)
+  engine.check_batch_size(cfg.batch_size)
+  vocab = source.config.vocab
+  if fmt == TEXT:
+    batches = window_batches(load_tokens(data, vocab), cfg.seq_len, cfg.batch_size)
+  else:
+    directory = hf_directory(data, source.hf_dir)
+    examples = instruction_examples(data, files, fmt, directory, vocab)
+    rows = ExampleBatches(
+      examples,
+      select(examples, cfg.seq_len, data.long_examples),
+      1,
+      cfg.batch_size,
+      cfg.seq_len,
+      seed=0,
+      shuffle=False,
+      what=f"the examples of {', '.join(files)}",
+    )
+    batches = example_batches(rows)
+  result = score(engine, state, batches)
+  if jax.process_index() == 0:
+    if cfg.as_json:
+      print(json.dumps(result), flush=True)
+    else:
+      what = "windows" if fmt == TEXT else "examples"
+      print(
+        f"paro-jax: {cfg.source}: loss {result['loss']:.6f}, perplexity "
+        f"{result['perplexity']:.4f} over {result['tokens']} target tokens in "
+        f"{result['windows']} {what} (strategy {engine.strategy} on mesh "
+        f"{engine.inter}x{engine.intra}, {cfg.dtype})",
+        flush=True,
+      )
+  return result

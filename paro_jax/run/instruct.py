@@ -1,0 +1,123 @@
+"""Instruction data: records of a prompt and its completion, or of a chat, as tokens with a target
+mask (the loss is on the completion's, the assistant's, tokens only).
+
+Two shapes of record, in JSONL or Parquet, told apart by the first record's fields (`--data-format
+auto`) or named by the flag:
+- prompt-completion, `{"prompt": ..., "completion": ...}`: the prompt tokenized as a document
+  (with the beginning-of-sequence token where the tokenizer's post-processor adds one), then the
+  completion without special tokens and the end-of-sequence token (tokenizer_config.json's
+  `eos_token` in the tokenizer's directory). The completion's tokens and that EOS are targets.
+  Byte-level tokens have no EOS: the completion's bytes are the targets.
+- chat, `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered with the model's chat
+  template and tokenized as transformers does (run/chat.py); the assistant's tokens, their
+  end-of-turn token included, are targets.
+A token's mask says whether it is a target: predicting it from the tokens before it counts in the
+loss (the first token of an example is never one).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from paro_jax.run.chat import load_chat_template, normalize_messages, special_tokens, token_mask
+from paro_jax.run.config import DATA_FORMATS, LONG_EXAMPLES  # noqa: F401 - the flags' choices
+from paro_jax.run.tokenizers import ByteTokenizer
+
+TEXT, PROMPT_COMPLETION, CHAT = DATA_FORMATS[1:]
+
+
+def record_format(record: dict, text_field: str) -> str | None:
+  """The shape of a record by its fields: chat, prompt-completion, text; None if none fits."""
+  if "messages" in record:
+    return CHAT
+  if "prompt" in record and "completion" in record:
+    return PROMPT_COMPLETION
+  return TEXT if text_field in record else None
+
+
+def detect_format(where: str, record: dict, text_field: str) -> str:
+  found = record_format(record, text_field)
+  if found is None:
+    raise ValueError(
+      f"{where}: the record has no {text_field!r} field (it has {sorted(record)}): pass "
+      f"--text-field with the field that holds the text, or records with 'prompt' and "
+      f"'completion', or 'messages' (a chat)"
+    )
+  return found
+
+
+def tokenizer_directory(tokenizer_path: str | None) -> str | None:
+  """The HF directory a --tokenizer file lives in (its tokenizer_config.json, chat template)."""
+  if not tokenizer_path:
+    return None
+  return tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
+
+
+class Encoder:
+  """Records of one shape to (tokens, mask): `encoder(where, record)`. `directory`: the model's
+  HF directory (chat template, special tokens); `chat_template`: --chat-template FILE."""
+
+  def __init__(self, data_format: str, tokenizer, directory=None, chat_template=None):
+    self.format, self.tokenizer = data_format, tokenizer
+    self.eos = None
+    if data_format == PROMPT_COMPLETION and not isinstance(tokenizer, ByteTokenizer):
+      eos = special_tokens(directory).get("eos_token")
+      self.eos = tokenizer.token_id(eos) if eos else None
+      if self.eos is None:
+        raise ValueError(
+          f"prompt-completion records end each completion with the tokenizer's end-of-sequence "
+          f"token, and {directory or 'the tokenizer'} names none (eos_token in "
+          f"tokenizer_config.json beside tokenizer.json): use the tokenizer of an HF model"
+        )
+    self.template = load_chat_template(chat_template, directory) if data_format == CHAT else None
+
+  def __call__(self, where: str, record: dict) -> tuple[np.ndarray, np.ndarray]:
+    if self.format == PROMPT_COMPLETION:
+      return self._prompt_completion(where, record)
+    if self.format == CHAT:
+      return self._chat(where, record)
+    raise ValueError(f"{where}: {self.format} records are not instruction data")
+
+  def _prompt_completion(self, where, record):
+    texts = []
+    for field in ("prompt", "completion"):
+      if not isinstance(record.get(field), str):
+        raise ValueError(
+          f"{where}: the {field!r} field is {type(record.get(field)).__name__}, not text: fix or "
+          f"drop that record"
+        )
+      texts.append(record[field])
+    prompt = self.tokenizer.encode(texts[0])
+    completion = self.tokenizer.encode_offsets(texts[1])[0]
+    end = [] if self.eos is None else [self.eos]
+    tokens = np.concatenate([prompt, completion, end]).astype(np.uint32)
+    mask = np.zeros(tokens.size, np.uint8)
+    mask[prompt.size :] = 1
+    return tokens, mask
+
+  def _chat(self, where, record):
+    messages = record["messages"]
+    if not isinstance(messages, list) or not all(
+      isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+    ):
+      raise ValueError(
+        f"{where}: 'messages' must be a list of objects with a 'role' and a 'content': fix or "
+        f"drop that record"
+      )
+    try:
+      text, spans = self.template.render_with_spans(normalize_messages(messages))
+    except Exception as e:  # jinja2's TemplateError (raise_exception), a template's own bug
+      if isinstance(e, ValueError) and "prefix by prefix" in str(e):
+        raise ValueError(f"{where}: {e}") from None
+      raise ValueError(
+        f"{where}: the chat template of {self.template.where} refused the record: {e}"
+      ) from None
+    tokens, offsets = self.tokenizer.encode_offsets(text)
+    return tokens.astype(np.uint32), np.asarray(token_mask(offsets, spans), np.uint8)
+
+
+def targets_of(mask: np.ndarray) -> int:
+  """The targets of an example: its mask past the first token (which nothing predicts)."""
+  return int(np.sum(mask[1:]))

@@ -1,0 +1,116 @@
+"""What `--data` holds: a token stream (text, JSONL or Parquet text, .bin ids) or instruction data
+(prompt-completion or chat records, or the shards prepare-data made of them), and the examples of
+instruction data (run/instruct.py, run/examples.py).
+
+`--data-format auto` takes each records file's shape from its first record; every file must then
+be of one kind (a text file beside chat records is refused, naming both).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paro_jax.run.config import DataConfig
+from paro_jax.run.tokenizers import check_vocab, make_tokenizer
+from paro_jax.run.example_shards import example_format, read_examples
+from paro_jax.run.examples import ExampleBatches, Examples, dropped_line, from_encoded, select
+from paro_jax.run.instruct import DATA_FORMATS, TEXT, Encoder, detect_format, tokenizer_directory
+from paro_jax.run.records import first_record, is_records, read_records
+
+
+def data_format(files: list[str], text_field: str, requested: str = "auto") -> str:
+  """The format of the --data files: TEXT, PROMPT_COMPLETION or CHAT; one for all of them."""
+  if requested not in DATA_FORMATS:
+    raise ValueError(f"unknown --data-format {requested!r}; choose one of {DATA_FORMATS}")
+  found = {}
+  for path in files:
+    if path.endswith(".bin"):
+      fmt = example_format(path) or TEXT
+    elif is_records(path):
+      fmt = detect_format(*first_record(path), text_field) if requested == "auto" else requested
+    else:
+      fmt = TEXT
+    found.setdefault(fmt, path)
+  if len(found) > 1:
+    (a, pa), (b, pb) = list(found.items())[:2]
+    raise ValueError(
+      f"--data mixes {a} data ({pa}) and {b} data ({pb}): train on one kind at a time"
+    )
+  fmt = next(iter(found), TEXT)
+  if requested not in ("auto", fmt):
+    raise ValueError(
+      f"--data-format {requested}, but {found[fmt]} holds {fmt} data (text files and token "
+      f"ids are text): pass records of that shape, or --data-format auto"
+    )
+  return fmt
+
+
+def load_examples(files: list[str], encoder: Encoder | None, model_vocab: int) -> Examples:
+  """The examples of the --data files: prepare-data's shards as they are, records encoded."""
+  shards = [p for p in files if p.endswith(".bin")]
+  if shards:
+    if len(shards) < len(files):
+      raise ValueError(
+        f"--data mixes prepared shards ({shards[0]}) and records: prepare them all, or none"
+      )
+    return read_examples(shards)
+  examples = from_encoded(
+    encoder(where, record) for path in files for where, record in read_records(path)
+  )
+  top = int(np.max(examples.tokens)) if len(examples) else 0
+  check_vocab(top + 1, model_vocab, "the encoded examples' largest id")
+  return examples
+
+
+def hf_directory(data: DataConfig, init_from: str | None) -> str | None:
+  """The HF directory whose chat template and special tokens the records use: the model's
+  (--init-from), else the one --tokenizer's tokenizer.json lives in."""
+  return init_from or tokenizer_directory(data.tokenizer)
+
+
+def instruction_examples(data: DataConfig, files, fmt: str, directory, model_vocab: int):
+  """The examples of instruction data files (records encoded, or prepared shards)."""
+  needs_encoder = any(not p.endswith(".bin") for p in files)
+  encoder = None
+  if needs_encoder:
+    tokenizer = make_tokenizer(data)
+    check_vocab(tokenizer.vocab_size, model_vocab, f"tokenizer {data.tokenizer or 'bytes'}")
+    encoder = Encoder(fmt, tokenizer, directory, data.chat_template)
+  return load_examples(files, encoder, model_vocab)
+
+
+def instruction_batches(
+  data: DataConfig,
+  files,
+  fmt,
+  directory,
+  model_vocab,
+  micro_batches,
+  batch_size,
+  seq_len,
+  seed,
+  eval_micro_batches=None,
+):
+  """(train batches, eval batches or None, the line saying which examples were left out or
+  None): the last --eval-fraction of the examples held out, in order, for eval."""
+  examples = instruction_examples(data, files, fmt, directory, model_vocab)
+  selection = select(examples, seq_len, data.long_examples)
+  train, held = selection.split(data.eval_fraction)
+  batches = ExampleBatches(
+    examples, train, micro_batches, batch_size, seq_len, seed, pack=data.pack
+  )
+  eval_batches = None
+  if eval_micro_batches:
+    eval_batches = ExampleBatches(
+      examples,
+      held,
+      eval_micro_batches,
+      batch_size,
+      seq_len,
+      seed,
+      pack=data.pack,
+      shuffle=False,
+      what=f"the eval split (the last {data.eval_fraction:g} of the examples)",
+    )
+  total = len(examples) + sum(examples.dropped.values())
+  return batches, eval_batches, dropped_line(selection.dropped, total)
