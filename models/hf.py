@@ -124,7 +124,18 @@ def _take(tensors: dict, name: str, shape: tuple, where: str) -> np.ndarray:
     raise ValueError(
       f"{where}: tensor {name} has shape {tuple(w.shape)}, but config.json implies {tuple(shape)}"
     )
-  return np.asarray(w, np.float32)
+  w = np.asarray(w, np.float32)
+  finite = np.isfinite(w)
+  if not finite.all():
+    # Checked as loaded: a NaN in a row the data rarely touches would train on unseen and
+    # make every checkpoint unsavable; one in a weight used every step would read as divergence.
+    nan, first = int(np.isnan(w).sum()), np.unravel_index(int(np.argmin(finite)), w.shape)
+    raise ValueError(
+      f"{where}: tensor {name} holds {nan} NaN and {w.size - int(finite.sum()) - nan} Inf "
+      f"values (the first at index {tuple(int(i) for i in first)}): these weights are damaged; "
+      f"download or export them again"
+    )
+  return w
 
 
 def _put(tree: dict, path: tuple, value) -> None:

@@ -27,6 +27,7 @@ from paro_jax.run.config import RunConfig
 from paro_jax.run.data import Batches, expand_paths, load_tokens, split_eval
 from paro_jax.run.instruct import TEXT
 from paro_jax.run.sources import data_format, hf_directory, instruction_batches
+from paro_jax.run.fingerprint import data_change, data_fingerprint
 from paro_jax.run.fit import check_fits, run_memory
 from paro_jax.run.metrics import METRICS, dump_row, read_rows
 
@@ -122,7 +123,9 @@ def model_name(cfg: RunConfig) -> str:
   return f"hf:{cfg.init_from}" if cfg.init_from else cfg.model
 
 
-def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
+def run_meta(cfg: RunConfig, engine: Engine, step: int, data_files: dict | None) -> RunMeta:
+  """What checkpoint `step` records besides the arrays; `data_files`: the run's data by content
+  (run/fingerprint.py)."""
   return RunMeta(
     step=step,
     seed=cfg.seed,
@@ -134,6 +137,7 @@ def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
     data=cfg.data_position(),
     lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None,
     train=schedule_of(cfg),
+    data_files=data_files,
   )
 
 
@@ -142,9 +146,10 @@ def schedule_of(cfg: RunConfig) -> dict:
   return dataclasses.asdict(cfg.optimizer)  # steps, lr, warmup
 
 
-def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
+def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer, data_files: dict) -> TrainState:
   """A fresh state (random, or --init-from's weights), or with --resume the newest intact
-  checkpoint placed for this engine."""
+  checkpoint placed for this engine; a resume on other data (`data_files`, this run's
+  fingerprint, against the checkpoint's) or other batch settings is said."""
   if not cfg.checkpoints.resume:
     if ckpt.steps():
       raise ValueError(
@@ -160,12 +165,23 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
   state, meta = ckpt.restore(engine, model_name(cfg), set_aside=True)
   was = {"seed": meta.seed, **meta.data}
   now = json.loads(json.dumps({"seed": cfg.seed, **cfg.data_position()}))  # tuples as lists
-  for key in was:
-    if was[key] != now[key]:
+  differ = lambda what: (  # noqa: E731
+    f"the batches after step {meta.step} differ from an uninterrupted run's ({what})"
+  )
+  if meta.data_files is not None:  # the data compared by content, not by the paths naming it
+    change = data_change(meta.data_files, data_files)
+    if change:
       warnings.warn(
-        f"resuming with {key}={now[key]!r}, but the checkpoint was trained with "
-        f"{was[key]!r}: the batches after step {meta.step} differ from an "
-        f"uninterrupted run's",
+        f"resuming on other data than the checkpoint's (step {meta.step}): {change}: "
+        + differ("restore the data to continue the same run"),
+        stacklevel=2,
+      )
+    was.pop("paths", None)
+  for key in was:
+    if was[key] != now.get(key):
+      warnings.warn(
+        f"resuming with {key}={now.get(key)!r}, but the checkpoint was trained with "
+        f"{was[key]!r}: " + differ("pass the checkpoint's value to continue the same run"),
         stacklevel=2,
       )
   if meta.train is not None and meta.train != schedule_of(cfg):
@@ -187,20 +203,21 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
 
 def starting_point(
   cfg: RunConfig, engine: Engine, ckpt: Checkpointer, main: bool
-) -> tuple[RunConfig, TrainState, list[str]]:
-  """(the run's config as it runs, the state it starts from, the metrics rows it keeps) for the
-  run directory as it is: a run that stopped before its first checkpoint has nothing to resume,
-  so its metrics are set aside (not deleted) and the run starts over, with or without --resume
-  (process 0 decides: the others follow, or it fails alone)."""
+) -> tuple[RunConfig, TrainState, list[str], dict]:
+  """(the run's config as it runs, the state it starts from, the metrics rows it keeps, its
+  data's fingerprint) for the run directory as it is: a run that stopped before its first
+  checkpoint has nothing to resume, so its metrics are set aside (not deleted) and the run starts
+  over, with or without --resume (process 0 decides: the others follow, or it fails alone)."""
   metrics_path = os.path.join(cfg.out, METRICS)
   written = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
   if not ckpt.steps() and (written or not main):
     cfg = dataclasses.replace(cfg, checkpoints=dataclasses.replace(cfg.checkpoints, resume=False))
     if main:
       set_aside_metrics(metrics_path)
-  state = start_state(cfg, engine, ckpt)
+  data_files = data_fingerprint(cfg.data)
+  state = start_state(cfg, engine, ckpt, data_files)
   rows = kept_rows(metrics_path, int(state.step)) if main and cfg.checkpoints.resume else []
-  return cfg, state, rows
+  return cfg, state, rows, data_files
 
 
 def set_aside_metrics(metrics_path: str) -> None:

@@ -51,13 +51,13 @@ def train(cfg: RunConfig) -> str:
     ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.checkpoints.keep)
     stop.ckpt = ckpt
     try:
-      cfg, state, rows = starting_point(cfg, engine, ckpt, main)
+      cfg, state, rows, data_files = starting_point(cfg, engine, ckpt, main)
     except BaseException:
       ckpt.close()
       raise
     # One fixed eval batch, placed once: eval losses are comparable across steps and runs.
     eval_batch = place_batch(engine, eval_batches, 0) if eval_batches else None
-    with Bookkeeper(cfg, engine, ckpt, int(state.step), rows, main) as book:
+    with Bookkeeper(cfg, engine, ckpt, int(state.step), rows, main, data_files) as book:
       _run(cfg, engine, batches, eval_batch, state, book, stop)
     if stop.stopping:
       if main:
