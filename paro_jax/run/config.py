@@ -76,9 +76,10 @@ class DataConfig:
     metavar="PATH",
   )
   text_field: str = option("text", "the JSONL field holding the text")
-  tokenizer: str | None = option(  # None: bytes
+  tokenizer: str | None = option(  # None: the model's (run/tokenizers.py resolve_tokenizer)
     None,
-    "an HF tokenizer.json (needs the hf extra; default: bytes, vocab 256)",
+    "an HF tokenizer.json (needs the hf extra), or 'bytes' (vocab 256); default: the "
+    "tokenizer.json of --init-from's directory, else bytes",
     metavar="TOKENIZER_JSON",
   )
   bin_dtype: str | None = option(  # of .bin files; None: inferred (run/bins.py bin_dtype_for)
@@ -242,7 +243,14 @@ class RunConfig(StepConfig):
           f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"
         )
     refuse_unsafe_path(self.out, "--out")
-    # Last: a run refused for another flag gets its one error line, not this warning first.
+    # Last: a run refused for another flag gets its one error line, not these warnings first.
+    if self.init_from and self.optimizer.lr == OptimizerOptions().lr:
+      warnings.warn(
+        f"--lr {self.optimizer.lr:g} is the default for training small models from scratch, "
+        f"far above what fine-tuning --init-from weights starts from (2e-5 for full training, "
+        f"3e-4 for LoRA, with a warmup: docs/hf_and_lora.md): pass --lr to silence this",
+        stacklevel=3,
+      )
     steps, warmup = self.optimizer.steps, self.optimizer.warmup
     if warmup > steps:
       warnings.warn(
