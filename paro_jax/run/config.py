@@ -243,14 +243,7 @@ class RunConfig(StepConfig):
           f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}"
         )
     refuse_unsafe_path(self.out, "--out")
-    # Last: a run refused for another flag gets its one error line, not these warnings first.
-    if self.init_from and self.optimizer.lr == OptimizerOptions().lr:
-      warnings.warn(
-        f"--lr {self.optimizer.lr:g} is the default for training small models from scratch, "
-        f"far above what fine-tuning --init-from weights starts from (2e-5 for full training, "
-        f"3e-4 for LoRA, with a warmup: docs/hf_and_lora.md): pass --lr to silence this",
-        stacklevel=3,
-      )
+    # Last: a run refused for another flag gets its one error line, not this warning first.
     steps, warmup = self.optimizer.steps, self.optimizer.warmup
     if warmup > steps:
       warnings.warn(
@@ -259,6 +252,16 @@ class RunConfig(StepConfig):
         f"--warmup {steps} or less to silence this)",
         stacklevel=3,
       )
+
+  def fine_tune_lr_warning(self) -> str | None:
+    """The line for a run from --init-from weights at the from-scratch default --lr."""
+    if not (self.init_from and self.optimizer.lr == OptimizerOptions().lr):
+      return None
+    return (
+      f"--lr {self.optimizer.lr:g} is the default for training small models from scratch, far "
+      f"above what fine-tuning --init-from weights starts from (2e-5 for full training, 3e-4 "
+      f"for LoRA, with a warmup: docs/hf_and_lora.md): pass --lr to silence this"
+    )
 
   def data_position(self) -> dict:
     """Besides (seed, step), what the batch of a step depends on."""

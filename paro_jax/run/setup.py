@@ -78,6 +78,8 @@ def build(cfg: RunConfig):
     cfg, model_cfg, mesh, optim, strategy=strategy, attention=attention, collectives=collectives
   )
   engine.check_batch_size(cfg.batch_size)
+  if line := cfg.fine_tune_lr_warning():  # once every input is known good
+    warnings.warn(line, stacklevel=2)
   return engine, batches, eval_batches
 
 

@@ -25,7 +25,7 @@ from paro_jax.core.config import make_config
 from paro_jax.run.config import DataConfig, RunConfig
 from paro_jax.run.data import load_tokens
 from paro_jax.run.prepare import prepare_data
-from paro_jax.run.setup import with_tokenizer
+from paro_jax.run.setup import build, with_tokenizer
 from paro_jax.run.tokenizers import tokenizer_identity
 from paro_jax.run.train import train
 
@@ -170,13 +170,14 @@ def test_text_as_bytes_into_a_larger_vocabulary_is_refused(tmp_path, capsys):
 
 
 def test_the_default_lr_of_a_fine_tune_is_warned_of(tmp_path):
-  given = {"out": str(tmp_path), "init_from": os.path.join(HF, "llama3_gqa")}
+  """build() warns, once every input is checked: a bad one is its one error line alone."""
+  given = {"init_from": os.path.join(HF, "llama3_gqa"), "data.paths": (TEXT,), "mesh": (2, 4)}
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
-    make_config(RunConfig, given)
-    make_config(RunConfig, {**given, "optimizer.lr": 2e-5})  # a fine-tuning lr: no warning
-    make_config(RunConfig, {"out": str(tmp_path)})  # from scratch: the default is for it
-  lines = [str(w.message) for w in seen]
+    build(make_config(RunConfig, {"out": str(tmp_path), **given}))
+    build(make_config(RunConfig, {"out": str(tmp_path), **given, "optimizer.lr": 2e-5}))
+    build(make_config(RunConfig, {"out": str(tmp_path), "model": "test", "mesh": (2, 4)}))
+  lines = [str(w.message) for w in seen if "--lr" in str(w.message)]
   assert len(lines) == 1 and "\n" not in lines[0]
   assert lines[0].startswith("--lr 0.003 is the default for training small models from scratch")
   assert "2e-5" in lines[0] and "3e-4" in lines[0] and "docs/hf_and_lora.md" in lines[0]
