@@ -536,10 +536,14 @@ def _main(argv) -> None:
         adapter=args.adapter,
       )
       what = "its LoRA adapters (PEFT)" if args.adapter else "the model"
+      shards = [w for w in done.weights if w.startswith("model-")]
+      weights = [w for w in done.weights if w not in shards]
+      if shards:  # model-00001-of-0000N.safetensors ...: counted, not listed
+        weights.insert(1, f"{len(shards)} shards ({shards[0]}, ...)")
       copied = f"; copied {', '.join(done.copied)}" if done.copied else "; no tokenizer files"
       print(
         f"paro-jax: wrote checkpoint step {done.step} of {args.run} to {args.out}: {what} in "
-        f"{done.dtype} ({done.dtype_why}), {', '.join(done.weights)}{copied}"
+        f"{done.dtype} ({done.dtype_why}), {', '.join(weights)}{copied}"
       )
       return
     if args.command == "plan":

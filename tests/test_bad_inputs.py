@@ -42,8 +42,9 @@ def files(tmp_path_factory):
 
 
 def _tokenizers(d):
-  """bpe.json, a small BPE; holes.json, the same with one id moved to 5000 (ids need not be
-  contiguous: its vocabulary counts 51 entries, a model needs 5001 rows)."""
+  """bpe.json, a small BPE (its end-of-sequence token </s> named by the tokenizer_config.json
+  beside it); holes.json, the same with one id moved to 5000 (ids need not be contiguous: its
+  vocabulary counts 52 entries, a model needs 5001 rows)."""
   import json
 
   from tokenizers import Tokenizer, models, pre_tokenizers, trainers
