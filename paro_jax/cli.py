@@ -220,10 +220,32 @@ def build_parser() -> argparse.ArgumentParser:
     "--out",
     required=True,
     metavar="HF_DIR",
-    help="directory to write config.json and model.safetensors (fp32) into",
+    help="directory to write the HF model into: config.json, the safetensors weights, the "
+    "tokenizer files and generation_config.json",
   )
   export.add_argument(
     "--overwrite", action="store_true", help="replace the files of an existing, non-empty --out"
+  )
+  export.add_argument(
+    "--dtype",
+    default=None,
+    type=str.lower,
+    choices=("bf16", "fp16", "fp32"),
+    help="the weights' dtype (default: the dtype of the --init-from weights the run started "
+    "from; bf16 for a run trained from scratch)",
+  )
+  export.add_argument(
+    "--max-shard-size",
+    default="5GB",
+    metavar="SIZE",
+    help="split the weights into safetensors shards of at most SIZE (KB, MB, GB, TB: decimal "
+    "units, as transformers' max_shard_size) with model.safetensors.index.json",
+  )
+  export.add_argument(
+    "--adapter",
+    action="store_true",
+    help="for a LoRA run started from --init-from: write the adapters alone as a PEFT adapter "
+    "(adapter_config.json, adapter_model.safetensors) instead of the merged model",
   )
   launch = sub.add_parser(
     "launch",
@@ -505,8 +527,24 @@ def _main(argv) -> None:
       _note_cpu_platform(args)
       from paro_jax.run.export import export_run  # jax: after the CUDA plugin note
 
-      step = export_run(args.run, args.out, overwrite=args.overwrite)
-      print(f"paro-jax: wrote checkpoint step {step} of {args.run} to {args.out}")
+      done = export_run(
+        args.run,
+        args.out,
+        overwrite=args.overwrite,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        adapter=args.adapter,
+      )
+      what = "its LoRA adapters (PEFT)" if args.adapter else "the model"
+      shards = [w for w in done.weights if w.startswith("model-")]
+      weights = [w for w in done.weights if w not in shards]
+      if shards:  # model-00001-of-0000N.safetensors ...: counted, not listed
+        weights.insert(1, f"{len(shards)} shards ({shards[0]}, ...)")
+      copied = f"; copied {', '.join(done.copied)}" if done.copied else "; no tokenizer files"
+      print(
+        f"paro-jax: wrote checkpoint step {done.step} of {args.run} to {args.out}: {what} in "
+        f"{done.dtype} ({done.dtype_why}), {', '.join(weights)}{copied}"
+      )
       return
     if args.command == "plan":
       run_plan(config_of(args, PlanConfig))

@@ -35,6 +35,8 @@ class RunMeta:
   checksums: dict | None = None  # leaf path -> [h1, h2] (state_checksums); set by save
   train: dict | None = None  # what the learning-rate schedule depends on: steps, lr, warmup
   data_files: dict | None = None  # the data by content (run/fingerprint.py); None before it
+  # the HF config.json the model came from (--init-from's, or --model's): export keeps its fields
+  source_config: dict | None = None
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)

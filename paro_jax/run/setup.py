@@ -12,7 +12,7 @@ import warnings
 
 import jax
 
-from models.hf import load_hf, read_config
+from models.hf import CONFIG, load_hf, read_config
 from models.llama import get_config, resolve_attention
 from paro_jax.analysis.auto import auto_strategy
 from paro_jax.core import collectives as comm
@@ -28,6 +28,12 @@ from paro_jax.run.data import Batches, expand_paths, load_tokens, split_eval
 from paro_jax.run.instruct import TEXT
 from paro_jax.run.sources import data_format, hf_directory, instruction_batches
 from paro_jax.run.fingerprint import data_change, data_fingerprint
+from paro_jax.run.tokenizers import (
+  BYTES,
+  check_resumed_tokenizer,
+  resolve_tokenizer,
+  tokenizer_identity,
+)
 from paro_jax.run.fit import check_fits, run_memory
 from paro_jax.run.metrics import METRICS, dump_row, read_rows
 
@@ -73,13 +79,24 @@ def build(cfg: RunConfig):
     cfg, model_cfg, mesh, optim, strategy=strategy, attention=attention, collectives=collectives
   )
   engine.check_batch_size(cfg.batch_size)
+  if line := cfg.fine_tune_lr_warning():  # once every input is known good
+    warnings.warn(line, stacklevel=2)
   return engine, batches, eval_batches
+
+
+def with_tokenizer(cfg: RunConfig, vocab: int | None = None) -> RunConfig:
+  """`cfg` with the tokenizer its data is read with (run/tokenizers.py resolve_tokenizer:
+  --tokenizer, else --init-from's tokenizer.json, else bytes where the model's vocabulary is)."""
+  if vocab is None:
+    vocab = (read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)).vocab
+  files = expand_paths(cfg.data.paths) if cfg.data.paths else []
+  return dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, cfg.init_from, vocab, files))
 
 
 def run_batches(cfg: RunConfig, vocab: int):
   """The run's batches and its eval batches (None without --eval-every): windows of a token
   stream (run/data.py), or instruction examples with their loss masks (run/examples.py)."""
-  data = cfg.data
+  data = with_tokenizer(cfg, vocab).data
   files = expand_paths(data.paths) if data.paths else []
   fmt = data_format(files, data.text_field, data.data_format)
   eval_rows = cfg.micro_batches * cfg.eval.batches if cfg.eval.every else None
@@ -134,11 +151,43 @@ def run_meta(cfg: RunConfig, engine: Engine, step: int, data_files: dict | None)
     strategy=str(engine.strategy),
     mesh=(engine.inter, engine.intra),
     dtype=cfg.dtype,
-    data=cfg.data_position(),
+    data=recorded_data(cfg),
     lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None,
     train=schedule_of(cfg),
     data_files=data_files,
+    source_config=source_config(cfg.init_from or cfg.model),
   )
+
+
+def source_config(model: str) -> dict | None:
+  """The HF config.json (as a dict) of --init-from's directory or of --model's file or
+  directory; None for a preset."""
+  path = os.path.join(model, CONFIG) if os.path.isdir(model) else model
+  if not (path.endswith(".json") and os.path.isfile(path)):
+    return None
+  try:
+    with open(path) as f:
+      config = json.load(f)
+  except (OSError, ValueError):  # build() read it: changed since, the export keeps less
+    return None
+  return config if isinstance(config, dict) else None
+
+
+# RunMeta.data's `document_ends` of a run whose documents end with the tokenizer's EOS (and
+# start with its BOS where its post-processor adds one); a checkpoint written before has none.
+DOCUMENT_ENDS = "post-processor+eos"
+
+
+def recorded_data(cfg: RunConfig) -> dict:
+  """What a checkpoint records of the data (RunMeta.data): its options and the batch shape
+  (RunConfig.data_position), the tokenizer's identity (its file's hash), and how documents are
+  separated."""
+  tokenizer = cfg.data.tokenizer
+  return {
+    **cfg.data_position(),
+    "tokenizer_identity": tokenizer_identity(tokenizer),
+    "document_ends": None if tokenizer in (None, BYTES) else DOCUMENT_ENDS,
+  }
 
 
 def schedule_of(cfg: RunConfig) -> dict:
@@ -164,10 +213,18 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer, data_files: 
     return engine.init_state(jax.random.key(cfg.seed))
   state, meta = ckpt.restore(engine, model_name(cfg), set_aside=True)
   was = {"seed": meta.seed, **meta.data}
-  now = json.loads(json.dumps({"seed": cfg.seed, **cfg.data_position()}))  # tuples as lists
+  now = json.loads(json.dumps({"seed": cfg.seed, **recorded_data(cfg)}))  # tuples as lists
+  check_resumed_tokenizer(was, now, meta.step)  # refused: the ids would mean other text
   differ = lambda what: (  # noqa: E731
     f"the batches after step {meta.step} differ from an uninterrupted run's ({what})"
   )
+  if was.get("document_ends") != now["document_ends"]:
+    warnings.warn(
+      f"checkpoint step {meta.step} was trained before documents (text files, JSONL and "
+      f"Parquet records) ended with the tokenizer's end-of-sequence token: "
+      + differ("that run's batches cannot be read again"),
+      stacklevel=2,
+    )
   if meta.data_files is not None:  # the data compared by content, not by the paths naming it
     change = data_change(meta.data_files, data_files)
     if change:
@@ -178,6 +235,8 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer, data_files: 
       )
     was.pop("paths", None)
   for key in was:
+    if key in ("tokenizer", "tokenizer_identity", "document_ends"):
+      continue  # compared above
     if was[key] != now.get(key):
       warnings.warn(
         f"resuming with {key}={now.get(key)!r}, but the checkpoint was trained with "

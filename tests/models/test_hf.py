@@ -219,7 +219,7 @@ def test_export_round_trip(tmp_path):
   run = tmp_path / "run"
   run_cfg = make_config(RunConfig, {**RUN, "model": "test", "optimizer.steps": 2, "out": str(run)})
   train(run_cfg)
-  cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf")])
+  cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf"), "--dtype", "fp32"])
   cfg, params = load_hf(tmp_path / "hf")
   # The checkpoint read back independently, with the run's own engine (not export's).
   engine = build(run_cfg)[0]
@@ -227,7 +227,16 @@ def test_export_round_trip(tmp_path):
   state, meta = ckpt.restore(engine, "test")
   ckpt.close()
   assert meta.step == 2 and cfg == engine.model.cfg
-  leaves_equal(params, jax.tree.map(np.asarray, state.master))
+  master = jax.tree.map(np.asarray, state.master)
+  leaves_equal(params, master)
+  # By default a run trained from scratch exports in bf16: the master weights rounded.
+  cli.main(["export", str(run), "--out", str(tmp_path / "bf16")])
+  _, rounded = load_hf(tmp_path / "bf16")
+  import ml_dtypes
+
+  leaves_equal(
+    rounded, jax.tree.map(lambda w: w.astype(ml_dtypes.bfloat16).astype(np.float32), master)
+  )
 
 
 def test_export_errors(tmp_path, capsys):

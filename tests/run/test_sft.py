@@ -70,7 +70,7 @@ def test_eval_equals_a_hand_count_over_completion_tokens(trained, capsys):
   capsys.readouterr()
   main(["eval", out, "--data", data, "--seq-len", str(SEQ), "--batch-size", "8", "--json"] + FP32)
   result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  main(["export", out, "--out", os.path.join(out, "hf")])
+  main(["export", out, "--out", os.path.join(out, "hf"), "--dtype", "fp32"])
   cfg, params = load_hf(os.path.join(out, "hf"))
   model = Llama(cfg, jnp.float32)
   # every record alone, prompt then completion bytes (all of one length: one batch)
