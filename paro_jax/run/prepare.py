@@ -42,7 +42,7 @@ from paro_jax.run.instruct import TEXT, Encoder, tokenizer_directory
 from paro_jax.run.records import read_records, read_texts
 from paro_jax.run.bins import BIN_DTYPES
 from paro_jax.run.data import _not_utf8, check_text, expand_paths, read_jsonl, TEXT_SAMPLE
-from paro_jax.run.tokenizers import BYTES, ByteTokenizer, HFTokenizer
+from paro_jax.run.tokenizers import BYTES, ByteTokenizer, HFTokenizer, tokenizer_identity
 
 META = "meta.json"
 BLOCK = 1 << 20  # bytes of text tokenized at once
@@ -279,6 +279,7 @@ def prepare_data(
       writer.close()
       meta = {
         "tokenizer": tokenizer or "bytes",
+        "tokenizer_identity": tokenizer_identity(tokenizer),  # what train compares its own to
         "vocab_size": tok.vocab_size,
         "dtype": dtype.name,
         "tokens": writer.total,

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 
 import numpy as np
 
+from paro_jax.run.bins import META, SHARD
 from paro_jax.run.chat import special_tokens
 from paro_jax.run.config import DataConfig
 
@@ -139,10 +141,14 @@ def resolve_tokenizer(
 ) -> DataConfig:
   """`data` with the tokenizer the run uses: --tokenizer's (a tokenizer.json, or `bytes`), else
   the tokenizer.json of the model's HF directory `hf_dir`, else bytes. Text as bytes for a model
-  whose vocabulary is not the 256 bytes is refused unless asked for (`--tokenizer bytes`)."""
+  whose vocabulary is not the 256 bytes is refused unless asked for (`--tokenizer bytes`), and
+  so are prepare-data shards made with another tokenizer than the run's
+  (`check_shards_tokenizer`)."""
   if data.tokenizer is not None:
+    check_shards_tokenizer(files, data.tokenizer, model_vocab)
     return data
   if hf_dir and os.path.isfile(os.path.join(hf_dir, TOKENIZER_FILE)):
+    check_shards_tokenizer(files, os.path.join(hf_dir, TOKENIZER_FILE), model_vocab)
     return dataclasses.replace(data, tokenizer=os.path.join(hf_dir, TOKENIZER_FILE))
   text = not files or any(not path.endswith(".bin") for path in files)
   if text and model_vocab != BYTE_VOCAB:
@@ -152,7 +158,39 @@ def resolve_tokenizer(
       f"and {where}: pass --tokenizer with the model's tokenizer.json, or --tokenizer "
       f"{BYTES} to train on bytes anyway"
     )
+  check_shards_tokenizer(files, None, model_vocab)
   return dataclasses.replace(data, tokenizer=BYTES)
+
+
+def check_shards_tokenizer(files: list[str], tokenizer: str | None, model_vocab: int) -> None:
+  """prepare-data shards among `files` must have been made with the run's tokenizer (a
+  tokenizer.json or `bytes`; None: none given, where byte-level shards are refused for a model
+  whose vocabulary is not the bytes). Their meta.json records it (by its identity; before that,
+  by its path)."""
+  for directory in sorted(
+    {os.path.dirname(f) or "." for f in files if SHARD.fullmatch(os.path.basename(f))}
+  ):
+    try:
+      with open(os.path.join(directory, META)) as f:
+        meta = json.load(f)
+      name = meta["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+      continue  # no complete meta.json: refused when the shards are read (bins.check_shards)
+    made = meta.get("tokenizer_identity") or tokenizer_identity(name)
+    if tokenizer is None:
+      if made == BYTES and model_vocab != BYTE_VOCAB:
+        raise ValueError(
+          f"{directory} holds shards of byte-level tokens ({META}), and the model's vocabulary "
+          f"is {model_vocab}, not the {BYTE_VOCAB} bytes: prepare the data again with the "
+          f"model's --tokenizer, or pass --tokenizer {BYTES} to train on bytes anyway"
+        )
+      continue
+    if made != tokenizer_identity(tokenizer):
+      raise ValueError(
+        f"{directory} holds shards tokenized with {name} ({META}), but this run's tokenizer is "
+        f"{tokenizer}: their token ids mean other text; prepare the data again with --tokenizer "
+        f"{tokenizer}, or pass --tokenizer {name}"
+      )
 
 
 def tokenizer_identity(tokenizer: str | None) -> str:
