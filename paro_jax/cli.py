@@ -13,7 +13,7 @@ from paro_jax import report
 from paro_jax.analysis import gpu
 from paro_jax.analysis.config import InspectConfig, PlanConfig
 from paro_jax.analysis.planner import run_plan
-from paro_jax.cluster import distributed, watch
+from paro_jax.cluster import distributed, native_stderr, watch
 from paro_jax.cluster.launch import launch
 from paro_jax.cluster.restart import _flag
 from paro_jax.core.config import LoraOptions, WireOptions, flag_of, make_config, options
@@ -458,6 +458,7 @@ def main(argv=None) -> None:
 
 
 def _main(argv) -> None:
+  command_line = argv is None  # not a caller in Python, whose stderr is its own
   argv = list(sys.argv[1:] if argv is None else argv)
   child_argv = []
   if argv[:1] == ["launch"] and "--" in argv:  # everything after -- is the child train command
@@ -602,6 +603,11 @@ def _main(argv) -> None:
     beat = getattr(args, "heartbeat_timeout", 0.0)
     if not beat >= 0:
       raise ValueError(f"--heartbeat-timeout must be >= 0 seconds (0: off), got {beat}")
+    if args.command == "train" and distributed.detect_cluster() and command_line:
+      # SLURM / mpirun: a native abort (JAX's client, its service gone) folded into the log.
+      # (`paro-jax launch` folds its nodes' output itself.)
+      who = f"process {os.environ.get('SLURM_PROCID', os.environ.get('OMPI_COMM_WORLD_RANK'))}: "
+      native_stderr.fold(os.path.join(*_log_place(args, [])), who)
     distributed.maybe_initialize(*multi, heartbeat_timeout=beat)  # before anything uses devices
     if args.command == "probe":
       from paro_jax.analysis.probe import run_probe  # imports jax: after the device flag is set
