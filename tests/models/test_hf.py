@@ -334,7 +334,19 @@ def test_non_finite_init_weights_are_refused_as_loaded(tmp_path, capsys):
   tensors["model.embed_tokens.weight"][251, 0] = np.inf
   save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
   with pytest.raises(SystemExit) as e:
-    cli.main(["train", "--init-from", str(out), "--mesh", "2x4", "--out", str(tmp_path / "run")])
+    cli.main(
+      [
+        "train",
+        "--init-from",
+        str(out),
+        "--lr",
+        "1e-5",
+        "--mesh",
+        "2x4",
+        "--out",
+        str(tmp_path / "run"),
+      ]
+    )  # a fine-tuning --lr: the default's warning would be a second line
   assert e.value.code == 2
   lines = capsys.readouterr().err.strip().splitlines()
   assert len(lines) == 1 and "Traceback" not in lines[0], lines

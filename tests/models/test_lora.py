@@ -209,7 +209,9 @@ def test_train_resume_other_strategy_and_export_merged(tmp_path):
   with pytest.raises(ValueError, match="was written with --lora-rank 4"):
     train(dataclasses.replace(other, lora=dataclasses.replace(other.lora, rank=8)))
   train(other)
-  cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf")])
+  # fp32: the run's own precision, so the comparison below can be exact to 1e-5 (a run from
+  # scratch exports bf16 by default, as Llama checkpoints ship).
+  cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf"), "--dtype", "fp32"])
   cfg, exported = load_hf(tmp_path / "hf")
   assert adapter_count(exported) == 0
   # The exported plain LLaMA computes what the trained LoRA model computes.
