@@ -217,7 +217,7 @@ def test_help_shows_every_default_and_no_internal_remarks():
 
 
 def test_names_compare_case_insensitively():
-  from paro_jax.analysis.gpu import check_target
+  from paro_jax.analysis.gpu.targets import check_target
   from paro_jax.cli import build_parser
 
   p = build_parser()

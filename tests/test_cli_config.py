@@ -10,7 +10,8 @@ import re
 import pytest
 
 from paro_jax import cli
-from paro_jax.analysis.config import InspectConfig, PlanConfig
+from paro_jax.analysis.inspect.config import InspectConfig
+from paro_jax.analysis.planner.config import PlanConfig
 from paro_jax.core.config import (
   LoraOptions,
   WireOptions,
@@ -216,10 +217,10 @@ def test_plan_config_gpu_any_case_and_target_sets_it():
 
 
 def test_plan_step_flags_parse_back_to_the_plans_workload():
-  """`plan --target` compiles the plan's workload (analysis/plan_compile.py plan_step_flags,
+  """`plan --target` compiles the plan's workload (analysis/planner/rerank.py plan_step_flags,
   through step_flags): `inspect` parses its flags back to the plan's inputs."""
-  from paro_jax.analysis import plan_compile, planner
-  from paro_jax.analysis.config import PlanConfig
+  from paro_jax.analysis.planner import planner, rerank
+  from paro_jax.analysis.planner.config import PlanConfig
 
   plan = planner.run_plan(
     PlanConfig(
@@ -233,7 +234,7 @@ def test_plan_step_flags_parse_back_to_the_plans_workload():
     )  # fmt: skip
   )
   inputs = plan.inputs
-  args = cli.build_parser().parse_args(["inspect", *plan_compile.plan_step_flags(inputs, "xla")])
+  args = cli.build_parser().parse_args(["inspect", *rerank.plan_step_flags(inputs, "xla")])
   parsed = cli.config_of(args, InspectConfig, mesh=cli.parse_mesh_shape(args.mesh))
   assert parsed.mesh == (inputs["nodes"], inputs["devices_per_node"]) == (2, 8)
   assert parsed.batch_size == inputs["micro_batch"] * 16 and parsed.attention == "xla"

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from paro_jax.analysis.config import InspectConfig, PlanConfig
+from paro_jax.analysis.inspect.config import InspectConfig
+from paro_jax.analysis.planner.config import PlanConfig
 from paro_jax.core.config import flag_of, options
 from paro_jax.core.names import DEFAULT_INT8_BLOCK
 from paro_jax.run.config import RunConfig

@@ -14,7 +14,7 @@ import jax
 
 from models.hf import CONFIG, load_hf, read_config
 from models.llama import get_config, resolve_attention
-from paro_jax.analysis.auto import auto_strategy
+from paro_jax.analysis.planner.auto import auto_strategy
 from paro_jax.core import collectives as comm
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
 from paro_jax.core.factory import build_engine, step_model
@@ -50,7 +50,9 @@ def build(cfg: RunConfig):
     print(f"paro-jax: --attention {why}: {attention}", flush=True)
   model = step_model(cfg, model_cfg, attention)
   collectives, _ = comm.resolve(cfg.collectives, platform, processes)
-  if auto:  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/auto.py)
+  if (
+    auto
+  ):  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/planner/auto.py)
     name, why, table = auto_strategy(
       mesh,
       cfg,

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import pytest
 
 from models.llama import Llama, LlamaConfig
-from paro_jax.analysis import hlo
+from paro_jax.analysis.hlo.collectives import device_bytes, level_of, parse_collectives, phase_of
 from paro_jax.core.engine import Engine, OptimConfig
-from paro_jax.analysis.inspector import compile_step, report
+from paro_jax.analysis.inspect.abstract import compile_step
+from paro_jax.analysis.inspect.inspector import report
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
@@ -138,21 +139,21 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 def test_hlo_parser_on_synthetic_module():
-  found = {c.name: c for c in hlo.parse_collectives(SYNTHETIC)}
+  found = {c.name: c for c in parse_collectives(SYNTHETIC)}
   ag, cp, ar = found["ag"], found["cp"], found["ar"]
   assert ag.count == 5 and cp.count == 5 and ar.count == 1
   # [4,2]<=[2,4]T(1,0): groups are the columns of the 2x4 mesh: {0,4}, {1,5}, ...
   assert ag.groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
-  assert hlo.level_of(ag, intra=4) == "inter" and hlo.phase_of(ag.op_name) == "forward"
-  assert hlo.device_bytes(ag, 8)[0] == pytest.approx(0.5 * 64)
-  assert hlo.level_of(cp, intra=4) == "intra" and hlo.device_bytes(cp, 8) == {
+  assert level_of(ag, intra=4) == "inter" and phase_of(ag.op_name) == "forward"
+  assert device_bytes(ag, 8)[0] == pytest.approx(0.5 * 64)
+  assert level_of(cp, intra=4) == "intra" and device_bytes(cp, 8) == {
     0: 32,
     1: 32,
     4: 32,
     5: 32,
   }
-  assert hlo.level_of(ar, intra=4) == "global" and hlo.phase_of(ar.op_name) == "gradient sync"
-  assert hlo.device_bytes(ar, 8)[3] == pytest.approx(2 * 7 / 8 * 32)
+  assert level_of(ar, intra=4) == "global" and phase_of(ar.op_name) == "gradient sync"
+  assert device_bytes(ar, 8)[3] == pytest.approx(2 * 7 / 8 * 32)
 
 
 COMBINED = """HloModule m
@@ -173,6 +174,6 @@ def test_a_combined_collective_takes_the_phase_of_its_data():
   """XLA:GPU's all-reduce combiner concatenates per-layer gradients into one all-reduce that
   carries no op_name (NNI's inter-node gradient all-reduces, 96% of its inter bytes, were filed
   under `other`): it takes the name of the nearest named producer of its operands."""
-  found = {c.name: c for c in hlo.parse_collectives(COMBINED)}
-  assert hlo.phase_of(found["ars"].op_name) == "gradient sync"
-  assert hlo.level_of(found["ars"], intra=4) == "inter"
+  found = {c.name: c for c in parse_collectives(COMBINED)}
+  assert phase_of(found["ars"].op_name) == "gradient sync"
+  assert level_of(found["ars"], intra=4) == "inter"

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from models.llama import Llama
-from paro_jax.analysis.inspector import compile_step, expected_traffic, format_report, report
+from paro_jax.analysis.inspect.abstract import compile_step
+from paro_jax.analysis.inspect.inspector import expected_traffic, format_report, report
 from paro_jax.core.compress import WireConfig
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh

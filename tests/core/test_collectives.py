@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from paro_jax.core import collectives as C
 from paro_jax.core.names import MIXED_IMPLS
-from paro_jax.analysis import hlo as H
+from paro_jax.analysis.hlo import collectives as H
 
 MESHES = [(2, 4), (4, 2), (2, 2), (1, 8), (8, 1)]
 AXES = [("intra",), ("inter",), ("intra", "inter")]

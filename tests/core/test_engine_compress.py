@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from models.llama import Llama
-from paro_jax.analysis.inspector import abstract_inputs
+from paro_jax.analysis.inspect.abstract import abstract_inputs
 from paro_jax.core.compress import WireConfig
 from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh

@@ -208,7 +208,8 @@ def test_planner_counts_the_residual_and_the_reference():
   """The planner's model states hold the fp32 residual (IIG on 4x8: Ψ/8 values per device, its
   gradient at Gr) and the compute-dtype weights at P (Ψ/8 x 2 bytes) with int8 on both paths,
   and neither without it."""
-  from paro_jax.analysis.planner import Cluster, Links, Workload, estimate
+  from paro_jax.analysis.planner.inputs import Cluster, Links, Workload
+  from paro_jax.analysis.planner.step_model import estimate
 
   cfg = get_config("7b")
   links = Links(100e9 / 8, 300e9, 50e-6, 10e-6, "hierarchical")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from models.llama import Llama, LlamaConfig
-from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.analysis.planner.costs import model_state_bytes
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy

@@ -12,11 +12,12 @@ from models.hf import load_hf
 from models.llama import Llama, LlamaConfig, LoraConfig, is_lora_path
 from paro_jax import cli
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.analysis.planner.costs import model_state_bytes
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.step import StepProgram
-from paro_jax.analysis.inspector import compile_step, report
+from paro_jax.analysis.inspect.abstract import compile_step
+from paro_jax.analysis.inspect.inspector import report
 from paro_jax.core.mesh import make_mesh
 from paro_jax.run.reference import reference_train
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy

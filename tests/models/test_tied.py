@@ -20,8 +20,9 @@ from safetensors.numpy import load_file
 from models.hf import load_hf
 from models.llama import Llama, LlamaConfig, LoraConfig, is_lora_path, next_token_loss
 from paro_jax import cli
-from paro_jax.analysis.costs import model_state_bytes
-from paro_jax.analysis.inspector import compile_step, report
+from paro_jax.analysis.planner.costs import model_state_bytes
+from paro_jax.analysis.inspect.abstract import compile_step
+from paro_jax.analysis.inspect.inspector import report
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy

@@ -13,7 +13,7 @@ from paro_jax.run.config import DataConfig
 from paro_jax.run.data import Batches, load_tokens, split_eval
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
-from paro_jax.analysis.hardware import mfu, peak_flops
+from paro_jax.analysis.gpu.hardware import mfu, peak_flops
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.config import EvalOptions, OptimizerOptions, RunConfig
 from paro_jax.run.train import train

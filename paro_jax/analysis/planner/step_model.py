@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.analysis.costs import step_traffic
-from paro_jax.analysis.memory import step_memory
-from paro_jax.analysis.plan_inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
+from paro_jax.analysis.planner.costs import step_traffic
+from paro_jax.analysis.planner.memory import step_memory
+from paro_jax.analysis.planner.inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
 from paro_jax.core.names import (
   ALL_GATHER,
   ALL_REDUCE,

@@ -2,8 +2,8 @@
 
 Nothing is allocated: the state and batch are `ShapeDtypeStruct`s with their shardings, so
 models far larger than this machine's memory compile (XLA's compile time is then the limit).
-Measured traffic is read from the compiled HLO (paro_jax/analysis/hlo.py) and set beside the
-analytic formulas of docs/design.md (paro_jax/analysis/costs.py).
+Measured traffic is read from the compiled HLO (paro_jax/analysis/hlo/collectives.py) and set beside
+the analytic formulas of docs/design.md (paro_jax/analysis/planner/costs.py).
 """
 
 from __future__ import annotations
@@ -18,24 +18,28 @@ import tempfile
 import jax.numpy as jnp
 
 from models.llama import get_config
-from paro_jax.analysis import estimate, gpu, hlo, instruction_costs, schedule
-from paro_jax.analysis.abstract import abstract_inputs  # noqa: F401 - also imported from here
-from paro_jax.analysis.config import InspectConfig
-from paro_jax.analysis.costs import model_state_bytes, step_traffic
-from paro_jax.analysis.estimate import captured_stderr, format_estimate
-from paro_jax.analysis.memory import step_memory
-from paro_jax.analysis.plan_inputs import Workload
+from paro_jax.analysis.gpu import estimate, instruction_costs, targets
+from paro_jax.analysis.gpu.estimate import captured_stderr, format_estimate
+from paro_jax.analysis.hlo import overlap
+from paro_jax.analysis.hlo.collectives import (
+  crosses_groups,
+  device_bytes,
+  level_of,
+  packed_attention,
+  parse_collectives,
+  phase_of,
+)
+from paro_jax.analysis.inspect.abstract import compile_for_target, compile_step
+from paro_jax.analysis.inspect.config import InspectConfig
+from paro_jax.analysis.planner.costs import model_state_bytes, step_traffic
+from paro_jax.analysis.planner.inputs import Workload
+from paro_jax.analysis.planner.memory import step_memory
 from paro_jax.core.engine import Engine
 from paro_jax.core.factory import build_engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.names import LEVEL_GLOBAL, LEVEL_INTER, LEVEL_INTRA, MIXED_IMPLS
 from paro_jax.core.units import human_bytes, parse_rate
 from paro_jax.core.xla_flags import GPU_FLAGS
-
-
-def compile_step(engine: Engine, batch_size: int, seq_len: int, packed: bool = False):
-  state, batch = abstract_inputs(engine, batch_size, seq_len, packed)
-  return engine.train_step.lower(state, batch).compile()
 
 
 def expected_traffic(engine: Engine, bf16_as_f32: bool = False):
@@ -72,15 +76,15 @@ def expected_traffic(engine: Engine, bf16_as_f32: bool = False):
 def report(engine: Engine, compiled) -> dict:
   """The communication schedule and memory of one compiled step, as a JSON-able dict."""
   n, intra = engine.inter * engine.intra, engine.intra
-  collectives = hlo.parse_collectives(compiled.as_text())
+  collectives = parse_collectives(compiled.as_text())
   per_device = collections.defaultdict(lambda: {LEVEL_INTER: 0.0, LEVEL_INTRA: 0.0})
   rows = collections.OrderedDict()
   for c in collectives:
-    sent = hlo.device_bytes(c, n)
+    sent = device_bytes(c, n)
     for device, nbytes in sent.items():
-      level = LEVEL_INTER if hlo.crosses_groups(c, device, intra) else LEVEL_INTRA
+      level = LEVEL_INTER if crosses_groups(c, device, intra) else LEVEL_INTRA
       per_device[device][level] += c.count * nbytes
-    key = (c.kind, hlo.phase_of(c.op_name), hlo.level_of(c, intra), c.dtypes)
+    key = (c.kind, phase_of(c.op_name), level_of(c, intra), c.dtypes)
     row = rows.setdefault(
       key,
       {
@@ -229,8 +233,8 @@ def gpu_report(
   r = report(engine, compiled)
   text = compiled.as_text()
   r["target"] = target
-  r["overlap"] = schedule.overlap(
-    text, engine.inter * engine.intra, engine.intra, schedule.thunk_streams(dump)
+  r["overlap"] = overlap.overlap(
+    text, engine.inter * engine.intra, engine.intra, overlap.thunk_streams(dump)
   )
   workload = Workload(
     engine.model.cfg,
@@ -247,9 +251,9 @@ def gpu_report(
     error_feedback=engine.error_feedback,
     param_delta=engine.param_delta,
   )
-  # The plan's figure for this step (analysis/memory.py): what `paro-jax plan` prints.
+  # The plan's figure for this step (analysis/planner/memory.py): what `paro-jax plan` prints.
   planned = step_memory(engine.strategy, workload, engine.inter, engine.intra)["total"]
-  device = gpu.target_gpu(target).memory_bytes
+  device = targets.target_gpu(target).memory_bytes
   compiled_bytes = r["memory"]["compiled"]["peak_bytes"]
   r["memory"].update(
     compiled_bytes=compiled_bytes,
@@ -284,9 +288,9 @@ def step_estimate(
   return estimate.estimate(
     text,
     log,
-    compute_capability=gpu.compute_capability(target),
-    peak_flops=gpu.target_gpu(target).peak_flops,
-    memory_bandwidth=gpu.memory_bandwidth(target),
+    compute_capability=targets.compute_capability(target),
+    peak_flops=targets.target_gpu(target).peak_flops,
+    memory_bandwidth=targets.memory_bandwidth(target),
     devices=engine.inter * engine.intra,
     tokens_per_step=tokens,
     flops_per_step=engine.model.cfg.flops_per_token(seq_len) * tokens,
@@ -349,7 +353,7 @@ def inspect(cfg: InspectConfig) -> dict:
   if target is not None:
     if mesh is None:
       raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
-    grid = make_mesh(*mesh, devices=gpu.devices(target, *mesh))  # compile-only GPUs
+    grid = make_mesh(*mesh, devices=targets.devices(target, *mesh))  # compile-only GPUs
   else:
     grid = make_mesh(*mesh) if mesh else make_mesh()
   engine = build_engine(cfg, get_config(cfg.model), grid, prefetch=cfg.prefetch)
@@ -359,7 +363,7 @@ def inspect(cfg: InspectConfig) -> dict:
         compiled = compile_step(engine, cfg.batch_size, cfg.seq_len, cfg.pack)
       else:
         with captured_stderr() as log:
-          compiled = gpu.compile_step(
+          compiled = compile_for_target(
             engine, target, cfg.batch_size, cfg.seq_len, GPU_FLAGS, dump, packed=cfg.pack
           )
     except Exception as e:  # XLA's own limits (e.g. out of host memory while compiling)
@@ -373,7 +377,7 @@ def inspect(cfg: InspectConfig) -> dict:
       rate = parse_rate(cfg.inter_bandwidth) if cfg.inter_bandwidth else None
       r = gpu_report(engine, compiled, target, cfg.batch_size, cfg.seq_len, dump, log[0], rate)
     if cfg.pack:
-      r["packed_attention"] = hlo.packed_attention(compiled.as_text())
+      r["packed_attention"] = packed_attention(compiled.as_text())
     if cfg.hlo_out:
       _write_hlo(compiled.as_text(), dump, cfg.hlo_out)
   if cfg.as_json:
