@@ -79,7 +79,7 @@ def main(argv=None) -> int:
   if not gpus:
     print("gpu_measure: no GPU here (jax sees only " + jax.devices()[0].platform + ")")
     return 2
-  from models.llama import get_config
+  from models.config import get_config
   from paro_jax.analysis.gpu.hardware import peak_flops
   from paro_jax.analysis.inspect.abstract import abstract_inputs
   from paro_jax.core.config import StepConfig

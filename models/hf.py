@@ -28,12 +28,10 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from models.config import (  # noqa: F401 - the config functions are re-exported
+from models.config import (
   CONFIG,
   LAYERS,
   LlamaConfig,
-  check_hf_dir,
-  config_from_hf,
   config_to_hf,
   read_config,
 )

@@ -1,17 +1,20 @@
 """The package's layers import only downward (the contract the folder layout shows).
 
 models/ knows nothing of paro_jax; core/ imports only core/ and models/; analysis/ never imports
-cluster/ or run/; cluster/ imports only core/ (a run may use the cluster's heartbeats, the cluster
+cluster/ or run/, and its wings (hlo/, gpu/, planner/, inspect/) import only those before them;
+cluster/ imports only core/ (a run may use the cluster's heartbeats, the cluster
 never the run); nothing in the library imports experiments/. paro_jax/report.py (the one voice of
 warnings and errors) imports nothing of the project, and every layer may use it.
 The modules the CLI imports before jax starts (CLI_START) are listed, and none imports jax, flax,
 optax or numpy at its import (a function may, once the CLI has set the device flags); the
 JAX_FREE ones (the step's config, names, units, the model shapes) import none at any depth. No two
-modules import each other, at any depth. No module of paro_jax/core/, run/ or analysis/ is longer
-than its MAX_LINES (one concern per file).
+modules import each other, at any depth. Every name is imported from the module that defines it
+(no module hands on another's names; `paro_jax`'s public API names each one's module). No module
+of paro_jax/core/, run/ or analysis/ is longer than its MAX_LINES (one concern per file).
 """
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -286,6 +289,109 @@ def test_mutual_import_check_catches_a_circle(tmp_path):
   (tmp_path / "models" / "a.py").write_text("from models.b import f\n")
   (tmp_path / "models" / "b.py").write_text("def g():\n  from models import a\n")
   assert mutual_imports(import_graph(tmp_path)) == ["models.a <-> models.b"]
+
+
+SOURCE_DIRS = ("paro_jax", "models", "tests", "experiments", "examples")
+
+
+def _module_file(repo: pathlib.Path, module: str) -> pathlib.Path | None:
+  path = repo / module.replace(".", "/")
+  for candidate in (path / "__init__.py", path.with_suffix(".py")):
+    if candidate.exists():
+      return candidate
+  return None
+
+
+@functools.cache
+def _defined(path: pathlib.Path) -> frozenset:
+  """The names a module defines at its top level (into `if`, `try` and `with` blocks): functions,
+  classes and assigned names; not the names it imports."""
+  names = set()
+  for node in _module_level(ast.parse(path.read_text())):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    elif isinstance(node, ast.With):
+      names.update(d.name for d in node.body if isinstance(d, (ast.FunctionDef, ast.ClassDef)))
+  return frozenset(names)
+
+
+def imported_elsewhere(repo: pathlib.Path, dirs=SOURCE_DIRS) -> list[str]:
+  """Every `from M import name` of a project module M that does not define `name` (nor has a
+  submodule of that name), and every `alias.name` read through a module imported as `alias`
+  that does not define it: a name reached through a module that only passes it on."""
+  bad = []
+  for path in (p for d in dirs for p in sorted((repo / d).glob("**/*.py"))):
+    tree, where = ast.parse(path.read_text()), path.relative_to(repo)
+    aliases = {}  # local name -> the project module it is
+    for node in ast.walk(tree):
+      if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+        continue
+      if node.module.split(".")[0] not in ("paro_jax", "models"):
+        continue
+      module = _module_file(repo, node.module)
+      if module is None:
+        bad.append(f"{where}:{node.lineno}: no module {node.module}")
+        continue
+      for a in node.names:
+        sub = _module_file(repo, f"{node.module}.{a.name}")
+        if sub is not None:
+          aliases[a.asname or a.name] = sub
+        elif a.name not in _defined(module):
+          bad.append(f"{where}:{node.lineno}: {node.module} does not define {a.name}")
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        for a in node.names:
+          module = _module_file(repo, a.name)
+          if a.asname and a.name.split(".")[0] in ("paro_jax", "models") and module:
+            aliases[a.asname] = module
+    for node in ast.walk(tree):
+      if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in aliases
+      ):
+        module = aliases[node.value.id]
+        package = module.parent if module.name == "__init__.py" else None
+        if node.attr in _defined(module) or (package and _module_file(package, node.attr)):
+          continue
+        bad.append(f"{where}:{node.lineno}: {node.value.id}.{node.attr} is not defined there")
+  return bad
+
+
+def test_names_are_imported_from_where_they_are_defined():
+  """No re-export shims: a name has one import path, its module's. (`paro_jax`'s lazy public API
+  is the exception the package means: each name beside the module that defines it.)"""
+  bad = imported_elsewhere(REPO)
+  assert not bad, "import these from the module that defines them:\n" + "\n".join(bad)
+
+
+def test_the_public_api_names_the_defining_modules():
+  import paro_jax  # no jax at import: names resolve on first use
+
+  bad = [
+    f"{name}: {module}"
+    for name, module in paro_jax._EXPORTS.items()
+    if name not in _defined(_module_file(REPO, module))
+  ]
+  assert not bad, f"paro_jax/__init__.py's _EXPORTS: not defined in the module named: {bad}"
+
+
+def test_the_import_path_check_catches_a_re_export(tmp_path):
+  (tmp_path / "models").mkdir()
+  (tmp_path / "models" / "__init__.py").write_text("")
+  (tmp_path / "models" / "a.py").write_text("X = 1\n")
+  (tmp_path / "models" / "b.py").write_text("from models.a import X\n\nY = X\n")
+  (tmp_path / "models" / "c.py").write_text(
+    "from models import b\nfrom models.a import X\nfrom models.b import Y, X\n\nZ = b.X + b.Y\n"
+  )
+  assert imported_elsewhere(tmp_path, ("models",)) == [
+    "models/c.py:3: models.b does not define X",
+    "models/c.py:5: b.X is not defined there",
+  ]
 
 
 def test_package_and_cli_start_without_jax():

@@ -45,12 +45,9 @@ import threading
 import time
 
 from paro_jax import report
-from paro_jax.cluster.netns import (  # noqa: F401 - NS_PREFIX, node_link, sent_bytes: re-exported
-  NS_PREFIX,
+from paro_jax.cluster.netns import (
   NamespaceNetwork,
-  node_link,
   remove_stale_namespaces,
-  sent_bytes,
 )
 from paro_jax.cluster.distributed import HEARTBEAT_TIMEOUT_ENV
 from paro_jax.cluster.restart import restart_argv

@@ -19,9 +19,8 @@ import dataclasses
 import functools
 import os
 
-from models.config import LoraConfig
+from models.config import ATTENTION_IMPLS, LoraConfig
 from paro_jax.core.names import (
-  ATTENTION_IMPLS,
   AUTO_COLLECTIVES,
   COLLECTIVE_IMPLS,
   DEFAULT_INT8_BLOCK,

@@ -12,9 +12,9 @@ from jax.sharding import Mesh
 
 from models.config import LlamaConfig, resolve_attention
 from models.llama import Llama
-from paro_jax.core import collectives as comm
 from paro_jax.core.config import StepConfig
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+from paro_jax.core.names import resolve_collectives
 from paro_jax.core.strategy import Strategy, parse_strategy
 
 
@@ -53,7 +53,7 @@ def build_engine(
       step.attention, platform, DTYPES[step.dtype], model_cfg.head_dim
     )
   if collectives is None:
-    collectives, _ = comm.resolve(step.collectives, platform, jax.process_count(), strategy)
+    collectives, _ = resolve_collectives(step.collectives, platform, jax.process_count(), strategy)
   return Engine(
     step_model(step, model_cfg, attention),
     strategy,

@@ -39,8 +39,8 @@ import numpy as np
 
 from safetensors import SafetensorError
 
-from models.hf import CONFIG, DTYPES, MAX_SHARD_SIZE, save_hf, weights_dtype
-from models.llama import LlamaConfig, LoraConfig
+from models.config import CONFIG, LlamaConfig, LoraConfig
+from models.hf import DTYPES, MAX_SHARD_SIZE, save_hf, weights_dtype
 from models.peft import save_adapter
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.prepare import pid_alive

@@ -12,14 +12,13 @@ import warnings
 
 import jax
 
-from models.hf import CONFIG, load_hf, read_config
-from models.llama import get_config, resolve_attention
+from models.config import CONFIG, get_config, read_config, resolve_attention
+from models.hf import load_hf
 from paro_jax.analysis.planner.auto import auto_strategy
-from paro_jax.core import collectives as comm
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
 from paro_jax.core.factory import build_engine, step_model
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.names import AUTO_COLLECTIVES
+from paro_jax.core.names import AUTO_COLLECTIVES, resolve_collectives
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import RunMeta
@@ -49,7 +48,7 @@ def build(cfg: RunConfig):
   if cfg.attention == "auto" and platform != "cpu" and jax.process_index() == 0:
     print(f"paro-jax: --attention {why}: {attention}", flush=True)
   model = step_model(cfg, model_cfg, attention)
-  collectives, _ = comm.resolve(cfg.collectives, platform, processes)
+  collectives, _ = resolve_collectives(cfg.collectives, platform, processes)
   if (
     auto
   ):  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/planner/auto.py)
@@ -71,7 +70,7 @@ def build(cfg: RunConfig):
   inter, intra = mesh.devices.shape
   need = run_memory(cfg, model, strategy, inter, intra, gpu=platform != "cpu")
   check_fits(cfg, strategy, need, inter, intra, jax.local_devices())
-  collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
+  collectives, why = resolve_collectives(cfg.collectives, platform, processes, strategy)
   if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
     print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
   batches, eval_batches = run_batches(cfg, model_cfg.vocab)

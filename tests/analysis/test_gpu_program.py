@@ -45,7 +45,8 @@ def gpu_report(
   if key not in _CACHE:
     import tempfile
 
-    from models.llama import Llama, get_config
+    from models.llama import Llama
+    from models.config import get_config
     from paro_jax.analysis.inspect.abstract import compile_for_target
     from paro_jax.analysis.inspect.inspector import gpu_report as report
     from paro_jax.core.engine import DTYPES, Engine, OptimConfig
@@ -103,7 +104,8 @@ def test_packed_rows_keep_cudnns_fused_kernel():
   """Instruction data packed several examples to a row (`--pack`): attention stays inside each
   example through cuDNN's packed layout (each row's runs as offsets and lengths), still the fused
   kernel forward and backward, its mask causal inside each run."""
-  from models.llama import Llama, get_config
+  from models.llama import Llama
+  from models.config import get_config
   from paro_jax.analysis.inspect.abstract import compile_for_target
   from paro_jax.core.engine import DTYPES, Engine, OptimConfig
   from paro_jax.core.mesh import make_mesh

@@ -5,7 +5,8 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama
+from models.config import LlamaConfig
 from paro_jax.analysis.hlo.collectives import device_bytes, level_of, parse_collectives, phase_of
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.analysis.inspect.abstract import compile_step

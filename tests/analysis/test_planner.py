@@ -10,12 +10,14 @@ import os
 
 import pytest
 
-from models.llama import PRESETS, Llama, get_config
+from models.config import PRESETS, get_config
+from models.llama import Llama
 from paro_jax.analysis.gpu import hardware
 from paro_jax.analysis.planner import inputs, memory, planner, step_model
 from paro_jax.core import names, units
 from paro_jax.cli import main
 from paro_jax.analysis.planner.costs import step_traffic
+from paro_jax.analysis.planner.profile import load_profile, measured_links
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
 PARTIAL = [n for n in VALID_NAMES if "I" in n]  # some state sharded within a node only
@@ -335,10 +337,8 @@ def test_probe_measures_every_collective_and_level(tmp_path):
   )
   path = tmp_path / "probe.json"
   write_profile(profile, str(path))
-  assert len(planner.measured_links(planner.load_profile(str(path)))) == 9
-  p = planner.plan_for_profile(
-    get_config("tiny"), 2, 4, 1, 2, 64, 4, planner.load_profile(str(path))
-  )
+  assert len(measured_links(load_profile(str(path)))) == 9
+  p = planner.plan_for_profile(get_config("tiny"), 2, 4, 1, 2, 64, 4, load_profile(str(path)))
   assert p.pick in VALID_NAMES and p.pick in p.explain
 
 
@@ -388,7 +388,7 @@ def test_compressed_inter_traffic_in_the_plan():
   from paro_jax.analysis.planner.costs import step_traffic
   from paro_jax.analysis.planner.inputs import Cluster, Links, Workload
   from paro_jax.analysis.planner.step_model import estimate
-  from paro_jax.core.compress import WireConfig
+  from paro_jax.core.wire import WireConfig
 
   cfg = get_config("7b")
   links = Links(100e9 / 8, 300e9, 50e-6, 10e-6, "hierarchical")

@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from paro_jax.core import collectives as C
 from paro_jax.core.rings import lax_axes
-from paro_jax.core.compress import Codec, WireConfig, dequantize, quantize, roundtrip
+from paro_jax.core.wire import Codec, WireConfig
+from paro_jax.core.compress import dequantize, quantize, roundtrip
 
 DEV = P(("inter", "intra"))
 IMPLS = ["xla", "ring", "hring", "horing"]

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama
+from models.config import LlamaConfig
 from paro_jax.analysis.planner.costs import model_state_bytes
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from models.hf import load_hf
-from models.llama import Llama, LlamaConfig, LoraConfig, is_lora_path
+from models.llama import Llama, is_lora_path
+from models.config import LlamaConfig, LoraConfig
 from paro_jax import cli
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.analysis.planner.costs import model_state_bytes

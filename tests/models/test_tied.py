@@ -18,7 +18,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from models.hf import load_hf
-from models.llama import Llama, LlamaConfig, LoraConfig, is_lora_path, next_token_loss
+from models.llama import Llama, is_lora_path, next_token_loss
+from models.config import LlamaConfig, LoraConfig
 from paro_jax import cli
 from paro_jax.analysis.planner.costs import model_state_bytes
 from paro_jax.analysis.inspect.abstract import compile_step

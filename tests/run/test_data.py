@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import Llama, get_config, next_token_loss
+from models.llama import Llama, next_token_loss
+from models.config import get_config
 from paro_jax.run.bins import BinFile
-from paro_jax.run.config import DataConfig
+from paro_jax.run.config import DataConfig, EvalOptions, OptimizerOptions, RunConfig
 from paro_jax.run.data import Batches, load_tokens, split_eval
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.analysis.gpu.hardware import mfu, peak_flops
 from paro_jax.core.strategy import parse_strategy
-from paro_jax.run.config import EvalOptions, OptimizerOptions, RunConfig
 from paro_jax.run.train import train
 
 TEXT = "def add(a, b):\n  return a + b\n" * 40

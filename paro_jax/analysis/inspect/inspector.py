@@ -17,7 +17,7 @@ import tempfile
 
 import jax.numpy as jnp
 
-from models.llama import get_config
+from models.config import get_config
 from paro_jax.analysis.gpu import estimate, instruction_costs, targets
 from paro_jax.analysis.gpu.estimate import captured_stderr, format_estimate
 from paro_jax.analysis.hlo import overlap

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from models.config import ATTENTION_IMPLS
 from paro_jax.analysis.gpu.hardware import GPUS
 from paro_jax.analysis.planner.inputs import DEFAULT_MFU, USABLE_MEMORY
 from paro_jax.core.config import (
@@ -18,7 +19,7 @@ from paro_jax.core.config import (
   option,
   parse_model,
 )
-from paro_jax.core.names import ATTENTION_IMPLS, COLLECTIVE_IMPLS
+from paro_jax.core.names import COLLECTIVE_IMPLS
 from paro_jax.core.units import COMPUTE_DTYPE_BYTES
 
 
