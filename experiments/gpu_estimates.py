@@ -49,7 +49,7 @@ def child_baseline(args) -> None:
   """Compile a plain-jit baseline for the target, print inspect's `estimate` and `memory`."""
   from paro_jax.analysis.gpu import estimate, targets
 
-  targets.prepare_environment()
+  targets.prepare_deviceless_compile()
   nodes, a, gbit = int(args.nodes), int(args.micro_batches), float(args.gbit)
   estimate.prepare_environment(gbit * 1e9, GPUS_PER_NODE)
   import tempfile

@@ -559,7 +559,7 @@ def _main(argv) -> None:
     if getattr(args, "target", None):  # a compile for GPUs described, not present: no devices
       _check_shape(args, mesh)
       args.target = targets.check_target(args.target)
-      targets.prepare_environment()
+      targets.prepare_deviceless_compile()
       from paro_jax.analysis.gpu import estimate  # numpy: not at the CLI's start
 
       if mesh is None:

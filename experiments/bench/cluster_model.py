@@ -109,7 +109,7 @@ def features(bench: dict, name: str, a: int, model: str = FLAT) -> dict:
   )
   s = parse_strategy(name)
   traffic = step_model.traffic_of(s, w, unit)
-  sched = step_model.schedule(s, w)
+  sched = step_model.phase_collectives(s, w)
   counts = {kind: 0 for kind in names.SCHEDULE_COLLECTIVES}
   for key in traffic.phases:
     kind, axes, count = sched[key]
@@ -166,7 +166,7 @@ def predict(
   w = dataclasses.replace(workload(bench), micro_batches=a)
   model_of = {n: global_model((collectives or {}).get(n)) for n in names}
   clusters = {mod: cluster(bench, regime["rate_bps"], c, mod) for mod in set(model_of.values())}
-  sub = [step_model.estimate(parse_strategy(n), w, clusters[model_of[n]]) for n in names]
+  sub = [step_model.predict(parse_strategy(n), w, clusters[model_of[n]]) for n in names]
   pick = planner.tie_break(sub)
   ranking = [pick] + sorted((e for e in sub if e is not pick), key=lambda e: e.step_time_s)
   return planner.Plan(pick.strategy, "", ranking, {})

@@ -53,7 +53,7 @@ def register() -> None:
   _installed = True
 
 
-def install() -> bool:
+def register_if_gloo() -> bool:
   """`register` where the CPU collectives are gloo's, saying so once on process 0; returns
   whether it did. After `jax.distributed.initialize`, before anything compiles."""
   import jax  # not at the top: cluster.distributed imports this module before jax starts

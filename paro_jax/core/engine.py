@@ -77,7 +77,7 @@ class OptimConfig:
         f"warmup_steps >= 0, got {self}"
       )
 
-  def schedule(self):
+  def lr_schedule(self):
     warmup = min(self.warmup_steps, self.total_steps)
     return optax.warmup_cosine_decay_schedule(
       0.0,
@@ -90,7 +90,7 @@ class OptimConfig:
   def adamw(self, decay_mask):
     """AdamW without clipping: the engine clips by the global norm across shards itself."""
     return optax.adamw(
-      self.schedule(),
+      self.lr_schedule(),
       b1=self.b1,
       b2=self.b2,
       eps=self.eps,

@@ -24,7 +24,7 @@ def platform_of(mesh: Mesh) -> str:
   return mesh.devices.flat[0].platform
 
 
-def step_model(step: StepConfig, model_cfg: LlamaConfig, attention: str) -> Llama:
+def build_model(step: StepConfig, model_cfg: LlamaConfig, attention: str) -> Llama:
   """The model the step trains: `model_cfg`'s shapes in the step's dtype, remat and adapters,
   with `attention` resolved (models/config.py resolve_attention)."""
   return Llama(model_cfg, DTYPES[step.dtype], step.remat, step.lora.adapters(), attention)
@@ -55,7 +55,7 @@ def build_engine(
   if collectives is None:
     collectives, _ = resolve_collectives(step.collectives, platform, jax.process_count(), strategy)
   return Engine(
-    step_model(step, model_cfg, attention),
+    build_model(step, model_cfg, attention),
     strategy,
     mesh,
     optim,

@@ -10,7 +10,7 @@ import sys
 
 from paro_jax.analysis.gpu import estimate, targets
 
-targets.prepare_environment()
+targets.prepare_deviceless_compile()
 estimate.prepare_environment(100e9, 4)
 
 import jax  # noqa: E402

@@ -87,13 +87,16 @@ def test_traffic_is_costs_step_traffic():
   assert w.layer_params == regathered
   for name in VALID_NAMES:
     s = parse_strategy(name)
-    e = step_model.estimate(s, w, cluster)
+    e = step_model.predict(s, w, cluster)
     t = step_traffic(s, w.psi, w.psi_trained, 4, 8, 4, 2, 2, regathered=regathered)
     assert e.traffic["phases"] == t.phases and e.traffic["inter_bytes"] == t.inter
-    assert set(t.phases) <= set(step_model.schedule(s, w)), name
+    assert set(t.phases) <= set(step_model.phase_collectives(s, w)), name
     comm = sum(
       step_model.collective_seconds(
-        *step_model.schedule(s, w)[k][:2], b, step_model.schedule(s, w)[k][2], cluster
+        *step_model.phase_collectives(s, w)[k][:2],
+        b,
+        step_model.phase_collectives(s, w)[k][2],
+        cluster,
       )
       for k, b in t.phases.items()
     )
@@ -108,13 +111,13 @@ def test_global_collective_models_and_overlap():
   times = {}
   for model in inputs.GLOBAL_MODELS:
     net = inputs.Links(12.5e9, 300e9, global_collectives=model)
-    times[model] = step_model.estimate(
+    times[model] = step_model.predict(
       parse_strategy("GGG"), w, inputs.Cluster(16, 8, net, 312e12)
     ).step_time_s
   assert times["flat"] > times["hierarchical"] > times["overlapped"]
   net = inputs.Links(12.5e9, 300e9)
   plain, hidden = (
-    step_model.estimate(parse_strategy("IIG"), w, inputs.Cluster(16, 8, net, 312e12, overlap=o))
+    step_model.predict(parse_strategy("IIG"), w, inputs.Cluster(16, 8, net, 312e12, overlap=o))
     for o in (0.0, 1.0)
   )
   per_mb = plain.times["param_gathers"] + plain.times["grad_traffic"]
@@ -387,16 +390,16 @@ def test_compressed_inter_traffic_in_the_plan():
   bytes about 4x in fp32-gradient terms (2x against bf16 plus scales) and its predicted step."""
   from paro_jax.analysis.planner.costs import step_traffic
   from paro_jax.analysis.planner.inputs import Cluster, Links, Workload
-  from paro_jax.analysis.planner.step_model import estimate
+  from paro_jax.analysis.planner.step_model import predict
   from paro_jax.core.wire import WireConfig
 
   cfg = get_config("7b")
   links = Links(100e9 / 8, 300e9, 50e-6, 10e-6, "hierarchical")
   cluster = Cluster(4, 8, links, 312e12, 0.4, 80 * 2**30, 0.9, 0.0)
-  plain = estimate(parse_strategy("IIG"), Workload(cfg), cluster)
+  plain = predict(parse_strategy("IIG"), Workload(cfg), cluster)
   wire = WireConfig("int8", "int8", 256)
   w = Workload(cfg, wire=wire, grad_itemsize=4)
-  packed = estimate(parse_strategy("IIG"), w, cluster)
+  packed = predict(parse_strategy("IIG"), w, cluster)
   expected = step_traffic(
     parse_strategy("IIG"), w.psi, w.psi, 4, 8, 8, 2, 2, w.layer_params, wire, 4
   )
@@ -408,7 +411,7 @@ def test_compressed_inter_traffic_in_the_plan():
   # fp32 gradients: 4 bytes per element at Gr
   assert packed.memory["model_states"]["grads"] == 2 * plain.memory["model_states"]["grads"]
   # GGG: its global collectives become two levels; every phase key has a schedule entry
-  g = estimate(parse_strategy("GGG"), w, cluster)
+  g = predict(parse_strategy("GGG"), w, cluster)
   assert g.traffic["intra_bytes"] > 0 and g.traffic["inter_bytes"] > 0
 
 
@@ -437,7 +440,7 @@ def test_one_micro_batch_holds_no_layer_gradient_accumulator():
   net = inputs.Links(units.parse_bandwidth("100gbit"), units.parse_bandwidth("300GB/s"))
   cluster = inputs.Cluster(4, 8, net, 989e12, device_memory=80e9)
   one, two = (
-    step_model.estimate(parse_strategy("IIG"), inputs.Workload(cfg, micro_batches=a), cluster)
+    step_model.predict(parse_strategy("IIG"), inputs.Workload(cfg, micro_batches=a), cluster)
     for a in (1, 2)
   )
   stack = Llama(cfg).stack_param_count()

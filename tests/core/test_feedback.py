@@ -215,14 +215,14 @@ def test_planner_counts_the_residual_and_the_reference():
   gradient at Gr) and the compute-dtype weights at P (Ψ/8 x 2 bytes) with int8 on both paths,
   and neither without it."""
   from paro_jax.analysis.planner.inputs import Cluster, Links, Workload
-  from paro_jax.analysis.planner.step_model import estimate
+  from paro_jax.analysis.planner.step_model import predict
 
   cfg = get_config("7b")
   links = Links(100e9 / 8, 300e9, 50e-6, 10e-6, "hierarchical")
   cluster = Cluster(4, 8, links, 312e12, 0.4, 80 * 2**30, 0.9, 0.0)
   iig = parse_strategy("IIG")
-  plain = estimate(iig, Workload(cfg), cluster).memory["model_states"]
-  states = estimate(iig, Workload(cfg, wire=WireConfig("int8", "int8")), cluster).memory
+  plain = predict(iig, Workload(cfg), cluster).memory["model_states"]
+  states = predict(iig, Workload(cfg, wire=WireConfig("int8", "int8")), cluster).memory
   states = states["model_states"]
   psi = cfg.param_count()
   assert states["residual"] == 4 * (psi // 8) and states["reference"] == 2 * (psi // 8)

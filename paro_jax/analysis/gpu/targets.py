@@ -50,7 +50,7 @@ def plugin_available() -> bool:
   return False
 
 
-def prepare_environment() -> None:
+def prepare_deviceless_compile() -> None:
   """Before jax starts: a compile for a GPU target needs no device, so keep jax on the CPU.
 
   With the CUDA plugin installed and no GPU, jax would otherwise try (and log a failure of) the

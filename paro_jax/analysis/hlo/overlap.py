@@ -32,29 +32,27 @@ _SYNC_RE = re.compile(r'"is_sync":\s*true')
 
 
 @dataclasses.dataclass
-class Instr:
+class _Instr:
   name: str
   op: str
-  rest: str
+  rest: str  # everything after the op's opening parenthesis: operands, then attributes
 
 
-def _computations(hlo_text: str) -> dict[str, list[Instr]]:
-  comps, cur = {}, None
-  for line in hlo_text.splitlines():
-    if not line[:1].isspace() and line.rstrip().endswith("{"):
-      m = collectives._COMP_RE.match(line)
-      cur = comps.setdefault(m.group(2), []) if m else None
-      continue
-    m = collectives._INSTR_RE.match(line)
-    if m and cur is not None:
-      cur.append(Instr(m.group(1), m.group(3), m.group(4)))
+def _computations(hlo_text: str) -> dict[str, list[_Instr]]:
+  comps = {}
+  for comp, _, instr in collectives.walk(hlo_text):
+    if instr is None:
+      comps.setdefault(comp, [])
+    else:
+      name, _, op, rest = instr
+      comps[comp].append(_Instr(name, op, rest))
   return comps
 
 
 class _Compute:
   """Whether an instruction is (or calls) a matmul, memoised per computation."""
 
-  def __init__(self, comps: dict[str, list[Instr]]):
+  def __init__(self, comps: dict[str, list[_Instr]]):
     self.comps, self.memo = comps, {}
 
   def computation(self, name: str) -> bool:
@@ -63,7 +61,7 @@ class _Compute:
       self.memo[name] = any(self.instr(i) for i in self.comps.get(name, ()))
     return self.memo[name]
 
-  def instr(self, i: Instr) -> bool:
+  def instr(self, i: _Instr) -> bool:
     if i.op in ("dot", "convolution"):
       return True
     if i.op == "custom-call":
@@ -75,7 +73,7 @@ class _Compute:
     return False
 
 
-def _done_of(instrs: list[Instr], k: int) -> int | None:
+def _done_of(instrs: list[_Instr], k: int) -> int | None:
   """Index of the done that consumes the start at index k."""
   ref = re.compile(r"^%?" + re.escape(instrs[k].name) + r"[),\s]")
   for j in range(k + 1, len(instrs)):
@@ -96,7 +94,7 @@ class Window:
   start_name: str  # the instruction the runtime launches (its thunk's name)
 
 
-def windows(hlo_text: str) -> dict[str, Window]:
+def collective_windows(hlo_text: str) -> dict[str, Window]:
   """Collective instruction name (as collectives.parse_collectives names it) -> its Window."""
   comps = _computations(hlo_text)
   compute = _Compute(comps)
@@ -167,7 +165,7 @@ def overlap(hlo_text: str, n_devices: int, intra: int, streams: dict[str, str] |
   are unknown and concurrency is None.
   """
   found = collectives.parse_collectives(hlo_text)
-  win = windows(hlo_text)
+  win = collective_windows(hlo_text)
   rows, mb_total, mb_hidden, all_total, all_hidden = [], 0.0, 0.0, 0.0, 0.0
   for c in found:
     w = win[c.name]

@@ -45,7 +45,7 @@ def gpu_target(device_kind: str) -> tuple[str | None, str]:
   if key is None:
     return None, f"no --target describes a {device_kind}"
   try:
-    return rerank.check_target(key), ""
+    return rerank.rankable_target(key), ""
   except ValueError as e:  # the plugin missing, or no time-based estimator (A100)
     return None, str(e)
 

@@ -29,7 +29,7 @@ from paro_jax.analysis.planner.inputs import (
   Workload,
 )
 from paro_jax.analysis.planner.profile import load_profile, measured_links
-from paro_jax.analysis.planner.step_model import Estimate, estimate
+from paro_jax.analysis.planner.step_model import Prediction, predict
 from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, parse_strategy
 from paro_jax.core.wire import WireConfig  # no jax
 from paro_jax.core.units import (
@@ -51,11 +51,13 @@ def _named(name: str) -> str:
 class Plan:
   pick: str | None
   explain: str
-  ranking: list[Estimate]  # the pick first, then the other fitting ones by step time, then the rest
+  ranking: list[
+    Prediction
+  ]  # the pick first, then the other fitting ones by step time, then the rest
   inputs: dict
   xla: dict | None = None  # --compile-top: the candidates' XLA estimates (rerank.py)
 
-  def get(self, name: str) -> Estimate:
+  def get(self, name: str) -> Prediction:
     return next(e for e in self.ranking if e.strategy == name)
 
   def as_dict(self) -> dict:
@@ -104,10 +106,10 @@ class Plan:
 
 
 def _explain(
-  pick: Estimate | None,
-  fastest: Estimate | None,
-  fitting: list[Estimate],
-  all_: list[Estimate],
+  pick: Prediction | None,
+  fastest: Prediction | None,
+  fitting: list[Prediction],
+  all_: list[Prediction],
   cluster: Cluster,
 ) -> str:
   usable = cluster.usable_bytes
@@ -163,7 +165,7 @@ def _explain(
   return f"{head}; {why}" + ("; " + "; ".join(tail) if tail else "")
 
 
-def tie_break(candidates: list[Estimate]) -> Estimate:
+def tie_break(candidates: list[Prediction]) -> Prediction:
   """The fastest; within TIE of it, the fewest collectives per step, then the least memory."""
   fastest = min(candidates, key=lambda e: e.step_time_s)
   near = [e for e in candidates if e.step_time_s <= fastest.step_time_s * (1 + TIE)]
@@ -171,8 +173,8 @@ def tie_break(candidates: list[Estimate]) -> Estimate:
 
 
 def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
-  """Estimate all 14 strategies and pick one (see the module docstring)."""
-  all_ = [estimate(parse_strategy(name), w, cluster) for name in VALID_NAMES]
+  """Predict all 14 strategies and pick one (see the module docstring)."""
+  all_ = [predict(parse_strategy(name), w, cluster) for name in VALID_NAMES]
   fitting = sorted((e for e in all_ if e.fits), key=lambda e: e.step_time_s)
   fastest = fitting[0] if fitting else None
   pick = None
@@ -260,7 +262,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
   # PlanConfig checked the values; --target is checked here (it needs JAX's CUDA plugin).
   target, gpu = cfg.target, cfg.gpu
   if target is not None:
-    target = rerank.check_target(target)
+    target = rerank.rankable_target(target)
     gpu = TARGETS[target][1]
   itemsize = COMPUTE_DTYPE_BYTES[cfg.dtype]
   model_cfg = get_config(cfg.model)

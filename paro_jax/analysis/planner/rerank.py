@@ -106,7 +106,9 @@ def compile_estimate(
   return {"strategy": strategy, "estimate": e, "compiled_bytes": nbytes, "compile_s": seconds}
 
 
-def check_target(target: str) -> str:
+def rankable_target(target: str) -> str:
+  """The key of a --target XLA's estimate can rank strategies for (a time-based cost model,
+  JAX's CUDA plugin installed), else a one-line ValueError saying why not."""
   # numpy (estimate.py's HLO parsing): only for `plan --target`, not at the CLI's start
   from paro_jax.analysis.gpu import estimate
 
