@@ -295,15 +295,6 @@ class Engine:
     trained = jax.jit(fn)(state.master)
     return join_trainable(self.mask, trained, state.frozen) if self.lora else trained
 
-  def zero_grads(self):
-    """A gradient accumulator at the Gr placement, as the step holds it between micro-batches
-    (trained leaves only)."""
-    shardings = named(self.mesh, self.trained_specs.grads)
-    return jax.jit(
-      lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.grad_dtype), self.trained_shapes),
-      out_shardings=shardings,
-    )()
-
   def check_batch_size(self, batch_size: int) -> None:
     check_batch_divides(batch_size, self.inter, self.intra)
 

@@ -85,7 +85,7 @@ class Bookkeeper:
   def __enter__(self):
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, *_exc):
     self.log.close()
     self.bar.close()
 

@@ -116,8 +116,3 @@ class Encoder:
       ) from None
     tokens, offsets = self.tokenizer.encode_offsets(text)
     return tokens.astype(np.uint32), np.asarray(token_mask(offsets, spans), np.uint8)
-
-
-def targets_of(mask: np.ndarray) -> int:
-  """The targets of an example: its mask past the first token (which nothing predicts)."""
-  return int(np.sum(mask[1:]))

@@ -111,7 +111,7 @@ class _StopOn:
         self._old[sig] = signal.signal(sig, self._raise)
     return self
 
-  def _raise(self, signum, frame):
+  def _raise(self, signum, _frame):
     raise Stopped(signum)
 
   def hold(self) -> None:
@@ -123,7 +123,7 @@ class _StopOn:
     for sig in self._old:
       signal.signal(sig, signal.SIG_IGN)
 
-  def __exit__(self, *exc):
+  def __exit__(self, *_exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
 

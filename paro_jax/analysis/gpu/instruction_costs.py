@@ -24,7 +24,6 @@ import re
 from paro_jax.analysis.gpu import roofline
 from paro_jax.analysis.hlo.collectives import computation_counts
 
-DUMP_FLAG = "xla_dump_latency_hiding_schedule"
 # A matmul is out of line when XLA charges it more than this many times the program's median
 # cost-over-roofline of matmuls: the layer matmuls sit within 1.5x of that median, the head's
 # forward product of 7b at 65x it.
