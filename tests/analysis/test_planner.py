@@ -1,4 +1,5 @@
-"""The planner (paro_jax/analysis/planner/planner.py), the probe and `train --strategy auto`.
+"""The planner (paro_jax/analysis/planner/planner.py), the probe and `train --strategy auto`
+(analysis/planner/auto.py).
 
 The paper's conclusions are checked on realistic clusters: 16 nodes x 8 A100-80GB, a 100 Gbit/s
 link per node (a slow cloud) against 300 GB/s NVLink, A=8 micro-batches of one 2,048-token

@@ -1,4 +1,5 @@
-"""Tests for paro_jax.core.collectives: hand-written ring collectives == lax, exactly.
+"""Tests for paro_jax.core.collectives: hand-written ring collectives == lax, exactly (the rings
+of core/rings.py, HO-Ring of core/horing.py, their transposes in core/stacked.py).
 
 Inputs are small random integers (stored as float32 / bfloat16 / int32), so
 every partial sum is exactly representable whatever the summation order, and

@@ -220,7 +220,8 @@ def test_plot_writes_a_png(jsonl_run, tmp_path):
 
 def test_plot_marks_non_finite_steps_and_writes_the_file_named(tmp_path, monkeypatch, capsys):
   """null (and an older run's NaN) losses are marked, not dropped; a truncated last line is
-  ignored with a warning naming the file; --out without a suffix is written as named."""
+  ignored with a warning naming the file (run/metrics.py read_rows); --out without a suffix is
+  written as named."""
   pytest.importorskip("matplotlib", reason="paro-jax plot needs matplotlib (the plots extra)")
   import matplotlib.axes
 
