@@ -566,7 +566,7 @@ def _main(argv) -> None:
         raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
       rate = parse_rate(args.inter_bandwidth) if args.inter_bandwidth else None
       estimate.prepare_environment(rate, mesh[1])  # before jax starts: XLA reads it once
-      from paro_jax.analysis.inspect.inspector import inspect  # jax: once XLA's environment is set
+      from paro_jax.analysis.inspect.command import inspect  # jax: once XLA's environment is set
 
       inspect(config_of(args, InspectConfig, mesh=mesh))
       return
@@ -611,7 +611,7 @@ def _main(argv) -> None:
       run_probe(mesh, args.sizes, args.repeats, not args.no_flops, args.out)
     if args.command == "inspect":
       # imports jax: after the device flag is set
-      from paro_jax.analysis.inspect.inspector import inspect
+      from paro_jax.analysis.inspect.command import inspect
 
       inspect(config_of(args, InspectConfig, mesh=mesh))
     if args.command == "eval":

@@ -48,7 +48,7 @@ def gpu_report(
     from models.llama import Llama
     from models.config import get_config
     from paro_jax.analysis.inspect.abstract import compile_for_target
-    from paro_jax.analysis.inspect.inspector import gpu_report as report
+    from paro_jax.analysis.inspect.gpu_report import gpu_report as report
     from paro_jax.core.engine import DTYPES, Engine, OptimConfig
     from paro_jax.core.mesh import make_mesh
     from paro_jax.core.strategy import parse_strategy
