@@ -394,6 +394,48 @@ def test_the_import_path_check_catches_a_re_export(tmp_path):
   ]
 
 
+# Public names defined in more than one module, each meaning the same thing in all of them.
+SAME_MEANING = {
+  "main": "a program's entry point (cli.py; cluster/reaper.py, run as a process of its own)",
+  "boundary_sync": "the boundary's gradient sync: core/step.py's, core/feedback.py's with error "
+  "feedback",
+}
+
+
+def public_definitions(repo: pathlib.Path) -> dict[str, list[str]]:
+  """Top-level public name -> the library modules that define it."""
+  found = {}
+  for path in (p for top in ("paro_jax", "models") for p in sorted((repo / top).glob("**/*.py"))):
+    for name in _defined(path):
+      if not name.startswith("_"):
+        found.setdefault(name, []).append(path.relative_to(repo).as_posix())
+  return found
+
+
+def test_no_two_modules_define_one_public_name():
+  """One name, one meaning: a public name defined in two modules (two `estimate`s, two
+  `Interrupted`s) reads the same and means two things; one fact written twice drifts."""
+  twice = {
+    name: paths
+    for name, paths in public_definitions(REPO).items()
+    if len(paths) > 1 and name not in SAME_MEANING
+  }
+  assert not twice, (
+    "rename one of each (or import the one fact from where it is written):\n"
+    + "\n".join(f"{name}: {', '.join(paths)}" for name, paths in sorted(twice.items()))
+  )
+
+
+def test_the_one_name_check_catches_a_second_meaning(tmp_path):
+  (tmp_path / "models").mkdir()
+  (tmp_path / "models" / "a.py").write_text("def estimate():\n  pass\n")
+  (tmp_path / "models" / "b.py").write_text("class Estimate:\n  pass\n\n\nestimate = 1\n")
+  found = public_definitions(tmp_path)
+  assert found["estimate"] == ["models/a.py", "models/b.py"] and found["Estimate"] == [
+    "models/b.py"
+  ]
+
+
 def test_package_and_cli_start_without_jax():
   """`import paro_jax`, the CLI's parser and the model config import no jax (nor numpy): the CLI
   sets the device flags before jax starts, and `plan` needs no jax at all. This is why the jax

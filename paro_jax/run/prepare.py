@@ -40,11 +40,10 @@ from paro_jax.run import sources
 from paro_jax.run.example_shards import ExampleShardWriter
 from paro_jax.run.instruct import TEXT, Encoder, tokenizer_directory
 from paro_jax.run.records import read_records, read_texts
-from paro_jax.run.bins import BIN_DTYPES
+from paro_jax.run.bins import BIN_DTYPES, META
 from paro_jax.run.data import _not_utf8, check_text, expand_paths, read_jsonl, TEXT_SAMPLE
 from paro_jax.run.tokenizers import BYTES, ByteTokenizer, HFTokenizer, tokenizer_identity
 
-META = "meta.json"
 BLOCK = 1 << 20  # bytes of text tokenized at once
 
 
