@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from models.llama import get_config, next_token_loss
+from models.config import get_config
+from models.llama import next_token_loss
 from paro_jax.core.config import StepConfig
 from paro_jax.core.engine import OptimConfig, decay_mask
 from paro_jax.core.factory import build_engine

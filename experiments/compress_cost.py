@@ -41,8 +41,8 @@ def measure(sizes: list[int], reps: int, block: int, dtypes=("bfloat16",)) -> li
   import jax
   import jax.numpy as jnp
 
-  from paro_jax.core.compress import Codec, dequantize, quantize
-  from paro_jax.core.wire import SCALE_BYTES
+  from paro_jax.core.wire import Codec, SCALE_BYTES
+  from paro_jax.core.compress import dequantize, quantize
 
   rows = []
   for n, dtype in ((n, d) for n in sizes for d in dtypes):

@@ -106,7 +106,7 @@ def main(argv=None):
   from paro_jax.core.xla_flags import provide_cpu_devices
 
   provide_cpu_devices(8)  # before jax is imported
-  from models.llama import get_config
+  from models.config import get_config
   from paro_jax.run.divergence import GuardConfig
 
   defaults = GuardConfig()

@@ -47,9 +47,9 @@ from experiments.gpu_estimates_page import plot, write  # noqa: E402
 
 def child_baseline(args) -> None:
   """Compile a plain-jit baseline for the target, print inspect's `estimate` and `memory`."""
-  from paro_jax.analysis import estimate, gpu
+  from paro_jax.analysis.gpu import estimate, targets
 
-  gpu.prepare_environment()
+  targets.prepare_deviceless_compile()
   nodes, a, gbit = int(args.nodes), int(args.micro_batches), float(args.gbit)
   estimate.prepare_environment(gbit * 1e9, GPUS_PER_NODE)
   import tempfile
@@ -62,7 +62,7 @@ def child_baseline(args) -> None:
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.xla_flags import GPU_FLAGS
 
-  grid = make_mesh(nodes, GPUS_PER_NODE, devices=gpu.devices(args.target, nodes, GPUS_PER_NODE))
+  grid = make_mesh(nodes, GPUS_PER_NODE, devices=targets.devices(args.target, nodes, GPUS_PER_NODE))
   mesh = Mesh(grid.devices, grid.axis_names, axis_types=(AxisType.Auto,) * 2)
   # bf16 and cuDNN's attention, as `inspect --target` resolves them for the strategies
   model, jinit, jstep, state_sh, batch_sh = build(
@@ -76,7 +76,7 @@ def child_baseline(args) -> None:
   batch = jax.ShapeDtypeStruct((a, batch_size, args.seq_len + 1), jnp.int32, sharding=batch_sh)
   with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
     with estimate.captured_stderr() as log:
-      with gpu.cudnn_checks(args.target):
+      with targets.cudnn_checks(args.target):
         lowered = jstep.lower(state, batch)
       flags = {} if args.xla_defaults else GPU_FLAGS
       compiled = lowered.compile(compiler_options={**flags, "xla_dump_to": dump})
@@ -84,9 +84,9 @@ def child_baseline(args) -> None:
   e = estimate.estimate(
     compiled.as_text(),
     log[0],
-    compute_capability=gpu.compute_capability(args.target),
-    peak_flops=gpu.target_gpu(args.target).peak_flops,
-    memory_bandwidth=gpu.memory_bandwidth(args.target),
+    compute_capability=targets.compute_capability(args.target),
+    peak_flops=targets.target_gpu(args.target).peak_flops,
+    memory_bandwidth=targets.memory_bandwidth(args.target),
     devices=nodes * GPUS_PER_NODE,
     tokens_per_step=tokens,
     flops_per_step=model.cfg.flops_per_token(args.seq_len) * tokens,
@@ -97,7 +97,7 @@ def child_baseline(args) -> None:
   peak = (
     m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
   )
-  device = gpu.target_gpu(args.target).memory_bytes
+  device = targets.target_gpu(args.target).memory_bytes
   memory = {"compiled_bytes": peak, "fits": peak <= device}
   print(json.dumps({"estimate": e, "memory": memory}))
 

@@ -56,9 +56,9 @@ def planner_times(
   adds the candidates `plan --compile-top` would compile (its default K) and the budget."""
   from unittest import mock
 
-  from paro_jax.analysis import plan_compile, planner, step_model
-  from paro_jax.analysis.config import PlanConfig
-  from paro_jax.analysis.plan_compile import budget
+  from paro_jax.analysis.planner import inputs, planner, rerank, step_model
+  from paro_jax.analysis.planner.config import PlanConfig
+  from paro_jax.analysis.planner.rerank import budget
   from paro_jax.core.names import ALL_REDUCE
 
   patch = {"xla": global_model} if global_model else {}
@@ -69,7 +69,7 @@ def planner_times(
 
   with (
     contextlib.redirect_stdout(io.StringIO()),
-    mock.patch.dict(planner.GLOBAL_MODEL_OF, patch),
+    mock.patch.dict(inputs.GLOBAL_MODEL_OF, patch),
     mock.patch.object(step_model, "collective_seconds", one_pass)
     if one_pass_all_reduce
     else contextlib.nullcontext(),
@@ -92,20 +92,20 @@ def planner_times(
   if not with_compile_top:
     return {"pick": p.pick, "step_s": steps}
   k = next(f.default for f in dataclasses.fields(PlanConfig) if f.name == "compile_top")
-  top = {"k": k, "candidates": plan_compile.candidates(p, k), "budget": budget(p)}
+  top = {"k": k, "candidates": rerank.candidates(p, k), "budget": budget(p)}
   return {"pick": p.pick, "step_s": steps, "compile_top": top}
 
 
 def _inter_traffic(args, model, nodes, gbit, a, name: str):
   """The strategy's inter-node bytes per GPU by phase (costs.step_traffic, every collective over
   both axes in its two-level form)."""
-  from paro_jax.analysis import planner, step_model
+  from paro_jax.analysis.planner import inputs, step_model
   from paro_jax.core.strategy import parse_strategy
   from models.config import get_config
 
-  w = planner.Workload(get_config(model), micro_batches=a, seq_len=args.seq_len)
-  links = planner.Links(gbit * 1e9 / 8, 300e9)
-  cluster = planner.Cluster(nodes, GPUS_PER_NODE, links, 1.0)  # its bytes only
+  w = inputs.Workload(get_config(model), micro_batches=a, seq_len=args.seq_len)
+  links = inputs.Links(gbit * 1e9 / 8, 300e9)
+  cluster = inputs.Cluster(nodes, GPUS_PER_NODE, links, 1.0)  # its bytes only
   return step_model.traffic_of(parse_strategy(name), w, cluster, two_level=True)
 
 
@@ -113,7 +113,7 @@ def link_floors(args, model, nodes, gbit, a) -> dict:
   """Each strategy's link floor (estimate.link_floor): the bytes it must send across nodes per
   GPU, every collective over both axes in its two-level form (the traffic formulas, which the
   compiled programs match within 1%: test_inspector), over the GPU's share of its node's link."""
-  from paro_jax.analysis import estimate
+  from paro_jax.analysis.gpu import estimate
   from paro_jax.core.strategy import VALID_NAMES
 
   floor = {}
@@ -133,7 +133,7 @@ def link_phases(args, model, nodes, gbit, a, name: str) -> dict:
   """Seconds on the GPU's share of its node's link of the strategy's inter-node traffic: per
   micro-batch (parameter gathers, gradient reduce-scatters: all A of them), the boundary's
   gradient sync and its parameter sync."""
-  from paro_jax.analysis import estimate
+  from paro_jax.analysis.gpu import estimate
 
   t = _inter_traffic(args, model, nodes, gbit, a, name)
   share = estimate.link_floor(1.0, 0, nodes, GPUS_PER_NODE, gbit * 1e9)["inter_link_s"]
@@ -215,7 +215,7 @@ def compile_top(cell: dict) -> dict:
   missing = [c for c in top["candidates"] if c not in cell["xla"]]
   if missing:
     return {"missing": missing}
-  from paro_jax.analysis.plan_compile import fastest_fitting
+  from paro_jax.analysis.planner.rerank import fastest_fitting
 
   compiled = [
     dict(cell["xla"][c], strategy=c) for c in top["candidates"] if compiled_ok(cell["xla"][c])

@@ -276,7 +276,7 @@ def write(args, command: str, results: dict) -> None:
     f"in gpu_estimates.json) for {args.target}, "
     f"{GPUS_PER_NODE} GPUs per node, one "
     f"{args.seq_len}-token sequence per GPU per micro-batch, `--collectives xla`. Nothing ran: "
-    "XLA's figures are its cost model's (paro_jax/analysis/estimate.py; docs/gpu.md), the "
+    "XLA's figures are its cost model's (paro_jax/analysis/gpu/estimate.py; docs/gpu.md), the "
     "planner's are `paro-jax plan --gpu " + args.target + "` with its defaults. The plain-jit "
     "baselines are XLA's own SPMD partitioning of the same step (bf16, full remat, cuDNN "
     "attention; experiments/bench/baselines.py): `jit-fsdp` shards every state over all GPUs, "

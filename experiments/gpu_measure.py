@@ -1,9 +1,9 @@
 """Measured step time on the GPUs present, beside XLA's estimate of the same program.
 
 The step is compiled once, on the real GPUs, with XLA's scheduler statistics logged (the same
-figures `paro-jax inspect --target` composes, paro_jax/analysis/estimate.py), then run: `--warmup`
-steps, then `--steps` timed ones (each waited for), and a `jax.profiler` trace of a few more
-under `--out`. Prints and writes (`gpu_measure.json`) the median measured step against the
+figures `paro-jax inspect --target` composes, paro_jax/analysis/gpu/estimate.py), then run:
+`--warmup` steps, then `--steps` timed ones (each waited for), and a `jax.profiler` trace of a
+few more under `--out`. Prints and writes (`gpu_measure.json`) the median measured step against the
 estimate: a ratio near 1 (within the 4-10% mean error published CPU-only predictors of LLM step
 time report on A100/H100 clusters) means the estimates of docs/gpu.md can be trusted for
 ranking and sizing.
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
   if args.report:
     return report(args.report)
   sys.path.insert(0, ROOT)
-  from paro_jax.analysis import estimate, gpu
+  from paro_jax.analysis.gpu import estimate, targets
   from paro_jax.core.names import parse_mesh_shape
   from paro_jax.core.units import parse_rate
 
@@ -79,9 +79,9 @@ def main(argv=None) -> int:
   if not gpus:
     print("gpu_measure: no GPU here (jax sees only " + jax.devices()[0].platform + ")")
     return 2
-  from models.llama import get_config
-  from paro_jax.analysis.hardware import peak_flops
-  from paro_jax.analysis.abstract import abstract_inputs
+  from models.config import get_config
+  from paro_jax.analysis.gpu.hardware import peak_flops
+  from paro_jax.analysis.inspect.abstract import abstract_inputs
   from paro_jax.core.config import StepConfig
   from paro_jax.core.factory import build_engine
   from paro_jax.core.mesh import make_mesh
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     log[0],
     compute_capability=cc,
     peak_flops=peak_flops(kind),
-    memory_bandwidth=gpu.memory_bandwidth(target),
+    memory_bandwidth=targets.memory_bandwidth(target),
     devices=n,
     tokens_per_step=tokens,
     flops_per_step=engine.model.cfg.flops_per_token(args.seq_len) * tokens,
@@ -229,7 +229,7 @@ def _fit_model(runs, folder: str, model: str) -> tuple[list[str], dict]:
     "--micro-batches {1,2} --batch-size 8 --seq-len 2048 --json`, with the jax this project "
     "pins), whose optimizer updates an eighth of the parameters (so the fixed and per-layer "
     "terms, mostly the optimizer's, are not comparable); repriced: with the matmuls XLA prices "
-    "out of line (paro_jax/analysis/instruction_costs.py) at the program's typical price.",
+    "out of line (paro_jax/analysis/gpu/instruction_costs.py) at the program's typical price.",
     "",
     "| term (ms) | measured | XLA | measured / XLA | XLA repriced | measured / repriced |",
     "|---|---:|---:|---:|---:|---:|",

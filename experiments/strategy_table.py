@@ -1,5 +1,5 @@
 """The README's strategy table: per-device memory and traffic of all 14 strategies, from the
-analytic formulas of paro_jax/analysis/costs.py (docs/design.md), for a model preset on a
+analytic formulas of paro_jax/analysis/planner/costs.py (docs/design.md), for a model preset on a
 G x M cluster.
 
   python experiments/strategy_table.py --model 7b --mesh 4x8 --micro-batches 8
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from models.llama import get_config
+from models.config import get_config
 from paro_jax.core.names import parse_mesh_shape
-from paro_jax.analysis.costs import model_state_bytes, step_traffic
+from paro_jax.analysis.planner.costs import model_state_bytes, step_traffic
 from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, parse_strategy
 
 WHEN = {

@@ -28,12 +28,10 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from models.config import (  # noqa: F401 - the config functions are re-exported
+from models.config import (
   CONFIG,
   LAYERS,
   LlamaConfig,
-  check_hf_dir,
-  config_from_hf,
   config_to_hf,
   read_config,
 )
@@ -43,7 +41,7 @@ SHARDS = "model{suffix}.safetensors"  # transformers' names: model-00001-of-0000
 MAX_SHARD_SIZE = "5GB"  # transformers' and huggingface_hub's default (decimal units)
 # The dtypes an export writes: our name -> (numpy's, the name config.json gives it,
 # safetensors' header name).
-DTYPES = {
+WEIGHT_DTYPES = {
   "fp32": (np.float32, "float32", "F32"),
   "bf16": (ml_dtypes.bfloat16, "bfloat16", "BF16"),
   "fp16": (np.float16, "float16", "F16"),
@@ -218,7 +216,7 @@ def weights_dtype(directory: str) -> str | None:
       stored = f.get_slice(EMBEDDING).get_dtype()
   except Exception:  # noqa: BLE001 - missing, damaged or another layout: unknown
     return None
-  return next((name for name, (_, _, header) in DTYPES.items() if header == stored), None)
+  return next((name for name, (_, _, header) in WEIGHT_DTYPES.items() if header == stored), None)
 
 
 def save_hf(
@@ -230,13 +228,15 @@ def save_hf(
   max_shard_size: int | str = MAX_SHARD_SIZE,
 ) -> str:
   """Write `params` (our tree, any array type) as an HF LlamaForCausalLM directory, its tensors
-  in `dtype` (a key of DTYPES), in shards of at most `max_shard_size` (bytes, or "5GB"-style
+  in `dtype` (a key of WEIGHT_DTYPES), in shards of at most `max_shard_size` (bytes, or "5GB"-style
   with KB/MB/GB/TB) with their index when they do not fit one. `base_config`: the config.json
   the model came from; the fields we do not set (bos_token_id, eos_token_id,
   max_position_embeddings, ...) are kept."""
-  if dtype not in DTYPES:
-    raise ValueError(f"unknown dtype {dtype!r} for the HF weights; choose one of {list(DTYPES)}")
-  np_dtype, torch_name, _ = DTYPES[dtype]
+  if dtype not in WEIGHT_DTYPES:
+    raise ValueError(
+      f"unknown dtype {dtype!r} for the HF weights; choose one of {list(WEIGHT_DTYPES)}"
+    )
+  np_dtype, torch_name, _ = WEIGHT_DTYPES[dtype]
   tensors, shapes = {}, expected_shapes(cfg)
 
   def fetch(path):

@@ -19,18 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.config import (  # noqa: F401 - re-exported: the config needs no jax (`paro-jax plan`)
+from models.config import (
   ATTENTION_IMPLS,
-  FUSED_DTYPES,
-  HIDDEN_PRESETS,
   LAYERS,
-  LORA_TARGETS,
   MAX_SEGMENTS,
-  PRESETS,
   LlamaConfig,
   LoraConfig,
-  get_config,
-  resolve_attention,
 )
 
 

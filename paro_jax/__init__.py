@@ -27,9 +27,9 @@ _EXPORTS = {
   "TrainState": "paro_jax.core.engine",
   # the model
   "Llama": "models.llama",
-  "LlamaConfig": "models.llama",
+  "LlamaConfig": "models.config",
   "LoraConfig": "models.config",
-  "get_config": "models.llama",
+  "get_config": "models.config",
   # data and checkpoints
   "Batches": "paro_jax.run.data",
   "DataConfig": "paro_jax.run.config",

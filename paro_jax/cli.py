@@ -10,9 +10,10 @@ import signal
 import sys
 
 from paro_jax import report
-from paro_jax.analysis import gpu
-from paro_jax.analysis.config import InspectConfig, PlanConfig
-from paro_jax.analysis.planner import run_plan
+from paro_jax.analysis.gpu import targets
+from paro_jax.analysis.inspect.config import InspectConfig
+from paro_jax.analysis.planner.config import PlanConfig
+from paro_jax.analysis.planner.planner import run_plan
 from paro_jax.cluster import distributed, native_stderr, watch
 from paro_jax.cluster.launch import launch
 from paro_jax.cluster.restart import _flag
@@ -558,15 +559,15 @@ def _main(argv) -> None:
       )
     if getattr(args, "target", None):  # a compile for GPUs described, not present: no devices
       _check_shape(args, mesh)
-      args.target = gpu.check_target(args.target)
-      gpu.prepare_environment()
-      from paro_jax.analysis import estimate  # numpy: not at the CLI's start
+      args.target = targets.check_target(args.target)
+      targets.prepare_deviceless_compile()
+      from paro_jax.analysis.gpu import estimate  # numpy: not at the CLI's start
 
       if mesh is None:
         raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
       rate = parse_rate(args.inter_bandwidth) if args.inter_bandwidth else None
       estimate.prepare_environment(rate, mesh[1])  # before jax starts: XLA reads it once
-      from paro_jax.analysis.inspector import inspect  # jax: once XLA's environment is set
+      from paro_jax.analysis.inspect.command import inspect  # jax: once XLA's environment is set
 
       inspect(config_of(args, InspectConfig, mesh=mesh))
       return
@@ -610,11 +611,13 @@ def _main(argv) -> None:
       native_stderr.fold(os.path.join(*_log_place(args, [])), who)
     distributed.maybe_initialize(*multi, heartbeat_timeout=beat)  # before anything uses devices
     if args.command == "probe":
-      from paro_jax.analysis.probe import run_probe  # imports jax: after the device flag is set
+      # imports jax: after the device flag is set
+      from paro_jax.analysis.planner.probe import run_probe
 
       run_probe(mesh, args.sizes, args.repeats, not args.no_flops, args.out)
     if args.command == "inspect":
-      from paro_jax.analysis.inspector import inspect  # imports jax: after the device flag is set
+      # imports jax: after the device flag is set
+      from paro_jax.analysis.inspect.command import inspect
 
       inspect(config_of(args, InspectConfig, mesh=mesh))
     if args.command == "eval":

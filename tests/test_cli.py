@@ -135,8 +135,7 @@ def test_text_check_accepts_text_cut_mid_character(tmp_path):
 def test_corrupt_safetensors_is_one_line(tmp_path, capsys):
   import json as _json
 
-  from models.hf import config_to_hf
-  from models.llama import get_config
+  from models.config import config_to_hf, get_config
 
   hf = tmp_path / "hf"
   hf.mkdir()
@@ -217,7 +216,7 @@ def test_help_shows_every_default_and_no_internal_remarks():
 
 
 def test_names_compare_case_insensitively():
-  from paro_jax.analysis.gpu import check_target
+  from paro_jax.analysis.gpu.targets import check_target
   from paro_jax.cli import build_parser
 
   p = build_parser()

@@ -10,7 +10,8 @@ import re
 import pytest
 
 from paro_jax import cli
-from paro_jax.analysis.config import InspectConfig, PlanConfig
+from paro_jax.analysis.inspect.config import InspectConfig
+from paro_jax.analysis.planner.config import PlanConfig
 from paro_jax.core.config import (
   LoraOptions,
   WireOptions,
@@ -20,6 +21,7 @@ from paro_jax.core.config import (
   options,
   value_at,
 )
+from paro_jax.core.names import parse_mesh_shape
 from paro_jax.run.config import RunConfig
 
 COMMANDS = {"train": RunConfig, "inspect": InspectConfig, "plan": PlanConfig}
@@ -84,7 +86,7 @@ def test_step_flags_parse_back_to_the_step(errfb):
     if path != "error_feedback":
       assert value_at(step, path) != field.default, path
   args = cli.build_parser().parse_args(["inspect", *step_flags(step)])
-  parsed = cli.config_of(args, InspectConfig, mesh=cli.parse_mesh_shape(args.mesh))
+  parsed = cli.config_of(args, InspectConfig, mesh=parse_mesh_shape(args.mesh))
   for path, _ in options(StepConfig):
     assert value_at(parsed, path) == value_at(step, path), path
   # a value replaced, and one left out (None: its flag's default)
@@ -216,10 +218,10 @@ def test_plan_config_gpu_any_case_and_target_sets_it():
 
 
 def test_plan_step_flags_parse_back_to_the_plans_workload():
-  """`plan --target` compiles the plan's workload (analysis/plan_compile.py plan_step_flags,
+  """`plan --target` compiles the plan's workload (analysis/planner/rerank.py plan_step_flags,
   through step_flags): `inspect` parses its flags back to the plan's inputs."""
-  from paro_jax.analysis import plan_compile, planner
-  from paro_jax.analysis.config import PlanConfig
+  from paro_jax.analysis.planner import planner, rerank
+  from paro_jax.analysis.planner.config import PlanConfig
 
   plan = planner.run_plan(
     PlanConfig(
@@ -233,8 +235,8 @@ def test_plan_step_flags_parse_back_to_the_plans_workload():
     )  # fmt: skip
   )
   inputs = plan.inputs
-  args = cli.build_parser().parse_args(["inspect", *plan_compile.plan_step_flags(inputs, "xla")])
-  parsed = cli.config_of(args, InspectConfig, mesh=cli.parse_mesh_shape(args.mesh))
+  args = cli.build_parser().parse_args(["inspect", *rerank.plan_step_flags(inputs, "xla")])
+  parsed = cli.config_of(args, InspectConfig, mesh=parse_mesh_shape(args.mesh))
   assert parsed.mesh == (inputs["nodes"], inputs["devices_per_node"]) == (2, 8)
   assert parsed.batch_size == inputs["micro_batch"] * 16 and parsed.attention == "xla"
   for name in ("model", "collectives", "micro_batches", "seq_len", "dtype"):

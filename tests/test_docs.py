@@ -6,6 +6,7 @@ derived again from the results pages they cite; the sample outputs are what the 
 prints (experiments/docs_samples.py). The checkers are shown to fail on synthetic pages.
 """
 
+import ast
 import dataclasses
 import json
 import os
@@ -15,7 +16,8 @@ import sys
 
 import pytest
 
-from paro_jax.analysis.config import InspectConfig, PlanConfig
+from paro_jax.analysis.inspect.config import InspectConfig
+from paro_jax.analysis.planner.config import PlanConfig
 from paro_jax.core.config import flag_of, options
 from paro_jax.core.names import DEFAULT_INT8_BLOCK
 from paro_jax.run.config import RunConfig
@@ -50,10 +52,24 @@ def test_flags_exist_and_quoted_defaults_are_argparses(doc, flags):
   assert not problems, "fix the page or the flag:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("doc", docs_claims.DOC_FILES)
+# The docs that quote flags of core/xla_flags.py with their values.
+XLA_FLAG_DOCS = ["docs/collectives.md", "docs/gpu.md"]
+
+
+def _quoted_xla_flags(doc: str) -> list[str]:
+  return [m.group(1) for m in docs_claims.XLA_FLAG.finditer(_read(doc)) if m.group(1) in GPU_FLAGS]
+
+
+@pytest.mark.parametrize("doc", XLA_FLAG_DOCS)
 def test_xla_flag_values_are_the_ones_set(doc):
+  assert _quoted_xla_flags(doc), f"{doc} quotes no flag of core/xla_flags.py: off XLA_FLAG_DOCS"
   problems = docs_claims.check_xla_flags(_read(doc), GPU_FLAGS, doc)
   assert not problems, "\n".join(problems)
+
+
+def test_every_doc_quoting_xla_flags_is_checked():
+  quoting = [doc for doc in docs_claims.DOC_FILES if _quoted_xla_flags(doc)]
+  assert quoting == XLA_FLAG_DOCS, f"XLA_FLAG_DOCS should be {quoting}"
 
 
 @pytest.mark.parametrize("doc", docs_claims.DOC_FILES)
@@ -84,6 +100,101 @@ def test_every_results_folder_is_in_the_index():
     "add these to experiments/results/README.md (what, command, date, current or superseded): "
     + ", ".join(missing)
   )
+
+
+CODE_MAP = "docs/code_map.md"
+LIBRARY = ("paro_jax", "models")
+
+
+def code_map(text: str) -> dict[str, list[str]]:
+  """module path -> the test paths of its line, for each table line of the code map."""
+  rows = {}
+  for line in text.splitlines():
+    m = re.match(r"\| `([\w/]+\.py)` \|.*\| (`.*`) \|$", line)
+    if m:
+      assert m.group(1) not in rows, f"{CODE_MAP} names {m.group(1)} twice"
+      rows[m.group(1)] = re.findall(r"`([^`]+)`", m.group(2))
+  return rows
+
+
+def library_modules(root) -> set[str]:
+  """Every module of paro_jax/ and models/ but a package's `__init__.py` that is its docstring
+  alone."""
+  found = set()
+  for path in (p for top in LIBRARY for p in (root / top).glob("**/*.py")):
+    body = ast.parse(path.read_text()).body
+    if path.name == "__init__.py" and len(body) == 1 and isinstance(body[0], ast.Expr):
+      continue
+    found.add(path.relative_to(root).as_posix())
+  return found
+
+
+def _dotted(path: str) -> str:
+  parts = path.removesuffix(".py").split("/")
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(path) -> set[str]:
+  """The project modules a file imports (at any depth; `from pkg import mod` names mod)."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names.add(node.module)
+      names.update(f"{node.module}.{a.name}" for a in node.names)
+  return {n for n in names if n.split(".")[0] in LIBRARY}
+
+
+def reaches(root, test: str, module: str) -> bool:
+  """Whether the test file imports the module, imports a module that imports it, or names its
+  path (from the repository or from paro_jax/)."""
+  text, dotted = (root / test).read_text(), _dotted(module)
+  if module in text or module.removeprefix("paro_jax/") in text.replace("paro_jax/", ""):
+    return True
+  direct = _imported(root / test)
+  if dotted in direct:
+    return True
+  for name in direct:
+    file = root / (name.replace(".", "/") + ".py")
+    if file.exists() and dotted in _imported(file):
+      return True
+  return False
+
+
+def test_the_code_map_names_every_module():
+  rows, modules = code_map(_read(CODE_MAP)), library_modules(ROOT)
+  assert set(rows) == modules, (
+    f"{CODE_MAP}: add a line for {sorted(modules - set(rows))}; "
+    f"remove the line of {sorted(set(rows) - modules)}"
+  )
+
+
+def test_the_code_map_names_tests_that_reach_their_module():
+  problems = []
+  for module, tests in code_map(_read(CODE_MAP)).items():
+    if not tests:
+      problems.append(f"{module}: no test named")
+    for test in tests:
+      if not (ROOT / test).is_file():
+        problems.append(f"{module}: {test} does not exist")
+      elif not reaches(ROOT, test, module):
+        problems.append(f"{module}: {test} neither imports it nor names it")
+  assert not problems, f"{CODE_MAP}:\n" + "\n".join(problems)
+
+
+def test_the_code_map_check_catches_a_missing_module_and_a_stray_test(tmp_path):
+  (tmp_path / "models").mkdir()
+  (tmp_path / "models" / "__init__.py").write_text('"""Models."""\n')
+  (tmp_path / "models" / "a.py").write_text("X = 1\n")
+  (tmp_path / "models" / "b.py").write_text("from models.a import X\n")
+  (tmp_path / "tests").mkdir()
+  (tmp_path / "tests" / "test_b.py").write_text("from models import b\n")
+  (tmp_path / "tests" / "test_c.py").write_text("import os\n")
+  rows = code_map("| `models/a.py` | X | `tests/test_b.py`, `tests/test_c.py` |\n")
+  assert set(rows) != library_modules(tmp_path) == {"models/a.py", "models/b.py"}
+  assert reaches(tmp_path, "tests/test_b.py", "models/a.py")  # through the module b
+  assert not reaches(tmp_path, "tests/test_c.py", "models/a.py")
 
 
 # The checkers fail where they should: synthetic pages, each with one wrong claim.

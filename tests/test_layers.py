@@ -1,17 +1,20 @@
 """The package's layers import only downward (the contract the folder layout shows).
 
 models/ knows nothing of paro_jax; core/ imports only core/ and models/; analysis/ never imports
-cluster/ or run/; cluster/ imports only core/ (a run may use the cluster's heartbeats, the cluster
+cluster/ or run/, and its wings (hlo/, gpu/, planner/, inspect/) import only those before them;
+cluster/ imports only core/ (a run may use the cluster's heartbeats, the cluster
 never the run); nothing in the library imports experiments/. paro_jax/report.py (the one voice of
 warnings and errors) imports nothing of the project, and every layer may use it.
 The modules the CLI imports before jax starts (CLI_START) are listed, and none imports jax, flax,
 optax or numpy at its import (a function may, once the CLI has set the device flags); the
 JAX_FREE ones (the step's config, names, units, the model shapes) import none at any depth. No two
-modules import each other, at any depth. No module of paro_jax/core/, run/ or analysis/ is longer
-than its MAX_LINES (one concern per file).
+modules import each other, at any depth. Every name is imported from the module that defines it
+(no module hands on another's names; `paro_jax`'s public API names each one's module). No module
+of paro_jax/core/, run/ or analysis/ is longer than its MAX_LINES (one concern per file).
 """
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -24,7 +27,19 @@ LAYERS = ("core", "analysis", "run", "cluster")
 ALLOWED = {
   "models": {"models"},
   "paro_jax.core": {"models", "paro_jax.core"},
-  "paro_jax.analysis": {"models", "paro_jax.core", "paro_jax.analysis"},
+  # analysis/ in wings, each importing only those listed before it: hlo/ (reading compiled HLO),
+  # gpu/ (GPU targets, their peaks, XLA's estimate), planner/ (the analytic planner, checked by
+  # XLA's estimate for `plan --target`), inspect/ (`paro-jax inspect`: compiles and reports).
+  "paro_jax.analysis": set(),
+  "paro_jax.analysis.hlo": {"paro_jax.core", "paro_jax.analysis.hlo"},
+  "paro_jax.analysis.gpu": {"paro_jax.core", "paro_jax.analysis.hlo", "paro_jax.analysis.gpu"},
+  "paro_jax.analysis.planner": {
+    "models",
+    "paro_jax.core",
+    "paro_jax.analysis.gpu",
+    "paro_jax.analysis.planner",
+  },
+  "paro_jax.analysis.inspect": {"models", "paro_jax.core", "paro_jax.analysis"},
   "paro_jax.run": {
     "models",
     "paro_jax.core",
@@ -45,8 +60,14 @@ JAX_FREE = (
   "paro_jax/core/strategy.py",
   "paro_jax/core/units.py",
   "paro_jax/core/xla_flags.py",
-  "paro_jax/analysis/config.py",
-  "paro_jax/analysis/memory.py",
+  "paro_jax/analysis/gpu/hardware.py",
+  "paro_jax/analysis/inspect/config.py",
+  "paro_jax/analysis/planner/config.py",
+  "paro_jax/analysis/planner/costs.py",
+  "paro_jax/analysis/planner/inputs.py",
+  "paro_jax/analysis/planner/memory.py",
+  "paro_jax/analysis/planner/profile.py",
+  "paro_jax/analysis/planner/step_model.py",
   "models/config.py",
 )
 # Every module of the project that `import paro_jax.cli` and its parser import (the CLI sets the
@@ -56,16 +77,20 @@ CLI_START = (
   "models/config.py",
   "paro_jax/__init__.py",
   "paro_jax/analysis/__init__.py",
-  "paro_jax/analysis/config.py",
-  "paro_jax/analysis/costs.py",
-  "paro_jax/analysis/gpu.py",
-  "paro_jax/analysis/hardware.py",
-  "paro_jax/analysis/memory.py",
-  "paro_jax/analysis/plan_compile.py",
-  "paro_jax/analysis/plan_inputs.py",
-  "paro_jax/analysis/plan_profile.py",
-  "paro_jax/analysis/planner.py",
-  "paro_jax/analysis/step_model.py",
+  "paro_jax/analysis/gpu/__init__.py",
+  "paro_jax/analysis/gpu/hardware.py",
+  "paro_jax/analysis/gpu/targets.py",
+  "paro_jax/analysis/inspect/__init__.py",
+  "paro_jax/analysis/inspect/config.py",
+  "paro_jax/analysis/planner/__init__.py",
+  "paro_jax/analysis/planner/config.py",
+  "paro_jax/analysis/planner/costs.py",
+  "paro_jax/analysis/planner/inputs.py",
+  "paro_jax/analysis/planner/memory.py",
+  "paro_jax/analysis/planner/planner.py",
+  "paro_jax/analysis/planner/profile.py",
+  "paro_jax/analysis/planner/rerank.py",
+  "paro_jax/analysis/planner/step_model.py",
   "paro_jax/cli.py",
   "paro_jax/cluster/__init__.py",
   "paro_jax/cluster/distributed.py",
@@ -127,6 +152,8 @@ def _layer(module: str) -> str | None:
   parts = module.split(".")
   if parts[0] == "models":
     return "models"
+  if parts[:2] == ["paro_jax", "analysis"] and len(parts) > 2 and ".".join(parts[:3]) in ALLOWED:
+    return ".".join(parts[:3])  # a wing of analysis/
   if parts[0] == "paro_jax" and len(parts) > 1 and (parts[1] in LAYERS or module == REPORT):
     return f"paro_jax.{parts[1]}"
   if parts[0] in ("paro_jax", "experiments"):
@@ -136,6 +163,11 @@ def _layer(module: str) -> str | None:
 
 def _files(layer: str):
   return sorted((REPO / layer.replace(".", "/")).glob("*.py"))
+
+
+def _allowed(layer: str, target: str) -> bool:
+  """Whether `layer` may import `target`: a layer listed, or a wing of one (analysis's)."""
+  return any(target == a or target.startswith(a + ".") for a in ALLOWED[layer])
 
 
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
@@ -151,9 +183,21 @@ def test_layer_imports_only_downward(layer):
       if target == "paro_jax" and module.count(".") == 1 and module.split(".")[1] in LAYERS:
         target = module
 
-      if target is not None and target not in ALLOWED[layer]:
+      if target is not None and not _allowed(layer, target):
         bad.append(f"{path.relative_to(REPO)} imports {module}")
   assert not bad, "imports against the layer contract:\n" + "\n".join(bad)
+
+
+def test_every_folder_of_the_library_is_a_layer():
+  """A new folder (a wing) gets its own line in ALLOWED: its modules are judged, not skipped."""
+  folders = {
+    _module_of(p.parent / "__init__.py", REPO)
+    for top in ("paro_jax", "models")
+    for p in (REPO / top).glob("**/*.py")
+  } - {"paro_jax"}
+  assert folders == set(ALLOWED), (
+    f"add to ALLOWED: {sorted(folders - set(ALLOWED))}; remove: {sorted(set(ALLOWED) - folders)}"
+  )
 
 
 def test_the_library_never_imports_experiments():
@@ -246,6 +290,151 @@ def test_mutual_import_check_catches_a_circle(tmp_path):
   (tmp_path / "models" / "a.py").write_text("from models.b import f\n")
   (tmp_path / "models" / "b.py").write_text("def g():\n  from models import a\n")
   assert mutual_imports(import_graph(tmp_path)) == ["models.a <-> models.b"]
+
+
+SOURCE_DIRS = ("paro_jax", "models", "tests", "experiments", "examples")
+
+
+def _module_file(repo: pathlib.Path, module: str) -> pathlib.Path | None:
+  path = repo / module.replace(".", "/")
+  for candidate in (path / "__init__.py", path.with_suffix(".py")):
+    if candidate.exists():
+      return candidate
+  return None
+
+
+@functools.cache
+def _defined(path: pathlib.Path) -> frozenset:
+  """The names a module defines at its top level (into `if`, `try` and `with` blocks): functions,
+  classes and assigned names; not the names it imports."""
+  names = set()
+  for node in _module_level(ast.parse(path.read_text())):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    elif isinstance(node, ast.With):
+      names.update(d.name for d in node.body if isinstance(d, (ast.FunctionDef, ast.ClassDef)))
+  return frozenset(names)
+
+
+def imported_elsewhere(repo: pathlib.Path, dirs=SOURCE_DIRS) -> list[str]:
+  """Every `from M import name` of a project module M that does not define `name` (nor has a
+  submodule of that name), and every `alias.name` read through a module imported as `alias`
+  that does not define it: a name reached through a module that only passes it on."""
+  bad = []
+  for path in (p for d in dirs for p in sorted((repo / d).glob("**/*.py"))):
+    tree, where = ast.parse(path.read_text()), path.relative_to(repo)
+    aliases = {}  # local name -> the project module it is
+    for node in ast.walk(tree):
+      if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+        continue
+      if node.module.split(".")[0] not in ("paro_jax", "models"):
+        continue
+      module = _module_file(repo, node.module)
+      if module is None:
+        bad.append(f"{where}:{node.lineno}: no module {node.module}")
+        continue
+      for a in node.names:
+        sub = _module_file(repo, f"{node.module}.{a.name}")
+        if sub is not None:
+          aliases[a.asname or a.name] = sub
+        elif a.name not in _defined(module):
+          bad.append(f"{where}:{node.lineno}: {node.module} does not define {a.name}")
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        for a in node.names:
+          module = _module_file(repo, a.name)
+          if a.asname and a.name.split(".")[0] in ("paro_jax", "models") and module:
+            aliases[a.asname] = module
+    for node in ast.walk(tree):
+      if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in aliases
+      ):
+        module = aliases[node.value.id]
+        package = module.parent if module.name == "__init__.py" else None
+        if node.attr in _defined(module) or (package and _module_file(package, node.attr)):
+          continue
+        bad.append(f"{where}:{node.lineno}: {node.value.id}.{node.attr} is not defined there")
+  return bad
+
+
+def test_names_are_imported_from_where_they_are_defined():
+  """No re-export shims: a name has one import path, its module's. (`paro_jax`'s lazy public API
+  is the exception the package means: each name beside the module that defines it.)"""
+  bad = imported_elsewhere(REPO)
+  assert not bad, "import these from the module that defines them:\n" + "\n".join(bad)
+
+
+def test_the_public_api_names_the_defining_modules():
+  import paro_jax  # no jax at import: names resolve on first use
+
+  bad = [
+    f"{name}: {module}"
+    for name, module in paro_jax._EXPORTS.items()
+    if name not in _defined(_module_file(REPO, module))
+  ]
+  assert not bad, f"paro_jax/__init__.py's _EXPORTS: not defined in the module named: {bad}"
+
+
+def test_the_import_path_check_catches_a_re_export(tmp_path):
+  (tmp_path / "models").mkdir()
+  (tmp_path / "models" / "__init__.py").write_text("")
+  (tmp_path / "models" / "a.py").write_text("X = 1\n")
+  (tmp_path / "models" / "b.py").write_text("from models.a import X\n\nY = X\n")
+  (tmp_path / "models" / "c.py").write_text(
+    "from models import b\nfrom models.a import X\nfrom models.b import Y, X\n\nZ = b.X + b.Y\n"
+  )
+  assert imported_elsewhere(tmp_path, ("models",)) == [
+    "models/c.py:3: models.b does not define X",
+    "models/c.py:5: b.X is not defined there",
+  ]
+
+
+# Public names defined in more than one module, each meaning the same thing in all of them.
+SAME_MEANING = {
+  "main": "a program's entry point (cli.py; cluster/reaper.py, run as a process of its own)",
+  "boundary_sync": "the boundary's gradient sync: core/step.py's, core/feedback.py's with error "
+  "feedback",
+}
+
+
+def public_definitions(repo: pathlib.Path) -> dict[str, list[str]]:
+  """Top-level public name -> the library modules that define it."""
+  found = {}
+  for path in (p for top in ("paro_jax", "models") for p in sorted((repo / top).glob("**/*.py"))):
+    for name in _defined(path):
+      if not name.startswith("_"):
+        found.setdefault(name, []).append(path.relative_to(repo).as_posix())
+  return found
+
+
+def test_no_two_modules_define_one_public_name():
+  """One name, one meaning: a public name defined in two modules (two `estimate`s, two
+  `Interrupted`s) reads the same and means two things; one fact written twice drifts."""
+  twice = {
+    name: paths
+    for name, paths in public_definitions(REPO).items()
+    if len(paths) > 1 and name not in SAME_MEANING
+  }
+  assert not twice, (
+    "rename one of each (or import the one fact from where it is written):\n"
+    + "\n".join(f"{name}: {', '.join(paths)}" for name, paths in sorted(twice.items()))
+  )
+
+
+def test_the_one_name_check_catches_a_second_meaning(tmp_path):
+  (tmp_path / "models").mkdir()
+  (tmp_path / "models" / "a.py").write_text("def estimate():\n  pass\n")
+  (tmp_path / "models" / "b.py").write_text("class Estimate:\n  pass\n\n\nestimate = 1\n")
+  found = public_definitions(tmp_path)
+  assert found["estimate"] == ["models/a.py", "models/b.py"] and found["Estimate"] == [
+    "models/b.py"
+  ]
 
 
 def test_package_and_cli_start_without_jax():

@@ -9,7 +9,7 @@ The benchmark:
   (--strategies, --collectives-for, --baselines);
 - calibration.py: FLOP/s of a virtual device (a jax child) and the link rate of each regime;
 - traffic.py: compiled HLO traffic and memory of each configuration beside the formula (a jax
-  child, through paro_jax.analysis.inspector), hlo.json;
+  child, through paro_jax.analysis.inspect.inspector), hlo.json;
 - runs.py: one configuration launched on the emulated cluster, the wire bytes tc counts per
   step, the row (`--resume` reuses it); where torch peers plug in (torch_row);
 - baselines.py: the plain-jit baselines jit-fsdp and jit-hsdp (a jax child under the launcher);

@@ -45,7 +45,8 @@ def build(
   from jax import lax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from models.llama import Llama, get_config, next_token_loss
+  from models.llama import Llama, next_token_loss
+  from models.config import get_config
   from paro_jax.core.engine import DTYPES, OptimConfig, decay_mask
   from paro_jax.core.sharding import shard_dims
 

@@ -49,7 +49,8 @@ def child_calibrate(args) -> None:
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from models.llama import Llama, get_config, next_token_loss
+  from models.llama import Llama, next_token_loss
+  from models.config import get_config
   from paro_jax.core.engine import DTYPES
 
   cfg = get_config(args.model)

@@ -5,7 +5,7 @@
   through gloo, and tc counts every device's ring bytes on the link (GGG's wire bytes are 4x the
   per-device formula); "hierarchical" where a two-level ring runs it (`hring`, `horing` and
   their `+xla` mixes, what `--collectives auto` picks here): the intra ring, then the inter
-  ring carrying 1/m of the payload, in series, as `planner.collective_seconds` has it;
+  ring carrying 1/m of the payload, in series, as `step_model.collective_seconds` has it;
 - traffic in 4-byte values (XLA:CPU widens bf16 collectives to f32; the benchmark trains fp32);
 - compute: the benchmark's calibration (model FLOP/s of one virtual device while all 8 run at
   once, `effective_flop_per_s_per_device`), MFU 1.
@@ -23,7 +23,7 @@ import math
 from experiments.bench.calibration import UNSHAPED
 from experiments.bench.configs import WIRE_ITEMSIZE
 from experiments.bench.stats import nnls
-from paro_jax.analysis import planner
+from paro_jax.analysis.planner import inputs, planner, step_model
 from paro_jax.core import names
 from paro_jax.core.strategy import parse_strategy
 
@@ -35,7 +35,7 @@ def global_model(collectives: str | None) -> str:
   (a row's `collectives`; runs from before the column had XLA's): XLA's is one flat gloo ring
   here, the others as the planner has them, a two-level ring's levels in series."""
   impl = collectives or "xla"
-  return FLAT if impl == "xla" or planner.GLOBAL_MODEL_OF[impl] == FLAT else TWO_LEVEL
+  return FLAT if impl == "xla" or inputs.GLOBAL_MODEL_OF[impl] == FLAT else TWO_LEVEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +49,12 @@ class Constants:
   source: str
 
 
-def workload(bench: dict) -> planner.Workload:
-  from models.llama import get_config
+def workload(bench: dict) -> inputs.Workload:
+  from models.config import get_config
 
   meta = bench["meta"]
   n = meta["nodes"] * meta["devices_per_node"]
-  return planner.Workload(
+  return inputs.Workload(
     get_config(meta["model"]),
     micro_batch=max(1, meta["batch_size"] // n),
     micro_batches=1,
@@ -64,7 +64,7 @@ def workload(bench: dict) -> planner.Workload:
   )
 
 
-def cluster(bench: dict, rate_bps: float, c: Constants, model: str = FLAT) -> planner.Cluster:
+def cluster(bench: dict, rate_bps: float, c: Constants, model: str = FLAT) -> inputs.Cluster:
   """The planner's cluster; `model` (global_model) says how a collective over both axes runs."""
   meta = bench["meta"]
   m, g = meta["devices_per_node"], meta["nodes"]
@@ -74,7 +74,7 @@ def cluster(bench: dict, rate_bps: float, c: Constants, model: str = FLAT) -> pl
   intra_bw = 1 / max(c.intra_s_per_byte, 1e-30)
   # Every (collective, level) as a probe profile would give it. A flat global collective runs
   # at the inter rate; a two-level one is an intra ring, then an inter ring with 1/m of the
-  # payload, in series (planner.collective_seconds): per ring byte over n devices, n/(n-1)
+  # payload, in series (step_model.collective_seconds): per ring byte over n devices, n/(n-1)
   # (m-1)/m at the intra rate and n/(n-1) (g-1)/(g m) at the inter rate; two latencies.
   n = m * g
   two_level_bw = (n - 1) / n / ((m - 1) / m / intra_bw + (g - 1) / (g * m) * inter_s)
@@ -85,14 +85,14 @@ def cluster(bench: dict, rate_bps: float, c: Constants, model: str = FLAT) -> pl
     measured[(kind, "global")] = (
       (inter_bw, c.latency_s[kind]) if model == FLAT else (two_level_bw, 2 * c.latency_s[kind])
     )
-  network = planner.Links(
+  network = inputs.Links(
     inter_bandwidth=inter_bw * m,
     intra_bandwidth=intra_bw,
     global_collectives=model,
     measured=measured,
   )
   flops = bench["calibration"]["effective_flop_per_s_per_device"] / c.compute_scale
-  return planner.Cluster(meta["nodes"], m, network, flop_per_s=flops, mfu=1.0)
+  return inputs.Cluster(meta["nodes"], m, network, flop_per_s=flops, mfu=1.0)
 
 
 def features(bench: dict, name: str, a: int, model: str = FLAT) -> dict:
@@ -100,23 +100,23 @@ def features(bench: dict, name: str, a: int, model: str = FLAT) -> dict:
   the link), collectives of each kind; `model` as for `cluster`."""
   w = dataclasses.replace(workload(bench), micro_batches=a)
   meta = bench["meta"]
-  unit = planner.Cluster(
+  unit = inputs.Cluster(
     meta["nodes"],
     meta["devices_per_node"],
-    planner.Links(1.0, 1.0),
+    inputs.Links(1.0, 1.0),
     bench["calibration"]["effective_flop_per_s_per_device"],
     mfu=1.0,
   )
   s = parse_strategy(name)
-  traffic = planner.traffic_of(s, w, unit)
-  sched = planner.schedule(s, w)
+  traffic = step_model.traffic_of(s, w, unit)
+  sched = step_model.phase_collectives(s, w)
   counts = {kind: 0 for kind in names.SCHEDULE_COLLECTIVES}
   for key in traffic.phases:
     kind, axes, count = sched[key]
     counts[kind] += count * (2 if model != FLAT and len(axes) == 2 else 1)  # one per level
-  split = planner.traffic_of(s, w, unit, two_level=True) if model != FLAT else traffic
+  split = step_model.traffic_of(s, w, unit, two_level=True) if model != FLAT else traffic
   return {
-    "compute": planner.compute_seconds(w, unit),
+    "compute": step_model.compute_seconds(w, unit),
     "intra": split.intra,
     "inter": split.inter,
     "counts": counts,
@@ -166,7 +166,7 @@ def predict(
   w = dataclasses.replace(workload(bench), micro_batches=a)
   model_of = {n: global_model((collectives or {}).get(n)) for n in names}
   clusters = {mod: cluster(bench, regime["rate_bps"], c, mod) for mod in set(model_of.values())}
-  sub = [planner.estimate(parse_strategy(n), w, clusters[model_of[n]]) for n in names]
+  sub = [step_model.predict(parse_strategy(n), w, clusters[model_of[n]]) for n in names]
   pick = planner.tie_break(sub)
   ranking = [pick] + sorted((e for e in sub if e is not pick), key=lambda e: e.step_time_s)
   return planner.Plan(pick.strategy, "", ranking, {})

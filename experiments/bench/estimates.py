@@ -29,13 +29,14 @@ def estimate(
   teardown; compile_scale: ratio of the two models' single-device compile times; compute: the
   target model's calibrated forward+backward per micro-batch with 8 devices busy; bw_unshaped:
   fitted on this run's unshaped runs (their step minus compute, over their HLO bytes per device);
-  bytes: the formula (paro_jax.analysis.costs) for strategies; for baselines this run's HLO figure
-  scaled by the parameter ratio (or, absent, the formula of GGG / III). hours_inspect: the
-  compiles of its 16 configurations x 3 A, at this run's time per compile x compile_scale.
+  bytes: the formula (paro_jax.analysis.planner.costs) for strategies; for baselines this run's
+  HLO figure scaled by the parameter ratio (or, absent, the formula of GGG / III). hours_inspect:
+  the compiles of its 16 configurations x 3 A, at this run's time per compile x compile_scale.
   """
-  from paro_jax.analysis.costs import step_traffic
+  from paro_jax.analysis.planner.costs import step_traffic
   from paro_jax.core.strategy import VALID_NAMES, parse_strategy
-  from models.llama import Llama, get_config
+  from models.llama import Llama
+  from models.config import get_config
 
   good = [r for r in rows if not r.get("error")]
   ref = [r for r in good if r["regime"] == UNSHAPED]

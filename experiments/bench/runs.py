@@ -44,7 +44,7 @@ class WireMonitor(threading.Thread):
     self.stop = threading.Event()
 
   def _counters(self) -> dict[int, int]:
-    from paro_jax.cluster.launch import sent_bytes
+    from paro_jax.cluster.netns import sent_bytes
 
     sent = {}
     for k in range(self.nodes):

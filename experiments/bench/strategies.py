@@ -19,8 +19,8 @@ a veth pair whose egress is shaped with tc tbf (rate only: latency is not emulat
      (the first includes compilation), tokens/s, communication overhead (step time / the same
      configuration's step time on the unshaped link), inter-node bytes per optimizer step counted
      by tc on the wire (sum of both nodes' egress; per-step deltas), beside the compiled-HLO
-     figure (paro_jax.analysis.inspector.report) and the formula (paro_jax.analysis.costs), and
-     the per-device model-state memory.
+     figure (paro_jax.analysis.inspect.inspector.report) and the formula
+     (paro_jax.analysis.planner.costs), and the per-device model-state memory.
   4. Baselines "as most JAX users would write it": one plain `jax.jit` training step (same model,
      remat, optax AdamW with global-norm clipping) with NamedSharding annotations only, XLA
      partitioning the rest: `jit-fsdp` (every state sharded over all 8 devices) and `jit-hsdp`

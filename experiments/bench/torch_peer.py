@@ -97,8 +97,7 @@ def build(args, world: int, nodes: int):
   from transformers import LlamaConfig as HFConfig
   from transformers import LlamaForCausalLM
 
-  from models.hf import config_to_hf
-  from models.llama import get_config
+  from models.config import config_to_hf, get_config
 
   torch.manual_seed(args.seed)
   model = LlamaForCausalLM(HFConfig(**config_to_hf(get_config(args.model))))
@@ -128,7 +127,7 @@ def rank_main(local: int, args, nodes: int, per_node: int) -> None:
   import torch
   import torch.distributed as dist
 
-  from models.llama import get_config
+  from models.config import get_config
   from paro_jax.run.config import DataConfig
   from paro_jax.run.data import Batches, load_tokens, split_eval
 

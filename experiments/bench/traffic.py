@@ -2,11 +2,11 @@
 
 `child_inspect` (`--child inspect`, one process of 8 virtual devices, nothing allocated) compiles
 each configuration's step from abstract shapes. A PaRO strategy goes through the library's
-inspector (paro_jax.analysis.inspector: compiled HLO bytes per level, the formula of
-paro_jax.analysis.costs, model-state and compiled memory). A plain-jit baseline has no engine
-for it: its HLO is read with the same paro_jax.analysis.hlo functions, its states' bytes from
-their shardings. `inspect_all` is the orchestrator's side: one child per A for the
-configurations hlo.json lacks (`--resume` keeps the rest).
+inspector (paro_jax.analysis.inspect.inspector: compiled HLO bytes per level, the formula of
+paro_jax.analysis.planner.costs, model-state and compiled memory). A plain-jit baseline has no
+engine for it: its HLO is read with the same paro_jax.analysis.hlo.collectives functions, its
+states' bytes from their shardings. `inspect_all` is the orchestrator's side: one child per A for
+the configurations hlo.json lacks (`--resume` keeps the rest).
 
 Keys of hlo.json: "LABEL/A" (experiments/bench/configs.py), e.g. "GGG/1", "GGG/horing/4".
 """
@@ -27,12 +27,12 @@ from experiments.bench.runs import lora_flags, wire_flags
 def hlo_traffic(hlo_text: str, n: int, intra: int) -> dict:
   """Inter- and intra-node bytes per step of the busiest device, as inspector.report counts
   them (ring bytes per device; a device's traffic is inter-node if it crosses groups)."""
-  from paro_jax.analysis import hlo
+  from paro_jax.analysis.hlo.collectives import crosses_groups, device_bytes, parse_collectives
 
   per = {}
-  for c in hlo.parse_collectives(hlo_text):
-    for d, b in hlo.device_bytes(c, n).items():
-      lvl = "inter" if hlo.crosses_groups(c, d, intra) else "intra"
+  for c in parse_collectives(hlo_text):
+    for d, b in device_bytes(c, n).items():
+      lvl = "inter" if crosses_groups(c, d, intra) else "intra"
       per.setdefault(d, {"inter": 0.0, "intra": 0.0})[lvl] += c.count * b
   return {
     "inter_bytes": max((v["inter"] for v in per.values()), default=0.0),
@@ -81,8 +81,9 @@ def _baseline_entry(args, name: str, a: int, inter: int, intra: int) -> dict:
 
 
 def _strategy_entry(args, config: Config, a: int, inter: int, intra: int) -> dict:
-  from models.llama import get_config
-  from paro_jax.analysis.inspector import compile_step, report
+  from models.config import get_config
+  from paro_jax.analysis.inspect.abstract import compile_step
+  from paro_jax.analysis.inspect.inspector import report
   from paro_jax.core.config import LoraOptions, StepConfig, WireOptions
   from paro_jax.core.factory import build_engine
   from paro_jax.core.mesh import make_mesh

@@ -2,7 +2,7 @@
 
 Reads the strategy benchmark's results (experiments/bench_strategies.py, strategies.json) and, for
 every shaped link regime and A it holds, predicts the step time of each measured strategy with
-paro_jax.analysis.planner configured for the emulated cluster:
+paro_jax.analysis.planner.planner configured for the emulated cluster:
 
 - nodes x devices per node from the benchmark (2 x 4), the regime's tc rate as each node's link;
 - each strategy's collectives over both axes as its row ran them (cluster_model.global_model):
@@ -71,7 +71,7 @@ from experiments.bench.cluster_model import Constants, fit_constants
 from experiments.bench.judge import GOAL, evaluate, goal_met, noise_sigma
 from experiments.bench.results import measured_times, merge_results, planned, remeasured_times
 from experiments.bench.stats import spearman_ceiling
-from paro_jax.analysis import planner
+from paro_jax.analysis.planner.profile import load_profile
 from paro_jax.core import names, units
 
 DEFAULT_RESULTS = "experiments/results/strategies/strategies.json"
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None, entry: str = "experiments/validate_plann
   latency = dict.fromkeys(names.SCHEDULE_COLLECTIVES, units.parse_latency(args.latency))
   source = f"--intra-bandwidth {args.intra_bandwidth}, --latency {args.latency}"
   if args.profile:
-    fits = planner.load_profile(args.profile)["collectives"]
+    fits = load_profile(args.profile)["collectives"]
     intra = fits["all_gather"]["intra"]["bandwidth"]
     latency = {k: fits[k]["intra"]["latency"] for k in names.SCHEDULE_COLLECTIVES}
     source = f"profile {args.profile}"

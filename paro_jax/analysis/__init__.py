@@ -1,1 +1,3 @@
-"""What a strategy costs: analytic formulas, compiled-program inspection, the planner."""
+"""What a strategy costs, in wings: planner/ (the analytic planner: `plan`, `probe`, `train
+--strategy auto`), gpu/ (GPU targets compiled for without one, XLA's estimate of the step),
+hlo/ (reading compiled HLO) and inspect/ (`paro-jax inspect`)."""

@@ -141,5 +141,5 @@ def maybe_initialize(
   else:  # JAX's own SLURM / Open MPI detection
     jax.distributed.initialize(local_device_ids=local, **beat)
   if not gloo_reduce_scatter:
-    gloo_rs.install()
+    gloo_rs.register_if_gloo()
   return True

@@ -25,6 +25,8 @@ def _all_reduce_then_slice(x, *, scatter_dimension, axis_name, axis_index_groups
   """`lax.psum_scatter`'s value, from `lax.psum` and this device's slice of the sum."""
   from jax import lax  # cluster.distributed imports this module before jax starts
 
+  assert axis_index_groups is None  # register's lowering keeps XLA's own for groups
+
   total = lax.psum(x, axis_name)
   chunk = x.shape[scatter_dimension] // axis_size
   start = lax.axis_index(axis_name) * chunk
@@ -53,7 +55,7 @@ def register() -> None:
   _installed = True
 
 
-def install() -> bool:
+def register_if_gloo() -> bool:
   """`register` where the CPU collectives are gloo's, saying so once on process 0; returns
   whether it did. After `jax.distributed.initialize`, before anything compiles."""
   import jax  # not at the top: cluster.distributed imports this module before jax starts

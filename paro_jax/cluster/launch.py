@@ -45,17 +45,14 @@ import threading
 import time
 
 from paro_jax import report
-from paro_jax.cluster.netns import (  # noqa: F401 - NS_PREFIX, node_link, sent_bytes: re-exported
-  NS_PREFIX,
+from paro_jax.cluster.netns import (
   NamespaceNetwork,
-  node_link,
   remove_stale_namespaces,
-  sent_bytes,
 )
 from paro_jax.cluster.distributed import HEARTBEAT_TIMEOUT_ENV
 from paro_jax.cluster.restart import restart_argv
 from paro_jax.cluster.supervise import (
-  Interrupted,
+  LaunchInterrupted,
   Node,
   Reaper,
   describe_exit,
@@ -244,7 +241,7 @@ def _launch_once(
   def on_signal(signum, _frame):
     if not interrupted:
       interrupted.append(signum)
-      raise Interrupted(signum)
+      raise LaunchInterrupted(signum)
     # A second Ctrl-C: the nodes stop at once (their own second-signal rule); the cleanup goes on.
     signal_all(children, signal.SIGINT)
 
@@ -383,7 +380,7 @@ def _launch_once(
           )
         return 0
       time.sleep(0.1)
-  except Interrupted as e:
+  except LaunchInterrupted as e:
     say(
       f"got {signal.Signals(e.signum).name}: passing SIGINT on to the {nodes} nodes (they "
       f"checkpoint an agreed step and stop; SIGKILL after {stop_grace:g} s; Ctrl-C again to "

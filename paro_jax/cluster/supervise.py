@@ -150,7 +150,9 @@ def stop_together(nodes: list[Node], grace: float, straggle: float = 30.0) -> No
   stop(nodes)
 
 
-class Interrupted(Exception):
+class LaunchInterrupted(Exception):
+  """The launcher was asked to stop (SIGINT, SIGTERM): its nodes are stopped with it."""
+
   def __init__(self, signum):
     super().__init__(signum)
     self.signum = signum

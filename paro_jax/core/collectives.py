@@ -72,18 +72,14 @@ from paro_jax.core.compressed_collectives import (
   rs_c_stacked,
 )
 from paro_jax.core.names import COLLECTIVE_IMPLS, MIXED_IMPLS
-from paro_jax.core.names import resolve_collectives as resolve
-from paro_jax.core.rings import lax_axes, norm_axes, sizes, to_varying, varying_axes
+from paro_jax.core.rings import lax_axes, norm_axes, sizes, to_varying
 
 __all__ = [
   "IMPLS",
   "all_gather",
   "reduce_scatter",
   "all_reduce",
-  "to_varying",
-  "varying_axes",
   "concrete_impl",
-  "resolve",
 ]
 
 IMPLS = COLLECTIVE_IMPLS

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 # The formats themselves (no jax: the planner uses them): core/wire.py.
-from paro_jax.core.wire import FORMATS, SAME, SCALE_BYTES, Codec, WireConfig  # noqa: F401
+from paro_jax.core.wire import Codec
 
 
 def _split_blocks(flat, block: int):

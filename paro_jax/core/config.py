@@ -8,7 +8,8 @@ checkpoints) as dataclasses of their own, whose options are flags like the other
 lists them by path (`lora.rank`), `make_config()` makes a config from values by path.
 Pure Python (no jax, no numpy): the CLI builds its parser before jax starts, and `plan` never
 starts it. `RunConfig` (paro_jax/run/config.py) is the step's configuration plus a run's;
-`InspectConfig` and `PlanConfig` (paro_jax/analysis/config.py) are the analysis commands'.
+`InspectConfig` (paro_jax/analysis/inspect/config.py) and `PlanConfig`
+(paro_jax/analysis/planner/config.py) are the analysis commands'.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import dataclasses
 import functools
 import os
 
-from models.config import LoraConfig
+from models.config import ATTENTION_IMPLS, LoraConfig
 from paro_jax.core.names import (
-  ATTENTION_IMPLS,
   AUTO_COLLECTIVES,
   COLLECTIVE_IMPLS,
   DEFAULT_INT8_BLOCK,

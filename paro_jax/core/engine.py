@@ -24,11 +24,12 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.llama import LAYERS, Llama, next_token_loss, weighted_token_loss
+from models.config import LAYERS
+from models.llama import Llama, next_token_loss, weighted_token_loss
 from paro_jax.core import collectives as comm
-from paro_jax.core import feedback, step
+from paro_jax.core import feedback_rules, step
 from paro_jax.core.batch import Batch, inputs_of
-from paro_jax.core.compress import WireConfig
+from paro_jax.core.wire import WireConfig
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import (
   BATCH_AXES,
@@ -76,7 +77,7 @@ class OptimConfig:
         f"warmup_steps >= 0, got {self}"
       )
 
-  def schedule(self):
+  def lr_schedule(self):
     warmup = min(self.warmup_steps, self.total_steps)
     return optax.warmup_cosine_decay_schedule(
       0.0,
@@ -89,7 +90,7 @@ class OptimConfig:
   def adamw(self, decay_mask):
     """AdamW without clipping: the engine clips by the global norm across shards itself."""
     return optax.adamw(
-      self.schedule(),
+      self.lr_schedule(),
       b1=self.b1,
       b2=self.b2,
       eps=self.eps,
@@ -155,11 +156,13 @@ class Engine:
     self.grad_dtype = jnp.float32 if grad_dtype == "fp32" else model.dtype
     # Error feedback of the gradients' quantization (core/feedback.py; None: on with int8
     # gradients where it applies). It syncs at the boundary only, once per step.
-    self.error_feedback, self.feedback_note = feedback.resolve(
+    self.error_feedback, self.feedback_note = feedback_rules.resolve(
       strategy, wire, self.grad_dtype, error_feedback
     )
     # int8 parameter syncs send each weight's change since the last sync (core/feedback.py).
-    self.param_delta, self.param_delta_note = feedback.resolve_params(strategy, wire, param_delta)
+    self.param_delta, self.param_delta_note = feedback_rules.resolve_params(
+      strategy, wire, param_delta
+    )
     self.reference_bytes = 0  # set with the shapes below
     # The platform's choices, made here only. `program` (core/step.py; `paro-jax inspect` prints
     # it; the argument None: the platform's): the layers' gradient sync inside the last
@@ -218,10 +221,10 @@ class Engine:
         )
         for p in (strategy.grads, strategy.opt)
       )
-      self.residual_size = feedback.residual_size(strategy, local, self.inter, self.intra)
+      self.residual_size = feedback_rules.residual_size(strategy, local, self.inter, self.intra)
     self.reference_specs = self.trained_specs.params if self.param_delta else None
     if self.param_delta:
-      self.reference_bytes = feedback.reference_bytes(
+      self.reference_bytes = feedback_rules.reference_bytes(
         strategy,
         model.trainable_count(),
         self.inter,
@@ -291,15 +294,6 @@ class Engine:
     )
     trained = jax.jit(fn)(state.master)
     return join_trainable(self.mask, trained, state.frozen) if self.lora else trained
-
-  def zero_grads(self):
-    """A gradient accumulator at the Gr placement, as the step holds it between micro-batches
-    (trained leaves only)."""
-    shardings = named(self.mesh, self.trained_specs.grads)
-    return jax.jit(
-      lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, self.grad_dtype), self.trained_shapes),
-      out_shardings=shardings,
-    )()
 
   def check_batch_size(self, batch_size: int) -> None:
     check_batch_divides(batch_size, self.inter, self.intra)

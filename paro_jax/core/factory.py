@@ -12,9 +12,9 @@ from jax.sharding import Mesh
 
 from models.config import LlamaConfig, resolve_attention
 from models.llama import Llama
-from paro_jax.core import collectives as comm
 from paro_jax.core.config import StepConfig
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+from paro_jax.core.names import resolve_collectives
 from paro_jax.core.strategy import Strategy, parse_strategy
 
 
@@ -24,7 +24,7 @@ def platform_of(mesh: Mesh) -> str:
   return mesh.devices.flat[0].platform
 
 
-def step_model(step: StepConfig, model_cfg: LlamaConfig, attention: str) -> Llama:
+def build_model(step: StepConfig, model_cfg: LlamaConfig, attention: str) -> Llama:
   """The model the step trains: `model_cfg`'s shapes in the step's dtype, remat and adapters,
   with `attention` resolved (models/config.py resolve_attention)."""
   return Llama(model_cfg, DTYPES[step.dtype], step.remat, step.lora.adapters(), attention)
@@ -53,9 +53,9 @@ def build_engine(
       step.attention, platform, DTYPES[step.dtype], model_cfg.head_dim
     )
   if collectives is None:
-    collectives, _ = comm.resolve(step.collectives, platform, jax.process_count(), strategy)
+    collectives, _ = resolve_collectives(step.collectives, platform, jax.process_count(), strategy)
   return Engine(
-    step_model(step, model_cfg, attention),
+    build_model(step, model_cfg, attention),
     strategy,
     mesh,
     optim,

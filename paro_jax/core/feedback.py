@@ -35,16 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from paro_jax.core import buckets
-from paro_jax.core.compress import WireConfig
+from paro_jax.core.wire import WireConfig
 from paro_jax.core.names import INTER
-from paro_jax.core.feedback_rules import (  # noqa: F401 - re-exported: the rules beside the runs
-  feedback_size,
-  reference_bytes,
-  residual_bytes,
-  residual_size,
-  resolve,
-  resolve_params,
-)
 from paro_jax.core.strategy import Strategy
 
 

@@ -28,11 +28,6 @@ COLLECTIVE_IMPLS = ("xla", "ring", "hring", "horing", *MIXED_IMPLS)
 AUTO_COLLECTIVES = "auto"
 AUTO_CPU_PROCESSES = "hring+xla"  # its pick on XLA:CPU with a process per node
 
-# How attention runs (`--attention`). models/config.py keeps its own copy, which its
-# `resolve_attention` checks against, because models/ imports nothing from paro_jax;
-# tests/models/test_attention.py checks they agree.
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-
 # Wire precision of the inter-node level (`--inter-params`, `--inter-grads`; core/compress.py),
 # its default int8 block size (`--int8-block`), and the gradient dtype (`--grad-dtype`).
 WIRE_FORMATS = ("same", "bf16", "int8")

@@ -44,9 +44,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from paro_jax.core import buckets
-from paro_jax.core import collectives as comm
-from paro_jax.core.compress import WireConfig
+from paro_jax.core.wire import WireConfig
 from paro_jax.core.names import GLOBAL_AXES
+from paro_jax.core.rings import to_varying, varying_axes
 from paro_jax.core.shards import is_shard, join_trainable, split_trainable
 
 
@@ -94,7 +94,7 @@ def run_layers(
     dims_t=split_trainable(dims, mask),
     dims_f=split_trainable(dims, mask, False),
     sink_types=jax.tree.map(lambda k: jax.ShapeDtypeStruct(k.shape, k.dtype), sinks),
-    sink_axes=jax.tree.map(comm.varying_axes, sinks),
+    sink_axes=jax.tree.map(varying_axes, sinks),
     n=jax.tree.leaves(params)[0].shape[0],
     gather_axes=gather_axes,
     scatter_axes=scatter_axes,
@@ -118,7 +118,7 @@ def _gather(s: Stack, trees, dims):
   full = buckets.tree_all_gather(
     trees, dims, s.gather_axes, s.impl, wire=s.wire.params_codec, bucket=s.bucket
   )
-  return jax.tree.map(lambda w: comm.to_varying(w, GLOBAL_AXES), full)
+  return jax.tree.map(lambda w: to_varying(w, GLOBAL_AXES), full)
 
 
 def _scatter(s: Stack, tree, dims):
@@ -231,7 +231,7 @@ def backward(s: Stack, xs, trained, frozen, acc, ct):
     gbuf = acc
   else:
     gbuf = jax.tree.map(
-      lambda t, axes: comm.to_varying(jnp.zeros(t.shape, t.dtype), tuple(axes)),
+      lambda t, axes: to_varying(jnp.zeros(t.shape, t.dtype), tuple(axes)),
       s.sink_types,
       s.sink_axes,
     )

@@ -15,8 +15,9 @@ import jax
 from jax import lax
 
 from paro_jax.core import collectives as comm
-from paro_jax.core.compress import WireConfig
+from paro_jax.core.wire import WireConfig
 from paro_jax.core.names import GLOBAL_AXES
+from paro_jax.core.rings import to_varying
 
 
 def split_trainable(tree, mask, trained: bool = True):
@@ -59,7 +60,7 @@ def make_gather(gather_axes, scatter_axes, impl, wire=WireConfig(), grad_dtype=N
     full = comm.all_gather(
       param, gather_axes, dim=dim % param.ndim, impl=impl, wire=wire.params_codec
     )
-    return comm.to_varying(full, GLOBAL_AXES)
+    return to_varying(full, GLOBAL_AXES)
 
   def fwd(param, sink, dim):
     return gather(param, sink, dim), None

@@ -31,12 +31,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from models.llama import LAYERS, next_token_loss, weighted_token_loss
+from models.config import LAYERS
+from models.llama import next_token_loss, weighted_token_loss
 from paro_jax.core import buckets, feedback, prefetch
 from paro_jax.core import collectives as comm
 from paro_jax.core.batch import Batch, inputs_of, take
-from paro_jax.core.compress import WireConfig
+from paro_jax.core.wire import WireConfig
 from paro_jax.core.names import GLOBAL_AXES
+from paro_jax.core.rings import to_varying
 from paro_jax.core.sharding import local_shape
 from paro_jax.core.shards import Shard, is_shard, join_trainable, make_gather
 
@@ -158,7 +160,7 @@ def make_sinks(engine, synced: bool = False):
 
   def sink_like(shape_struct, dim):
     zeros = jnp.zeros(local_shape(shape_struct.shape, dim, ways), engine.grad_dtype)
-    return comm.to_varying(zeros, axes)
+    return to_varying(zeros, axes)
 
   return jax.tree.map(sink_like, engine.trained_shapes, engine.trained_dims)
 
@@ -200,7 +202,7 @@ def materializer(engine, wire: WireConfig | None = None):
     full = comm.all_gather(
       lax.stop_gradient(param), s.param_gather_axes, dim=dim % param.ndim, impl=engine.collectives
     )
-    return comm.to_varying(full, GLOBAL_AXES)
+    return to_varying(full, GLOBAL_AXES)
 
   return lambda tree: jax.tree.map(
     lambda sh: frozen(sh.param, sh.dim) if sh.sink is None else gather(sh.param, sh.sink, sh.dim),

@@ -7,7 +7,6 @@ quantizing. No jax at import: `paro-jax plan` prices the formats without it.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from paro_jax.core.names import DEFAULT_INT8_BLOCK, WIRE_FORMATS
 
@@ -41,24 +40,14 @@ class Codec:
 
     return jnp.issubdtype(dtype, jnp.floating) and self.compresses(jnp.dtype(dtype).itemsize)
 
-  def wire_bytes(self, elements: int, itemsize: int) -> int:
-    """Bytes on the wire for one chunk of `elements` elements of an `itemsize`-byte dtype."""
-    if self.fmt == "same":
-      return elements * itemsize
-    if self.fmt == "bf16":
-      return elements * min(itemsize, 2)
-    return elements + SCALE_BYTES * math.ceil(elements / self.block)
-
   def bytes_per_element(self, itemsize: int) -> float:
-    """`wire_bytes` per element for large chunks (the formulas' rate)."""
+    """Bytes on the wire per element of an `itemsize`-byte dtype, for large chunks (the
+    formulas' rate: int8 adds one fp32 scale per block)."""
     if self.fmt == "same":
       return float(itemsize)
     if self.fmt == "bf16":
       return float(min(itemsize, 2))
     return 1.0 + SCALE_BYTES / self.block
-
-
-SAME = Codec()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import warnings
 import jax
 from tqdm import tqdm
 
-from paro_jax.analysis.hardware import mfu
+from paro_jax.analysis.gpu.hardware import mfu
 from paro_jax.cluster import watch
 from paro_jax.core.engine import Engine, TrainState
 from paro_jax.run import reporting
@@ -85,7 +85,7 @@ class Bookkeeper:
   def __enter__(self):
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, *_exc):
     self.log.close()
     self.bar.close()
 

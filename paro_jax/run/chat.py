@@ -115,7 +115,7 @@ def _environment():
       return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
     @jinja2.pass_eval_context
-    def _generation_support(self, context, caller):
+    def _generation_support(self, _context, caller):
       rv = caller()
       if (tracking := self._tracking.get()) is not None:
         blocks, spans = tracking

@@ -58,7 +58,8 @@ from paro_jax.run.checkpoint_errors import (
 )
 from paro_jax.run.config import refuse_unsafe_path
 
-STATE, META = "state", "meta"
+# The two items of a checkpoint step (orbax): the arrays and the RunMeta beside them.
+STATE_ITEM, META_ITEM = "state", "meta"
 CHECKPOINTS = "checkpoints"  # the checkpoint directory inside a run directory (--out)
 
 
@@ -80,7 +81,7 @@ class Checkpointer:
       # Leftovers of saves that were killed halfway: never a step, removed on start.
       cleanup_tmp_directories=not read_only,
     )
-    handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+    handlers = {STATE_ITEM: ocp.StandardCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._read_only = read_only
     self.keep = keep
@@ -122,7 +123,7 @@ class Checkpointer:
       )
     meta = dataclasses.replace(meta, checksums=sums)
     args = ocp.args.Composite(
-      **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta.to_json())}
+      **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta.to_json())}
     )
     # A background save that failed raises here, at the start of the next one.
     with self._errors_as_checkpoint_error():
@@ -196,9 +197,9 @@ class Checkpointer:
 
   def read_meta(self, step: int) -> RunMeta:
     restored = self._manager.restore(
-      step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+      step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
     )
-    return RunMeta.from_json(restored[META])
+    return RunMeta.from_json(restored[META_ITEM])
 
   def restore(
     self, engine: Engine, model_name: str | None = None, set_aside: bool = False
@@ -225,7 +226,7 @@ class Checkpointer:
     for step, listed in agreed_steps(steps, agreement):
       error = FileNotFoundError("not listed on this process")
       if listed:
-        error = local_verdict(os.path.join(self.directory, str(step)), META)
+        error = local_verdict(os.path.join(self.directory, str(step)), META_ITEM)
       if not agreement.all(error is None):
         failures.append((step, error or _UnreadableElsewhere()))
         continue
@@ -236,7 +237,7 @@ class Checkpointer:
         continue
       check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
       try:
-        written = self._manager.item_metadata(step)[STATE]  # shapes and dtypes as saved
+        written = self._manager.item_metadata(step)[STATE_ITEM]  # shapes and dtypes as saved
         step_target, carried = residual_target(
           target, meta, engine, saved_field(written, "residual")
         )
@@ -248,8 +249,8 @@ class Checkpointer:
         # state is then converted to this engine's dtypes.
         stored = stored_like(written, step_target)
         restored = self._manager.restore(
-          step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(stored)})
-        )[STATE]
+          step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(stored)})
+        )[STATE_ITEM]
         verify(restored, meta)  # the checksums are global: the same verdict on every process
       except Exception as e:  # noqa: BLE001
         failures.append((step, e))
@@ -294,9 +295,9 @@ def _unreadable(step_dir: str, arrays: int) -> str | None:
   """Why a complete save in `step_dir` could not be restored, or None: its metadata JSON must
   parse, and the index of its arrays (orbax's OCDBT database) must list each of them."""
   try:
-    with open(os.path.join(step_dir, META, "metadata")) as f:
+    with open(os.path.join(step_dir, META_ITEM, "metadata")) as f:
       json.load(f)
-    base = {"driver": "file", "path": os.path.join(step_dir, STATE) + "/"}
+    base = {"driver": "file", "path": os.path.join(step_dir, STATE_ITEM) + "/"}
     keys = ts.KvStore.open({"driver": "ocdbt", "base": base}).result().list().result()
   except Exception as e:  # noqa: BLE001 - any failure to read is the answer
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"

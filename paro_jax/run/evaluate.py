@@ -24,8 +24,8 @@ import os
 import jax
 import numpy as np
 
-from models.hf import CONFIG, load_hf, read_config
-from models.llama import LlamaConfig, LoraConfig
+from models.config import CONFIG, LlamaConfig, LoraConfig, read_config
+from models.hf import load_hf
 from paro_jax.core.batch import Batch
 from paro_jax.core.config import LoraOptions
 from paro_jax.core.engine import Engine

@@ -13,13 +13,12 @@ import os
 
 import numpy as np
 
-from paro_jax.run.bins import read_bin
+from paro_jax.run.bins import META, read_bin
 
 from paro_jax.run.data import TokenStream
 from paro_jax.run.examples import Examples
 from paro_jax.run.instruct import CHAT, PROMPT_COMPLETION
 
-META = "meta.json"
 MASK, STARTS = ".mask", ".starts"
 
 

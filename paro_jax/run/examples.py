@@ -20,7 +20,7 @@ import numpy as np
 
 from models.config import MAX_SEGMENTS
 from paro_jax.core.batch import Batch
-from paro_jax.run.instruct import LONG_EXAMPLES
+from paro_jax.run.config import LONG_EXAMPLES
 
 
 @dataclasses.dataclass

@@ -39,8 +39,8 @@ import numpy as np
 
 from safetensors import SafetensorError
 
-from models.hf import CONFIG, DTYPES, MAX_SHARD_SIZE, save_hf, weights_dtype
-from models.llama import LlamaConfig, LoraConfig
+from models.config import CONFIG, LlamaConfig, LoraConfig
+from models.hf import MAX_SHARD_SIZE, WEIGHT_DTYPES, save_hf, weights_dtype
 from models.peft import save_adapter
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.prepare import pid_alive
@@ -51,7 +51,7 @@ from paro_jax.core.mesh import make_mesh
 from paro_jax.run.chat import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG
 from paro_jax.run.tokenizers import BYTES, TOKENIZER_FILE
 
-EXPORT_DTYPES = tuple(DTYPES)  # bf16, fp16, fp32
+EXPORT_DTYPES = tuple(WEIGHT_DTYPES)  # bf16, fp16, fp32
 SCRATCH_DTYPE = "bf16"  # of a run trained from scratch: the dtype Llama checkpoints ship in
 GENERATION_CONFIG = "generation_config.json"
 # The files of a tokenizer's HF directory that travel with its tokenizer.json.
@@ -122,7 +122,7 @@ def export_dtype(requested: str | None, source: str | None, base: dict | None) -
   if stored:
     return stored, f"the dtype of {source}'s weights"
   named = (base or {}).get("torch_dtype") or (base or {}).get("dtype")
-  by_name = {torch: ours for ours, (_, torch, _) in DTYPES.items()}
+  by_name = {torch: ours for ours, (_, torch, _) in WEIGHT_DTYPES.items()}
   if named in by_name:
     return by_name[named], f"the dtype {source}'s config.json names"
   return SCRATCH_DTYPE, f"{source}'s weights are not readable to tell theirs"
@@ -184,7 +184,7 @@ def export_run(
     raise ValueError(
       f"checkpoint step {meta.step} of {run_dir} holds NaN or Inf weights: not exported"
     )
-  np_dtype = DTYPES[written_dtype][0]
+  np_dtype = WEIGHT_DTYPES[written_dtype][0]
   copied: list[str] = []
 
   def write(partial: str) -> None:

@@ -1,10 +1,10 @@
 """Before any compile: refuse a run that cannot fit, in one line with the estimate and the fix.
 
-The estimate is the planner's memory model (analysis/memory.py step_memory: model states at their
-placements with the int8 corrections' buffers, plus one micro-batch's activations at the run's
-sequence length, micro-batch and remat), per device, against the memory of the devices
-(analysis/memory.py available_memory: a GPU's own memory, or on the CPU the host's available
-memory shared by its virtual devices). `paro-jax plan` prints the same figure for the same
+The estimate is the planner's memory model (analysis/planner/memory.py step_memory: model states
+at their placements with the int8 corrections' buffers, plus one micro-batch's activations at the
+run's sequence length, micro-batch and remat), per device, against the memory of the devices
+(analysis/planner/memory.py available_memory: a GPU's own memory, or on the CPU the host's
+available memory shared by its virtual devices). `paro-jax plan` prints the same figure for the same
 workload, and the run's start-up banner this one. A run started from HF weights is also held to
 its config's `max_position_embeddings`.
 """
@@ -16,9 +16,9 @@ import os
 
 import jax.numpy as jnp
 
-from paro_jax.analysis import memory
-from paro_jax.analysis.memory import GIB, step_memory
-from paro_jax.analysis.plan_inputs import Workload
+from paro_jax.analysis.planner import memory
+from paro_jax.analysis.planner.memory import GIB, step_memory
+from paro_jax.analysis.planner.inputs import Workload
 
 
 def position_limit(init_from: str | None) -> int | None:
@@ -38,7 +38,7 @@ def sequences_per_device(cfg, inter: int, intra: int) -> int:
 
 
 def run_memory(cfg, model, strategy, inter: int, intra: int, gpu: bool) -> dict:
-  """analysis/memory.py step_memory of the run `cfg`: `model` (models/llama.py Llama, its
+  """analysis/planner/memory.py step_memory of the run `cfg`: `model` (models/llama.py Llama, its
   parameter counts and resolved attention) with `strategy` on an `inter` x `intra` mesh of GPUs
   (`gpu`) or CPUs."""
   itemsize = jnp.dtype(model.dtype).itemsize

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from paro_jax.run.chat import load_chat_template, normalize_messages, special_tokens, token_mask
-from paro_jax.run.config import DATA_FORMATS, LONG_EXAMPLES  # noqa: F401 - the flags' choices
+from paro_jax.run.config import DATA_FORMATS
 from paro_jax.run.tokenizers import BYTES, ByteTokenizer
 
 TEXT, PROMPT_COMPLETION, CHAT = DATA_FORMATS[1:]
@@ -116,8 +116,3 @@ class Encoder:
       ) from None
     tokens, offsets = self.tokenizer.encode_offsets(text)
     return tokens.astype(np.uint32), np.asarray(token_mask(offsets, spans), np.uint8)
-
-
-def targets_of(mask: np.ndarray) -> int:
-  """The targets of an example: its mask past the first token (which nothing predicts)."""
-  return int(np.sum(mask[1:]))

@@ -40,11 +40,10 @@ from paro_jax.run import sources
 from paro_jax.run.example_shards import ExampleShardWriter
 from paro_jax.run.instruct import TEXT, Encoder, tokenizer_directory
 from paro_jax.run.records import read_records, read_texts
-from paro_jax.run.bins import BIN_DTYPES
+from paro_jax.run.bins import BIN_DTYPES, META
 from paro_jax.run.data import _not_utf8, check_text, expand_paths, read_jsonl, TEXT_SAMPLE
 from paro_jax.run.tokenizers import BYTES, ByteTokenizer, HFTokenizer, tokenizer_identity
 
-META = "meta.json"
 BLOCK = 1 << 20  # bytes of text tokenized at once
 
 
@@ -111,7 +110,7 @@ class _StopOn:
         self._old[sig] = signal.signal(sig, self._raise)
     return self
 
-  def _raise(self, signum, frame):
+  def _raise(self, signum, _frame):
     raise Stopped(signum)
 
   def hold(self) -> None:
@@ -123,7 +122,7 @@ class _StopOn:
     for sig in self._old:
       signal.signal(sig, signal.SIG_IGN)
 
-  def __exit__(self, *exc):
+  def __exit__(self, *_exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
 

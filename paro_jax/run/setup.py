@@ -12,14 +12,13 @@ import warnings
 
 import jax
 
-from models.hf import CONFIG, load_hf, read_config
-from models.llama import get_config, resolve_attention
-from paro_jax.analysis.auto import auto_strategy
-from paro_jax.core import collectives as comm
+from models.config import CONFIG, get_config, read_config, resolve_attention
+from models.hf import load_hf
+from paro_jax.analysis.planner.auto import auto_strategy
 from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
-from paro_jax.core.factory import build_engine, step_model
+from paro_jax.core.factory import build_engine, build_model
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.names import AUTO_COLLECTIVES
+from paro_jax.core.names import AUTO_COLLECTIVES, resolve_collectives
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import RunMeta
@@ -48,9 +47,11 @@ def build(cfg: RunConfig):
   attention, why = resolve_attention(cfg.attention, platform, DTYPES[cfg.dtype], model_cfg.head_dim)
   if cfg.attention == "auto" and platform != "cpu" and jax.process_index() == 0:
     print(f"paro-jax: --attention {why}: {attention}", flush=True)
-  model = step_model(cfg, model_cfg, attention)
-  collectives, _ = comm.resolve(cfg.collectives, platform, processes)
-  if auto:  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/auto.py)
+  model = build_model(cfg, model_cfg, attention)
+  collectives, _ = resolve_collectives(cfg.collectives, platform, processes)
+  if (
+    auto
+  ):  # probe this mesh, plan, and on H100/H200 check by XLA's estimate (analysis/planner/auto.py)
     name, why, table = auto_strategy(
       mesh,
       cfg,
@@ -69,7 +70,7 @@ def build(cfg: RunConfig):
   inter, intra = mesh.devices.shape
   need = run_memory(cfg, model, strategy, inter, intra, gpu=platform != "cpu")
   check_fits(cfg, strategy, need, inter, intra, jax.local_devices())
-  collectives, why = comm.resolve(cfg.collectives, platform, processes, strategy)
+  collectives, why = resolve_collectives(cfg.collectives, platform, processes, strategy)
   if cfg.collectives == AUTO_COLLECTIVES and jax.process_index() == 0:
     print(f"paro-jax: --collectives {why}: {collectives}", flush=True)
   batches, eval_batches = run_batches(cfg, model_cfg.vocab)
@@ -153,7 +154,7 @@ def run_meta(cfg: RunConfig, engine: Engine, step: int, data_files: dict | None)
     dtype=cfg.dtype,
     data=recorded_data(cfg),
     lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None,
-    train=schedule_of(cfg),
+    train=lr_schedule_inputs(cfg),
     data_files=data_files,
     source_config=source_config(cfg.init_from or cfg.model),
   )
@@ -190,7 +191,7 @@ def recorded_data(cfg: RunConfig) -> dict:
   }
 
 
-def schedule_of(cfg: RunConfig) -> dict:
+def lr_schedule_inputs(cfg: RunConfig) -> dict:
   """What the learning-rate schedule depends on."""
   return dataclasses.asdict(cfg.optimizer)  # steps, lr, warmup
 
@@ -243,10 +244,11 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer, data_files: 
         f"{was[key]!r}: " + differ("pass the checkpoint's value to continue the same run"),
         stacklevel=2,
       )
-  if meta.train is not None and meta.train != schedule_of(cfg):
-    changed = [k for k in ("steps", "lr", "warmup") if meta.train.get(k) != schedule_of(cfg)[k]]
+  schedule = lr_schedule_inputs(cfg)
+  if meta.train is not None and meta.train != schedule:
+    changed = [k for k in ("steps", "lr", "warmup") if meta.train.get(k) != schedule[k]]
     warnings.warn(
-      f"resuming with {' '.join(f'--{k} {schedule_of(cfg)[k]:g}' for k in changed)}, but the "
+      f"resuming with {' '.join(f'--{k} {schedule[k]:g}' for k in changed)}, but the "
       f"checkpoint (step {meta.step}) was trained with "
       f"{' '.join(f'--{k} {meta.train[k]:g}' for k in changed)}: the learning-rate schedule "
       f"changed from step {meta.step} on",

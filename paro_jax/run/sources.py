@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from paro_jax.run.config import DataConfig
+from paro_jax.run.config import DATA_FORMATS, DataConfig
 from paro_jax.run.tokenizers import check_vocab, make_tokenizer
 from paro_jax.run.example_shards import example_format, read_examples
 from paro_jax.run.examples import ExampleBatches, Examples, dropped_line, from_encoded, select
-from paro_jax.run.instruct import DATA_FORMATS, TEXT, Encoder, detect_format, tokenizer_directory
+from paro_jax.run.instruct import TEXT, Encoder, detect_format, tokenizer_directory
 from paro_jax.run.records import first_record, is_records, read_records
 
 

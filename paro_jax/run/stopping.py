@@ -57,7 +57,7 @@ class StopSignals:
         self._old[sig] = signal.signal(sig, self._handle)
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, *_exc):
     if self.signum is not None:
       # Stopped: what is left (the checkpointer's close, jax.distributed's shutdown at exit) can
       # wait on the other processes, and a signal then (srun's SIGTERM once another task has
@@ -67,7 +67,7 @@ class StopSignals:
     for sig, old in self._old.items():
       signal.signal(sig, old)
 
-  def _handle(self, signum, frame):
+  def _handle(self, signum, _frame):
     if self.signum is not None:
       os.write(2, f"\nparo-jax: stopped at once; {self._interrupted()}\n".encode())
       os._exit(128 + signum)
@@ -141,7 +141,7 @@ class RunLock:
     self.fd = fd
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, *_exc):
     if self.fd is not None:
       os.close(self.fd)  # releases the lock
       self.fd = None

@@ -42,7 +42,7 @@ def train(cfg: RunConfig) -> str:
   with RunLock(cfg.out, main), StopSignals() as stop:
     # The banner comes once the signals are taken over: a stop sent after it is always seen.
     if main:
-      # The estimate build() checked: analysis/memory.py's, as `paro-jax plan` prints it.
+      # The estimate build() checked: analysis/planner/memory.py's, as `paro-jax plan` prints it.
       gpu = jax.devices()[0].platform != "cpu"
       need = run_memory(cfg, engine.model, engine.strategy, engine.inter, engine.intra, gpu)
       print(reporting.banner(cfg, engine, need), flush=True)

@@ -8,9 +8,9 @@ prints one JSON object: XLA's logged statistics, the composed estimate and the H
 import json
 import sys
 
-from paro_jax.analysis import estimate, gpu
+from paro_jax.analysis.gpu import estimate, targets
 
-gpu.prepare_environment()
+targets.prepare_deviceless_compile()
 estimate.prepare_environment(100e9, 4)
 
 import jax  # noqa: E402
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 N = int(sys.argv[1])
-mesh = jax.sharding.Mesh(np.array(gpu.devices("h100", 2, 4)).reshape(2, 4), ("inter", "intra"))
+mesh = jax.sharding.Mesh(np.array(targets.devices("h100", 2, 4)).reshape(2, 4), ("inter", "intra"))
 
 
 def step(x, ws):

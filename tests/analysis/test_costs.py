@@ -2,7 +2,7 @@
 
 import pytest
 
-from paro_jax.analysis.costs import model_state_bytes, step_traffic
+from paro_jax.analysis.planner.costs import model_state_bytes, step_traffic
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
 PSI, G, M, A = 1_000_000, 2, 4, 3

@@ -1,5 +1,5 @@
-"""XLA's estimate of a GPU step's time (paro_jax/analysis/estimate.py) and `inspect --target`'s
-`estimate` section.
+"""XLA's estimate of a GPU step's time (paro_jax/analysis/gpu/estimate.py) and `inspect --target`'s
+`estimate` section (analysis/inspect/command.py, analysis/inspect/gpu_report.py).
 
 The composition is checked on programs whose answer is known by hand: a written HLO module with
 nested loops, and a compiled scan of N identical bodies (N x one body plus the entry). The
@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from paro_jax.analysis import estimate, gpu
+from paro_jax.analysis.gpu import estimate, targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_plugin = pytest.mark.skipif(
-  not gpu.plugin_available(),
-  reason=f"compiling for a GPU target needs JAX's CUDA plugin: {gpu.INSTALL_HINT}",
+  not targets.plugin_available(),
+  reason=f"compiling for a GPU target needs JAX's CUDA plugin: {targets.INSTALL_HINT}",
 )
 
 # An entry that runs the outer loop 3 times, whose body runs the inner loop 4 times, and calls
@@ -157,9 +157,9 @@ def test_network_options_are_gigabytes_per_gpu():
 
 
 def test_a100_has_no_time_estimate():
-  line = estimate.unavailable_reason("", gpu.compute_capability("a100-80gb"))
+  line = estimate.unavailable_reason("", targets.compute_capability("a100-80gb"))
   assert line is not None and "8.0" in line
-  assert estimate.unavailable_reason("", gpu.compute_capability("h100")) is None
+  assert estimate.unavailable_reason("", targets.compute_capability("h100")) is None
 
 
 def _run(args: list[str]) -> dict:

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from paro_jax.analysis import gpu
+from paro_jax.analysis.gpu import targets
 
 pytestmark = pytest.mark.skipif(
-  not gpu.plugin_available(),
-  reason=f"compiling for a GPU target needs JAX's CUDA plugin: {gpu.INSTALL_HINT}",
+  not targets.plugin_available(),
+  reason=f"compiling for a GPU target needs JAX's CUDA plugin: {targets.INSTALL_HINT}",
 )
 
 from paro_jax.core.strategy import VALID_NAMES  # noqa: E402
@@ -45,13 +45,15 @@ def gpu_report(
   if key not in _CACHE:
     import tempfile
 
-    from models.llama import Llama, get_config
-    from paro_jax.analysis.inspector import gpu_report as report
+    from models.llama import Llama
+    from models.config import get_config
+    from paro_jax.analysis.inspect.abstract import compile_for_target
+    from paro_jax.analysis.inspect.gpu_report import gpu_report as report
     from paro_jax.core.engine import DTYPES, Engine, OptimConfig
     from paro_jax.core.mesh import make_mesh
     from paro_jax.core.strategy import parse_strategy
 
-    devices = make_mesh(*mesh, devices=gpu.devices("h100", *mesh))
+    devices = make_mesh(*mesh, devices=targets.devices("h100", *mesh))
     engine = Engine(
       Llama(get_config(model), DTYPES["bf16"], attention=attention),
       parse_strategy(strategy),
@@ -62,7 +64,7 @@ def gpu_report(
     )
     with tempfile.TemporaryDirectory() as dump:
       batch = BATCH * mesh[0] * mesh[1] // (MESH[0] * MESH[1])
-      compiled = gpu.compile_step(engine, "h100", batch, seq, flags, dump)
+      compiled = compile_for_target(engine, "h100", batch, seq, flags, dump)
       _CACHE[key] = report(engine, compiled, "h100", batch, seq, dump)
       _CACHE[key]["hlo"] = compiled.as_text()
   return _CACHE[key]
@@ -91,18 +93,20 @@ def test_attention_is_cudnns_fused_kernel():
   assert "__cudnn$fmha" not in written["hlo"]
   assert fused["memory"]["planned_bytes"] < written["memory"]["planned_bytes"]
   # the kernel counts as compute when it lies inside a collective's window
-  from paro_jax.analysis import schedule
+  from paro_jax.analysis.hlo import overlap
 
-  comps = schedule._computations(fused["hlo"])
+  comps = overlap._computations(fused["hlo"])
   kernels = [i for c in comps.values() for i in c if "__cudnn$fmha" in i.rest]
-  assert kernels and all(schedule._Compute(comps).instr(i) for i in kernels)
+  assert kernels and all(overlap._Compute(comps).instr(i) for i in kernels)
 
 
 def test_packed_rows_keep_cudnns_fused_kernel():
   """Instruction data packed several examples to a row (`--pack`): attention stays inside each
   example through cuDNN's packed layout (each row's runs as offsets and lengths), still the fused
   kernel forward and backward, its mask causal inside each run."""
-  from models.llama import Llama, get_config
+  from models.llama import Llama
+  from models.config import get_config
+  from paro_jax.analysis.inspect.abstract import compile_for_target
   from paro_jax.core.engine import DTYPES, Engine, OptimConfig
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.strategy import parse_strategy
@@ -110,13 +114,13 @@ def test_packed_rows_keep_cudnns_fused_kernel():
   engine = Engine(
     Llama(get_config(MODEL), DTYPES["bf16"], attention="cudnn"),
     parse_strategy("IIG"),
-    make_mesh(*MESH, devices=gpu.devices("h100", *MESH)),
+    make_mesh(*MESH, devices=targets.devices("h100", *MESH)),
     OptimConfig(),
   )
   import tempfile
 
   with tempfile.TemporaryDirectory() as dump:
-    hlo = gpu.compile_step(engine, "h100", BATCH, SEQ, GPU_FLAGS, dump, packed=True).as_text()
+    hlo = compile_for_target(engine, "h100", BATCH, SEQ, GPU_FLAGS, dump, packed=True).as_text()
   fwd = [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$fmhaSoftmax"' in line]
   assert fwd and 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in hlo
   # causal inside the rows' runs (the token stream's kernel: CAUSAL over the whole row)
@@ -169,13 +173,13 @@ def test_no_inter_node_bytes_are_filed_under_other():
 
 def test_cudnn_checks_read_the_target():
   """jax asks the local GPU for its compute capability and the cuDNN library for its version;
-  for a target the two answers come from the target's description (analysis/gpu.py)."""
+  for a target the two answers come from the target's description (analysis/gpu/targets.py)."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
 
-  with gpu.cudnn_checks("h100"):
+  with targets.cudnn_checks("h100"):
     assert fa.check_cudnn_version() == 90800
     assert fa.check_compute_capability("9.0") and not fa.check_compute_capability("10.0")
-  with gpu.cudnn_checks("a100-80gb"):
+  with targets.cudnn_checks("a100-80gb"):
     assert fa.check_compute_capability("8.0") and not fa.check_compute_capability("9.0")
 
 

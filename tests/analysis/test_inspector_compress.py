@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import pytest
 
 from models.llama import Llama
-from paro_jax.analysis.inspector import compile_step, expected_traffic, format_report, report
-from paro_jax.core.compress import WireConfig
+from paro_jax.analysis.inspect.abstract import compile_step
+from paro_jax.analysis.inspect.inspector import expected_traffic, format_report, report
+from paro_jax.core.wire import WireConfig
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy

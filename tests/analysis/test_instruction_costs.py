@@ -3,7 +3,7 @@ on a hand-written dump and module whose answer is known by hand."""
 
 import pytest
 
-from paro_jax.analysis import instruction_costs
+from paro_jax.analysis.gpu import instruction_costs
 
 # Four [1000,1000] x [1000,1000] bf16 matmuls (2e9 FLOPs each: 2 us at 1e15 FLOP/s, above their
 # 6 MB / 2e12 B/s = 3 us of traffic, so the roofline is 3 us each) in a loop body run 5 times,

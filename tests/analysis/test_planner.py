@@ -1,4 +1,5 @@
-"""The planner (paro_jax/analysis/planner.py), the probe and `train --strategy auto`.
+"""The planner (paro_jax/analysis/planner/planner.py), the probe and `train --strategy auto`
+(analysis/planner/auto.py).
 
 The paper's conclusions are checked on realistic clusters: 16 nodes x 8 A100-80GB, a 100 Gbit/s
 link per node (a slow cloud) against 300 GB/s NVLink, A=8 micro-batches of one 2,048-token
@@ -10,11 +11,14 @@ import os
 
 import pytest
 
-from models.llama import PRESETS, Llama, get_config
-from paro_jax.analysis import hardware, memory, planner
+from models.config import PRESETS, get_config
+from models.llama import Llama
+from paro_jax.analysis.gpu import hardware
+from paro_jax.analysis.planner import inputs, memory, planner, step_model
 from paro_jax.core import names, units
 from paro_jax.cli import main
-from paro_jax.analysis.costs import step_traffic
+from paro_jax.analysis.planner.costs import step_traffic
+from paro_jax.analysis.planner.profile import load_profile, measured_links
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 
 PARTIAL = [n for n in VALID_NAMES if "I" in n]  # some state sharded within a node only
@@ -25,17 +29,17 @@ def paper_plan(
 ):
   cfg = get_config(model)
   psi = cfg.param_count()
-  w = planner.Workload(
+  w = inputs.Workload(
     cfg, micro_batch=1, micro_batches=8, seq_len=2048, trainable=round(trainable_fraction * psi)
   )
-  net = planner.Links(
+  net = inputs.Links(
     units.parse_bandwidth("100gbit"),
     units.parse_bandwidth("300GB/s"),
     global_collectives=global_collectives,
   )
   card = hardware.GPUS["a100-80gb"]
   return planner.plan(
-    w, planner.Cluster(nodes, 8, net, card.peak_flops, device_memory=units.parse_size(memory))
+    w, inputs.Cluster(nodes, 8, net, card.peak_flops, device_memory=units.parse_size(memory))
   )
 
 
@@ -49,7 +53,7 @@ def test_slow_inter_full_training_partial_redundancy_beats_zero(global_collectiv
   p = paper_plan("7b", global_collectives=global_collectives)  # memory to spare
   assert p.pick not in ("GGG", "NGG"), p.explain
   best_partial = min(p.get(n).step_time_s for n in PARTIAL)
-  assert p.get(p.pick).step_time_s <= best_partial * (1 + planner.TIE)
+  assert p.get(p.pick).step_time_s <= best_partial * (1 + inputs.TIE)
   for zero in ("GGG", "NGG"):
     assert p.get(zero).fits and p.get(zero).step_time_s > 2 * best_partial
 
@@ -59,7 +63,7 @@ def test_few_trainable_parameters_pick_ing():
   p = paper_plan("65b", trainable_fraction=0.003)
   assert p.pick == "ING", p.explain
   fastest = min(e.step_time_s for e in p.ranking if e.fits)
-  assert p.get("ING").step_time_s <= fastest * (1 + planner.TIE)
+  assert p.get("ING").step_time_s <= fastest * (1 + inputs.TIE)
   # ING's gradients stay put during the micro-batches: no gradient traffic until the sync.
   assert p.get("ING").times["grad_traffic"] == 0
   assert not any(p.get(n).fits for n in VALID_NAMES if n[0] == "N")  # 130 GB of parameters
@@ -78,19 +82,22 @@ def test_tight_memory_only_fully_sharded_fit():
 def test_traffic_is_costs_step_traffic():
   """The planner times exactly costs.step_traffic's bytes, phase by phase (no second formula)."""
   cfg = get_config("7b")
-  w = planner.Workload(cfg, micro_batches=4, trainable=cfg.param_count() // 100)
-  cluster = planner.Cluster(4, 8, planner.Links(12.5e9, 300e9), 312e12)
+  w = inputs.Workload(cfg, micro_batches=4, trainable=cfg.param_count() // 100)
+  cluster = inputs.Cluster(4, 8, inputs.Links(12.5e9, 300e9), 312e12)
   regathered = Llama(cfg).stack_param_count()
   assert w.layer_params == regathered
   for name in VALID_NAMES:
     s = parse_strategy(name)
-    e = planner.estimate(s, w, cluster)
+    e = step_model.predict(s, w, cluster)
     t = step_traffic(s, w.psi, w.psi_trained, 4, 8, 4, 2, 2, regathered=regathered)
     assert e.traffic["phases"] == t.phases and e.traffic["inter_bytes"] == t.inter
-    assert set(t.phases) <= set(planner.schedule(s, w)), name
+    assert set(t.phases) <= set(step_model.phase_collectives(s, w)), name
     comm = sum(
-      planner.collective_seconds(
-        *planner.schedule(s, w)[k][:2], b, planner.schedule(s, w)[k][2], cluster
+      step_model.collective_seconds(
+        *step_model.phase_collectives(s, w)[k][:2],
+        b,
+        step_model.phase_collectives(s, w)[k][2],
+        cluster,
       )
       for k, b in t.phases.items()
     )
@@ -101,17 +108,17 @@ def test_global_collective_models_and_overlap():
   """Two levels send 1/m of a global collective between nodes; overlapping them is faster
   still; hiding traffic behind compute only shortens the step."""
   cfg = get_config("7b")
-  w = planner.Workload(cfg)
+  w = inputs.Workload(cfg)
   times = {}
-  for model in planner.GLOBAL_MODELS:
-    net = planner.Links(12.5e9, 300e9, global_collectives=model)
-    times[model] = planner.estimate(
-      parse_strategy("GGG"), w, planner.Cluster(16, 8, net, 312e12)
+  for model in inputs.GLOBAL_MODELS:
+    net = inputs.Links(12.5e9, 300e9, global_collectives=model)
+    times[model] = step_model.predict(
+      parse_strategy("GGG"), w, inputs.Cluster(16, 8, net, 312e12)
     ).step_time_s
   assert times["flat"] > times["hierarchical"] > times["overlapped"]
-  net = planner.Links(12.5e9, 300e9)
+  net = inputs.Links(12.5e9, 300e9)
   plain, hidden = (
-    planner.estimate(parse_strategy("IIG"), w, planner.Cluster(16, 8, net, 312e12, overlap=o))
+    step_model.predict(parse_strategy("IIG"), w, inputs.Cluster(16, 8, net, 312e12, overlap=o))
     for o in (0.0, 1.0)
   )
   per_mb = plain.times["param_gathers"] + plain.times["grad_traffic"]
@@ -122,7 +129,7 @@ def test_global_collective_models_and_overlap():
 
 def test_layer_params_match_the_model():
   for cfg in PRESETS.values():
-    assert planner.Workload(cfg).layer_params == Llama(cfg).stack_param_count()
+    assert inputs.Workload(cfg).layer_params == Llama(cfg).stack_param_count()
 
 
 def test_fused_attention_keeps_no_scores():
@@ -133,7 +140,7 @@ def test_fused_attention_keeps_no_scores():
   written, fused = (
     memory.activation_bytes(
       parse_strategy("GGG"),
-      planner.Workload(cfg, micro_batch=b, seq_len=s, itemsize=item, fused_attention=f),
+      inputs.Workload(cfg, micro_batch=b, seq_len=s, itemsize=item, fused_attention=f),
       2,
       4,
     )
@@ -311,9 +318,9 @@ def test_plan_devices_that_do_not_divide_the_model(capsys):
 
 def test_probe_measures_every_collective_and_level(tmp_path):
   from paro_jax.core.mesh import make_mesh
-  from paro_jax.analysis.probe import probe, write_profile
+  from paro_jax.analysis.planner.probe import probe, write_profile
 
-  from paro_jax.analysis.probe import fit_line
+  from paro_jax.analysis.planner.probe import fit_line
 
   sizes = (4096, 65536)
   profile = probe(make_mesh(2, 4), sizes=sizes, repeats=1)
@@ -334,15 +341,13 @@ def test_probe_measures_every_collective_and_level(tmp_path):
   )
   path = tmp_path / "probe.json"
   write_profile(profile, str(path))
-  assert len(planner.measured_links(planner.load_profile(str(path)))) == 9
-  p = planner.plan_for_profile(
-    get_config("tiny"), 2, 4, 1, 2, 64, 4, planner.load_profile(str(path))
-  )
+  assert len(measured_links(load_profile(str(path)))) == 9
+  p = planner.plan_for_profile(get_config("tiny"), 2, 4, 1, 2, 64, 4, load_profile(str(path)))
   assert p.pick in VALID_NAMES and p.pick in p.explain
 
 
 def test_fit_line():
-  from paro_jax.analysis.probe import fit_line
+  from paro_jax.analysis.planner.probe import fit_line
 
   bw, lat = fit_line([(1e6, 1e-4 + 1e6 / 2e9), (4e6, 1e-4 + 4e6 / 2e9), (8e6, 1e-4 + 8e6 / 2e9)])
   assert bw == pytest.approx(2e9) and lat == pytest.approx(1e-4)
@@ -384,17 +389,18 @@ def test_train_strategy_auto(tmp_path, capsys):
 def test_compressed_inter_traffic_in_the_plan():
   """The planner's bytes are costs.step_traffic with the wire sizes; int8 shrinks IIG's inter
   bytes about 4x in fp32-gradient terms (2x against bf16 plus scales) and its predicted step."""
-  from paro_jax.analysis.costs import step_traffic
-  from paro_jax.analysis.planner import Cluster, Links, Workload, estimate
-  from paro_jax.core.compress import WireConfig
+  from paro_jax.analysis.planner.costs import step_traffic
+  from paro_jax.analysis.planner.inputs import Cluster, Links, Workload
+  from paro_jax.analysis.planner.step_model import predict
+  from paro_jax.core.wire import WireConfig
 
   cfg = get_config("7b")
   links = Links(100e9 / 8, 300e9, 50e-6, 10e-6, "hierarchical")
   cluster = Cluster(4, 8, links, 312e12, 0.4, 80 * 2**30, 0.9, 0.0)
-  plain = estimate(parse_strategy("IIG"), Workload(cfg), cluster)
+  plain = predict(parse_strategy("IIG"), Workload(cfg), cluster)
   wire = WireConfig("int8", "int8", 256)
   w = Workload(cfg, wire=wire, grad_itemsize=4)
-  packed = estimate(parse_strategy("IIG"), w, cluster)
+  packed = predict(parse_strategy("IIG"), w, cluster)
   expected = step_traffic(
     parse_strategy("IIG"), w.psi, w.psi, 4, 8, 8, 2, 2, w.layer_params, wire, 4
   )
@@ -406,7 +412,7 @@ def test_compressed_inter_traffic_in_the_plan():
   # fp32 gradients: 4 bytes per element at Gr
   assert packed.memory["model_states"]["grads"] == 2 * plain.memory["model_states"]["grads"]
   # GGG: its global collectives become two levels; every phase key has a schedule entry
-  g = estimate(parse_strategy("GGG"), w, cluster)
+  g = predict(parse_strategy("GGG"), w, cluster)
   assert g.traffic["intra_bytes"] > 0 and g.traffic["inter_bytes"] > 0
 
 
@@ -418,12 +424,12 @@ def test_rings_model_is_xlas_ring_over_all_gpus():
   n = g * m
   ring_bytes = (n - 1) / n * payload
   xla_formula = (n - 1) * (payload / n) / (node_rate / m) / m
-  links = planner.Links(node_rate, 300e9, 0.0, 0.0, global_collectives="rings")
-  cluster = planner.Cluster(g, m, links, 989e12)
-  t = planner.collective_seconds("reduce-scatter", ("inter", "intra"), ring_bytes, 1, cluster)
+  links = inputs.Links(node_rate, 300e9, 0.0, 0.0, global_collectives="rings")
+  cluster = inputs.Cluster(g, m, links, 989e12)
+  t = step_model.collective_seconds("reduce-scatter", ("inter", "intra"), ring_bytes, 1, cluster)
   assert t == pytest.approx(xla_formula, rel=1e-9)
-  two_level = planner.Cluster(g, m, planner.Links(node_rate, 300e9, 0.0, 0.0), 989e12)
-  t2 = planner.collective_seconds("reduce-scatter", ("inter", "intra"), ring_bytes, 1, two_level)
+  two_level = inputs.Cluster(g, m, inputs.Links(node_rate, 300e9, 0.0, 0.0), 989e12)
+  t2 = step_model.collective_seconds("reduce-scatter", ("inter", "intra"), ring_bytes, 1, two_level)
   assert t > t2  # hring sends only (g-1)/g of the payload's 1/m per device between nodes
 
 
@@ -432,10 +438,10 @@ def test_one_micro_batch_holds_no_layer_gradient_accumulator():
   layer stack's accumulator at Gr is not held; with A=2 it is. The difference is the stack's
   bf16 gradients over Gr's shards, Ψ_layers x 2 / 8 for IIG on 4 x 8."""
   cfg = get_config("65b")
-  net = planner.Links(units.parse_bandwidth("100gbit"), units.parse_bandwidth("300GB/s"))
-  cluster = planner.Cluster(4, 8, net, 989e12, device_memory=80e9)
+  net = inputs.Links(units.parse_bandwidth("100gbit"), units.parse_bandwidth("300GB/s"))
+  cluster = inputs.Cluster(4, 8, net, 989e12, device_memory=80e9)
   one, two = (
-    planner.estimate(parse_strategy("IIG"), planner.Workload(cfg, micro_batches=a), cluster)
+    step_model.predict(parse_strategy("IIG"), inputs.Workload(cfg, micro_batches=a), cluster)
     for a in (1, 2)
   )
   stack = Llama(cfg).stack_param_count()

@@ -1,4 +1,5 @@
-"""`mpirun -np 2 paro-jax train`: JAX's own Open MPI detection joins the two processes.
+"""`mpirun -np 2 paro-jax train`: JAX's own Open MPI detection joins the two processes
+(paro_jax/cluster/distributed.py).
 
 Marker `mpi`: not in the default run (`python -m pytest -m mpi -q -n0 tests/cluster/test_mpi.py`);
 skipped where Open MPI's `mpirun` is missing (Debian package openmpi-bin). JAX reads Open MPI's

@@ -302,8 +302,8 @@ def test_stopped_process_is_noticed_by_its_heartbeat(tmp_path):
 
 
 def test_sigkilled_launcher_leaves_nothing_behind(tmp_path):
-  """kill -9 of the launcher: its reaper sees the pipe close, kills the nodes and deletes the
-  namespaces and the heartbeat directory within seconds."""
+  """kill -9 of the launcher: its reaper (paro_jax/cluster/reaper.py) sees the pipe close, kills
+  the nodes and deletes the namespaces and the heartbeat directory within seconds."""
   proc, kids = _start_cli_launch(tmp_path)
   _wait_for_step(proc)
   beats = [

@@ -1,4 +1,6 @@
-"""Training under a real two-node SLURM cluster on this machine (experiments/slurm/cluster.py).
+"""Training under a real two-node SLURM cluster on this machine (experiments/slurm/cluster.py):
+SLURM's processes joined (paro_jax/cluster/distributed.py), a frozen one named by the peer watch
+(paro_jax/cluster/watch.py).
 
 Marker `slurm`: not in the default run (`python -m pytest -m slurm -q -n0
 tests/cluster/test_slurm.py`). The module's cluster is started once (it installs slurm-wlm and

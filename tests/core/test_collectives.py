@@ -1,4 +1,5 @@
-"""Tests for paro_jax.core.collectives: hand-written ring collectives == lax, exactly.
+"""Tests for paro_jax.core.collectives: hand-written ring collectives == lax, exactly (the rings
+of core/rings.py, HO-Ring of core/horing.py, their transposes in core/stacked.py).
 
 Inputs are small random integers (stored as float32 / bfloat16 / int32), so
 every partial sum is exactly representable whatever the summation order, and
@@ -15,8 +16,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from paro_jax.core import collectives as C
-from paro_jax.core.names import MIXED_IMPLS
-from paro_jax.analysis import hlo as H
+from paro_jax.core.names import MIXED_IMPLS, resolve_collectives
+from paro_jax.analysis.hlo import collectives as H
 
 MESHES = [(2, 4), (4, 2), (2, 2), (1, 8), (8, 1)]
 AXES = [("intra",), ("inter",), ("intra", "inter")]
@@ -528,20 +529,20 @@ def test_mixed_impls_run_rings_over_two_axes_and_lax_over_one():
 def test_auto_collectives_resolution():
   from paro_jax.core.strategy import parse_strategy
 
-  gpu, _ = C.resolve("auto", "cuda", 4, parse_strategy("GGG"))
-  one, _ = C.resolve("auto", "cpu", 1, parse_strategy("GGG"))
-  cpu, why = C.resolve("auto", "cpu", 2, parse_strategy("GGG"))
+  gpu, _ = resolve_collectives("auto", "cuda", 4, parse_strategy("GGG"))
+  one, _ = resolve_collectives("auto", "cpu", 1, parse_strategy("GGG"))
+  cpu, why = resolve_collectives("auto", "cpu", 2, parse_strategy("GGG"))
   assert (gpu, one, cpu) == ("xla", "xla", "hring+xla")
   assert "flat ring" in why
   # only one-level collectives (III's boundary all-reduce and IIG's boundary reduce-scatter and
   # parameter gather span inter alone)
   for name in ("NNI", "INI", "III", "IIG"):
     assert not parse_strategy(name).two_level_collectives
-    assert C.resolve("auto", "cpu", 2, parse_strategy(name))[0] == "xla"
+    assert resolve_collectives("auto", "cpu", 2, parse_strategy(name))[0] == "xla"
   for name in ("NNN", "NNG", "NIG", "GGG", "NGG", "GIG"):
     assert parse_strategy(name).two_level_collectives
   # before a strategy is known (--strategy auto): the platform alone decides
-  assert C.resolve("auto", "cpu", 2)[0] == "hring+xla"
-  assert C.resolve("hring", "cuda", 4) == ("hring", "as asked")
+  assert resolve_collectives("auto", "cpu", 2)[0] == "hring+xla"
+  assert resolve_collectives("hring", "cuda", 4) == ("hring", "as asked")
   with pytest.raises(ValueError, match="horing"):
-    C.resolve("nccl", "cpu", 2)
+    resolve_collectives("nccl", "cpu", 2)

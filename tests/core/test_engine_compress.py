@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from models.llama import Llama
-from paro_jax.analysis.inspector import abstract_inputs
-from paro_jax.core.compress import WireConfig
+from paro_jax.analysis.inspect.abstract import abstract_inputs
+from paro_jax.core.wire import WireConfig
 from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy

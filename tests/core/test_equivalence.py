@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import Llama, LlamaConfig, next_token_loss
+from models.llama import Llama, next_token_loss
+from models.config import LlamaConfig
 from paro_jax.core.engine import Engine, OptimConfig
-from paro_jax.core.compress import WireConfig
+from paro_jax.core.wire import WireConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.step import StepProgram
 from paro_jax.run.reference import reference_train

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from models.llama import Llama, get_config
+from models.llama import Llama
+from models.config import get_config
 from paro_jax.core import collectives as comm
-from paro_jax.core import feedback
-from paro_jax.core.compress import Codec, WireConfig, with_feedback
+from paro_jax.core import feedback_rules
+from paro_jax.core.wire import Codec, WireConfig
+from paro_jax.core.compress import with_feedback
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.names import INTER, INTRA
@@ -77,7 +79,7 @@ def test_reduce_scatter_with_feedback_matches_numpy(axes):
   n = k * 3 * BLOCK + k * 8  # a short last block in every chunk
   rng = np.random.default_rng(1)
   x = rng.normal(size=(g, d, n)).astype(np.float32)
-  size = feedback.feedback_size(n, k, g)
+  size = feedback_rules.feedback_size(n, k, g)
   e = (0.01 * rng.normal(size=(g, d, size))).astype(np.float32)
 
   def local(x, e):
@@ -107,17 +109,17 @@ def test_reduce_scatter_with_feedback_matches_numpy(axes):
 
 def test_where_error_feedback_applies():
   s = parse_strategy
-  assert feedback.resolve(s("IIG"), INT8, jnp.bfloat16, None) == (True, "on")
-  assert feedback.resolve(s("IIG"), INT8, jnp.bfloat16, False)[0] is False
-  assert feedback.resolve(s("IIG"), WireConfig("int8", "bf16"), jnp.float32, None)[0] is False
-  assert feedback.resolve(s("IIG"), WireConfig("int8", "bf16"), jnp.float32, True)[0] is True
+  assert feedback_rules.resolve(s("IIG"), INT8, jnp.bfloat16, None) == (True, "on")
+  assert feedback_rules.resolve(s("IIG"), INT8, jnp.bfloat16, False)[0] is False
+  assert feedback_rules.resolve(s("IIG"), WireConfig("int8", "bf16"), jnp.float32, None)[0] is False
+  assert feedback_rules.resolve(s("IIG"), WireConfig("int8", "bf16"), jnp.float32, True)[0] is True
   # GGG quantizes per layer in backward: off by default, said so; asked for, an error
-  on, why = feedback.resolve(s("GGG"), INT8, jnp.bfloat16, None)
+  on, why = feedback_rules.resolve(s("GGG"), INT8, jnp.bfloat16, None)
   assert not on and "GGG" in why
   with pytest.raises(ValueError, match="pass --no-error-feedback"):
-    feedback.resolve(s("GGG"), INT8, jnp.bfloat16, True)
+    feedback_rules.resolve(s("GGG"), INT8, jnp.bfloat16, True)
   with pytest.raises(ValueError, match="pass --inter-grads int8"):
-    feedback.resolve(s("IIG"), WireConfig(), jnp.bfloat16, True)
+    feedback_rules.resolve(s("IIG"), WireConfig(), jnp.bfloat16, True)
 
 
 def _engine(strategy, wire=INT8, error_feedback=None, param_delta=None):
@@ -149,14 +151,16 @@ def test_residual_is_one_vector_per_device_sized_as_stated(strategy, ways):
   assert state.residual.shape == (8 * engine.residual_size,)
   assert state.residual.dtype == jnp.float32
   assert engine.state_specs.residual == P((INTER, INTRA))
-  assert feedback.residual_bytes(engine.strategy, psi, 2, 4, INT8, 4) == 4 * engine.residual_size
+  assert (
+    feedback_rules.residual_bytes(engine.strategy, psi, 2, 4, INT8, 4) == 4 * engine.residual_size
+  )
 
 
 def test_no_error_feedback_keeps_no_residual():
   engine = _engine("IIG", error_feedback=False)
   assert engine.residual_size == 0
   assert jax.eval_shape(engine.init_state, jax.random.key(0)).residual is None
-  assert feedback.residual_bytes(parse_strategy("GGG"), 1000, 2, 4, INT8, 4) == 0
+  assert feedback_rules.residual_bytes(parse_strategy("GGG"), 1000, 2, 4, INT8, 4) == 0
 
 
 def test_step_updates_each_devices_residual():
@@ -195,12 +199,14 @@ def test_param_delta_weights_track_the_master():
 def test_where_param_delta_applies():
   s = parse_strategy
   int8_params = WireConfig("int8", "same")
-  assert feedback.resolve_params(s("IIG"), int8_params, None) == (True, "on")
-  assert feedback.resolve_params(s("IIG"), int8_params, False)[0] is False
-  assert feedback.resolve_params(s("IIG"), WireConfig("bf16", "same"), None)[0] is False
-  assert feedback.resolve_params(s("GGG"), int8_params, None)[0] is False  # no sync across nodes
+  assert feedback_rules.resolve_params(s("IIG"), int8_params, None) == (True, "on")
+  assert feedback_rules.resolve_params(s("IIG"), int8_params, False)[0] is False
+  assert feedback_rules.resolve_params(s("IIG"), WireConfig("bf16", "same"), None)[0] is False
+  assert (
+    feedback_rules.resolve_params(s("GGG"), int8_params, None)[0] is False
+  )  # no sync across nodes
   with pytest.raises(ValueError, match="drop --param-delta"):
-    feedback.resolve_params(s("GGG"), int8_params, True)
+    feedback_rules.resolve_params(s("GGG"), int8_params, True)
   assert _engine("IIG", wire=int8_params, param_delta=False).state_specs.reference is None
 
 
@@ -208,14 +214,15 @@ def test_planner_counts_the_residual_and_the_reference():
   """The planner's model states hold the fp32 residual (IIG on 4x8: Ψ/8 values per device, its
   gradient at Gr) and the compute-dtype weights at P (Ψ/8 x 2 bytes) with int8 on both paths,
   and neither without it."""
-  from paro_jax.analysis.planner import Cluster, Links, Workload, estimate
+  from paro_jax.analysis.planner.inputs import Cluster, Links, Workload
+  from paro_jax.analysis.planner.step_model import predict
 
   cfg = get_config("7b")
   links = Links(100e9 / 8, 300e9, 50e-6, 10e-6, "hierarchical")
   cluster = Cluster(4, 8, links, 312e12, 0.4, 80 * 2**30, 0.9, 0.0)
   iig = parse_strategy("IIG")
-  plain = estimate(iig, Workload(cfg), cluster).memory["model_states"]
-  states = estimate(iig, Workload(cfg, wire=WireConfig("int8", "int8")), cluster).memory
+  plain = predict(iig, Workload(cfg), cluster).memory["model_states"]
+  states = predict(iig, Workload(cfg, wire=WireConfig("int8", "int8")), cluster).memory
   states = states["model_states"]
   psi = cfg.param_count()
   assert states["residual"] == 4 * (psi // 8) and states["reference"] == 2 * (psi // 8)

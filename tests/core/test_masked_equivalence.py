@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama
+from models.config import LlamaConfig
 from paro_jax.core.batch import Batch
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.llama import Llama, LlamaConfig, LoraConfig
+from models.llama import Llama
+from models.config import LlamaConfig, LoraConfig
 from paro_jax.core import step
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh

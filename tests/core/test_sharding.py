@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama
+from models.config import LlamaConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.sharding import ShardingRules, placement_spec, shard_dims, state_specs
 from paro_jax.core.strategy import Placement, parse_strategy

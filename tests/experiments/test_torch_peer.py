@@ -30,8 +30,7 @@ def _reference_losses():
   from transformers import LlamaConfig as HFConfig
   from transformers import LlamaForCausalLM
 
-  from models.hf import config_to_hf
-  from models.llama import get_config
+  from models.config import config_to_hf, get_config
 
   model = LlamaForCausalLM(HFConfig(**config_to_hf(get_config(args.model))))
   optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -79,7 +78,7 @@ def test_peer_equals_single_process(tmp_path, reference, peer, remat):
   assert [r["step"] for r in rows] == [1, 2, 3]
   np.testing.assert_allclose([r["loss"] for r in rows], reference, rtol=2e-5)
   states = json.loads((tmp_path / "peer.json").read_text())["state_bytes"]
-  from models.llama import get_config
+  from models.config import get_config
 
   full = 4 * get_config("tiny").param_count()  # fp32 bytes of every parameter
   # per rank: FSDP2 full shard holds half (dim-0 shards, padded to equal size); HSDP on 2 nodes

@@ -14,14 +14,10 @@ import numpy as np
 import pytest
 
 from models import llama
-from models.llama import Llama, LlamaConfig, next_token_loss, resolve_attention
-from paro_jax.core import names
+from models.llama import Llama, next_token_loss
+from models.config import LlamaConfig, resolve_attention
 
 CFG = LlamaConfig(vocab=64, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=96)
-
-
-def test_the_cli_offers_the_models_choices():
-  assert names.ATTENTION_IMPLS == llama.ATTENTION_IMPLS
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import PRESETS, LlamaConfig, RopeScaling, config_from_hf
-from models.hf import load_hf, read_config
+from models.config import LlamaConfig, PRESETS, RopeScaling, config_from_hf, read_config
+from models.hf import load_hf
 from models.llama import Llama, inverse_frequencies, next_token_loss
 from paro_jax import cli
 from paro_jax.core.engine import Engine, OptimConfig

@@ -9,15 +9,18 @@ import numpy as np
 import pytest
 
 from models.hf import load_hf
-from models.llama import Llama, LlamaConfig, LoraConfig, is_lora_path
+from models.llama import Llama, is_lora_path
+from models.config import LlamaConfig, LoraConfig
 from paro_jax import cli
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.analysis.costs import model_state_bytes
+from paro_jax.analysis.planner.costs import model_state_bytes
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.step import StepProgram
-from paro_jax.analysis.inspector import compile_step, report
+from paro_jax.analysis.inspect.abstract import compile_step
+from paro_jax.analysis.inspect.inspector import report
 from paro_jax.core.mesh import make_mesh
+from tests.core.test_memory import gradient_sinks
 from paro_jax.run.reference import reference_train
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 from paro_jax.core.config import make_config
@@ -163,7 +166,7 @@ def test_state_bytes_match_formula(setup, strategy):
   psi_t = adapter_count(params0)
   expected = model_state_bytes(s, psi, psi_t, inter=2, intra=4, param_bytes=2, grad_bytes=2)
   assert bytes_per_device(engine.params(state)) == expected["params"]
-  assert bytes_per_device(engine.zero_grads()) == expected["grads"]
+  assert bytes_per_device(gradient_sinks(engine)) == expected["grads"]
   assert bytes_per_device((state.master, state.opt_state)) == expected["opt"]
   assert bytes_per_device((state.frozen,)) == 2 * (psi - psi_t) // s.params.shard_count(2, 4)
 

@@ -18,12 +18,15 @@ import pytest
 from safetensors.numpy import load_file
 
 from models.hf import load_hf
-from models.llama import Llama, LlamaConfig, LoraConfig, is_lora_path, next_token_loss
+from models.llama import Llama, is_lora_path, next_token_loss
+from models.config import LlamaConfig, LoraConfig
 from paro_jax import cli
-from paro_jax.analysis.costs import model_state_bytes
-from paro_jax.analysis.inspector import compile_step, report
+from paro_jax.analysis.planner.costs import model_state_bytes
+from paro_jax.analysis.inspect.abstract import compile_step
+from paro_jax.analysis.inspect.inspector import report
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
+from tests.core.test_memory import gradient_sinks
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.reference import reference_train
@@ -99,7 +102,7 @@ def test_states_hold_the_table_once(strategy):
   psi = CFG.param_count()
   want = model_state_bytes(s, psi, psi, inter=2, intra=4, param_bytes=2, grad_bytes=2)
   assert bytes_per_device(engine.params(state)) == want["params"]
-  assert bytes_per_device(engine.zero_grads()) == want["grads"]
+  assert bytes_per_device(gradient_sinks(engine)) == want["grads"]
   opt = [x for x in jax.tree.leaves((state.master, state.opt_state)) if x.ndim]
   assert bytes_per_device(opt) == want["opt"]
 

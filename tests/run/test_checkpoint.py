@@ -17,7 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from models.llama import Llama, get_config
+from models.llama import Llama, next_token_loss
+from models.config import get_config
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import NonFiniteStateError, RunMeta
 from paro_jax.run.checkpoint_errors import CheckpointError
@@ -429,7 +430,7 @@ def nan_batches(monkeypatch):
   import paro_jax.core.engine as engine_module
   import paro_jax.core.step as step_module
 
-  real_loss, real_call, poisoned = engine_module.next_token_loss, Batches.__call__, set()
+  real_loss, real_call, poisoned = next_token_loss, Batches.__call__, set()
 
   def loss(logits, targets):
     return real_loss(logits, targets) * jnp.where(targets[0, 0] == MAGIC, jnp.nan, 1.0)

@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import Llama, get_config, next_token_loss
+from models.llama import Llama, next_token_loss
+from models.config import get_config
 from paro_jax.run.bins import BinFile
-from paro_jax.run.config import DataConfig
+from paro_jax.run.config import DataConfig, EvalOptions, OptimizerOptions, RunConfig
 from paro_jax.run.data import Batches, load_tokens, split_eval
 from paro_jax.core.engine import Engine, OptimConfig
 from paro_jax.core.mesh import make_mesh
-from paro_jax.analysis.hardware import mfu, peak_flops
+from paro_jax.analysis.gpu.hardware import mfu, peak_flops
 from paro_jax.core.strategy import parse_strategy
-from paro_jax.run.config import EvalOptions, OptimizerOptions, RunConfig
 from paro_jax.run.train import train
 
 TEXT = "def add(a, b):\n  return a + b\n" * 40
@@ -220,7 +220,8 @@ def test_plot_writes_a_png(jsonl_run, tmp_path):
 
 def test_plot_marks_non_finite_steps_and_writes_the_file_named(tmp_path, monkeypatch, capsys):
   """null (and an older run's NaN) losses are marked, not dropped; a truncated last line is
-  ignored with a warning naming the file; --out without a suffix is written as named."""
+  ignored with a warning naming the file (run/metrics.py read_rows); --out without a suffix is
+  written as named."""
   pytest.importorskip("matplotlib", reason="paro-jax plot needs matplotlib (the plots extra)")
   import matplotlib.axes
 

@@ -1,4 +1,5 @@
-"""examples/custom_loop.py: a script of its own trains through the public API."""
+"""examples/custom_loop.py: a script of its own trains through the public API
+(paro_jax/__init__.py)."""
 
 import os
 import re

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from paro_jax import cli
-from paro_jax.analysis import memory
+from paro_jax.analysis.planner import memory
 from paro_jax.run.config import RunConfig
 from paro_jax.run.setup import build
 
@@ -55,11 +55,11 @@ def test_a_longer_sequence_than_the_hf_model_has_positions_is_refused(tmp_path, 
 def test_the_check_compares_the_estimate_with_the_device_memory(monkeypatch):
   cfg = RunConfig(model="tiny", mesh=(2, 4), batch_size=16, seq_len=64)
   # The planner's estimate for this run, computed independently of fit.py's call.
-  from paro_jax.analysis.costs import model_state_bytes
-  from paro_jax.analysis.memory import activation_bytes
-  from paro_jax.analysis.plan_inputs import Workload
+  from paro_jax.analysis.planner.costs import model_state_bytes
+  from paro_jax.analysis.planner.memory import activation_bytes
+  from paro_jax.analysis.planner.inputs import Workload
   from paro_jax.core.strategy import parse_strategy
-  from models.llama import get_config
+  from models.config import get_config
 
   strategy, model = parse_strategy("IIG"), get_config("tiny")
   w = Workload(model, micro_batch=2, micro_batches=1, seq_len=64, itemsize=2)
@@ -77,7 +77,7 @@ def test_the_check_compares_the_estimate_with_the_device_memory(monkeypatch):
 REFUSE_ALL = """
 import json, sys
 from paro_jax import cli
-from paro_jax.analysis import memory
+from paro_jax.analysis.planner import memory
 memory.available_memory = lambda devices: (2**30, "1 GiB the test gives each device")
 for argv in json.loads(sys.argv[1]):
   try:

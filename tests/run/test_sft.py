@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from models.hf import load_hf
-from models.llama import Llama, get_config
+from models.llama import Llama
+from models.config import get_config
 from paro_jax.cli import main
 from paro_jax.run.tokenizers import ByteTokenizer, HFTokenizer
 from paro_jax.run.examples import ExampleBatches, from_encoded, select

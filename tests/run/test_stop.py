@@ -19,6 +19,7 @@ CACHE = tempfile.mkdtemp(prefix="paro-jax-jit-")  # later processes hit the firs
 def _start(out, *extra, steps=2000):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_COMPILATION_CACHE_DIR"] = CACHE
+  # python -m paro_jax (paro_jax/__main__.py), as the launchers run it
   cmd = [sys.executable, "-m", "paro_jax", "train", "--model", "test", "--mesh", "2x4"]
   cmd += ["--batch-size", "8", "--seq-len", "16", "--dtype", "fp32", "--warmup", "1"]
   cmd += ["--steps", str(steps), "--out", str(out), *extra]

@@ -14,8 +14,7 @@ import dataclasses
 import math
 import re
 
-from paro_jax.analysis import hlo
-from paro_jax.analysis.hlo import DTYPE_BYTES
+from paro_jax.analysis.hlo.collectives import DTYPE_BYTES, walk
 
 _ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -64,7 +63,7 @@ def _split_operands(rest: str) -> tuple[str, str]:
 def parse_computations(hlo_text: str) -> tuple[dict[str, list[Instr]], str | None]:
   """computation name -> its instructions (in scheduled order), and the entry's name."""
   comps, entry = {}, None
-  for comp, is_entry, instr in hlo.walk(hlo_text):
+  for comp, is_entry, instr in walk(hlo_text):
     if instr is None:
       comps[comp] = []
       entry = comp if is_entry else entry

@@ -1,8 +1,8 @@
 """`paro-jax plan` and `train --strategy auto`: rank the 14 strategies by predicted step time.
 
-The inputs (cluster, links, workload) are in plan_inputs.py, the model of one strategy's step
-time in step_model.py (its docstring states the model) and of its memory in memory.py, probe
-profiles in plan_profile.py; the public names of the first two stay importable from here.
+The inputs (cluster, links, workload) are in inputs.py, the model of one strategy's step time
+in step_model.py (its docstring states the model) and of its memory in memory.py, probe profiles
+in profile.py, the check of the ranking by XLA's estimate (`--target`) in rerank.py.
 
 The pick is the fastest strategy that fits. Predictions within `TIE` (1%) of the fastest are a tie
 the model cannot resolve (e.g. ING, INI and IIG with few trainable parameters); among those it
@@ -16,31 +16,20 @@ import dataclasses
 import json
 
 from models.config import get_config, resolve_attention  # no jax
-from paro_jax.analysis import gpu as targets, plan_compile  # no jax at import
-from paro_jax.analysis.config import PlanConfig
-from paro_jax.analysis.hardware import GPUS
-from paro_jax.analysis.plan_inputs import (  # noqa: F401  (re-exported)
+from paro_jax.analysis.gpu.hardware import GPUS
+from paro_jax.analysis.gpu.targets import TARGETS
+from paro_jax.analysis.planner import rerank  # no jax at import
+from paro_jax.analysis.planner.config import PlanConfig
+from paro_jax.analysis.planner.inputs import (
   DEFAULT_MFU,
   GLOBAL_MODEL_OF,
-  GLOBAL_MODELS,
-  LEAVES_PER_LAYER,
-  OTHER_LEAVES,
   TIE,
-  USABLE_MEMORY,
   Cluster,
   Links,
   Workload,
 )
-from paro_jax.analysis.plan_profile import load_profile, measured_links
-from paro_jax.analysis.step_model import (  # noqa: F401  (re-exported)
-  PHASE_GROUPS,
-  Estimate,
-  collective_seconds,
-  compute_seconds,
-  estimate,
-  schedule,
-  traffic_of,
-)
+from paro_jax.analysis.planner.profile import load_profile, measured_links
+from paro_jax.analysis.planner.step_model import Prediction, predict
 from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, parse_strategy
 from paro_jax.core.wire import WireConfig  # no jax
 from paro_jax.core.units import (
@@ -62,11 +51,13 @@ def _named(name: str) -> str:
 class Plan:
   pick: str | None
   explain: str
-  ranking: list[Estimate]  # the pick first, then the other fitting ones by step time, then the rest
+  ranking: list[
+    Prediction
+  ]  # the pick first, then the other fitting ones by step time, then the rest
   inputs: dict
-  xla: dict | None = None  # --compile-top: the candidates' XLA estimates (plan_compile.py)
+  xla: dict | None = None  # --compile-top: the candidates' XLA estimates (rerank.py)
 
-  def get(self, name: str) -> Estimate:
+  def get(self, name: str) -> Prediction:
     return next(e for e in self.ranking if e.strategy == name)
 
   def as_dict(self) -> dict:
@@ -115,10 +106,10 @@ class Plan:
 
 
 def _explain(
-  pick: Estimate | None,
-  fastest: Estimate | None,
-  fitting: list[Estimate],
-  all_: list[Estimate],
+  pick: Prediction | None,
+  fastest: Prediction | None,
+  fitting: list[Prediction],
+  all_: list[Prediction],
   cluster: Cluster,
 ) -> str:
   usable = cluster.usable_bytes
@@ -174,7 +165,7 @@ def _explain(
   return f"{head}; {why}" + ("; " + "; ".join(tail) if tail else "")
 
 
-def tie_break(candidates: list[Estimate]) -> Estimate:
+def tie_break(candidates: list[Prediction]) -> Prediction:
   """The fastest; within TIE of it, the fewest collectives per step, then the least memory."""
   fastest = min(candidates, key=lambda e: e.step_time_s)
   near = [e for e in candidates if e.step_time_s <= fastest.step_time_s * (1 + TIE)]
@@ -182,8 +173,8 @@ def tie_break(candidates: list[Estimate]) -> Estimate:
 
 
 def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
-  """Estimate all 14 strategies and pick one (see the module docstring)."""
-  all_ = [estimate(parse_strategy(name), w, cluster) for name in VALID_NAMES]
+  """Predict all 14 strategies and pick one (see the module docstring)."""
+  all_ = [predict(parse_strategy(name), w, cluster) for name in VALID_NAMES]
   fitting = sorted((e for e in all_ if e.fits), key=lambda e: e.step_time_s)
   fastest = fitting[0] if fitting else None
   pick = None
@@ -266,13 +257,13 @@ def run_plan(cfg: PlanConfig) -> Plan:
 
   With `cfg.target` (a GPU of `inspect --target`), the GPU is that target's and the top
   `cfg.compile_top` strategies are compiled for it and re-ranked by XLA's estimate
-  (plan_compile.py).
+  (rerank.py).
   """
   # PlanConfig checked the values; --target is checked here (it needs JAX's CUDA plugin).
   target, gpu = cfg.target, cfg.gpu
   if target is not None:
-    target = plan_compile.check_target(target)
-    gpu = targets.TARGETS[target][1]
+    target = rerank.rankable_target(target)
+    gpu = TARGETS[target][1]
   itemsize = COMPUTE_DTYPE_BYTES[cfg.dtype]
   model_cfg = get_config(cfg.model)
   card = GPUS[gpu]
@@ -352,7 +343,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
   }
   p = plan(w, cluster, inputs)
   if target is not None:
-    p.xla = plan_compile.rerank(p, cfg.compile_top, target, cfg.attention)
+    p.xla = rerank.rerank(p, cfg.compile_top, target, cfg.attention)
   if cfg.as_json:
     print(json.dumps(p.as_dict(), indent=2))
   else:
@@ -377,5 +368,5 @@ def run_plan(cfg: PlanConfig) -> Plan:
     print("memory = model states + activations per device; times in seconds per optimizer step\n")
     print(p.format())
     if p.xla is not None:
-      print("\n" + plan_compile.format_rerank(p, p.xla))
+      print("\n" + rerank.format_rerank(p, p.xla))
   return p

@@ -7,8 +7,8 @@ Pure Python (no jax): `plan` runs without it; `available_memory` is handed the d
 
 from __future__ import annotations
 
-from paro_jax.analysis.costs import model_state_bytes
-from paro_jax.analysis.plan_inputs import Workload
+from paro_jax.analysis.planner.costs import model_state_bytes
+from paro_jax.analysis.planner.inputs import Workload
 from paro_jax.core import feedback_rules  # no jax
 from paro_jax.core.strategy import Strategy
 

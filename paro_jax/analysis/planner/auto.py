@@ -4,7 +4,7 @@ GPUs by XLA's estimate of the compiled step.
 The mesh is probed briefly (probe.py: each collective at two sizes, a matmul) and the 14
 strategies are ranked by the analytic model (planner.py) for the run's model, batch, A, dtype and
 wire, with what the probe measured. On GPUs whose XLA has a time-based cost model (H100, H200:
-the targets of `inspect --target`), the analytic candidates (plan_compile.candidates: the top
+the targets of `inspect --target`), the analytic candidates (rerank.candidates: the top
 `--compile-top` K, any within 10% of the first, any faster one just over the memory budget) are
 then compiled for this cluster, each with the run's own step flags and, for XLA's network model,
 each node's inter-node rate as the probe measured it; the pick is the fastest by XLA's estimate
@@ -26,10 +26,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from models.config import CONFIG
-from paro_jax.analysis import plan_compile, planner
-from paro_jax.analysis.memory import available_memory
+from paro_jax.analysis.planner import planner, rerank
+from paro_jax.analysis.planner.memory import available_memory
 from paro_jax.core.config import StepConfig, step_flags
-from paro_jax.analysis.probe import QUICK_SIZES, probe
+from paro_jax.analysis.planner.probe import QUICK_SIZES, probe
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import ALL_GATHER, LEVEL_INTER
 from paro_jax.core.strategy import VALID_NAMES
@@ -45,7 +45,7 @@ def gpu_target(device_kind: str) -> tuple[str | None, str]:
   if key is None:
     return None, f"no --target describes a {device_kind}"
   try:
-    return plan_compile.check_target(key), ""
+    return rerank.rankable_target(key), ""
   except ValueError as e:  # the plugin missing, or no time-based estimator (A100)
     return None, str(e)
 
@@ -79,10 +79,8 @@ def check_by_xla(
   target, reason = gpu_target(device_kind)
   if target is None:
     return plan.pick, f"the analytic pick, not checked by XLA's estimate ({reason})", None
-  r = plan_compile.rerank(
-    plan, compile_top, target, step_flags=flags, inter_bits_per_s=inter_bits_per_s
-  )
-  table = plan_compile.format_rerank(plan, r)
+  r = rerank.rerank(plan, compile_top, target, step_flags=flags, inter_bits_per_s=inter_bits_per_s)
+  table = rerank.format_rerank(plan, r)
   if r["pick"] is None:
     return plan.pick, "the analytic pick: no compiled candidate fits by XLA's memory", table
   best = next(c for c in r["compiled"] if c["strategy"] == r["pick"])

@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.analysis.costs import step_traffic
-from paro_jax.analysis.memory import step_memory
-from paro_jax.analysis.plan_inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
+from paro_jax.analysis.planner.costs import step_traffic
+from paro_jax.analysis.planner.memory import step_memory
+from paro_jax.analysis.planner.inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
 from paro_jax.core.names import (
   ALL_GATHER,
   ALL_REDUCE,
@@ -57,7 +57,9 @@ def _level(axes: tuple[str, ...]) -> str:
   return LEVEL_GLOBAL if len(axes) == 2 else {INTRA: LEVEL_INTRA, INTER: LEVEL_INTER}[axes[0]]
 
 
-def schedule(strategy: Strategy, w: Workload) -> dict[str, tuple[str, tuple[str, ...], int]]:
+def phase_collectives(
+  strategy: Strategy, w: Workload
+) -> dict[str, tuple[str, tuple[str, ...], int]]:
   """`costs.step_traffic` phase key ('phase/level') -> (collective, mesh axes, collectives per
   step), from the strategy's letters; phases without axes move nothing."""
   s, a, layers = strategy, w.micro_batches, w.model.layers
@@ -134,7 +136,7 @@ def compute_seconds(w: Workload, cluster: Cluster) -> float:
 
 
 @dataclasses.dataclass
-class Estimate:
+class Prediction:
   """The planner's prediction for one strategy."""
 
   strategy: str
@@ -179,7 +181,7 @@ PHASE_GROUPS = {
 
 
 def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster, two_level: bool = False):
-  """costs.step_traffic for the workload on the cluster (the bytes every estimate uses);
+  """costs.step_traffic for the workload on the cluster (the bytes every prediction uses);
   `two_level`: each level's bytes of a collective over both axes apart (the two-level rings)."""
   return step_traffic(
     strategy,
@@ -197,9 +199,9 @@ def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster, two_level: boo
   )
 
 
-def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
+def predict(strategy: Strategy, w: Workload, cluster: Cluster) -> Prediction:
   traffic = traffic_of(strategy, w, cluster)
-  sched = schedule(strategy, w)
+  sched = phase_collectives(strategy, w)
   times = {
     "compute": compute_seconds(w, cluster),
     "param_gathers": 0.0,
@@ -229,7 +231,7 @@ def estimate(strategy: Strategy, w: Workload, cluster: Cluster) -> Estimate:
     )
   )
   tokens = w.tokens_per_device * cluster.devices
-  return Estimate(
+  return Prediction(
     strategy.name,
     memory,
     fits,

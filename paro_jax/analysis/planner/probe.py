@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from paro_jax.analysis.memory import available_memory
+from paro_jax.analysis.planner.memory import available_memory
 from paro_jax.core.mesh import make_mesh, mesh_shape
 from paro_jax.core.units import parse_size
 from paro_jax.core.names import (

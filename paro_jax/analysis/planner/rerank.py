@@ -1,7 +1,7 @@
 """`paro-jax plan --target GPU --compile-top K`: the analytic ranking checked by XLA's estimate.
 
 The analytic model ranks the 14 strategies in microseconds; XLA's estimate of the compiled step
-(paro_jax/analysis/estimate.py) takes a compile each, minutes for a 7B model. So the top K that
+(paro_jax/analysis/gpu/estimate.py) takes a compile each, minutes for a 7B model. So the top K that
 fit, and every other fitting strategy within `WITHIN` (10%) of the first, are compiled for the
 target (`paro-jax inspect --target`, a process each: XLA reads its network model at start-up),
 and the pick is the fastest by XLA's estimate among those whose compiled memory fits the plan's
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from paro_jax.analysis import gpu  # no jax at import
+from paro_jax.analysis.gpu import targets  # no jax at import
 from paro_jax.core import config  # no jax
 from paro_jax.core.units import human_bytes
 
@@ -106,14 +106,18 @@ def compile_estimate(
   return {"strategy": strategy, "estimate": e, "compiled_bytes": nbytes, "compile_s": seconds}
 
 
-def check_target(target: str) -> str:
+def rankable_target(target: str) -> str:
+  """The key of a --target XLA's estimate can rank strategies for (a time-based cost model,
+  JAX's CUDA plugin installed), else a one-line ValueError saying why not."""
   # numpy (estimate.py's HLO parsing): only for `plan --target`, not at the CLI's start
-  from paro_jax.analysis import estimate
+  from paro_jax.analysis.gpu import estimate
 
-  key = gpu.check_target(target)
-  if not gpu.plugin_available():
-    raise ValueError(f"--target compiles with JAX's CUDA plugin, not installed: {gpu.INSTALL_HINT}")
-  reason = estimate.unavailable_reason("", gpu.compute_capability(key))
+  key = targets.check_target(target)
+  if not targets.plugin_available():
+    raise ValueError(
+      f"--target compiles with JAX's CUDA plugin, not installed: {targets.INSTALL_HINT}"
+    )
+  reason = estimate.unavailable_reason("", targets.compute_capability(key))
   if reason is not None:
     raise ValueError(f"--target {key}: no step time from XLA to rank by ({reason})")
   return key

@@ -18,7 +18,7 @@ import dataclasses
 import glob
 import os
 import re
-from paro_jax.analysis import hlo
+from paro_jax.analysis.hlo import collectives
 from paro_jax.core.names import LEVEL_INTER, LEVEL_INTRA
 
 # Compute worth hiding communication behind: matrix multiplications (and attention, made of them
@@ -32,29 +32,27 @@ _SYNC_RE = re.compile(r'"is_sync":\s*true')
 
 
 @dataclasses.dataclass
-class Instr:
+class _Instr:
   name: str
   op: str
-  rest: str
+  rest: str  # everything after the op's opening parenthesis: operands, then attributes
 
 
-def _computations(hlo_text: str) -> dict[str, list[Instr]]:
-  comps, cur = {}, None
-  for line in hlo_text.splitlines():
-    if not line[:1].isspace() and line.rstrip().endswith("{"):
-      m = hlo._COMP_RE.match(line)
-      cur = comps.setdefault(m.group(2), []) if m else None
-      continue
-    m = hlo._INSTR_RE.match(line)
-    if m and cur is not None:
-      cur.append(Instr(m.group(1), m.group(3), m.group(4)))
+def _computations(hlo_text: str) -> dict[str, list[_Instr]]:
+  comps = {}
+  for comp, _, instr in collectives.walk(hlo_text):
+    if instr is None:
+      comps.setdefault(comp, [])
+    else:
+      name, _, op, rest = instr
+      comps[comp].append(_Instr(name, op, rest))
   return comps
 
 
 class _Compute:
   """Whether an instruction is (or calls) a matmul, memoised per computation."""
 
-  def __init__(self, comps: dict[str, list[Instr]]):
+  def __init__(self, comps: dict[str, list[_Instr]]):
     self.comps, self.memo = comps, {}
 
   def computation(self, name: str) -> bool:
@@ -63,7 +61,7 @@ class _Compute:
       self.memo[name] = any(self.instr(i) for i in self.comps.get(name, ()))
     return self.memo[name]
 
-  def instr(self, i: Instr) -> bool:
+  def instr(self, i: _Instr) -> bool:
     if i.op in ("dot", "convolution"):
       return True
     if i.op == "custom-call":
@@ -75,7 +73,7 @@ class _Compute:
     return False
 
 
-def _done_of(instrs: list[Instr], k: int) -> int | None:
+def _done_of(instrs: list[_Instr], k: int) -> int | None:
   """Index of the done that consumes the start at index k."""
   ref = re.compile(r"^%?" + re.escape(instrs[k].name) + r"[),\s]")
   for j in range(k + 1, len(instrs)):
@@ -96,8 +94,8 @@ class Window:
   start_name: str  # the instruction the runtime launches (its thunk's name)
 
 
-def windows(hlo_text: str) -> dict[str, Window]:
-  """Collective instruction name (as hlo.parse_collectives names it) -> its Window."""
+def collective_windows(hlo_text: str) -> dict[str, Window]:
+  """Collective instruction name (as collectives.parse_collectives names it) -> its Window."""
   comps = _computations(hlo_text)
   compute = _Compute(comps)
   wrapped_by = {}  # async wrapped computation -> (caller, index of the async-start)
@@ -110,7 +108,7 @@ def windows(hlo_text: str) -> dict[str, Window]:
   for cname, instrs in comps.items():
     for k, i in enumerate(instrs):
       base = i.op[: -len("-start")] if i.op.endswith("-start") else i.op
-      if base not in hlo.HLO_COLLECTIVE_OPS:
+      if base not in collectives.HLO_COLLECTIVE_OPS:
         continue
       where, at = (cname, k)
       if cname in wrapped_by:  # the collective inside an async wrapper: time it at the wrapper
@@ -166,14 +164,14 @@ def overlap(hlo_text: str, n_devices: int, intra: int, streams: dict[str, str] |
   time on another stream. Without a thunk sequence (no GPU compile) streams
   are unknown and concurrency is None.
   """
-  found = hlo.parse_collectives(hlo_text)
-  win = windows(hlo_text)
+  found = collectives.parse_collectives(hlo_text)
+  win = collective_windows(hlo_text)
   rows, mb_total, mb_hidden, all_total, all_hidden = [], 0.0, 0.0, 0.0, 0.0
   for c in found:
     w = win[c.name]
-    sent = max(hlo.device_bytes(c, n_devices).values(), default=0.0) * c.count
+    sent = max(collectives.device_bytes(c, n_devices).values(), default=0.0) * c.count
     hidden = w.is_async and w.compute_ops > 0
-    phase = hlo.phase_of(c.op_name)
+    phase = collectives.phase_of(c.op_name)
     all_total += sent
     all_hidden += sent if hidden else 0.0
     if phase in MICRO_BATCH_PHASES:
@@ -184,7 +182,7 @@ def overlap(hlo_text: str, n_devices: int, intra: int, streams: dict[str, str] |
         "name": c.name,
         "kind": c.kind,
         "phase": phase,
-        "level": hlo.level_of(c, intra),
+        "level": collectives.level_of(c, intra),
         "count_per_step": c.count,
         "bytes_per_device": sent,
         "async": w.is_async,

@@ -15,7 +15,7 @@ costs its logged time times its executions per step (the product of the enclosin
 counts, peeled iterations being computations of their own). Compute alone is the same sum of the
 logged times less the waiting (the sum of non-collective costs). Computations without an async
 collective are never scheduled, hence never costed by XLA: they are charged the roofline of
-their kernels (paro_jax/analysis/roofline.py) scaled by how XLA's costs compare with the same
+their kernels (paro_jax/analysis/gpu/roofline.py) scaled by how XLA's costs compare with the same
 roofline on the loop bodies it did cost, and their share is reported. XLA charges cuDNN's
 fused attention nothing; its roofline is reported beside the estimate, not added to it.
 """
@@ -28,8 +28,9 @@ import re
 import sys
 import tempfile
 
-from paro_jax.analysis import hlo, roofline
-from paro_jax.analysis.instruction_costs import overpriced
+from paro_jax.analysis.gpu import roofline
+from paro_jax.analysis.hlo.collectives import computation_counts
+from paro_jax.analysis.gpu.instruction_costs import overpriced
 
 STATS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
 NETWORK_FLAG = "--xla_gpu_analytical_latency_estimator_options"
@@ -151,7 +152,7 @@ def compose(hlo_text: str, stats: dict, peak_flops: float, memory_bandwidth: flo
   model prices and a roofline does not); `roofline_over_xla` reports that ratio.
   """
   comps, entry = roofline.parse_computations(hlo_text)
-  counts = hlo.computation_counts(hlo_text)
+  counts = computation_counts(hlo_text)
   names = [
     c
     for c in sorted({entry} | sequenced_computations(comps), key=lambda c: (c != entry, c))

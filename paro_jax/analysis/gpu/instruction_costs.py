@@ -21,9 +21,9 @@ import glob
 import os
 import re
 
-from paro_jax.analysis import hlo, roofline
+from paro_jax.analysis.gpu import roofline
+from paro_jax.analysis.hlo.collectives import computation_counts
 
-DUMP_FLAG = "xla_dump_latency_hiding_schedule"
 # A matmul is out of line when XLA charges it more than this many times the program's median
 # cost-over-roofline of matmuls: the layer matmuls sit within 1.5x of that median, the head's
 # forward product of 7b at 65x it.
@@ -74,7 +74,7 @@ def overpriced(
   step: XLA's cost less the median ratio times its roofline) and `overcharge_s`, their sum.
   """
   comps, _ = roofline.parse_computations(hlo_text)
-  counts = hlo.computation_counts(hlo_text)
+  counts = computation_counts(hlo_text)
   rows = []
   for comp, charged in costs.items():
     instrs = comps.get(comp, [])

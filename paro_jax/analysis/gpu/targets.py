@@ -1,11 +1,12 @@
-"""Compile the training step for a GPU cluster on any machine, no GPU needed.
+"""The GPU targets a step compiles for on any machine, no GPU needed.
 
 JAX's CUDA plugin can describe a GPU topology without a device: `get_topology_desc` takes a
 `GpuTargetConfigProto` (the GPU's SM count, memory, compute capability, ...; one per target in
-`targets/`, written from each GPU's published specification) and returns compile-only devices,
-one process per host. The step compiled on a mesh of those is the executable a real cluster
-would run: its scheduled HLO, its memory analysis and (from an XLA dump) its thunk sequence with
-the stream of every async collective. Nothing runs, so nothing is timed.
+`specs/`, written from each GPU's published specification) and returns compile-only devices,
+one process per host. The step compiled on a mesh of those (inspect/abstract.py
+`compile_for_target`) is the executable a real cluster would run: its scheduled HLO, its memory
+analysis and (from an XLA dump) its thunk sequence with the stream of every async collective.
+Nothing runs, so nothing is timed.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import os
 import re
 from unittest import mock
 
-from paro_jax.analysis.hardware import GPUS
+from paro_jax.analysis.gpu.hardware import GPUS
 
-TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
-# --target name -> (target file, the planner's GPU entry in analysis/hardware.py)
+SPECS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
+# --target name -> (its file in SPECS_DIR, the planner's GPU entry in gpu/hardware.py)
 TARGETS = {
   "h100": ("h100.txtpb", "h100"),
   "h200": ("h200.txtpb", "h200"),
@@ -49,7 +50,7 @@ def plugin_available() -> bool:
   return False
 
 
-def prepare_environment() -> None:
+def prepare_deviceless_compile() -> None:
   """Before jax starts: a compile for a GPU target needs no device, so keep jax on the CPU.
 
   With the CUDA plugin installed and no GPU, jax would otherwise try (and log a failure of) the
@@ -65,7 +66,7 @@ def prepare_environment() -> None:
 
 
 def target_config(name: str) -> str:
-  with open(os.path.join(TARGETS_DIR, TARGETS[check_target(name)][0])) as f:
+  with open(os.path.join(SPECS_DIR, TARGETS[check_target(name)][0])) as f:
     return f.read()
 
 
@@ -130,28 +131,3 @@ def devices(name: str, inter: int, intra: int) -> list:
     platform="cuda", target_config=target_config(name), topology=f"1x{inter}x{intra}"
   )
   return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
-
-
-def compile_step(
-  engine,
-  target: str,
-  batch_size: int,
-  seq_len: int,
-  flags: dict,
-  dump_dir: str,
-  packed: bool = False,
-):
-  """engine.train_step compiled for the engine's (GPU-topology) mesh, dumped into dump_dir.
-  `packed`: on packed rows of instruction data (`abstract_inputs`)."""
-  from paro_jax.analysis.abstract import abstract_inputs  # imports jax: not at this module's import
-
-  state, batch = abstract_inputs(engine, batch_size, seq_len, packed)
-  with cudnn_checks(target):
-    lowered = engine.train_step.lower(state, batch)
-  # the schedule dump gives what XLA's scheduler charged each instruction (instruction_costs.py)
-  options = {**flags, "xla_dump_to": dump_dir, "xla_dump_latency_hiding_schedule": True}
-  compiled = lowered.compile(compiler_options=options)
-  platform = engine.mesh.devices.flat[0].platform
-  if platform not in ("gpu", "cuda"):  # lowering for CUDA on CPU devices silently compiles CPU
-    raise RuntimeError(f"expected a GPU compile, got one for {platform!r} devices")
-  return compiled

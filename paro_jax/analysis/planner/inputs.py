@@ -1,6 +1,6 @@
 """The planner's inputs: the cluster (its links and devices) and the workload of one step.
 
-Pure Python (no jax); the step-time model (paro_jax/analysis/step_model.py) reads these.
+Pure Python (no jax); the step-time model (paro_jax/analysis/planner/step_model.py) reads these.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The configurations of the analysis commands: `paro-jax inspect` (a step compiled, no
-allocation) and `paro-jax plan` (a cluster and a workload).
+"""The configuration of `paro-jax plan`: a cluster and a workload.
 
-Their fields are flags as the step's are (paro_jax/core/config.py `option`); pure Python (no jax,
+Its fields are flags as the step's are (paro_jax/core/config.py `option`); pure Python (no jax,
 no numpy): the CLI builds its parser before jax starts, and `plan` never starts it.
 """
 
@@ -9,59 +8,26 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.analysis.hardware import GPUS
-from paro_jax.analysis.plan_inputs import DEFAULT_MFU, USABLE_MEMORY
+from models.config import ATTENTION_IMPLS
+from paro_jax.analysis.gpu.hardware import GPUS
+from paro_jax.analysis.planner.inputs import DEFAULT_MFU, USABLE_MEMORY
 from paro_jax.core.config import (
   COMPUTE_DTYPES,
   MODEL_HELP,
-  StepConfig,
   WireOptions,
   group,
   option,
   parse_model,
 )
-from paro_jax.core.names import ATTENTION_IMPLS, COLLECTIVE_IMPLS
+from paro_jax.core.names import COLLECTIVE_IMPLS
 from paro_jax.core.units import COMPUTE_DTYPE_BYTES
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class InspectConfig(StepConfig):
-  """`paro-jax inspect`: compile one step (no allocation) and report its communication."""
-
-  as_json: bool = option(False, "print one JSON object", flag="--json")
-  target: str | None = option(
-    None,
-    "compile for a cluster of these GPUs, no GPU needed: h100, h200, a100-80gb, a100-40gb "
-    "(--mesh NODESxGPUS); reports async collectives, streams, overlap and memory vs the plan",
-  )
-  inter_bandwidth: str | None = option(
-    None,
-    "with --target: each node's inter-node link for XLA's network model in the step time "
-    "estimate, a tc rate such as 100gbit (default: XLA's own network defaults, named in the "
-    "output)",
-    metavar="RATE",
-  )
-  prefetch: bool = option(
-    True,
-    "compile without the prefetching layer stack (each layer's gather waits for its use), "
-    "to compare",
-    flag="--no-prefetch",
-    action="store_false",
-  )
-  hlo_out: str | None = option(None, "write the compiled (scheduled) HLO text here", metavar="FILE")
-  pack: bool = option(
-    False,
-    "compile the step for packed instruction data (several examples per sequence, kept apart: "
-    "train --pack) and say how attention runs (with --target: whether cuDNN's fused kernel "
-    "does)",
-  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanConfig:
   """`paro-jax plan`: a cluster and a workload, as the command line gives them (strings with
-  units). The values are checked here; analysis/planner.py run_plan converts the strings (and
-  checks --target, which needs JAX's CUDA plugin)."""
+  units). The values are checked here; analysis/planner/planner.py run_plan converts the strings
+  (and checks --target, which needs JAX's CUDA plugin)."""
 
   model: str = option("7b", MODEL_HELP, type=parse_model)
   nodes: int = option(help="G: nodes (groups)", type=int)

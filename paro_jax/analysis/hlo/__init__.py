@@ -1,0 +1,1 @@
+"""Reading compiled HLO: its collectives (bytes, levels, counts per step) and their overlap."""
