@@ -184,9 +184,10 @@ def micro_loss(engine, params, sinks, batch_BxL1, materialize, final=False, acc=
 
 
 def materializer(engine, wire: WireConfig | None = None):
-  """The model's `materialize` hook: full weights of a subtree of Shards, each gathered over S(P)
-  just before use, its gradient reduce-scattered over S(Gr) into the Shard's sink. `wire`: the
-  inter-node precision (default the engine's)."""
+  """The model's `materialize` hook: full weights of a subtree of Shards (a module's), gathered
+  over S(P) just before use (`make_gather`: one bucket with the hand-written rings), each
+  gradient reduce-scattered over S(Gr) into its Shard's sink. `wire`: the inter-node precision
+  (default the engine's)."""
   s = engine.strategy
   gather = make_gather(
     s.param_gather_axes,
@@ -202,11 +203,19 @@ def materializer(engine, wire: WireConfig | None = None):
     )
     return comm.to_varying(full, GLOBAL_AXES)
 
-  return lambda tree: jax.tree.map(
-    lambda sh: frozen(sh.param, sh.dim) if sh.sink is None else gather(sh.param, sh.sink, sh.dim),
-    tree,
-    is_leaf=is_shard,
-  )
+  def materialize(tree):
+    shards, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
+    trained = [sh for sh in shards if sh.sink is not None]
+    full = iter(
+      gather(*(tuple(getattr(sh, f) for sh in trained) for f in ("param", "sink", "dim")))
+      if trained
+      else ()
+    )
+    return treedef.unflatten(
+      [frozen(sh.param, sh.dim) if sh.sink is None else next(full) for sh in shards]
+    )
+
+  return materialize
 
 
 def prefetch_layers(engine, final: bool = False, acc=None):

@@ -226,6 +226,22 @@ def test_every_horing_step_has_both_levels_in_flight(strategy):
   assert all(c["async"] for c in o["collectives"] if c["horing"])
 
 
+def test_every_horing_step_in_flight_as_the_cli_compiles():
+  """`paro-jax inspect --target` sets XLA's network model (gpus_per_node, analysis/estimate.py),
+  whose costs change the schedule: a chain of the head's norm scale alone (a few hundred bytes
+  per step) had one step whose inter permute XLA started only after its intra sub-round had
+  finished (GGG, A=2: 6 of 7 steps here, 203 of 204 on 7b). A module's leaves now make one
+  chain (core/shards.py make_gather), and every step has both levels in flight."""
+  proc = _cli(
+    "--target", "h100", "--mesh", "2x4", "--model", MODEL, "--strategy", "GGG",
+    "--collectives", "horing", "--micro-batches", "2", "--batch-size", str(BATCH),
+    "--seq-len", "128", "--json",
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  o = json.loads(proc.stdout)["overlap"]
+  assert o["horing_steps"] > 0 and o["horing_steps_concurrent"] == o["horing_steps"], o
+
+
 def test_async_to_sync_conversion_would_serialize_horing_steps():
   """The flag that keeps XLA from making collectives with no compute beside them synchronous
   matters: without it, HO-Ring steps run synchronously and some run one level after the other."""
