@@ -98,6 +98,35 @@ def test_attention_is_cudnns_fused_kernel():
   assert kernels and all(schedule._Compute(comps).instr(i) for i in kernels)
 
 
+def _dots_with_fp32_operands(hlo_text: str) -> list[str]:
+  """The dot instructions (GEMM fusions' included) that take an fp32 operand."""
+  import re
+
+  types, found = {}, []
+  for line in hlo_text.splitlines():
+    if m := re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ([a-z0-9]+)\[", line):
+      types[m.group(1)] = m.group(2)
+    if d := re.match(r"\s*(?:ROOT )?%([\w.\-]+) = \S+ dot\(%([\w.\-]+), %([\w.\-]+)\)", line):
+      if "f32" in (types.get(d.group(2)), types.get(d.group(3))):
+        found.append(d.group(1))
+  return found
+
+
+def test_no_matmul_takes_fp32_operands():
+  """In bf16 every matmul of the step, the head's backward included (models/llama.py
+  head_logits), takes bf16 operands: none runs as an fp32 (TF32) GEMM. Differentiated plainly
+  (experiments/gpu_variants.py, the code of before), the head's two backward matmuls did."""
+  from experiments.gpu_variants import undone
+
+  hlo = gpu_report("IIG", "xla")["hlo"]
+  assert " dot(" in hlo and _dots_with_fp32_operands(hlo) == []
+  with undone(("head-backward",)):  # a new engine: traced with the code of before
+    _CACHE.pop(("IIG", "xla", tuple(sorted(GPU_FLAGS.items())), "cudnn", A, MODEL, SEQ, MESH))
+    before = gpu_report("IIG", "xla")["hlo"]
+  _CACHE.pop(("IIG", "xla", tuple(sorted(GPU_FLAGS.items())), "cudnn", A, MODEL, SEQ, MESH))
+  assert len(_dots_with_fp32_operands(before)) == 2
+
+
 def test_packed_rows_keep_cudnns_fused_kernel():
   """Instruction data packed several examples to a row (`--pack`): attention stays inside each
   example through cuDNN's packed layout (each row's runs as offsets and lengths), still the fused
