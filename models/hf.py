@@ -2,7 +2,11 @@
 
 `load_hf(directory)` reads `config.json` and `model.safetensors` (or the shards listed in
 `model.safetensors.index.json`) into a `LlamaConfig` and our fp32 parameter tree;
-`save_hf(cfg, params, directory)` writes the same two files back. Neither needs torch.
+`save_hf(cfg, params, directory)` writes them back, in fp32, bf16 or fp16, in shards of at most
+`max_shard_size` with their index as transformers writes them (huggingface_hub's
+`split_state_dict_into_shards_factory`: model-00001-of-0000N.safetensors and
+model.safetensors.index.json, whose metadata.total_size and weight_map transformers reads).
+Neither needs torch.
 
 HF stores each `nn.Linear` weight as (out, in); ours are (in, out) with the heads split out:
   q_proj (H*K, D) -> wq (D, H, K)      o_proj (D, H*K) -> wo (H, K, D)
@@ -18,8 +22,10 @@ from __future__ import annotations
 import json
 import os
 
-import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so bf16 safetensors load
+import ml_dtypes  # registers bfloat16 with numpy, so bf16 safetensors load
 import numpy as np
+from huggingface_hub import split_state_dict_into_shards_factory
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from models.config import (  # noqa: F401 - the config functions are re-exported
@@ -33,6 +39,15 @@ from models.config import (  # noqa: F401 - the config functions are re-exported
 )
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+SHARDS = "model{suffix}.safetensors"  # transformers' names: model-00001-of-00004.safetensors
+MAX_SHARD_SIZE = "5GB"  # transformers' and huggingface_hub's default (decimal units)
+# The dtypes an export writes: our name -> (numpy's, the name config.json gives it,
+# safetensors' header name).
+DTYPES = {
+  "fp32": (np.float32, "float32", "F32"),
+  "bf16": (ml_dtypes.bfloat16, "bfloat16", "BF16"),
+  "fp16": (np.float16, "float16", "F16"),
+}
 HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry; recomputed here
 
@@ -124,7 +139,18 @@ def _take(tensors: dict, name: str, shape: tuple, where: str) -> np.ndarray:
     raise ValueError(
       f"{where}: tensor {name} has shape {tuple(w.shape)}, but config.json implies {tuple(shape)}"
     )
-  return np.asarray(w, np.float32)
+  w = np.asarray(w, np.float32)
+  finite = np.isfinite(w)
+  if not finite.all():
+    # Checked as loaded: a NaN in a row the data rarely touches would train on unseen and
+    # make every checkpoint unsavable; one in a weight used every step would read as divergence.
+    nan, first = int(np.isnan(w).sum()), np.unravel_index(int(np.argmin(finite)), w.shape)
+    raise ValueError(
+      f"{where}: tensor {name} holds {nan} NaN and {w.size - int(finite.sum()) - nan} Inf "
+      f"values (the first at index {tuple(int(i) for i in first)}): these weights are damaged; "
+      f"download or export them again"
+    )
+  return w
 
 
 def _put(tree: dict, path: tuple, value) -> None:
@@ -179,10 +205,38 @@ def expected_shapes(cfg: LlamaConfig) -> dict:
   return shapes
 
 
-def save_hf(cfg: LlamaConfig, params: dict, directory: str, base_config: dict | None = None) -> str:
-  """Write `params` (our tree, any array type) as an fp32 HF LlamaForCausalLM directory.
-  `base_config`: the config.json the model came from; the fields we do not set
-  (bos_token_id, eos_token_id, max_position_embeddings, ...) are kept."""
+def weights_dtype(directory: str) -> str | None:
+  """The dtype an HF directory's weights are stored in ("bf16", "fp16", "fp32"), as the
+  safetensors header gives the embedding table's; None if it cannot be read or is another."""
+  single, index = os.path.join(directory, WEIGHTS), os.path.join(directory, INDEX)
+  try:
+    path = single
+    if not os.path.isfile(single):
+      with open(index) as f:
+        path = os.path.join(directory, json.load(f)["weight_map"][EMBEDDING])
+    with safe_open(path, framework="numpy") as f:
+      stored = f.get_slice(EMBEDDING).get_dtype()
+  except Exception:  # noqa: BLE001 - missing, damaged or another layout: unknown
+    return None
+  return next((name for name, (_, _, header) in DTYPES.items() if header == stored), None)
+
+
+def save_hf(
+  cfg: LlamaConfig,
+  params: dict,
+  directory: str,
+  base_config: dict | None = None,
+  dtype: str = "fp32",
+  max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> str:
+  """Write `params` (our tree, any array type) as an HF LlamaForCausalLM directory, its tensors
+  in `dtype` (a key of DTYPES), in shards of at most `max_shard_size` (bytes, or "5GB"-style
+  with KB/MB/GB/TB) with their index when they do not fit one. `base_config`: the config.json
+  the model came from; the fields we do not set (bos_token_id, eos_token_id,
+  max_position_embeddings, ...) are kept."""
+  if dtype not in DTYPES:
+    raise ValueError(f"unknown dtype {dtype!r} for the HF weights; choose one of {list(DTYPES)}")
+  np_dtype, torch_name, _ = DTYPES[dtype]
   tensors, shapes = {}, expected_shapes(cfg)
 
   def fetch(path):
@@ -198,21 +252,38 @@ def save_hf(cfg: LlamaConfig, params: dict, directory: str, base_config: dict | 
     return w
 
   for name, (path, _, _, to_hf) in _global_map(cfg).items():
-    tensors[name] = np.ascontiguousarray(to_hf(fetch(path)))
+    tensors[name] = np.ascontiguousarray(to_hf(fetch(path)).astype(np_dtype))
   for suffix, (path, _, _, to_hf) in _layer_map(cfg).items():
     stack = fetch((LAYERS, *path))
     for i in range(cfg.layers):
-      tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stack[i]))
+      tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stack[i]).astype(np_dtype))
+  try:
+    split = split_state_dict_into_shards_factory(
+      tensors,
+      get_storage_size=lambda w: w.nbytes,
+      filename_pattern=SHARDS,
+      max_shard_size=max_shard_size,
+    )
+  except ValueError as e:  # huggingface_hub's parse of "5GB"
+    raise ValueError(
+      f"--max-shard-size {max_shard_size!r}: {e} (e.g. 5GB, 500MB, or a number of bytes)"
+    ) from None
   os.makedirs(directory, exist_ok=True)
   with open(os.path.join(directory, CONFIG), "w") as f:
-    config = {**(base_config or {}), **config_to_hf(cfg)}
+    config = {**(base_config or {}), **config_to_hf(cfg), "torch_dtype": torch_name}
     if "dtype" in config:  # newer transformers' name for torch_dtype
-      config["dtype"] = config["torch_dtype"]
+      config["dtype"] = torch_name
     json.dump(config, f, indent=2)
     f.write("\n")
-  save_file(tensors, os.path.join(directory, WEIGHTS), metadata={"format": "pt"})
-  # safetensors creates its file 0600; readable like config.json beside it (the umask applies).
+  # safetensors creates its files 0600; readable like config.json beside them (the umask applies).
   umask = os.umask(0)
   os.umask(umask)
-  os.chmod(os.path.join(directory, WEIGHTS), 0o666 & ~umask)
+  for file, names in split.filename_to_tensors.items():
+    path = os.path.join(directory, file)
+    save_file({n: tensors[n] for n in names}, path, metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~umask)
+  if split.is_sharded:
+    with open(os.path.join(directory, INDEX), "w") as f:
+      json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+      f.write("\n")
   return directory

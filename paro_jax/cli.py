@@ -13,7 +13,7 @@ from paro_jax import report
 from paro_jax.analysis import gpu
 from paro_jax.analysis.config import InspectConfig, PlanConfig
 from paro_jax.analysis.planner import run_plan
-from paro_jax.cluster import distributed, watch
+from paro_jax.cluster import distributed, native_stderr, watch
 from paro_jax.cluster.launch import launch
 from paro_jax.cluster.restart import _flag
 from paro_jax.core.config import LoraOptions, WireOptions, flag_of, make_config, options
@@ -220,10 +220,32 @@ def build_parser() -> argparse.ArgumentParser:
     "--out",
     required=True,
     metavar="HF_DIR",
-    help="directory to write config.json and model.safetensors (fp32) into",
+    help="directory to write the HF model into: config.json, the safetensors weights, the "
+    "tokenizer files and generation_config.json",
   )
   export.add_argument(
     "--overwrite", action="store_true", help="replace the files of an existing, non-empty --out"
+  )
+  export.add_argument(
+    "--dtype",
+    default=None,
+    type=str.lower,
+    choices=("bf16", "fp16", "fp32"),
+    help="the weights' dtype (default: the dtype of the --init-from weights the run started "
+    "from; bf16 for a run trained from scratch)",
+  )
+  export.add_argument(
+    "--max-shard-size",
+    default="5GB",
+    metavar="SIZE",
+    help="split the weights into safetensors shards of at most SIZE (KB, MB, GB, TB: decimal "
+    "units, as transformers' max_shard_size) with model.safetensors.index.json",
+  )
+  export.add_argument(
+    "--adapter",
+    action="store_true",
+    help="for a LoRA run started from --init-from: write the adapters alone as a PEFT adapter "
+    "(adapter_config.json, adapter_model.safetensors) instead of the merged model",
   )
   launch = sub.add_parser(
     "launch",
@@ -436,6 +458,7 @@ def main(argv=None) -> None:
 
 
 def _main(argv) -> None:
+  command_line = argv is None  # not a caller in Python, whose stderr is its own
   argv = list(sys.argv[1:] if argv is None else argv)
   child_argv = []
   if argv[:1] == ["launch"] and "--" in argv:  # everything after -- is the child train command
@@ -505,8 +528,24 @@ def _main(argv) -> None:
       _note_cpu_platform(args)
       from paro_jax.run.export import export_run  # jax: after the CUDA plugin note
 
-      step = export_run(args.run, args.out, overwrite=args.overwrite)
-      print(f"paro-jax: wrote checkpoint step {step} of {args.run} to {args.out}")
+      done = export_run(
+        args.run,
+        args.out,
+        overwrite=args.overwrite,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        adapter=args.adapter,
+      )
+      what = "its LoRA adapters (PEFT)" if args.adapter else "the model"
+      shards = [w for w in done.weights if w.startswith("model-")]
+      weights = [w for w in done.weights if w not in shards]
+      if shards:  # model-00001-of-0000N.safetensors ...: counted, not listed
+        weights.insert(1, f"{len(shards)} shards ({shards[0]}, ...)")
+      copied = f"; copied {', '.join(done.copied)}" if done.copied else "; no tokenizer files"
+      print(
+        f"paro-jax: wrote checkpoint step {done.step} of {args.run} to {args.out}: {what} in "
+        f"{done.dtype} ({done.dtype_why}), {', '.join(weights)}{copied}"
+      )
       return
     if args.command == "plan":
       run_plan(config_of(args, PlanConfig))
@@ -564,6 +603,11 @@ def _main(argv) -> None:
     beat = getattr(args, "heartbeat_timeout", 0.0)
     if not beat >= 0:
       raise ValueError(f"--heartbeat-timeout must be >= 0 seconds (0: off), got {beat}")
+    if args.command == "train" and distributed.detect_cluster() and command_line:
+      # SLURM / mpirun: a native abort (JAX's client, its service gone) folded into the log.
+      # (`paro-jax launch` folds its nodes' output itself.)
+      who = f"process {os.environ.get('SLURM_PROCID', os.environ.get('OMPI_COMM_WORLD_RANK'))}: "
+      native_stderr.fold(os.path.join(*_log_place(args, [])), who)
     distributed.maybe_initialize(*multi, heartbeat_timeout=beat)  # before anything uses devices
     if args.command == "probe":
       from paro_jax.analysis.probe import run_probe  # imports jax: after the device flag is set

@@ -42,17 +42,19 @@ def files(tmp_path_factory):
 
 
 def _tokenizers(d):
-  """bpe.json, a small BPE; holes.json, the same with one id moved to 5000 (ids need not be
-  contiguous: its vocabulary counts 51 entries, a model needs 5001 rows)."""
+  """bpe.json, a small BPE (its end-of-sequence token </s> named by the tokenizer_config.json
+  beside it); holes.json, the same with one id moved to 5000 (ids need not be contiguous: its
+  vocabulary counts 52 entries, a model needs 5001 rows)."""
   import json
 
   from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
   tok = Tokenizer(models.BPE(unk_token="[UNK]"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"])
+  trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"])
   tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 5, trainer)
   tok.save(str(d / "bpe.json"))
+  (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
   spec = json.loads((d / "bpe.json").read_text())
   vocab = spec["model"]["vocab"]
   vocab[max(vocab, key=vocab.get)] = 5000
@@ -289,18 +291,18 @@ def test_export_on_a_full_disk_is_one_line_and_blocks_no_retry(trained_run, smal
   filler = small_tmpfs / "filler"
   filler.write_bytes(bytes(200 * 1024))  # 56 KiB left, less than the `test` model's 142 KB
   out = small_tmpfs / "hf"
-  line = _one_line(capsys, ["export", str(trained_run), "--out", str(out)])
+  line = _one_line(capsys, ["export", str(trained_run), "--out", str(out), "--dtype", "fp32"])
   assert line == (
     f"paro-jax: error: the disk is full: could not write the HF model to {out}; --out is as it "
     f"was (nothing was written there): free space on the disk holding {out}, or pass another --out"
   )
   assert os.listdir(small_tmpfs) == ["filler"]  # no partial output, hidden or not
   filler.unlink()
-  main(["export", str(trained_run), "--out", str(out)])
+  main(["export", str(trained_run), "--out", str(out), "--dtype", "fp32"])
   assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
   (out / "tokenizer.json").write_text("{}")
   (out / "model.safetensors").write_bytes(b"old")
-  main(["export", str(trained_run), "--out", str(out), "--overwrite"])
+  main(["export", str(trained_run), "--out", str(out), "--overwrite", "--dtype", "fp32"])
   assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
   assert (out / "model.safetensors").stat().st_size > 100_000
   assert sorted(os.listdir(small_tmpfs)) == ["hf"]

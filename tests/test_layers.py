@@ -71,6 +71,7 @@ CLI_START = (
   "paro_jax/cluster/distributed.py",
   "paro_jax/cluster/gloo_rs.py",
   "paro_jax/cluster/launch.py",
+  "paro_jax/cluster/native_stderr.py",
   "paro_jax/cluster/netns.py",
   "paro_jax/cluster/restart.py",
   "paro_jax/cluster/supervise.py",

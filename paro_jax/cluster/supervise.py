@@ -14,15 +14,10 @@ import threading
 import time
 
 from paro_jax import report
+from paro_jax.cluster.native_stderr import COORDINATION_ABORT
 
 
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
-# What JAX's coordination service logs when it aborts the processes (jaxlib 0.10.2): the error
-# it propagates, then the processes it names, one per line ("1", or "/job:.../task:1").
-_COORDINATION_ABORT = (
-  "Use error polling to propagate the following error",  # the service, in process 0
-  "Terminating process because the JAX distributed service",  # each client
-)
 _UNHEALTHY = "The following tasks are unhealthy (stopped sending heartbeats):"
 
 
@@ -67,7 +62,7 @@ class Node:
       return not self.show_gloo
     if not stderr:
       return False
-    if self.aborting or any(marker in line for marker in _COORDINATION_ABORT):
+    if self.aborting or any(marker in line for marker in COORDINATION_ABORT):
       # JAX's coordination service found a process without heartbeats and aborts this one: its
       # log lines, the processes it names and the C++ check-failure stack go to the log; the
       # launcher's line names the process.

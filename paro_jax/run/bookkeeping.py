@@ -34,7 +34,8 @@ class Bookkeeper:
   """The state of a run between its steps, and what is done with each step's metrics.
 
   Opened with the metrics rows a resumed run keeps (`rows`, written first and seeding the band);
-  `start` is the step the run starts from. Only process 0 (`main`) writes and prints."""
+  `start` is the step the run starts from; `data_files` the data's fingerprint its checkpoints
+  record. Only process 0 (`main`) writes and prints."""
 
   def __init__(
     self,
@@ -44,8 +45,10 @@ class Bookkeeper:
     start: int,
     rows: list[str],
     main: bool,
+    data_files: dict | None = None,
   ):
     self.cfg, self.engine, self.ckpt, self.main = cfg, engine, ckpt, main
+    self.data_files = data_files  # what the checkpoints record of the data (run/fingerprint.py)
     self.path = os.path.join(cfg.out, METRICS)
     self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
     self.flops_per_step = engine.model.cfg.flops_per_token(cfg.seq_len) * self.tokens_per_step
@@ -98,7 +101,7 @@ class Bookkeeper:
     if self.guard.streak and self.cfg.guard.mode == "stop":
       self._say(f"paro-jax: step {step} is out of its band: no checkpoint of it{why}")
       return
-    self.ckpt.save(state, run_meta(self.cfg, self.engine, step))
+    self.ckpt.save(state, run_meta(self.cfg, self.engine, step, self.data_files))
     self.saved = self.candidate = step
 
   def record(self, step: int, metrics: dict) -> None:

@@ -105,11 +105,21 @@ class Checkpointer:
     if int(state.step) != meta.step:
       raise ValueError(f"state is at step {int(state.step)} but the metadata says {meta.step}")
     state = state._replace(weights=None)  # the master's compute-dtype copy: written on restore
-    sums, finite = state_checksums(state)
-    if not finite:
+    sums, non_finite = state_checksums(state)
+    if non_finite:
+      self.wait()  # the previous save, if one is in flight, is what the run keeps
+      kept = self.steps()
       raise NonFiniteStateError(
-        f"the weights or optimizer state of step {meta.step} hold NaN or Inf values: not saved "
-        f"as a checkpoint in {self.directory} (its newest checkpoint is kept). Lower --lr"
+        f"the state of step {meta.step} holds NaN or Inf values in {len(non_finite)} of its "
+        f"{len(sums)} arrays (first: {non_finite[0]}): not saved as a checkpoint in "
+        f"{self.directory}; "
+        + (
+          f"its newest checkpoint, step {kept[-1]}, is kept: continue from it with --resume and "
+          f"a lower --lr"
+          if kept
+          else f"no checkpoint was saved before it: the {meta.step} steps trained are lost; run "
+          f"again with a lower --lr"
+        )
       )
     meta = dataclasses.replace(meta, checksums=sums)
     args = ocp.args.Composite(

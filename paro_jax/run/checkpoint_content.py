@@ -34,6 +34,9 @@ class RunMeta:
   lora: dict | None = None  # dataclasses.asdict(LoraConfig) of a LoRA run
   checksums: dict | None = None  # leaf path -> [h1, h2] (state_checksums); set by save
   train: dict | None = None  # what the learning-rate schedule depends on: steps, lr, warmup
+  data_files: dict | None = None  # the data by content (run/fingerprint.py); None before it
+  # the HF config.json the model came from (--init-from's, or --model's): export keeps its fields
+  source_config: dict | None = None
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -68,19 +71,21 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _integrity(state):
-  """(checksum of every leaf, whether every floating-point leaf is finite)."""
+  """(checksum of every leaf, whether each leaf is finite: True for integer leaves)."""
   sums = jax.tree.map(_leaf_checksum, state)
-  finite = [
-    jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)
+  finite = jax.tree.map(
+    lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True, state
+  )
+  return sums, finite
+
+
+def state_checksums(state) -> tuple[dict, list[str]]:
+  """({leaf path: [h1, h2]} of a state's arrays, the paths of the leaves holding NaN or Inf)."""
+  sums, finite = jax.device_get(_integrity(state))
+  keys = lambda tree: [  # noqa: E731
+    (jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_leaves_with_path(tree)
   ]
-  return sums, jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)
-
-
-def state_checksums(state) -> tuple[dict, bool]:
-  """{leaf path: [h1, h2]} of a state's arrays, and whether all its floats are finite."""
-  sums, finite = _integrity(state)
-  paths = jax.tree_util.tree_leaves_with_path(jax.device_get(sums))
-  return {jax.tree_util.keystr(p): [int(v) for v in h] for p, h in paths}, bool(finite)
+  return {k: [int(v) for v in h] for k, h in keys(sums)}, [k for k, ok in keys(finite) if not ok]
 
 
 def abstract_state(engine: Engine) -> TrainState:
@@ -191,7 +196,7 @@ def restart_reference(state: TrainState, engine: Engine, meta: RunMeta, what: st
 
 def verify(state: TrainState, meta: RunMeta) -> None:
   """Raise if the restored arrays are not those that were saved (or hold NaN/Inf)."""
-  sums, finite = state_checksums(state)
+  sums, non_finite = state_checksums(state)
   if meta.checksums is not None:
     bad = [k for k in meta.checksums if sums.get(k) != meta.checksums[k]]
     if bad or set(sums) != set(meta.checksums):
@@ -199,8 +204,8 @@ def verify(state: TrainState, meta: RunMeta) -> None:
         f"checksum mismatch in {len(bad)} of {len(meta.checksums)} arrays (first: "
         f"{(bad or sorted(set(sums) ^ set(meta.checksums)))[0]}): its files are damaged"
       )
-  if not finite:
-    raise NonFiniteStateError("it holds NaN or Inf values")
+  if non_finite:
+    raise NonFiniteStateError(f"it holds NaN or Inf values (in {non_finite[0]})")
 
 
 def check_model(meta: RunMeta, engine: Engine, model_name: str | None, where: str) -> None:

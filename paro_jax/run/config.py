@@ -76,9 +76,10 @@ class DataConfig:
     metavar="PATH",
   )
   text_field: str = option("text", "the JSONL field holding the text")
-  tokenizer: str | None = option(  # None: bytes
+  tokenizer: str | None = option(  # None: the model's (run/tokenizers.py resolve_tokenizer)
     None,
-    "an HF tokenizer.json (needs the hf extra; default: bytes, vocab 256)",
+    "an HF tokenizer.json (needs the hf extra), or 'bytes' (vocab 256); default: the "
+    "tokenizer.json of --init-from's directory, else bytes",
     metavar="TOKENIZER_JSON",
   )
   bin_dtype: str | None = option(  # of .bin files; None: inferred (run/bins.py bin_dtype_for)
@@ -251,6 +252,16 @@ class RunConfig(StepConfig):
         f"--warmup {steps} or less to silence this)",
         stacklevel=3,
       )
+
+  def fine_tune_lr_warning(self) -> str | None:
+    """The line for a run from --init-from weights at the from-scratch default --lr."""
+    if not (self.init_from and self.optimizer.lr == OptimizerOptions().lr):
+      return None
+    return (
+      f"--lr {self.optimizer.lr:g} is the default for training small models from scratch, far "
+      f"above what fine-tuning --init-from weights starts from (2e-5 for full training, 3e-4 "
+      f"for LoRA, with a warmup: docs/hf_and_lora.md): pass --lr to silence this"
+    )
 
   def data_position(self) -> dict:
     """Besides (seed, step), what the batch of a step depends on."""

@@ -7,7 +7,9 @@ ids (read by os.pread, window by window: never loaded whole, any number of them,
 of `paro-jax prepare-data`, paro_jax/run/prepare.py, checked against their meta.json). Several
 sources are read as one stream (`TokenStream`) without being joined in memory. Text is tokenized
 at byte level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, needs the
-`tokenizers` package: `pip install -e ".[hf]"`).
+`tokenizers` package: `pip install -e ".[hf]"`); with an HF tokenizer each document (a text file,
+a JSONL or Parquet record) starts with the special tokens its post-processor adds and ends with
+its end-of-sequence token (run/tokenizers.py), as bytes each is its bytes alone.
 
 The default corpus is real text that every Python installation carries: the source files of
 the Python standard library, so a training run needs no download.
@@ -25,7 +27,7 @@ import numpy as np
 
 from paro_jax.run.bins import SHARD, bin_dtype_for, bin_max, check_shards, read_bin
 from paro_jax.run.config import DataConfig
-from paro_jax.run.tokenizers import check_vocab, make_tokenizer
+from paro_jax.run.tokenizers import BYTES, check_vocab, make_tokenizer
 
 
 # --- sources ---------------------------------------------------------------------------------
@@ -134,9 +136,15 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
   check_vocab(
     tokenizer.vocab_size,
     model_vocab,
-    f"tokenizer {cfg.tokenizer}" if cfg.tokenizer else "the byte-level tokenizer",
+    f"tokenizer {tokenizer.name}" if tokenizer.name != BYTES else "the byte-level tokenizer",
   )
   if not cfg.paths:
+    if tokenizer.name != BYTES:  # its ids would be bytes read as the tokenizer's tokens
+      raise ValueError(
+        f"the built-in corpus (no --data) is bytes, and this run reads text with tokenizer "
+        f"{tokenizer.name}: pass --data with the text to train on, or --tokenizer {BYTES} for "
+        f"the built-in corpus"
+      )
     return default_corpus()
   shard_dtypes = {}  # directory of prepare-data shards -> their dtype (meta.json)
   parts = []
@@ -148,7 +156,8 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
           shard_dtypes[where] = check_shards(where, cfg.bin_dtype)
         dtype = shard_dtypes[where]
       else:
-        dtype = bin_dtype_for(cfg, tokenizer.vocab_size if cfg.tokenizer else model_vocab)
+        hf = tokenizer.name != BYTES
+        dtype = bin_dtype_for(cfg, tokenizer.vocab_size if hf else model_vocab)
       tokens = read_bin(path, dtype)
       top = bin_max(path, dtype) if tokens.size else 0
       if top >= model_vocab:
@@ -164,14 +173,14 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
         if path.endswith(".jsonl")
         else read_texts(path, cfg.text_field)
       )
-      docs = [tokenizer.encode(text) for text in texts]
+      docs = [tokenizer.document(text) for text in texts]
       tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint8)
-    elif cfg.tokenizer:
+    elif tokenizer.name != BYTES:
       with open(path, "rb") as f:
         raw = f.read()
       check_text(path, raw[:TEXT_SAMPLE])
       try:
-        tokens = tokenizer.encode(raw.decode("utf-8"))
+        tokens = tokenizer.document(raw.decode("utf-8"))
       except UnicodeDecodeError as e:
         raise ValueError(_not_utf8(path, e)) from None
     else:

@@ -10,6 +10,8 @@ batch size, the mesh or the strategy:
 - instruction data: every example (after --long-examples), one per row, its targets those
   training counts (the completion's, the assistant's).
 The loss is the sum of the scored targets' losses over their count, summed on the host in fp64.
+The text is read with --tokenizer, else the run's tokenizer (as its checkpoints record it), else
+the HF directory's tokenizer.json (run/tokenizers.py resolve_tokenizer).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from paro_jax.run.data import expand_paths, load_tokens
 from paro_jax.run.examples import ExampleBatches, select
 from paro_jax.run.instruct import TEXT
 from paro_jax.run.sources import data_format, hf_directory, instruction_examples
+from paro_jax.run.tokenizers import resolve_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Source:
   lora: LoraConfig | None
   hf_dir: str | None  # the HF directory (the run's --init-from), if any
   model_name: str | None  # a run's, as its checkpoints record it
+  tokenizer: str | None = None  # a run's, as its checkpoints record it (None: not recorded)
 
 
 def open_source(source: str) -> Source:
@@ -68,7 +72,8 @@ def open_source(source: str) -> Source:
     hf_dir = meta.model_name[3:] if meta.model_name.startswith("hf:") else None
     lora = LoraConfig(**meta.lora) if meta.lora else None
     cfg = LlamaConfig(**meta.model_config)
-    return Source("run", source, cfg, lora, hf_dir, meta.model_name)
+    tokenizer = meta.data.get("tokenizer")
+    return Source("run", source, cfg, lora, hf_dir, meta.model_name, tokenizer)
   if os.path.isfile(os.path.join(source, CONFIG)):
     return Source("hf", source, read_config(source), None, source, None)
   raise FileNotFoundError(
@@ -138,6 +143,9 @@ def run_eval(cfg: EvalConfig) -> dict:
   source = open_source(cfg.source)
   data = cfg.data
   files = expand_paths(data.paths) if data.paths else []
+  if data.tokenizer is None and source.tokenizer:  # the run's own
+    data = dataclasses.replace(data, tokenizer=source.tokenizer)
+  data = resolve_tokenizer(data, source.hf_dir, source.config.vocab, files)
   fmt = data_format(files, data.text_field, data.data_format)
   engine, state = source_engine(source, cfg)
   engine.check_batch_size(cfg.batch_size)

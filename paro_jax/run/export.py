@@ -1,9 +1,23 @@
-"""`paro-jax export`: the newest checkpoint of a training run as an HF LLaMA directory.
+"""`paro-jax export`: the newest checkpoint of a training run as an HF directory a user can ship.
 
 The checkpoint is restored through paro_jax.run.checkpoint onto a one-device engine (strategy NNN,
-mesh 1x1) built for the model config the checkpoint records; its fp32 master weights are written
-with models.hf.save_hf. A LoRA run's adapters are merged into its (frozen) base weights first:
-the export is a plain LLaMA.
+mesh 1x1) built for the model config the checkpoint records. What is written:
+- the model (models.hf.save_hf): config.json with the fields of the config.json the run started
+  from (--init-from's or --model's, as the checkpoint records it: bos/eos ids,
+  max_position_embeddings, ...) and our shapes, RoPE and tying; the weights in `--dtype` (by
+  default the dtype the --init-from weights came in, bf16 for a run trained from scratch), in
+  shards of at most `--max-shard-size` with their index above it. A LoRA run's adapters are
+  merged into its frozen base: the export is a plain LLaMA;
+- or, with `--adapter` (a LoRA run started from --init-from), the adapters alone as PEFT writes
+  them (models/peft.py), for the HF directory the run started from;
+- beside either, the tokenizer the run read its data with (tokenizer.json and the files of its
+  directory: tokenizer_config.json, special_tokens_map.json, chat_template.jinja) and the source
+  directory's generation_config.json, so that transformers' AutoTokenizer and
+  AutoModelForCausalLM load the directory as they load the source. The tokenizer files are
+  copied as they are (their tokenizer_class included): the export tokenizes as the source does.
+  A tokenizer.json with no tokenizer_config.json beside it gets a minimal one naming
+  PreTrainedTokenizerFast, the class transformers 4 and 5 both load (5 writes its own name,
+  TokenizersBackend, which 4 cannot load).
 
 The files are written into a hidden directory beside --out (`.NAME.partial-PID`) and moved into
 place once complete: a failed export (a full disk, Ctrl-C) leaves --out as it was.
@@ -11,11 +25,13 @@ place once complete: a failed export (a full disk, Ctrl-C) leaves --out as it wa
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import glob
 import json
 import os
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +39,34 @@ import numpy as np
 
 from safetensors import SafetensorError
 
-from models.hf import CONFIG, save_hf
+from models.hf import CONFIG, DTYPES, MAX_SHARD_SIZE, save_hf, weights_dtype
 from models.llama import LlamaConfig, LoraConfig
+from models.peft import save_adapter
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.prepare import pid_alive
 from paro_jax.core.config import LoraOptions, StepConfig
 from paro_jax.core.factory import build_engine
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.mesh import make_mesh
+from paro_jax.run.chat import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG
+from paro_jax.run.tokenizers import BYTES, TOKENIZER_FILE
+
+EXPORT_DTYPES = tuple(DTYPES)  # bf16, fp16, fp32
+SCRATCH_DTYPE = "bf16"  # of a run trained from scratch: the dtype Llama checkpoints ship in
+GENERATION_CONFIG = "generation_config.json"
+# The files of a tokenizer's HF directory that travel with its tokenizer.json.
+TOKENIZER_SIDE_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+  """What an export wrote, for its line."""
+
+  step: int
+  dtype: str
+  dtype_why: str  # where the dtype came from
+  weights: list[str]  # the weight files written
+  copied: list[str]  # the tokenizer and generation files copied in
 
 
 def _newest_meta(ckpt: Checkpointer):
@@ -49,14 +85,60 @@ def _check_out(out: str, overwrite: bool) -> None:
   if os.path.isdir(out) and os.listdir(out) and not overwrite:
     raise ValueError(
       f"--out {out} already exists and is not empty: pass another --out, or --overwrite to "
-      f"replace its config.json and model.safetensors"
+      f"replace the files the export writes"
     )
 
 
-def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
-  """Write the newest intact checkpoint of `run_dir` (train's --out) to `out`; returns its step.
-  An existing non-empty `out` needs `overwrite`; the HF directory the run started from (its
-  --init-from) is never overwritten, and its config.json fields are kept."""
+def _source_dir(meta) -> str | None:
+  """The HF directory the run started from (--init-from), as its checkpoints record it."""
+  return meta.model_name[3:] if meta.model_name.startswith("hf:") else None
+
+
+def _base_config(meta, source: str | None) -> dict | None:
+  """The config.json the run's model came from: as the checkpoint recorded it, else (a
+  checkpoint from before that was recorded) the source directory's, if it is still there."""
+  if isinstance(meta.source_config, dict):
+    return meta.source_config
+  if source is None:
+    return None
+  try:
+    with open(os.path.join(source, CONFIG)) as f:
+      base = json.load(f)
+  except (OSError, ValueError):
+    return None  # the source is gone or unreadable: write our fields only
+  return base if isinstance(base, dict) else None
+
+
+def export_dtype(requested: str | None, source: str | None, base: dict | None) -> tuple[str, str]:
+  """(the dtype to write, why): --dtype; else the dtype of the --init-from weights (their
+  safetensors, or the config.json the checkpoint recorded when they are gone); else bf16."""
+  if requested is not None:
+    if requested not in EXPORT_DTYPES:
+      raise ValueError(f"unknown --dtype {requested!r}; choose one of {', '.join(EXPORT_DTYPES)}")
+    return requested, "--dtype"
+  if source is None:
+    return SCRATCH_DTYPE, "trained from scratch"
+  stored = weights_dtype(source) if os.path.isdir(source) else None
+  if stored:
+    return stored, f"the dtype of {source}'s weights"
+  named = (base or {}).get("torch_dtype") or (base or {}).get("dtype")
+  by_name = {torch: ours for ours, (_, torch, _) in DTYPES.items()}
+  if named in by_name:
+    return by_name[named], f"the dtype {source}'s config.json names"
+  return SCRATCH_DTYPE, f"{source}'s weights are not readable to tell theirs"
+
+
+def export_run(
+  run_dir: str,
+  out: str,
+  overwrite: bool = False,
+  dtype: str | None = None,
+  max_shard_size: str | int = MAX_SHARD_SIZE,
+  adapter: bool = False,
+) -> Exported:
+  """Write the newest intact checkpoint of `run_dir` (train's --out) to `out` (module
+  docstring). An existing non-empty `out` needs `overwrite`; the HF directory the run started
+  from (its --init-from) is never overwritten."""
   _check_out(out, overwrite)
   directory = os.path.join(run_dir, CHECKPOINTS)
   if not os.path.isdir(directory):
@@ -68,23 +150,22 @@ def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
     if not ckpt.steps():
       raise FileNotFoundError(f"no checkpoint in {directory} to export")
     meta = _newest_meta(ckpt)
-    base = None
-    if meta.model_name.startswith("hf:"):
-      source = meta.model_name[3:]
-      if os.path.isdir(source) and os.path.isdir(out) and os.path.samefile(source, out):
-        raise ValueError(
-          f"--out {out} is the HF directory the run started from (--init-from): pass another "
-          f"--out; overwriting it would lose the original weights"
-        )
-      try:
-        with open(os.path.join(source, CONFIG)) as f:
-          base = json.load(f)
-      except (OSError, ValueError):
-        base = None  # the source is gone or unreadable: write our fields only
-      if not isinstance(base, dict):
-        base = None
+    source = _source_dir(meta)
+    if source and os.path.isdir(source) and os.path.isdir(out) and os.path.samefile(source, out):
+      raise ValueError(
+        f"--out {out} is the HF directory the run started from (--init-from): pass another "
+        f"--out; overwriting it would lose the original weights"
+      )
+    base = _base_config(meta, source)
+    written_dtype, why = export_dtype(dtype, source, base)
     cfg = LlamaConfig(**meta.model_config)
     lora = LoraConfig(**meta.lora) if meta.lora else None
+    if adapter and (lora is None or source is None):
+      raise ValueError(
+        f"--adapter writes the LoRA adapters of a run started from --init-from, and {run_dir} "
+        f"{'has no LoRA adapters' if lora is None else 'trained its base from scratch'}: "
+        f"export it without --adapter (a plain LLaMA)"
+      )
     one = StepConfig(strategy="NNN", dtype="fp32", lora=LoraOptions.of(lora))
     engine = build_engine(one, cfg, make_mesh(1, 1, jax.devices()[:1]))
     # The one restore path resume uses: it verifies the checksums of the arrays as written
@@ -94,23 +175,69 @@ def export_run(run_dir: str, out: str, overwrite: bool = False) -> int:
     ckpt.close()
   params = state.master
   if lora:
-    params = engine.model.merge_lora(
-      join_trainable(
-        engine.mask, state.master, jax.tree.map(lambda w: w.astype(jnp.float32), state.frozen)
-      )
+    full = join_trainable(
+      engine.mask, state.master, jax.tree.map(lambda w: w.astype(jnp.float32), state.frozen)
     )
+    params = full if adapter else engine.model.merge_lora(full)
   params = jax.tree.map(np.asarray, params)
   if not all(np.isfinite(w).all() for w in jax.tree.leaves(params)):
     raise ValueError(
       f"checkpoint step {meta.step} of {run_dir} holds NaN or Inf weights: not exported"
     )
-  _write(cfg, params, out, base)
-  return meta.step
+  np_dtype = DTYPES[written_dtype][0]
+  copied: list[str] = []
+
+  def write(partial: str) -> None:
+    if adapter:
+      base_model = os.path.abspath(source) if os.path.isdir(source) else source
+      save_adapter(cfg, lora, params, partial, base_model, np_dtype)
+    else:
+      save_hf(cfg, params, partial, base, written_dtype, max_shard_size)
+    copied.extend(_copy_side_files(partial, meta.data.get("tokenizer"), source))
+
+  names = _publish(write, out)
+  files = [name for name in names if name not in copied]
+  return Exported(meta.step, written_dtype, why, files, copied)
 
 
-def _write(cfg: LlamaConfig, params, out: str, base: dict | None) -> None:
-  """save_hf into `.NAME.partial-PID` beside `out`, then into place: a new `out` is that
-  directory renamed; an existing one (--overwrite) gets each file replaced, its others kept."""
+def _copy_side_files(partial: str, tokenizer: str | None, source: str | None) -> list[str]:
+  """Copy into `partial` the run's tokenizer (its tokenizer.json and the files beside it; a
+  minimal tokenizer_config.json if it has none) and the source's generation_config.json; a file
+  that is gone is said in a warning. Returns the names copied."""
+  copied = []
+  if tokenizer and tokenizer != BYTES:
+    path = os.path.join(tokenizer, TOKENIZER_FILE) if os.path.isdir(tokenizer) else tokenizer
+    if not os.path.isfile(path):
+      warnings.warn(
+        f"the run's tokenizer {path} is gone: the export has no tokenizer files (copy its "
+        f"tokenizer.json and tokenizer_config.json beside the export)",
+        stacklevel=3,
+      )
+    else:
+      shutil.copyfile(path, os.path.join(partial, TOKENIZER_FILE))
+      copied.append(TOKENIZER_FILE)
+      beside = os.path.dirname(path)
+      for name in TOKENIZER_SIDE_FILES:
+        if os.path.isfile(os.path.join(beside, name)):
+          shutil.copyfile(os.path.join(beside, name), os.path.join(partial, name))
+          copied.append(name)
+      if TOKENIZER_CONFIG not in copied:
+        with open(os.path.join(partial, TOKENIZER_CONFIG), "w") as f:
+          json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
+          f.write("\n")
+        copied.append(TOKENIZER_CONFIG)
+  if source and os.path.isfile(os.path.join(source, GENERATION_CONFIG)):
+    shutil.copyfile(
+      os.path.join(source, GENERATION_CONFIG), os.path.join(partial, GENERATION_CONFIG)
+    )
+    copied.append(GENERATION_CONFIG)
+  return copied
+
+
+def _publish(write, out: str) -> list[str]:
+  """`write(directory)` into `.NAME.partial-PID` beside `out`, then into place: a new `out` is
+  that directory renamed; an existing one (--overwrite) gets each file replaced, its others
+  kept. Returns the names written."""
   parent, name = os.path.split(os.path.abspath(out))
   os.makedirs(parent, exist_ok=True)
   stem = os.path.join(parent, f".{name}.partial-")
@@ -120,10 +247,16 @@ def _write(cfg: LlamaConfig, params, out: str, base: dict | None) -> None:
       shutil.rmtree(stale, ignore_errors=True)
   partial = f"{stem}{os.getpid()}"
   try:
-    save_hf(cfg, params, partial, base_config=base)
+    write(partial)
+    names = sorted(os.listdir(partial))
     if os.path.isdir(out) and os.listdir(out):
-      for file in os.listdir(partial):
+      for file in names:
         os.replace(os.path.join(partial, file), os.path.join(out, file))
+      # The weights of an earlier export in another layout would be read instead of these
+      # (a single model.safetensors before the shards' index): gone.
+      for file in glob.glob(os.path.join(glob.escape(out), "*.safetensors*")):
+        if os.path.basename(file) not in names:
+          os.remove(file)
     else:
       if os.path.isdir(out):
         os.rmdir(out)  # empty: renamed over
@@ -138,3 +271,4 @@ def _write(cfg: LlamaConfig, params, out: str, base: dict | None) -> None:
     ) from None
   finally:
     shutil.rmtree(partial, ignore_errors=True)
+  return names

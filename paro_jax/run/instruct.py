@@ -23,7 +23,7 @@ import numpy as np
 
 from paro_jax.run.chat import load_chat_template, normalize_messages, special_tokens, token_mask
 from paro_jax.run.config import DATA_FORMATS, LONG_EXAMPLES  # noqa: F401 - the flags' choices
-from paro_jax.run.tokenizers import ByteTokenizer
+from paro_jax.run.tokenizers import BYTES, ByteTokenizer
 
 TEXT, PROMPT_COMPLETION, CHAT = DATA_FORMATS[1:]
 
@@ -50,7 +50,7 @@ def detect_format(where: str, record: dict, text_field: str) -> str:
 
 def tokenizer_directory(tokenizer_path: str | None) -> str | None:
   """The HF directory a --tokenizer file lives in (its tokenizer_config.json, chat template)."""
-  if not tokenizer_path:
+  if not tokenizer_path or tokenizer_path == BYTES:
     return None
   return tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
 

@@ -17,8 +17,10 @@ leaves OUT as it was; a `kill -9` leaves its `.partial-PID/` (never read as data
 prepare-data into OUT removes.
 
 Byte-level tokens are exactly what `train --data FILE` would use for the same files. With an HF
-tokenizer, text files are tokenized per block of lines, so a token never spans a block boundary
-(JSONL records are tokenized one by one either way).
+tokenizer each document starts and ends as `train --data` makes it (the post-processor's special
+tokens, then the end-of-sequence token: run/tokenizers.py); text files are tokenized per block of
+lines, so a token never spans a block boundary (JSONL and Parquet records are tokenized one by
+one either way).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from paro_jax.run.instruct import TEXT, Encoder, tokenizer_directory
 from paro_jax.run.records import read_records, read_texts
 from paro_jax.run.bins import BIN_DTYPES
 from paro_jax.run.data import _not_utf8, check_text, expand_paths, read_jsonl, TEXT_SAMPLE
-from paro_jax.run.tokenizers import ByteTokenizer, HFTokenizer
+from paro_jax.run.tokenizers import BYTES, ByteTokenizer, HFTokenizer, tokenizer_identity
 
 META = "meta.json"
 BLOCK = 1 << 20  # bytes of text tokenized at once
@@ -205,7 +207,7 @@ def prepare_data(
       f"{bins[0]} is already token ids (.bin): pass it to train --data as it is, not to "
       f"prepare-data"
     )
-  tok = HFTokenizer(tokenizer) if tokenizer else ByteTokenizer()
+  tok = HFTokenizer(tokenizer) if tokenizer not in (None, BYTES) else ByteTokenizer()
   if bin_dtype is not None and bin_dtype not in BIN_DTYPES:
     raise ValueError(f"unknown --bin-dtype {bin_dtype!r}; choose one of {list(BIN_DTYPES)}")
   dtype = np.dtype(
@@ -251,16 +253,23 @@ def prepare_data(
               dropped += 1
         elif path.endswith(".jsonl"):
           for text in read_jsonl(path, text_field, progress=bar.update):
-            writer.write(tok.encode(text))
+            writer.write(tok.document(text))
         elif path.endswith(".parquet"):
           for text in read_texts(path, text_field, progress=bar.update):
-            writer.write(tok.encode(text))
-        else:
-          for raw, text in _text_blocks(path, block):
+            writer.write(tok.document(text))
+        else:  # one document, in blocks: its first and last ids as tok.document's
+          first, last = tok.document_ends()
+          for k, (raw, text) in enumerate(_text_blocks(path, block)):
+            if k == 0:
+              writer.write(first)
             writer.write(
-              np.frombuffer(raw, np.uint8) if isinstance(tok, ByteTokenizer) else tok.encode(text)
+              np.frombuffer(raw, np.uint8)
+              if isinstance(tok, ByteTokenizer)
+              else tok.encode_offsets(text)[0]
             )
             bar.update(len(raw))
+          if writer.total > before:
+            writer.write(last)
         if writer.total == before and encoder is None:
           raise ValueError(f"data file {path!r} is empty: give a file with text in it")
       if encoder is not None and not writer.total:
@@ -270,6 +279,7 @@ def prepare_data(
       writer.close()
       meta = {
         "tokenizer": tokenizer or "bytes",
+        "tokenizer_identity": tokenizer_identity(tokenizer),  # what train compares its own to
         "vocab_size": tok.vocab_size,
         "dtype": dtype.name,
         "tokens": writer.total,

@@ -12,7 +12,7 @@ import warnings
 
 import jax
 
-from models.hf import load_hf, read_config
+from models.hf import CONFIG, load_hf, read_config
 from models.llama import get_config, resolve_attention
 from paro_jax.analysis.auto import auto_strategy
 from paro_jax.core import collectives as comm
@@ -27,6 +27,13 @@ from paro_jax.run.config import RunConfig
 from paro_jax.run.data import Batches, expand_paths, load_tokens, split_eval
 from paro_jax.run.instruct import TEXT
 from paro_jax.run.sources import data_format, hf_directory, instruction_batches
+from paro_jax.run.fingerprint import data_change, data_fingerprint
+from paro_jax.run.tokenizers import (
+  BYTES,
+  check_resumed_tokenizer,
+  resolve_tokenizer,
+  tokenizer_identity,
+)
 from paro_jax.run.fit import check_fits, run_memory
 from paro_jax.run.metrics import METRICS, dump_row, read_rows
 
@@ -72,13 +79,24 @@ def build(cfg: RunConfig):
     cfg, model_cfg, mesh, optim, strategy=strategy, attention=attention, collectives=collectives
   )
   engine.check_batch_size(cfg.batch_size)
+  if line := cfg.fine_tune_lr_warning():  # once every input is known good
+    warnings.warn(line, stacklevel=2)
   return engine, batches, eval_batches
+
+
+def with_tokenizer(cfg: RunConfig, vocab: int | None = None) -> RunConfig:
+  """`cfg` with the tokenizer its data is read with (run/tokenizers.py resolve_tokenizer:
+  --tokenizer, else --init-from's tokenizer.json, else bytes where the model's vocabulary is)."""
+  if vocab is None:
+    vocab = (read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)).vocab
+  files = expand_paths(cfg.data.paths) if cfg.data.paths else []
+  return dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, cfg.init_from, vocab, files))
 
 
 def run_batches(cfg: RunConfig, vocab: int):
   """The run's batches and its eval batches (None without --eval-every): windows of a token
   stream (run/data.py), or instruction examples with their loss masks (run/examples.py)."""
-  data = cfg.data
+  data = with_tokenizer(cfg, vocab).data
   files = expand_paths(data.paths) if data.paths else []
   fmt = data_format(files, data.text_field, data.data_format)
   eval_rows = cfg.micro_batches * cfg.eval.batches if cfg.eval.every else None
@@ -122,7 +140,9 @@ def model_name(cfg: RunConfig) -> str:
   return f"hf:{cfg.init_from}" if cfg.init_from else cfg.model
 
 
-def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
+def run_meta(cfg: RunConfig, engine: Engine, step: int, data_files: dict | None) -> RunMeta:
+  """What checkpoint `step` records besides the arrays; `data_files`: the run's data by content
+  (run/fingerprint.py)."""
   return RunMeta(
     step=step,
     seed=cfg.seed,
@@ -131,10 +151,43 @@ def run_meta(cfg: RunConfig, engine: Engine, step: int) -> RunMeta:
     strategy=str(engine.strategy),
     mesh=(engine.inter, engine.intra),
     dtype=cfg.dtype,
-    data=cfg.data_position(),
+    data=recorded_data(cfg),
     lora=dataclasses.asdict(engine.model.lora) if engine.model.lora else None,
     train=schedule_of(cfg),
+    data_files=data_files,
+    source_config=source_config(cfg.init_from or cfg.model),
   )
+
+
+def source_config(model: str) -> dict | None:
+  """The HF config.json (as a dict) of --init-from's directory or of --model's file or
+  directory; None for a preset."""
+  path = os.path.join(model, CONFIG) if os.path.isdir(model) else model
+  if not (path.endswith(".json") and os.path.isfile(path)):
+    return None
+  try:
+    with open(path) as f:
+      config = json.load(f)
+  except (OSError, ValueError):  # build() read it: changed since, the export keeps less
+    return None
+  return config if isinstance(config, dict) else None
+
+
+# RunMeta.data's `document_ends` of a run whose documents end with the tokenizer's EOS (and
+# start with its BOS where its post-processor adds one); a checkpoint written before has none.
+DOCUMENT_ENDS = "post-processor+eos"
+
+
+def recorded_data(cfg: RunConfig) -> dict:
+  """What a checkpoint records of the data (RunMeta.data): its options and the batch shape
+  (RunConfig.data_position), the tokenizer's identity (its file's hash), and how documents are
+  separated."""
+  tokenizer = cfg.data.tokenizer
+  return {
+    **cfg.data_position(),
+    "tokenizer_identity": tokenizer_identity(tokenizer),
+    "document_ends": None if tokenizer in (None, BYTES) else DOCUMENT_ENDS,
+  }
 
 
 def schedule_of(cfg: RunConfig) -> dict:
@@ -142,9 +195,10 @@ def schedule_of(cfg: RunConfig) -> dict:
   return dataclasses.asdict(cfg.optimizer)  # steps, lr, warmup
 
 
-def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainState:
+def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer, data_files: dict) -> TrainState:
   """A fresh state (random, or --init-from's weights), or with --resume the newest intact
-  checkpoint placed for this engine."""
+  checkpoint placed for this engine; a resume on other data (`data_files`, this run's
+  fingerprint, against the checkpoint's) or other batch settings is said."""
   if not cfg.checkpoints.resume:
     if ckpt.steps():
       raise ValueError(
@@ -159,13 +213,34 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
     return engine.init_state(jax.random.key(cfg.seed))
   state, meta = ckpt.restore(engine, model_name(cfg), set_aside=True)
   was = {"seed": meta.seed, **meta.data}
-  now = json.loads(json.dumps({"seed": cfg.seed, **cfg.data_position()}))  # tuples as lists
-  for key in was:
-    if was[key] != now[key]:
+  now = json.loads(json.dumps({"seed": cfg.seed, **recorded_data(cfg)}))  # tuples as lists
+  check_resumed_tokenizer(was, now, meta.step)  # refused: the ids would mean other text
+  differ = lambda what: (  # noqa: E731
+    f"the batches after step {meta.step} differ from an uninterrupted run's ({what})"
+  )
+  if was.get("document_ends") != now["document_ends"]:
+    warnings.warn(
+      f"checkpoint step {meta.step} was trained before documents (text files, JSONL and "
+      f"Parquet records) ended with the tokenizer's end-of-sequence token: "
+      + differ("that run's batches cannot be read again"),
+      stacklevel=2,
+    )
+  if meta.data_files is not None:  # the data compared by content, not by the paths naming it
+    change = data_change(meta.data_files, data_files)
+    if change:
       warnings.warn(
-        f"resuming with {key}={now[key]!r}, but the checkpoint was trained with "
-        f"{was[key]!r}: the batches after step {meta.step} differ from an "
-        f"uninterrupted run's",
+        f"resuming on other data than the checkpoint's (step {meta.step}): {change}: "
+        + differ("restore the data to continue the same run"),
+        stacklevel=2,
+      )
+    was.pop("paths", None)
+  for key in was:
+    if key in ("tokenizer", "tokenizer_identity", "document_ends"):
+      continue  # compared above
+    if was[key] != now.get(key):
+      warnings.warn(
+        f"resuming with {key}={now.get(key)!r}, but the checkpoint was trained with "
+        f"{was[key]!r}: " + differ("pass the checkpoint's value to continue the same run"),
         stacklevel=2,
       )
   if meta.train is not None and meta.train != schedule_of(cfg):
@@ -187,20 +262,21 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer) -> TrainStat
 
 def starting_point(
   cfg: RunConfig, engine: Engine, ckpt: Checkpointer, main: bool
-) -> tuple[RunConfig, TrainState, list[str]]:
-  """(the run's config as it runs, the state it starts from, the metrics rows it keeps) for the
-  run directory as it is: a run that stopped before its first checkpoint has nothing to resume,
-  so its metrics are set aside (not deleted) and the run starts over, with or without --resume
-  (process 0 decides: the others follow, or it fails alone)."""
+) -> tuple[RunConfig, TrainState, list[str], dict]:
+  """(the run's config as it runs, the state it starts from, the metrics rows it keeps, its
+  data's fingerprint) for the run directory as it is: a run that stopped before its first
+  checkpoint has nothing to resume, so its metrics are set aside (not deleted) and the run starts
+  over, with or without --resume (process 0 decides: the others follow, or it fails alone)."""
   metrics_path = os.path.join(cfg.out, METRICS)
   written = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
   if not ckpt.steps() and (written or not main):
     cfg = dataclasses.replace(cfg, checkpoints=dataclasses.replace(cfg.checkpoints, resume=False))
     if main:
       set_aside_metrics(metrics_path)
-  state = start_state(cfg, engine, ckpt)
+  data_files = data_fingerprint(cfg.data)
+  state = start_state(cfg, engine, ckpt, data_files)
   rows = kept_rows(metrics_path, int(state.step)) if main and cfg.checkpoints.resume else []
-  return cfg, state, rows
+  return cfg, state, rows, data_files
 
 
 def set_aside_metrics(metrics_path: str) -> None:

@@ -1,23 +1,46 @@
 """Tokenizers of `--data` text: bytes (vocabulary 256, no special tokens), or an HF
-`tokenizer.json` through the `tokenizers` package (`pip install -e ".[hf]"`); the check that a
-tokenizer's ids fit the model's vocabulary."""
+`tokenizer.json` through the `tokenizers` package (`pip install -e ".[hf]"`); which one a run
+uses (`resolve_tokenizer`: --tokenizer, else the model's HF directory's); the check that a
+tokenizer's ids fit the model's vocabulary.
+
+A document (a text file, a JSONL or Parquet record) is tokenized with the special tokens the
+tokenizer's post-processor adds (Llama's beginning-of-sequence token) and ends with its
+end-of-sequence token (`eos_token` of tokenizer_config.json beside tokenizer.json), so that the
+documents of a token stream are told apart. Bytes have no such tokens: byte-level documents are
+concatenated as they are.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 
 import numpy as np
 
+from paro_jax.run.bins import META, SHARD
+from paro_jax.run.chat import special_tokens
 from paro_jax.run.config import DataConfig
 
 BYTE_VOCAB = 256
+BYTES = "bytes"  # --tokenizer bytes: byte-level tokens, asked for by name
+TOKENIZER_FILE = "tokenizer.json"  # an HF model directory's
 
 
 class ByteTokenizer:
   vocab_size = BYTE_VOCAB
+  name = BYTES
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+  def document(self, text: str) -> np.ndarray:
+    """A document's tokens: its bytes (no special tokens exist in 256 bytes)."""
+    return self.encode(text)
+
+  def document_ends(self) -> tuple[list[int], list[int]]:
+    return [], []
 
   def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """(the bytes, the character span each byte belongs to)."""
@@ -39,7 +62,7 @@ class HFTokenizer:
         f'--tokenizer {path} needs the `tokenizers` package: pip install -e ".[hf]"'
       ) from e
     if os.path.isdir(path):  # an HF model directory: its tokenizer.json
-      inside = os.path.join(path, "tokenizer.json")
+      inside = os.path.join(path, TOKENIZER_FILE)
       if not os.path.isfile(inside):
         raise FileNotFoundError(
           f"--tokenizer {path} is a directory without a tokenizer.json: pass the tokenizer.json "
@@ -51,7 +74,7 @@ class HFTokenizer:
         f"tokenizer file {path!r} does not exist: pass --tokenizer with an "
         f"HF tokenizer.json, or leave it out for byte-level tokens"
       )
-    self.path = path
+    self.path = self.name = path
     try:
       self._tok = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # the Rust side raises a bare Exception
@@ -66,9 +89,38 @@ class HFTokenizer:
     self.vocab_size = max(
       self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1
     )
+    self._ends = None
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
+
+  def document(self, text: str) -> np.ndarray:
+    """A document's tokens: `text` through the tokenizer's post-processor (which adds the
+    beginning-of-sequence token where the tokenizer does), then the end-of-sequence token."""
+    _, end = self.document_ends()
+    return np.asarray(self._tok.encode(text).ids + end, dtype=np.uint32)
+
+  def document_ends(self) -> tuple[list[int], list[int]]:
+    """(the ids before a document's text, those after it): what the post-processor adds on
+    either side, then the end-of-sequence token unless the post-processor already ends with it.
+    For a document tokenized in pieces (prepare-data's blocks of lines)."""
+    if self._ends is None:
+      probe = self._tok.encode("x")  # one ordinary token between the added ones
+      special = probe.special_tokens_mask
+      text = [i for i, s in enumerate(special) if not s]
+      lo, hi = (text[0], text[-1] + 1) if text else (len(special), len(special))
+      before, after = probe.ids[:lo], probe.ids[hi:]
+      eos = special_tokens(os.path.dirname(self.path)).get("eos_token")
+      eos_id = self._tok.token_to_id(eos) if eos else None
+      if eos_id is None:
+        raise ValueError(
+          f"tokenizer {self.path} names no end-of-sequence token (eos_token in a "
+          f"tokenizer_config.json beside it that the tokenizer knows), so its documents cannot "
+          f"be told apart: use the tokenizer.json of an HF model directory, with its "
+          f"tokenizer_config.json"
+        )
+      self._ends = (before, after if after[-1:] == [eos_id] else [*after, eos_id])
+    return self._ends
 
   def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """(the ids without the special tokens the post-processor adds, each one's character span
@@ -81,7 +133,96 @@ class HFTokenizer:
 
 
 def make_tokenizer(cfg: DataConfig):
-  return HFTokenizer(cfg.tokenizer) if cfg.tokenizer else ByteTokenizer()
+  return HFTokenizer(cfg.tokenizer) if cfg.tokenizer not in (None, BYTES) else ByteTokenizer()
+
+
+def resolve_tokenizer(
+  data: DataConfig, hf_dir: str | None, model_vocab: int, files: list[str]
+) -> DataConfig:
+  """`data` with the tokenizer the run uses: --tokenizer's (a tokenizer.json, or `bytes`), else
+  the tokenizer.json of the model's HF directory `hf_dir`, else bytes. Text as bytes for a model
+  whose vocabulary is not the 256 bytes is refused unless asked for (`--tokenizer bytes`), and
+  so are prepare-data shards made with another tokenizer than the run's
+  (`check_shards_tokenizer`)."""
+  if data.tokenizer is not None:
+    check_shards_tokenizer(files, data.tokenizer, model_vocab)
+    return data
+  if hf_dir and os.path.isfile(os.path.join(hf_dir, TOKENIZER_FILE)):
+    check_shards_tokenizer(files, os.path.join(hf_dir, TOKENIZER_FILE), model_vocab)
+    return dataclasses.replace(data, tokenizer=os.path.join(hf_dir, TOKENIZER_FILE))
+  text = not files or any(not path.endswith(".bin") for path in files)
+  if text and model_vocab != BYTE_VOCAB:
+    where = f"{hf_dir} has no {TOKENIZER_FILE}" if hf_dir else "no --tokenizer was given"
+    raise ValueError(
+      f"--data is text and the model's vocabulary is {model_vocab}, not the {BYTE_VOCAB} bytes, "
+      f"and {where}: pass --tokenizer with the model's tokenizer.json, or --tokenizer "
+      f"{BYTES} to train on bytes anyway"
+    )
+  check_shards_tokenizer(files, None, model_vocab)
+  return dataclasses.replace(data, tokenizer=BYTES)
+
+
+def check_shards_tokenizer(files: list[str], tokenizer: str | None, model_vocab: int) -> None:
+  """prepare-data shards among `files` must have been made with the run's tokenizer (a
+  tokenizer.json or `bytes`; None: none given, where byte-level shards are refused for a model
+  whose vocabulary is not the bytes). Their meta.json records it (by its identity; before that,
+  by its path)."""
+  for directory in sorted(
+    {os.path.dirname(f) or "." for f in files if SHARD.fullmatch(os.path.basename(f))}
+  ):
+    try:
+      with open(os.path.join(directory, META)) as f:
+        meta = json.load(f)
+      name = meta["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+      continue  # no complete meta.json: refused when the shards are read (bins.check_shards)
+    made = meta.get("tokenizer_identity") or tokenizer_identity(name)
+    if tokenizer is None:
+      if made == BYTES and model_vocab != BYTE_VOCAB:
+        raise ValueError(
+          f"{directory} holds shards of byte-level tokens ({META}), and the model's vocabulary "
+          f"is {model_vocab}, not the {BYTE_VOCAB} bytes: prepare the data again with the "
+          f"model's --tokenizer, or pass --tokenizer {BYTES} to train on bytes anyway"
+        )
+      continue
+    if made != tokenizer_identity(tokenizer):
+      raise ValueError(
+        f"{directory} holds shards tokenized with {name} ({META}), but this run's tokenizer is "
+        f"{tokenizer}: their token ids mean other text; prepare the data again with --tokenizer "
+        f"{tokenizer}, or pass --tokenizer {name}"
+      )
+
+
+def tokenizer_identity(tokenizer: str | None) -> str:
+  """What tells two tokenizers apart: `bytes`, or the SHA-256 of the tokenizer.json (wherever
+  it lies: a copied model directory is the same tokenizer)."""
+  if tokenizer in (None, BYTES):
+    return BYTES
+  path = tokenizer
+  if os.path.isdir(path):
+    path = os.path.join(path, TOKENIZER_FILE)
+  try:
+    with open(path, "rb") as f:
+      return hashlib.sha256(f.read()).hexdigest()
+  except OSError:
+    return os.path.abspath(path)  # gone: its path is what is known of it
+
+
+def check_resumed_tokenizer(was: dict, now: dict, step: int) -> None:
+  """A resumed run must tokenize as its checkpoint did (`was` and `now`: RunMeta.data, the
+  checkpoint's and this run's); a checkpoint from before the tokenizer's identity was recorded
+  is compared by path (None was bytes)."""
+  name = lambda d: d.get("tokenizer") or BYTES
+  if "tokenizer_identity" in was:
+    same = was["tokenizer_identity"] == now["tokenizer_identity"]
+  else:
+    same = os.path.abspath(name(was)) == os.path.abspath(name(now))
+  if not same:
+    raise ValueError(
+      f"resuming with tokenizer {name(now)}, but checkpoint step {step} was trained with "
+      f"tokenizer {name(was)}: its token ids mean other text; pass --tokenizer {name(was)}, or "
+      f"start a new run with another --out"
+    )
 
 
 def check_vocab(vocab_size: int, model_vocab: int, what: str) -> None:

@@ -22,13 +22,15 @@ from paro_jax.run.bins import DataChanged
 from paro_jax.run.data import Batches
 from paro_jax.run.examples import ExampleBatches
 from paro_jax.run.fit import run_memory
-from paro_jax.run.setup import build, place_batch, starting_point
+from paro_jax.run.setup import build, place_batch, starting_point, with_tokenizer
 from paro_jax.run.stopping import Interrupted, RunLock, StopSignals, StopVote
 
 
 def train(cfg: RunConfig) -> str:
   """Train and write RUN/metrics.jsonl and RUN/checkpoints; returns the metrics path."""
   engine, batches, eval_batches = build(cfg)
+  # the tokenizer its data is read with (build's), as the banner and its checkpoints name it
+  cfg = with_tokenizer(cfg, engine.model.cfg.vocab)
   main = jax.process_index() == 0  # with several processes only process 0 logs and writes
   processes = jax.process_count()
   who = f"process {jax.process_index()} of {processes}: " if processes > 1 else ""
@@ -51,13 +53,13 @@ def train(cfg: RunConfig) -> str:
     ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.checkpoints.keep)
     stop.ckpt = ckpt
     try:
-      cfg, state, rows = starting_point(cfg, engine, ckpt, main)
+      cfg, state, rows, data_files = starting_point(cfg, engine, ckpt, main)
     except BaseException:
       ckpt.close()
       raise
     # One fixed eval batch, placed once: eval losses are comparable across steps and runs.
     eval_batch = place_batch(engine, eval_batches, 0) if eval_batches else None
-    with Bookkeeper(cfg, engine, ckpt, int(state.step), rows, main) as book:
+    with Bookkeeper(cfg, engine, ckpt, int(state.step), rows, main, data_files) as book:
       _run(cfg, engine, batches, eval_batch, state, book, stop)
     if stop.stopping:
       if main:

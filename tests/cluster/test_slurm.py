@@ -287,7 +287,8 @@ def test_frozen_task_is_named(cluster, tmp_path):
   coordination service, given a longer heartbeat timeout (70 s here), never aborts the task that
   still runs (SIGABRT and a C++ stack, naming no one: what happened at ~90 s before). The stopped
   task, which SLURM continues in order to end it, finds the service gone and is aborted by JAX's
-  client, with its stack: that one is not prevented (docs/failures.md)."""
+  client: its stderr passes through a child that folds that abort into its log
+  (cluster/native_stderr.py), so no C++ stack reaches the terminal from either task."""
   out = tmp_path / "run"
   train = [*TRAIN, "--steps", "500", "--heartbeat-timeout", "20", "--out", str(out)]
   srun = ["srun", "--label", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
@@ -318,9 +319,9 @@ def test_frozen_task_is_named(cluster, tmp_path):
   assert "pjnode0: task 0: Exited with exit code 124" in output, output[-3000:]
   # The stopped task, continued by SLURM to be ended, does not blame the one that named it.
   assert "1: paro-jax: error: process 1 of 2: process 0" not in output, output[-3000:]
-  assert 20 <= took < 60, took
-  healthy = "\n".join(x for x in output.splitlines() if x.startswith("0: "))
-  assert "Check failure" not in healthy and "Traceback" not in output, output[-3000:]
+  assert 19 <= took < 60, took  # the last beat came up to a second (its period) before the stop
+  assert "Check failure" not in output and "Traceback" not in output, output[-3000:]
+  assert "@     0x" not in output, output[-3000:]
 
 
 def _cmdline(pid: str) -> bytes:

@@ -19,7 +19,7 @@ import pytest
 
 from models.llama import Llama, get_config
 from paro_jax.run.checkpoint import Checkpointer
-from paro_jax.run.checkpoint_content import RunMeta
+from paro_jax.run.checkpoint_content import NonFiniteStateError, RunMeta
 from paro_jax.run.checkpoint_errors import CheckpointError
 from paro_jax.run.data import Batches, default_corpus
 from paro_jax.core.engine import Engine, OptimConfig
@@ -301,13 +301,13 @@ def test_checksum_depends_on_every_element_and_not_on_sharding():
   x = np.arange(64, dtype=np.float32).reshape(8, 8)
   mesh = make_mesh(2, 4)
   spread = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P(("intra", "inter"))))
-  base, finite = state_checksums({"w": jnp.asarray(x)})
-  assert finite and state_checksums({"w": spread})[0] == base
+  base, non_finite = state_checksums({"w": jnp.asarray(x)})
+  assert non_finite == [] and state_checksums({"w": spread})[0] == base
   swapped = x.copy()
   swapped[0, 0], swapped[0, 1] = x[0, 1], x[0, 0]
   assert state_checksums({"w": jnp.asarray(swapped)})[0] != base
   x[3, 3] = np.nan
-  assert not state_checksums({"w": jnp.asarray(x)})[1]
+  assert state_checksums({"w": jnp.asarray(x)})[1] == ["['w']"]
 
 
 def _tmpfs(path, size):
@@ -616,3 +616,30 @@ def test_a_save_that_cannot_be_read_back_replaces_nothing(saved_iig, tmp_path, m
   good.save(state3, meta_for(engine, 3))
   good.close()
   assert good.steps() == [3]
+
+
+def test_a_non_finite_state_names_its_arrays_and_what_is_kept(saved_iig, tmp_path):
+  """A state with NaN/Inf is never saved; the line names the arrays and says truly what the run
+  keeps: it said "its newest checkpoint is kept" also when there was none."""
+  engine = make_engine("IIG", make_mesh(2, 4))
+  state, _ = Checkpointer(saved_iig[0]).restore(engine)
+  embedding = state.master["embed"]["embedding"]
+  broken = state._replace(master={**state.master, "embed": {"embedding": embedding * jnp.nan}})
+  step = int(state.step)
+  ckpt = Checkpointer(str(tmp_path / "none"))
+  with pytest.raises(NonFiniteStateError) as e:
+    ckpt.save(broken, meta_for(engine, step))
+  assert f"the state of step {step} holds NaN or Inf values in 1 of " in str(e.value)
+  assert "(first: .master['embed']['embedding'])" in str(e.value)
+  assert str(e.value).endswith(
+    f"no checkpoint was saved before it: the {step} steps trained are lost; run again with a "
+    f"lower --lr"
+  )
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path / "one"))
+  ckpt.save(state, meta_for(engine, step))
+  later = broken._replace(step=broken.step + 1)
+  with pytest.raises(NonFiniteStateError, match=f"its newest checkpoint, step {step}, is kept"):
+    ckpt.save(later, meta_for(engine, step + 1))
+  ckpt.close()
+  assert Checkpointer(str(tmp_path / "one")).steps() == [step]

@@ -75,7 +75,7 @@ def test_hf_tokenizer(tmp_path):
   def make(vocab_size):
     tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]", "</s>"])
     tok.train_from_iterator([TEXT, "the quick brown fox jumps over the lazy dog"] * 5, trainer)
     path = str(tmp_path / f"tokenizer-{vocab_size}.json")
     tok.save(path)
@@ -83,8 +83,15 @@ def test_hf_tokenizer(tmp_path):
 
   path, tok = make(60)
   (tmp_path / "c.txt").write_text(TEXT)
-  got = load_tokens(DataConfig(paths=(str(tmp_path / "c.txt"),), tokenizer=path), 64)
-  np.testing.assert_array_equal(got, tok.encode(TEXT).ids)
+  data = DataConfig(paths=(str(tmp_path / "c.txt"),), tokenizer=path)
+  # Without an end-of-sequence token the documents could not be told apart: refused.
+  with pytest.raises(ValueError, match="names no end-of-sequence token.*tokenizer_config.json"):
+    load_tokens(data, 64)
+  (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+  got = load_tokens(data, 64)
+  # The file is one document: its tokens, then the end-of-sequence token (this tokenizer's
+  # post-processor adds nothing).
+  np.testing.assert_array_equal(got, tok.encode(TEXT).ids + [tok.token_to_id("</s>")])
   with pytest.raises(ValueError, match=r"vocabulary of \d+, more than the model's 32"):
     load_tokens(DataConfig(paths=(str(tmp_path / "c.txt"),), tokenizer=path), 32)
 
@@ -103,12 +110,14 @@ def test_names_with_glob_characters_and_tokenizer_directories(tmp_path):
   assert got.size == len(TEXT.encode())
   tok = Tokenizer(models.BPE(unk_token="[UNK]"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.train_from_iterator([TEXT] * 3, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+  trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"])
+  tok.train_from_iterator([TEXT] * 3, trainer)
   (tmp_path / "hf").mkdir()
   tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+  (tmp_path / "hf" / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
   data = (str(tmp_path / "data[1].txt"),)
   got = load_tokens(DataConfig(paths=data, tokenizer=str(tmp_path / "hf")), 64)
-  np.testing.assert_array_equal(got, tok.encode(TEXT).ids)
+  np.testing.assert_array_equal(got, tok.encode(TEXT).ids + [tok.token_to_id("</s>")])
 
 
 def test_byte_tokens_need_a_256_vocabulary():

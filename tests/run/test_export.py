@@ -75,7 +75,7 @@ def test_export_writes_what_the_run_trained(runs, tmp_path, dtype, lora):
   in_flight = run / CHECKPOINTS / "3.orbax-checkpoint-tmp-1"
   in_flight.mkdir()
   try:
-    cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf")])
+    cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf"), "--dtype", "fp32"])
     assert in_flight.is_dir()
   finally:
     in_flight.rmdir()

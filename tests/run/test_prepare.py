@@ -293,3 +293,31 @@ def test_a_shard_truncated_while_training_is_one_line_and_keeps_the_steps(tmp_pa
   )  # fmt: skip
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"resumed from {out}/checkpoints/{step}" in again.stdout
+
+
+def test_shards_of_another_tokenizer_are_refused(tmp_path):
+  """prepare-data's meta.json records its tokenizer (by the hash of its tokenizer.json): shards
+  of byte-level tokens, or of another tokenizer, into a run whose tokenizer differs are one line
+  (they trained silently: byte ids are valid ids of any vocabulary)."""
+  from paro_jax.run.tokenizers import BYTES, resolve_tokenizer
+
+  llama = os.path.join(REPO, "tests", "fixtures", "hf_llama", "llama3_gqa")
+  other = os.path.join(REPO, "tests", "fixtures", "hf_llama", "llama2_mha")
+  (tmp_path / "t.txt").write_text("some text to tokenize, twice over. " * 50)
+  prepare_data([str(tmp_path / "t.txt")], str(tmp_path / "bytes"), progress=False)
+  tok = os.path.join(llama, "tokenizer.json")
+  prepare_data([str(tmp_path / "t.txt")], str(tmp_path / "llama"), tokenizer=tok, progress=False)
+  byte_shards = glob.glob(str(tmp_path / "bytes" / "*.bin"))
+  llama_shards = glob.glob(str(tmp_path / "llama" / "*.bin"))
+  data = DataConfig(paths=(str(tmp_path / "llama" / "*.bin"),))
+  # the model's own tokenizer (its HF directory's), or the same file named elsewhere: taken
+  assert resolve_tokenizer(data, llama, 288, llama_shards).tokenizer == tok
+  # byte shards into the model of the HF directory, or with no tokenizer given
+  with pytest.raises(ValueError, match=r"bytes holds shards tokenized with bytes .*but this run's"):
+    resolve_tokenizer(data, llama, 288, byte_shards)
+  with pytest.raises(ValueError, match=r"holds shards of byte-level tokens .* vocabulary is 288"):
+    resolve_tokenizer(data, None, 288, byte_shards)
+  assert resolve_tokenizer(DataConfig(tokenizer=BYTES), None, 288, byte_shards).tokenizer == BYTES
+  # another HF tokenizer than the shards'
+  with pytest.raises(ValueError, match=r"llama holds shards tokenized with .*llama3_gqa"):
+    resolve_tokenizer(data, other, 288, llama_shards)

@@ -70,7 +70,7 @@ def test_eval_equals_a_hand_count_over_completion_tokens(trained, capsys):
   capsys.readouterr()
   main(["eval", out, "--data", data, "--seq-len", str(SEQ), "--batch-size", "8", "--json"] + FP32)
   result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  main(["export", out, "--out", os.path.join(out, "hf")])
+  main(["export", out, "--out", os.path.join(out, "hf"), "--dtype", "fp32"])
   cfg, params = load_hf(os.path.join(out, "hf"))
   model = Llama(cfg, jnp.float32)
   # every record alone, prompt then completion bytes (all of one length: one batch)
@@ -181,3 +181,27 @@ def test_lora_with_ing_on_chat_data_end_to_end(tmp_path, capsys):
   main(["eval", str(tmp_path / "hf"), "--json", "--mesh", "2x4", *common])
   merged = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert merged["loss"] == pytest.approx(scores[out]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("source", ["jsonl", "shards"])
+def test_resume_on_instruction_data_is_exact(tmp_path, source):
+  """Packed prompt-completion examples, read from JSONL or from prepare-data's shards (with their
+  masks and example starts): stopped after step 2 and resumed, steps 3-4 have the losses and
+  target counts of the run never stopped."""
+  data = write_jsonl(tmp_path / "pc.jsonl", random_records(seed=3))
+  if source == "shards":
+    main(["prepare-data", data, "--out", str(tmp_path / "shards")])
+    data = str(tmp_path / "shards" / "*.bin")
+  flags = ["train", "--model", "test", "--strategy", "IIG", "--mesh", "2x4", "--batch-size", "8"]
+  flags += ["--seq-len", str(SEQ), "--steps", "4", "--warmup", "1", *FP32, "--data", data]
+  flags += ["--pack", "--micro-batches", "2", "--checkpoint-every", "2"]
+  straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+  main([*flags, "--out", straight])
+  shutil.copytree(straight, stopped)
+  shutil.rmtree(os.path.join(stopped, "checkpoints", "4"))
+  main([*flags, "--out", stopped, "--resume"])
+  rows = lambda out: [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]  # noqa: E731
+  want, got = rows(straight), rows(stopped)
+  assert [r["step"] for r in got] == [1, 2, 3, 4]
+  assert [r["targets"] for r in got] == [r["targets"] for r in want]
+  np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=0, atol=1e-6)
