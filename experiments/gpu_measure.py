@@ -43,6 +43,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the changes the suite undoes one at a time on one GPU (per-leaf is for several GPUs of a node)
+CHANGES_ON_ONE_GPU = ("head-backward", "loss", "one-device", "zero-fill", "weights-copy")
 
 
 def main(argv=None) -> int:
@@ -59,34 +61,67 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--inter-bandwidth", default=None, help="as inspect's (multi-node meshes)")
+  ap.add_argument("--old", default="none", help="undo these changes of issue 45 (comma-separated, "
+                  "`all` or `none`; experiments/gpu_variants.py names them)")  # fmt: skip
+  ap.add_argument("--suite", action="store_true", help="the before/after suite on one GPU "
+                  "(SUITE, in priority order within --budget-s): one page in --out")  # fmt: skip
+  ap.add_argument("--budget-s", type=float, default=450.0, help="the suite starts no run that "
+                  "would end after this many seconds (default 450)")  # fmt: skip
+  ap.add_argument(
+    "--only", default=None, help="the suite's runs of these names only (comma-separated)"
+  )
+  ap.add_argument("--dry-run", action="store_true", help="the plumbing on the CPU, `test` model")
   ap.add_argument("--out", default=None, help="folder for gpu_measure.json and the trace")
   ap.add_argument("--report", default=None, metavar="DIR", help="write DIR/README.md (no GPU)")
   args = ap.parse_args(argv)
   if args.report:
     return report(args.report)
   sys.path.insert(0, ROOT)
-  from paro_jax.analysis.gpu import estimate, targets
+  from experiments import gpu_variants
+  from paro_jax.analysis.gpu import estimate
   from paro_jax.core.names import parse_mesh_shape
   from paro_jax.core.units import parse_rate
 
+  args.old = gpu_variants.parse(args.old)
   rate = parse_rate(args.inter_bandwidth) if args.inter_bandwidth else None
   mesh_shape = parse_mesh_shape(args.mesh) if args.mesh else None
   # before jax starts: XLA reads its logging and network options once
   estimate.prepare_environment(rate, mesh_shape[1] if mesh_shape else 8)
+  if args.dry_run:
+    os.environ["JAX_PLATFORMS"] = "cpu"
   import jax
 
-  gpus = [d for d in jax.devices() if d.platform == "gpu"]
-  if not gpus:
+  devices = jax.devices() if args.dry_run else [d for d in jax.devices() if d.platform == "gpu"]
+  if not devices:
     print("gpu_measure: no GPU here (jax sees only " + jax.devices()[0].platform + ")")
     return 2
+  out = args.out or tempfile.mkdtemp(prefix="gpu_measure-")
+  os.makedirs(out, exist_ok=True)
+  if args.suite:
+    return suite(args, devices, out)
+  r = measure(args, devices, out, rate, mesh_shape)
+  with open(os.path.join(out, "gpu_measure.json"), "w") as f:
+    json.dump(r, f, indent=1)
+  _print_run(r, out)
+  return 0
+
+
+def measure(args, devices, out: str, rate=None, mesh_shape=None) -> dict:
+  """One run: the step of `args` (with the changes in args.old undone) compiled on `devices`,
+  `args.warmup` steps, `args.steps` timed ones, a trace of 3 more under `out`; the result."""
+  import jax
+
+  from experiments import gpu_variants
   from models.config import get_config
-  from paro_jax.analysis.gpu.hardware import peak_flops
+  from paro_jax.analysis.gpu import estimate, targets
   from paro_jax.analysis.inspect.abstract import abstract_inputs
+  from paro_jax.analysis.gpu.hardware import peak_flops
   from paro_jax.core.config import StepConfig
   from paro_jax.core.factory import build_engine
   from paro_jax.core.mesh import make_mesh
 
-  inter, intra = mesh_shape or (1, len(gpus))
+  t0 = time.perf_counter()
+  inter, intra = mesh_shape or (1, len(devices))
   cfg = get_config(args.model)
   if args.layers:
     cfg = dataclasses.replace(cfg, layers=args.layers)
@@ -98,45 +133,49 @@ def main(argv=None) -> int:
     micro_batches=args.micro_batches,
     collectives=args.collectives,
   )
-  engine = build_engine(step, cfg, make_mesh(inter, intra))
+  mesh = make_mesh(inter, intra, devices=devices[: inter * intra])
+  engine = build_engine(step, cfg, mesh, **gpu_variants.engine_options(args.old))
   n = inter * intra
-  state_shape, batch_shape = abstract_inputs(engine, n, args.seq_len)
-  with estimate.captured_stderr() as log:
-    compiled = engine.train_step.lower(state_shape, batch_shape).compile()
+  kind = devices[0].device_kind
+  with gpu_variants.undone(args.old, engine):
+    state_shape, batch_shape = abstract_inputs(engine, n, args.seq_len)
+    with estimate.captured_stderr() as log:
+      compiled = engine.train_step.lower(state_shape, batch_shape).compile()
+  compile_s = time.perf_counter() - t0
   text = compiled.as_text()
-  kind = gpus[0].device_kind
   # the target description of this GPU (for its memory bandwidth in the roofline part)
   target = next((t for t in ("h200", "h100", "a100-80gb") if t[:4] in kind.lower()), "h100")
   tokens = args.micro_batches * n * args.seq_len
-  cc = tuple(int(x) for x in str(getattr(gpus[0], "compute_capability", "9.0")).split("."))
+  flops = engine.model.cfg.flops_per_token(args.seq_len) * tokens
+  cc = tuple(int(x) for x in str(getattr(devices[0], "compute_capability", "9.0")).split("."))
   est = estimate.estimate(
     text,
     log[0],
     compute_capability=cc,
-    peak_flops=peak_flops(kind),
+    peak_flops=peak_flops(kind) or peak_flops("H100"),
     memory_bandwidth=targets.memory_bandwidth(target),
     devices=n,
     tokens_per_step=tokens,
-    flops_per_step=engine.model.cfg.flops_per_token(args.seq_len) * tokens,
+    flops_per_step=flops,
     inter_bits_per_s=rate,
     gpus_per_node=intra,
   )
-  out = args.out or tempfile.mkdtemp(prefix="gpu_measure-")
-  os.makedirs(out, exist_ok=True)
   state = engine.init_state(jax.random.key(0))
   batch = jax.device_put(
     jax.random.randint(jax.random.key(1), batch_shape.shape, 0, engine.model.cfg.vocab),
     engine.batch_sharding,
   )
+  losses = []
   for _ in range(args.warmup):
     state, metrics = compiled(state, batch)
-  jax.block_until_ready(metrics)
+    losses.append(float(metrics["loss"]))
   times = []
   for _ in range(args.steps):
     t = time.perf_counter()
     state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - t)
+    losses.append(float(metrics["loss"]))
   with open(os.path.join(out, "step.hlo"), "w") as f:
     f.write(text)
   traced = 3
@@ -144,6 +183,7 @@ def main(argv=None) -> int:
     for _ in range(traced):
       state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
+  del state, compiled
   measured = statistics.median(times)
   r = {
     "date": str(datetime.date.today()),
@@ -157,34 +197,147 @@ def main(argv=None) -> int:
     "strategy": args.strategy,
     "micro_batches": args.micro_batches,
     "seq_len": args.seq_len,
+    "old": list(args.old),
+    "compile_s": compile_s,
     "measured_step_s": measured,
     "measured_steps_s": times,
+    "losses": losses,
     "estimate": est,
   }
   if est.get("step_s"):
     r["measured_over_estimate"] = measured / est["step_s"]
-  flops = engine.model.cfg.flops_per_token(args.seq_len) * tokens
   if peak_flops(kind):
     r["measured_mfu"] = flops / measured / (peak_flops(kind) * n)
   r["trace"] = trace_summary(os.path.join(out, "trace"), traced)
-  with open(os.path.join(out, "gpu_measure.json"), "w") as f:
-    json.dump(r, f, indent=1)
-  t = r["trace"]
+  r["wall_s"] = time.perf_counter() - t0
+  return r
+
+
+def _print_run(r: dict, out: str) -> None:
+  from paro_jax.analysis.gpu import estimate
+
+  est, t = r["estimate"], r["trace"]
   if "busy_s" in t:
     print(
       f"trace: GPU busy {t['busy_s'] * 1e3:.2f} ms per step over {t['streams']} streams; kernels "
       + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t["kernel_s"].items())
     )
+  n = r["mesh"][0] * r["mesh"][1]
   print(
-    f"{kind} x {n}, {args.model} ({cfg.layers} layers) {args.strategy}: measured "
-    f"{measured * 1e3:.2f} ms per step "
-    f"(median of {args.steps}), "
+    f"{r['device']} x {n}, {r['model']} ({r['layers']} layers) {r['strategy']}"
+    + (f", old: {','.join(r['old'])}" if r["old"] else "")
+    + f": measured {r['measured_step_s'] * 1e3:.2f} ms per step "
+    f"(median of {len(r['measured_steps_s'])}), "
     + ("XLA's estimate " if est.get("source") == estimate.SOURCE else "the roofline estimate ")
     + (f"{est['step_s'] * 1e3:.2f} ms: ratio {r['measured_over_estimate']:.2f}" if est.get("step_s")
        else f"none ({est.get('unavailable')})")
     + f"; trace in {out}/trace"
   )  # fmt: skip
+
+
+# The before/after suite of issue 45 on one GPU, in priority order (the budget cuts from the end):
+# each row (name, layers of 7b, micro-batches, changes undone).
+SUITE = (
+  ("7b-L4-A1", 4, 1, "none"),
+  ("7b-L4-A1-before", 4, 1, "all"),
+  ("7b-L8-A2", 8, 2, "none"),
+  ("7b-L8-A2-before", 8, 2, "all"),
+  *((f"7b-L4-A1-old-{c}", 4, 1, c) for c in CHANGES_ON_ONE_GPU),
+)
+# The goals: how much faster than before each run must be (issue 45), and the runs it compares.
+GOALS = {"7b-L4-A1": 0.10, "7b-L8-A2": 0.08}
+
+
+def suite(args, devices, out: str) -> int:
+  """The SUITE's runs, each within the budget (a run is started only if the longest so far
+  would still end before it), and one page: out/README.md."""
+  from experiments import gpu_variants
+
+  started, results, skipped = time.perf_counter(), [], []
+  longest = 0.0
+  for name, layers, micro, old in SUITE:
+    if args.only and name not in args.only.split(","):
+      continue
+    if time.perf_counter() - started + longest > args.budget_s:
+      skipped.append(name)
+      continue
+    run = argparse.Namespace(**{**vars(args), "layers": layers, "micro_batches": micro,
+                                "old": gpu_variants.parse(old)})  # fmt: skip
+    if args.dry_run:  # the test model on the CPU (where cuDNN's attention is not)
+      run.model, run.layers, run.seq_len, run.attention = "test", layers // 2, 64, "xla"
+    folder = os.path.join(out, name)
+    os.makedirs(folder, exist_ok=True)
+    r = measure(run, devices, folder)
+    r["name"] = name
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+      json.dump(r, f, indent=1)
+    _print_run(r, folder)
+    results.append(r)
+    longest = max(longest, r["wall_s"])
+  page = suite_page(results, skipped, args)
+  with open(os.path.join(out, "README.md"), "w") as f:
+    f.write(page)
+  print(page)
   return 0
+
+
+def suite_page(results: list[dict], skipped: list[str], args) -> str:
+  """The suite's results page: per run the measured step, MFU, kernels and estimate; the goals
+  (each run against its `-before`); the numerics (each run's losses against its `-before`'s)."""
+  first = results[0]
+  ms = lambda s: f"{s * 1e3:.2f}"
+  how = "one command"
+  if args.dry_run:
+    how = "a CPU dry run of the plumbing, `test` model: no figure here is a GPU measurement"
+  lines = [
+    "# The step before and after issue 45's changes, measured on one GPU",
+    "",
+    f"{first['device']}, jax {first['jax']}, {first['date']}. `python experiments/gpu_measure.py "
+    f"--suite --out DIR` ({how}): the median of {args.steps} steps after {args.warmup} of "
+    "warm-up, kernels from a trace of 3 more; `old`: the changes undone "
+    "(experiments/gpu_variants.py), `all` being the step before them. Estimate: `paro-jax "
+    "inspect --target`'s for the same program.",
+    "",
+    "| run | layers | A | old | compile (s) | step (ms) | min-max (ms) | MFU | matmul | "
+    "attention | other | estimate (ms) | measured / estimate |",
+    "|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in results:
+    k = r["trace"].get("kernel_s", {})
+    est = r["estimate"].get("step_s")
+    mfu = r.get("measured_mfu")
+    lines.append(
+      f"| {r['name']} | {r['layers']} | {r['micro_batches']} | {','.join(r['old']) or '-'} | "
+      f"{r['compile_s']:.0f} | {ms(r['measured_step_s'])} | "
+      f"{ms(min(r['measured_steps_s']))}-{ms(max(r['measured_steps_s']))} | "
+      + (f"{mfu:.3f}" if mfu else "-")
+      + f" | {ms(k.get('matmul', 0))} | {ms(k.get('attention', 0))} | {ms(k.get('other', 0))} | "
+      + (f"{ms(est)} | {r['measured_step_s'] / est:.2f}" if est else "- | -")
+      + " |"
+    )
+  by_name = {r["name"]: r for r in results}
+  lines += ["", "## Goals and numerics", ""]
+  for name, goal in GOALS.items():
+    now, before = by_name.get(name), by_name.get(f"{name}-before")
+    if now is None or before is None:
+      lines.append(f"- {name}: not measured (it or its `-before` was not run)")
+      continue
+    gain = 1 - now["measured_step_s"] / before["measured_step_s"]
+    loss_gap = max(
+      abs(a - b) / abs(b) for a, b in zip(now["losses"], before["losses"])
+    )  # the same data and initialisation: the losses step by step
+    lines.append(
+      f"- {name}: {ms(now['measured_step_s'])} ms against {ms(before['measured_step_s'])} ms "
+      f"before, {gain:.1%} faster (goal {goal:.0%}: {'met' if gain >= goal else 'not met'}); "
+      f"losses over its {len(now['losses'])} steps within {loss_gap:.2%} of before's"
+    )
+  for r in results:
+    if r["name"].startswith("7b-L4-A1-old-") and "7b-L4-A1" in by_name:
+      cost = r["measured_step_s"] / by_name["7b-L4-A1"]["measured_step_s"] - 1
+      lines.append(f"- {r['name']}: undoing it alone makes 7b-L4-A1 {cost:+.1%} slower")
+  if skipped:
+    lines.append(f"- not run (the {args.budget_s:.0f} s budget): {', '.join(skipped)}")
+  return "\n".join(lines) + "\n"
 
 
 TERMS = ("fixed", "per_micro_batch", "per_layer", "per_layer_micro_batch")

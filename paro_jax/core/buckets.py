@@ -39,7 +39,7 @@ def all_gather_bucket(xs: list, axes, dims: list[int], impl: str = "xla", wire=N
   (collectives.all_gather); the bucket is quantized as one buffer, per-block scales included.
   """
   axes = tuple(axes) if not isinstance(axes, str) else (axes,)
-  if not axes or not xs:
+  if not xs or comm.moves_nothing(axes):  # nothing to gather: no packing (a copy of each)
     return list(xs)
   _check_one_dtype(xs)
   k = _ways(axes)
@@ -62,7 +62,7 @@ def reduce_scatter_bucket(
   collectives.reduce_scatter). With `residual` (error feedback of the bucket's inter level:
   collectives.reduce_scatter_feedback), returns (the list, the new residual)."""
   axes = tuple(axes) if not isinstance(axes, str) else (axes,)
-  if not axes or not xs:
+  if not xs or (comm.moves_nothing(axes) and residual is None):  # nothing to reduce: no packing
     return list(xs)
   _check_one_dtype(xs)
   k = _ways(axes)

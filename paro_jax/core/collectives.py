@@ -3,7 +3,8 @@
 Every function takes ``axes``: a tuple of mesh axis names, *major first*.  The
 combined index over ``axes=(a0, a1)`` is ``i0 * n1 + i1``; with the PaRO layout
 ``P(('intra', 'inter'))`` a globally sharded dimension therefore uses
-``axes=('intra', 'inter')``.  An empty tuple is the identity.
+``axes=('intra', 'inter')``.  An empty tuple is the identity, and so are
+``all_gather`` and ``reduce_scatter`` over axes of one device.
 
 Implementations (``impl``), all exactly equal to the ``lax`` reference:
 
@@ -90,6 +91,12 @@ def _check_impl(impl: str) -> None:
     raise ValueError(f"unknown collective impl {impl!r}; valid impls are {IMPLS}")
 
 
+def moves_nothing(axes) -> bool:
+  """Whether a collective over `axes` involves one device only (no axis, or axes of one
+  device): an all-gather or a reduce-scatter is then the identity. Inside shard_map."""
+  return math.prod(sizes(norm_axes(axes))) == 1
+
+
 def concrete_impl(impl: str, axes) -> str:
   """The implementation one collective over `axes` runs: `impl`, with a mixed one resolved
   (``hring+xla``: ``hring`` over two axes of more than one device each, else ``xla``; the same
@@ -124,7 +131,7 @@ def all_gather(x, axes, *, dim: int, impl: str = "xla", wire=None):
   """
   axes = norm_axes(axes)
   _check_impl(impl)
-  if not axes:
+  if moves_nothing(axes):  # one device: nothing to gather (XLA would copy it)
     return x
   dim = dim % x.ndim
   if compressed(x, axes, wire):
@@ -155,7 +162,7 @@ def reduce_scatter(x, axes, *, dim: int, impl: str = "xla", wire=None):
   """
   axes = norm_axes(axes)
   _check_impl(impl)
-  if not axes:
+  if moves_nothing(axes):  # one device: nothing to reduce (XLA would transpose it)
     return x
   dim = dim % x.ndim
   if compressed(x, axes, wire):

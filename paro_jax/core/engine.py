@@ -119,6 +119,7 @@ class TrainState(NamedTuple):
   frozen: Any = None  # LoRA: the frozen base weights, compute dtype, P placement
   residual: Any = None  # error feedback (core/feedback.py): fp32, one vector per device
   reference: Any = None  # delta parameter sync (core/feedback.py): compute dtype, P placement
+  weights: Any = None  # `weights_copy`: master in the compute dtype, OS placement (not saved)
 
 
 class Engine:
@@ -139,6 +140,7 @@ class Engine:
     program: StepProgram | None = None,
     error_feedback: bool | None = None,
     param_delta: bool | None = None,
+    weights_copy: bool | None = None,
   ):
     if grad_dtype not in GRAD_DTYPES:
       raise ValueError(f"unknown grad dtype {grad_dtype!r}; choose one of {GRAD_DTYPES}")
@@ -170,19 +172,35 @@ class Engine:
     # collectives in line, so there it would only add a second copy of the micro-batch program
     # to compile (the tests force it to check it). It needs the prefetching stack, and error
     # feedback syncs at the boundary only.
-    # `bucket_layers`: the prefetching stack's XLA collectives one bucket per layer on GPUs, where
-    # the scheduler overlaps one gather per layer better than nine (core/prefetch.py); per leaf on
-    # XLA:CPU, where unpacking a bucket is a copy of the layer's weights.
+    # `bucket_layers`: the prefetching stack's XLA collectives one bucket per layer on GPUs across
+    # nodes, where the scheduler overlaps one gather per layer better than nine
+    # (core/prefetch.py); per leaf on XLA:CPU, where unpacking a bucket is a copy of the layer's
+    # weights, and on GPUs of one node (below).
     on_gpu = mesh.devices.flat[0].platform in ("gpu", "cuda")
     if program is None:
       program = StepProgram.SYNC_IN_BACKWARD if on_gpu else StepProgram.BOUNDARY_SYNC
     if self.layer_stack is not LayerStack.PREFETCH or self.error_feedback:
       program = StepProgram.BOUNDARY_SYNC
     self.program = program
-    self.bucket_layers = on_gpu
+    self.inter, self.intra = mesh_shape(mesh)
+    # On one node per leaf: unpacking a layer's bucket copies the layer's weights (and packing
+    # its gradient copies that), and there the scheduler overlaps the per-leaf collectives as
+    # well (7b with 4 layers, IIG on 1x8 H100, A=1: 73% of the per-micro-batch bytes beside
+    # compute in buckets, 81% per leaf; 26.8 GB of non-matmul traffic per GPU, 19.6 per leaf).
+    # Across nodes per leaf loses overlap (7b IIG on 2x4, A=2: 95% in buckets, 89% per leaf,
+    # 92% with XLA's combiners merging them), so buckets stay there.
+    self.bucket_layers = on_gpu and self.inter > 1
+    # `weights_copy` (None: the platform's): the optimizer also writes the updated master shard
+    # in the compute dtype, kept in the state (2 bytes per parameter of the OS shard), so that
+    # the next parameter sync gathers it without a cast pass of its own (which reads the fp32
+    # master and writes the copy: 6 bytes per parameter, 4 more than the optimizer's extra
+    # write). On GPUs, where that pass is HBM traffic (7b with 4 layers on one H100: 6.4 GB per
+    # step); not with the delta sync, which sends the master's changes (core/feedback.py).
+    if weights_copy is None:
+      weights_copy = on_gpu
+    self.weights_copy = bool(weights_copy) and not self.param_delta
     self.compute_dtype = model.dtype
     self.wire = wire  # inter-node wire precision (paro_jax/core/compress.py)
-    self.inter, self.intra = mesh_shape(mesh)
     self.logical = model.logical_axes()
     self.shapes = jax.eval_shape(model.init, jax.random.key(0))
     self.dims = shard_dims(self.logical, rules)
@@ -239,6 +257,7 @@ class Engine:
       self.frozen_specs,
       self.residual_spec,
       self.reference_specs,
+      self.trained_specs.opt if self.weights_copy else None,
     )
     self.state_shardings = named(mesh, self.state_specs)
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
@@ -274,8 +293,28 @@ class Engine:
     if self.param_delta:  # the exact weights: the first sync sends the first step's change
       reference = jax.tree.map(lambda w: w.astype(self.compute_dtype), master)
     return TrainState(
-      jnp.zeros((), jnp.int32), master, self.tx.init(master), frozen, residual, reference
+      jnp.zeros((), jnp.int32),
+      master,
+      self.tx.init(master),
+      frozen,
+      residual,
+      reference,
+      self._weights_of(master),
     )
+
+  def _weights_of(self, master):
+    """The state's compute-dtype copy of `master` (None without `weights_copy`)."""
+    if not self.weights_copy:
+      return None
+    return jax.tree.map(lambda w: w.astype(self.compute_dtype), master)
+
+  def with_weights(self, state: TrainState) -> TrainState:
+    """`state` with its compute-dtype copy of the master written from the master (a restored
+    state: checkpoints do not hold the copy)."""
+    if not self.weights_copy:
+      return state._replace(weights=None)
+    weights = jax.jit(self._weights_of, out_shardings=self.state_shardings.weights)(state.master)
+    return state._replace(weights=weights)
 
   def params(self, state: TrainState):
     """The compute-dtype parameters at their P placement (what the step holds while it runs)."""
@@ -412,6 +451,7 @@ class Engine:
         self.frozen_specs,
         self.residual_spec,
         self.reference_specs,
+        self.state_specs.weights,
         self.batch_spec,
         *extra_specs,
       ),
@@ -420,20 +460,22 @@ class Engine:
         self.opt_specs,
         self.residual_spec,
         self.reference_specs,
+        self.state_specs.weights,
         PartitionSpec(),
         PartitionSpec(),
       ),
       check_vma=check_vma,
     )
-    master, opt_state, residual, reference, loss, grad_norm = step_fn(
+    master, opt_state, residual, reference, weights, loss, grad_norm = step_fn(
       state.master,
       state.opt_state,
       state.frozen,
       state.residual,
       state.reference,
+      state.weights,
       batch_AxBxL1,
       *extra,
     )
     metrics = {"loss": loss, "grad_norm": grad_norm, "targets": targets}
-    new = TrainState(state.step + 1, master, opt_state, state.frozen, residual, reference)
+    new = TrainState(state.step + 1, master, opt_state, state.frozen, residual, reference, weights)
     return new, metrics

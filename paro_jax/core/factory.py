@@ -40,12 +40,14 @@ def build_engine(
   attention: str | None = None,
   collectives: str | None = None,
   prefetch: bool = True,
+  weights_copy: bool | None = None,
 ) -> Engine:
   """The Engine of `step` for the model `model_cfg` (a preset's, an HF config's or a
   checkpoint's) on `mesh`. `strategy` (default: step.strategy's letters), `attention` and
   `collectives` (default: step's, resolved for the mesh's platform and this run's processes)
   are given where the caller resolved them already; `prefetch=False` compiles without the
-  prefetching layer stack (`inspect --no-prefetch`)."""
+  prefetching layer stack (`inspect --no-prefetch`); `weights_copy`: the Engine's (None: the
+  platform's choice)."""
   platform = platform_of(mesh)
   strategy = strategy or parse_strategy(step.strategy)
   if attention is None:
@@ -66,4 +68,5 @@ def build_engine(
     prefetch=prefetch,
     error_feedback=step.error_feedback,
     param_delta=step.param_delta,
+    weights_copy=weights_copy,
   )

@@ -199,6 +199,11 @@ def _unflat(s: Stack, tree):
   return jax.tree.map(lambda b, t: b.reshape(t.shape), tree, s.sink_types)
 
 
+def uninitialised(shape, dtype):
+  """A buffer to be written in full: allocated, not filled (`lax.empty`; on GPUs no kernel)."""
+  return lax.empty(shape, dtype)
+
+
 def _scatter_into(s: Stack, gbuf, i, g, acc_rows):
   """Layer i's full gradient `g` reduce-scattered into row i of `gbuf`; with `acc_rows` (the
   earlier micro-batches' sum: in gbuf itself unless syncing) added, and with `sync` synced."""
@@ -229,9 +234,9 @@ def backward(s: Stack, xs, trained, frozen, acc, ct):
   acc_rows = None if acc is None else _flat(acc)
   if acc is not None and s.sync is None:  # accumulate in place: gbuf is the accumulator
     gbuf = acc
-  else:
+  else:  # every row is written below: uninitialised, not zero-filled first (one write fewer)
     gbuf = jax.tree.map(
-      lambda t, axes: to_varying(jnp.zeros(t.shape, t.dtype), tuple(axes)),
+      lambda t, axes: to_varying(uninitialised(t.shape, t.dtype), tuple(axes)),
       s.sink_types,
       s.sink_axes,
     )

@@ -14,6 +14,7 @@ import flax.struct
 import jax
 from jax import lax
 
+from paro_jax.core import buckets
 from paro_jax.core import collectives as comm
 from paro_jax.core.wire import WireConfig
 from paro_jax.core.names import GLOBAL_AXES
@@ -49,25 +50,47 @@ def gather_invariant(x, axes, dim):
 
 
 def make_gather(gather_axes, scatter_axes, impl, wire=WireConfig(), grad_dtype=None):
-  """Per-layer weight gather over S(P) whose backward reduce-scatters over S(Gr) into the sink.
+  """Weight gather over S(P) whose backward reduce-scatters over S(Gr) into the sinks.
 
-  The reduce-scatter runs in the compute dtype; its result is cast to the sink's (`grad_dtype`),
-  where it is accumulated. Both collectives carry `wire`'s precision on their inter level."""
+  `gather(params, sinks, dims)` takes tuples (one entry per leaf) and gathers them together:
+  one bucket (core/buckets.py) with the hand-written rings, so that a module's leaves make one
+  chain of ring steps (with HO-Ring, a chain of its norm scale alone is steps of a few hundred
+  bytes, which XLA's scheduler sees no reason to overlap), each leaf on its own with XLA's
+  collectives. The reduce-scatter runs in the compute dtype; its result is cast to the sinks'
+  (`grad_dtype`), where it is accumulated. Both collectives carry `wire`'s precision on their
+  inter level."""
+
+  def one_bucket(axes, leaves) -> bool:
+    return comm.concrete_impl(impl, axes) != "xla" and len({x.dtype for x in leaves}) == 1
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-  def gather(param, sink, dim):
-    del sink  # only receives the gradient
-    full = comm.all_gather(
-      param, gather_axes, dim=dim % param.ndim, impl=impl, wire=wire.params_codec
-    )
-    return to_varying(full, GLOBAL_AXES)
+  def gather(params, sinks, dims):
+    del sinks  # only receive the gradients
+    if one_bucket(gather_axes, params):
+      full = buckets.all_gather_bucket(
+        list(params), gather_axes, list(dims), impl, wire.params_codec
+      )
+    else:
+      full = [
+        comm.all_gather(p, gather_axes, dim=d % p.ndim, impl=impl, wire=wire.params_codec)
+        for p, d in zip(params, dims)
+      ]
+    return tuple(to_varying(w, GLOBAL_AXES) for w in full)
 
-  def fwd(param, sink, dim):
-    return gather(param, sink, dim), None
+  def fwd(params, sinks, dims):
+    return gather(params, sinks, dims), None
 
-  def bwd(dim, _, ct):
-    g = comm.reduce_scatter(ct, scatter_axes, dim=dim % ct.ndim, impl=impl, wire=wire.grads_codec)
-    return None, g.astype(grad_dtype or ct.dtype)
+  def bwd(dims, _, cts):
+    if one_bucket(scatter_axes, cts):
+      grads = buckets.reduce_scatter_bucket(
+        list(cts), scatter_axes, list(dims), impl, wire.grads_codec
+      )
+    else:
+      grads = [
+        comm.reduce_scatter(ct, scatter_axes, dim=d % ct.ndim, impl=impl, wire=wire.grads_codec)
+        for ct, d in zip(cts, dims)
+      ]
+    return None, tuple(g.astype(grad_dtype or ct.dtype) for g, ct in zip(grads, cts))
 
   gather.defvjp(fwd, bwd)
   return gather

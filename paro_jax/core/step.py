@@ -4,13 +4,15 @@ The phases, numbered as in docs/design.md and README.md and named as their `jax.
 (which `paro-jax inspect` prints):
 
   0. `param_sync`: cast the fp32 master shard (OS placement) to the compute dtype and all-gather
-     it over S(OS) minus S(P) to the P placement;
+     it over S(OS) minus S(P) to the P placement (with the engine's `weights_copy`, the shard
+     the optimizer already wrote in the compute dtype: no cast);
   1. `micro_batches`: for each of the A micro-batches (a `lax.scan`), forward and backward through
      the layer stack; each layer's weights are all-gathered over S(P) (with full remat one layer
      ahead: core/prefetch.py) and again in backward; each layer's gradient leaves backward
      reduce-scattered over S(Gr) into a zero "gradient sink" of the Gr shape and is accumulated;
   2. `grad_sync`: reduce-scatter over S(OS) minus S(Gr), all-reduce over the axes OS replicates;
-  3. `optimizer`: clip by the true global norm and apply optax AdamW to the OS shard.
+  3. `optimizer`: clip by the true global norm and apply optax AdamW to the OS shard (and write
+     its compute-dtype copy, with `weights_copy`).
 
 Phase 0 is the parameter sync of the previous step moved to the start of this one: the same
 traffic once per step, and the P-placed copy never has to outlive the step.
@@ -58,8 +60,10 @@ class StepProgram(enum.Enum):
 
 
 # --- phase 0 ------------------------------------------------------------------------------------
-def param_sync(engine, master, frozen, reference):
-  """The compute-dtype parameters at P from the master shards at OS; (params, new reference)."""
+def param_sync(engine, master, frozen, reference, weights=None):
+  """The compute-dtype parameters at P from the master shards at OS; (params, new reference).
+  `weights`: the master shards already in the compute dtype (the optimizer's copy, when the
+  engine keeps one), gathered as they are: no cast of the master here."""
   s, impl, compute_dtype = engine.strategy, engine.collectives, engine.compute_dtype
   # Each leaf gathered as its own flat bucket, with every implementation. One bucket of the whole
   # model keeps every chunk of the gathered buffer alive beside the unpacked leaves (7b NGG on
@@ -76,11 +80,12 @@ def param_sync(engine, master, frozen, reference):
     )
     reference = params
   else:
+    shards = weights if weights is not None else master
     params = jax.tree.map(
       lambda w, dim: buckets.all_gather_bucket(
         [w.astype(compute_dtype)], s.param_sync_axes, [dim], impl, wire=engine.wire.params_codec
       )[0],
-      master,
+      shards,
       engine.trained_dims,
     )
   if engine.lora:  # the frozen base is already at P, in the compute dtype
@@ -134,7 +139,7 @@ def micro_batches(engine, params, batch_AxBxL1, targets_per_step):
     # embedding's and the head's wait for phase 2. Same sums in the same order.
     acc, losses = sinks, jnp.zeros((0,), jnp.float32)
     if A > 1:
-      acc, losses = lax.scan(micro_step, sinks, take(batch_AxBxL1, slice(None, -1)))
+      acc, losses = accumulate(micro_grads, micro_step, sinks, take(batch_AxBxL1, slice(None, -1)))
     final_sinks = {**sinks, LAYERS: make_sinks(engine, synced=True)[LAYERS]}
     earlier = acc if A > 1 else None
     loss, last = micro_grads(
@@ -148,6 +153,19 @@ def micro_batches(engine, params, batch_AxBxL1, targets_per_step):
   rest = {k: v for k, v in acc.items() if k != LAYERS}
   rest = jax.tree.map(jnp.add, rest, {k: last[k] for k in rest})
   return {**rest, LAYERS: last[LAYERS]}, losses
+
+
+def accumulate(micro_grads, micro_step, sinks, batch_MxBxL1):
+  """(the gradients summed over the M micro-batches, their losses): the first micro-batch's
+  gradients are the accumulator, written, not added to zeros (a zero-filled accumulator whose
+  rows are then read, added to and written back: for 7b with 4 layers on one H100, 4.9 GB of
+  HBM traffic), and the loop adds the others. One more copy of the micro-batch program to
+  compile where M > 1 (at M = 1 it replaces the loop's one iteration)."""
+  loss, acc = micro_grads(take(batch_MxBxL1, 0), sinks)
+  if batch_MxBxL1.shape[0] == 1:
+    return acc, loss[None]
+  acc, losses = lax.scan(micro_step, acc, take(batch_MxBxL1, slice(1, None)))
+  return acc, jnp.concatenate([loss[None], losses])
 
 
 def make_sinks(engine, synced: bool = False):
@@ -186,9 +204,10 @@ def micro_loss(engine, params, sinks, batch_BxL1, materialize, final=False, acc=
 
 
 def materializer(engine, wire: WireConfig | None = None):
-  """The model's `materialize` hook: full weights of a subtree of Shards, each gathered over S(P)
-  just before use, its gradient reduce-scattered over S(Gr) into the Shard's sink. `wire`: the
-  inter-node precision (default the engine's)."""
+  """The model's `materialize` hook: full weights of a subtree of Shards (a module's), gathered
+  over S(P) just before use (`make_gather`: one bucket with the hand-written rings), each
+  gradient reduce-scattered over S(Gr) into its Shard's sink. `wire`: the inter-node precision
+  (default the engine's)."""
   s = engine.strategy
   gather = make_gather(
     s.param_gather_axes,
@@ -204,11 +223,19 @@ def materializer(engine, wire: WireConfig | None = None):
     )
     return to_varying(full, GLOBAL_AXES)
 
-  return lambda tree: jax.tree.map(
-    lambda sh: frozen(sh.param, sh.dim) if sh.sink is None else gather(sh.param, sh.sink, sh.dim),
-    tree,
-    is_leaf=is_shard,
-  )
+  def materialize(tree):
+    shards, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
+    trained = [sh for sh in shards if sh.sink is not None]
+    full = iter(
+      gather(*(tuple(getattr(sh, f) for sh in trained) for f in ("param", "sink", "dim")))
+      if trained
+      else ()
+    )
+    return treedef.unflatten(
+      [frozen(sh.param, sh.dim) if sh.sink is None else next(full) for sh in shards]
+    )
+
+  return materialize
 
 
 def prefetch_layers(engine, final: bool = False, acc=None):
@@ -261,7 +288,9 @@ def boundary_sync(engine, acc, dims):
 # --- phase 3 ------------------------------------------------------------------------------------
 def optimizer(engine, master, opt_state, grads, loss, residual, new_residual):
   """AdamW on the OS shard, the gradients clipped by their global norm; a step whose loss or norm
-  is not finite changes nothing. (master, opt_state, residual, grad_norm)."""
+  is not finite changes nothing. (master, opt_state, residual, grad_norm, weights): `weights`,
+  the updated master in the compute dtype when the engine keeps that copy (`weights_copy`),
+  written by the update's own kernels, else None."""
   with jax.named_scope("optimizer"):
     # Each OS shard is held by every device outside S(OS): sum squares over S(OS) only.
     local_sq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
@@ -280,21 +309,34 @@ def optimizer(engine, master, opt_state, grads, loss, residual, new_residual):
     opt_state = jax.tree.map(keep, new_opt_state, opt_state)
     if engine.error_feedback:
       residual = keep(new_residual, residual)
-  return master, opt_state, residual, grad_norm
+    weights = None
+    if engine.weights_copy:  # an extra output of the update's fusions, not a pass of its own
+      weights = jax.tree.map(lambda w: w.astype(engine.compute_dtype), master)
+  return master, opt_state, residual, grad_norm, weights
 
 
 # --- the four together ----------------------------------------------------------------------------
 def local_step(
-  engine, master, opt_state, frozen, residual, reference, batch_AxBxL1, *, targets_per_step
+  engine,
+  master,
+  opt_state,
+  frozen,
+  residual,
+  reference,
+  weights,
+  batch_AxBxL1,
+  *,
+  targets_per_step,
 ):
-  """Phases 0-3 on this device's shards; (master, opt_state, residual, reference, loss, norm)."""
+  """Phases 0-3 on this device's shards; (master, opt_state, residual, reference, weights,
+  loss, norm)."""
   with jax.named_scope("param_sync"):
-    params, reference = param_sync(engine, master, frozen, reference)
+    params, reference = param_sync(engine, master, frozen, reference, weights)
   acc, losses = micro_batches(engine, params, batch_AxBxL1, targets_per_step)
   grads, new_residual = grad_sync(engine, acc, residual)
   # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
   loss = lax.psum(jnp.sum(losses), GLOBAL_AXES)
-  master, opt_state, residual, grad_norm = optimizer(
+  master, opt_state, residual, grad_norm, weights = optimizer(
     engine, master, opt_state, grads, loss, residual, new_residual
   )
-  return master, opt_state, residual, reference, loss, grad_norm
+  return master, opt_state, residual, reference, weights, loss, grad_norm

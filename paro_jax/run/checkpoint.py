@@ -105,6 +105,7 @@ class Checkpointer:
       raise ValueError(f"{self.directory} was opened read-only (to export it): not saved")
     if int(state.step) != meta.step:
       raise ValueError(f"state is at step {int(state.step)} but the metadata says {meta.step}")
+    state = state._replace(weights=None)  # the master's compute-dtype copy: written on restore
     sums, non_finite = state_checksums(state)
     if non_finite:
       self.wait()  # the previous save, if one is in flight, is what the run keeps
@@ -221,7 +222,9 @@ class Checkpointer:
         f"without --resume first (it saves checkpoints there)"
       )
     target = abstract_state(engine)
-    to_target = jax.jit(cast_like(target), out_shardings=engine.state_shardings)
+    to_target = jax.jit(
+      cast_like(target), out_shardings=engine.state_shardings._replace(weights=None)
+    )
     failures = []
     for step, listed in agreed_steps(steps, agreement):
       error = FileNotFoundError("not listed on this process")
@@ -259,7 +262,7 @@ class Checkpointer:
         restored = restart_residual(restored, engine, meta)
       if reference is not None:
         restored = restart_reference(restored, engine, meta, reference)
-      restored = to_target(restored)
+      restored = engine.with_weights(to_target(restored))
       if failures:
         moved = self.set_aside([s for s, _ in failures], "damaged") if set_aside else ""
         warnings.warn(

@@ -89,12 +89,13 @@ def state_checksums(state) -> tuple[dict, list[str]]:
 
 
 def abstract_state(engine: Engine) -> TrainState:
-  """The TrainState's shapes and dtypes with the engine's target shardings, for restoring."""
+  """The TrainState's shapes and dtypes with the engine's target shardings, for restoring; no
+  compute-dtype copy of the master (`weights`, not saved: `Engine.with_weights` writes it)."""
   shapes = jax.eval_shape(engine.state_from_params, engine.shapes)
   return jax.tree.map(
     lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-    shapes,
-    engine.state_shardings,
+    shapes._replace(weights=None),
+    engine.state_shardings._replace(weights=None),
   )
 
 

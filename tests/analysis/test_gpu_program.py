@@ -100,6 +100,35 @@ def test_attention_is_cudnns_fused_kernel():
   assert kernels and all(overlap._Compute(comps).instr(i) for i in kernels)
 
 
+def _dots_with_fp32_operands(hlo_text: str) -> list[str]:
+  """The dot instructions (GEMM fusions' included) that take an fp32 operand."""
+  import re
+
+  types, found = {}, []
+  for line in hlo_text.splitlines():
+    if m := re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ([a-z0-9]+)\[", line):
+      types[m.group(1)] = m.group(2)
+    if d := re.match(r"\s*(?:ROOT )?%([\w.\-]+) = \S+ dot\(%([\w.\-]+), %([\w.\-]+)\)", line):
+      if "f32" in (types.get(d.group(2)), types.get(d.group(3))):
+        found.append(d.group(1))
+  return found
+
+
+def test_no_matmul_takes_fp32_operands():
+  """In bf16 every matmul of the step, the head's backward included (models/llama.py
+  head_logits), takes bf16 operands: none runs as an fp32 (TF32) GEMM. Differentiated plainly
+  (experiments/gpu_variants.py, the code of before), the head's two backward matmuls did."""
+  from experiments.gpu_variants import undone
+
+  hlo = gpu_report("IIG", "xla")["hlo"]
+  assert " dot(" in hlo and _dots_with_fp32_operands(hlo) == []
+  with undone(("head-backward",)):  # a new engine: traced with the code of before
+    _CACHE.pop(("IIG", "xla", tuple(sorted(GPU_FLAGS.items())), "cudnn", A, MODEL, SEQ, MESH))
+    before = gpu_report("IIG", "xla")["hlo"]
+  _CACHE.pop(("IIG", "xla", tuple(sorted(GPU_FLAGS.items())), "cudnn", A, MODEL, SEQ, MESH))
+  assert len(_dots_with_fp32_operands(before)) == 2
+
+
 def test_packed_rows_keep_cudnns_fused_kernel():
   """Instruction data packed several examples to a row (`--pack`): attention stays inside each
   example through cuDNN's packed layout (each row's runs as offsets and lengths), still the fused
@@ -228,6 +257,22 @@ def test_every_horing_step_has_both_levels_in_flight(strategy):
   o = gpu_report(strategy, "horing")["overlap"]
   assert o["horing_steps"] > 0 and o["horing_steps_concurrent"] == o["horing_steps"]
   assert all(c["async"] for c in o["collectives"] if c["horing"])
+
+
+def test_every_horing_step_in_flight_as_the_cli_compiles():
+  """`paro-jax inspect --target` sets XLA's network model (gpus_per_node, analysis/estimate.py),
+  whose costs change the schedule: a chain of the head's norm scale alone (a few hundred bytes
+  per step) had one step whose inter permute XLA started only after its intra sub-round had
+  finished (GGG, A=2: 6 of 7 steps here, 203 of 204 on 7b). A module's leaves now make one
+  chain (core/shards.py make_gather), and every step has both levels in flight."""
+  proc = _cli(
+    "--target", "h100", "--mesh", "2x4", "--model", MODEL, "--strategy", "GGG",
+    "--collectives", "horing", "--micro-batches", "2", "--batch-size", str(BATCH),
+    "--seq-len", "128", "--json",
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  o = json.loads(proc.stdout)["overlap"]
+  assert o["horing_steps"] > 0 and o["horing_steps_concurrent"] == o["horing_steps"], o
 
 
 def test_async_to_sync_conversion_would_serialize_horing_steps():

@@ -266,7 +266,8 @@ def test_sync_in_backward_falls_back_to_the_boundary(engine_args):
 
 @pytest.mark.parametrize("strategy,collectives", [("ING", "xla"), ("IGG", "horing")])
 def test_sync_in_backward_with_four_micro_batches(setup, strategy, collectives):
-  """A=4: three micro-batches accumulate in place in a real loop, then the syncing stack."""
+  """A=4: the first micro-batch's gradients are the accumulator (written, not added to zeros),
+  the next two add to it in place in a real loop, then the syncing stack."""
   two, params0, _, _ = setup
   # each step: its own two micro-batches and the next step's
   batches = [np.concatenate([b, two[(i + 1) % STEPS]]) for i, b in enumerate(two)]

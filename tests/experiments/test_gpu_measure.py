@@ -39,6 +39,58 @@ def test_measures_and_estimates_briefly(tmp_path):
   assert r["estimate"]["step_s"] > 0 and r["measured_over_estimate"] > 0
 
 
+def test_suite_dry_run_on_the_cpu(tmp_path):
+  """The before/after suite's plumbing on the CPU (`--dry-run`: the `test` model): each run
+  compiles its own program (the step of before differs from today's), runs, and the page has a
+  row per run and the goal's comparison."""
+  p = _run("--suite", "--dry-run", "--only", "7b-L4-A1,7b-L4-A1-before", "--steps", "2",
+           "--warmup", "1", "--out", str(tmp_path))  # fmt: skip
+  assert p.returncode == 0, p.stderr[-3000:]
+  page = (tmp_path / "README.md").read_text()
+  assert "| 7b-L4-A1 |" in page and "| 7b-L4-A1-before |" in page
+  assert "- 7b-L4-A1: " in page and "against" in page and "losses over its 3 steps" in page
+  assert (tmp_path / "7b-L4-A1" / "step.hlo").read_text() != (
+    tmp_path / "7b-L4-A1-before" / "step.hlo"
+  ).read_text()
+  import json
+
+  before = json.loads((tmp_path / "7b-L4-A1-before.json").read_text())
+  assert before["old"] == ["head-backward", "loss", "one-device", "zero-fill", "weights-copy",
+                           "per-leaf"] and before["measured_step_s"] > 0  # fmt: skip
+
+
+def test_every_change_can_be_undone():
+  """Each change of experiments/gpu_variants.py puts back other code: the step it traces (the
+  `test` model, two micro-batches, the GPUs' program) differs from today's, and every module
+  attribute is restored afterwards."""
+  import jax.numpy as jnp
+
+  from experiments import gpu_variants
+  from models.config import get_config
+  from models.llama import Llama
+  from paro_jax.analysis.inspect.abstract import abstract_inputs
+  from paro_jax.core.engine import Engine, OptimConfig
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.step import StepProgram
+  from paro_jax.core.strategy import parse_strategy
+
+  engine = Engine(
+    Llama(get_config("test"), jnp.bfloat16), parse_strategy("IIG"),
+    make_mesh(1, 1, devices=jax.devices()[:1]), OptimConfig(), micro_batches=2,
+    program=StepProgram.SYNC_IN_BACKWARD,
+  )  # fmt: skip
+  state, batch = abstract_inputs(engine, 1, 16)
+  trace = lambda: str(jax.make_jaxpr(engine._train_step)(state, batch))  # not the cached jit
+  today = trace()
+  for name in ("head-backward", "loss", "one-device", "zero-fill"):
+    with gpu_variants.undone((name,)):
+      assert trace() != today, name
+  assert trace() == today  # put back
+  assert gpu_variants.engine_options(("weights-copy",)) == {"weights_copy": False}
+  with pytest.raises(ValueError, match="unknown change 'heads'"):
+    gpu_variants.parse("heads")
+
+
 RESULTS = os.path.join(REPO, "experiments", "results", "gpu_measure")
 
 

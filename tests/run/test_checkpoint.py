@@ -171,6 +171,22 @@ def test_restore_under_another_strategy_and_mesh(saved_iig, strategy, mesh_shape
   np.testing.assert_allclose(float(metrics["loss"]), next_loss, rtol=1e-6)
 
 
+def test_restore_writes_the_compute_copy_of_the_weights(saved_iig):
+  """A checkpoint holds no compute-dtype copy of the master (`weights`, an engine's
+  `weights_copy`, the GPUs' default): restoring into an engine that keeps one writes it from
+  the restored master, and the next step is the one the saved state would have taken."""
+  directory, master, next_loss = saved_iig
+  engine = make_engine("IIG", make_mesh(2, 4))
+  engine = Engine(
+    engine.model, engine.strategy, engine.mesh, engine.optim, CFG.micro_batches, weights_copy=True
+  )
+  state, _ = Checkpointer(directory).restore(engine)
+  for a, b in zip(jax.tree.leaves(jax.device_get(state.weights)), jax.tree.leaves(master)):
+    np.testing.assert_array_equal(a, b.astype(a.dtype))
+  _, metrics = engine.train_step(state, engine.shard_batch(batch(2)))
+  np.testing.assert_allclose(float(metrics["loss"]), next_loss, rtol=1e-6)
+
+
 def test_checkpoint_of_another_model_is_refused(straight, tmp_path):
   with pytest.raises(ValueError) as e:
     train(

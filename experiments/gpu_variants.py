@@ -1,0 +1,104 @@
+"""The step as it was before each change of issue 45, to measure every change on the same GPU.
+
+Each change that made the GPU step move fewer bytes can be undone here, alone or together, for
+one measurement (`experiments/gpu_measure.py --old NAMES`): the earlier code of what it
+replaced, put back for the duration of a `with undone(names, ...)`. Nothing here is used by the
+package; what a change replaced is in its commit.
+
+  head-backward  the head's two backward matmuls on the logits' fp32 cotangent (fp32 GEMMs)
+  loss           cross-entropy with integer labels (its backward a scatter-add, then a cast)
+  one-device     all-gathers and reduce-scatters over axes of one device packed and run
+  zero-fill      gradient buffers zero-filled first; the first micro-batch adds to zeros
+  weights-copy   no compute-dtype copy of the master: the parameter sync casts it each step
+  per-leaf       (one node of several GPUs) the layer collectives in buckets, as across nodes
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+CHANGES = ("head-backward", "loss", "one-device", "zero-fill", "weights-copy", "per-leaf")
+# changes that are made when the engine is built (its options), not by replacing code
+ENGINE_OPTIONS = {"weights-copy": ("weights_copy", False)}
+
+
+def parse(text: str) -> tuple[str, ...]:
+  """`--old`'s value: names from CHANGES, comma-separated, or `all` / `none`."""
+  if text in ("", "none"):
+    return ()
+  if text == "all":
+    return CHANGES
+  names = tuple(n.strip() for n in text.split(","))
+  unknown = [n for n in names if n not in CHANGES]
+  if unknown:
+    raise ValueError(f"unknown change {unknown[0]!r} for --old; choose from {', '.join(CHANGES)}")
+  return names
+
+
+def engine_options(names) -> dict:
+  """The Engine's keyword arguments that undo `names` (those made by an option)."""
+  return dict(ENGINE_OPTIONS[n] for n in names if n in ENGINE_OPTIONS)
+
+
+def _plain_head_logits(equation, x, w):
+  import jax.numpy as jnp
+
+  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
+
+
+def _integer_label_cross_entropy(logits_BxLxV, targets_BxL):
+  import jax.numpy as jnp
+  import optax
+
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits_BxLxV.astype(jnp.float32), targets_BxL
+  )
+
+
+def _only_no_axes(axes) -> bool:
+  from paro_jax.core.rings import norm_axes
+
+  return not norm_axes(axes)
+
+
+def _zeros(shape, dtype):
+  import jax.numpy as jnp
+
+  return jnp.zeros(shape, dtype)
+
+
+def _accumulate_from_zeros(micro_grads, micro_step, sinks, batch_MxBxL1):
+  from jax import lax
+
+  return lax.scan(micro_step, sinks, batch_MxBxL1)
+
+
+@contextlib.contextmanager
+def undone(names, engine=None):
+  """Within: the code of before each change in `names` (module attributes put back on exit).
+  `engine`: an Engine already built, for `per-leaf` (its layer buckets)."""
+  from models import llama
+  from paro_jax.core import collectives, prefetch, step
+
+  patches = {
+    "head-backward": [(llama, "head_logits", _plain_head_logits)],
+    "loss": [(llama, "token_cross_entropy", _integer_label_cross_entropy)],
+    "one-device": [(collectives, "moves_nothing", _only_no_axes)],
+    "zero-fill": [
+      (prefetch, "uninitialised", _zeros),
+      (step, "accumulate", _accumulate_from_zeros),
+    ],
+  }
+  saved = []
+  try:
+    for name in names:
+      for module, attr, value in patches.get(name, ()):
+        saved.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, value)
+    if "per-leaf" in names and engine is not None:
+      saved.append((engine, "bucket_layers", engine.bucket_layers))
+      engine.bucket_layers = engine.mesh.devices.flat[0].platform in ("gpu", "cuda")
+    yield
+  finally:
+    for module, attr, value in reversed(saved):
+      setattr(module, attr, value)
