@@ -517,7 +517,7 @@ def test_jax_coordination_service_outlasts_our_heartbeat_watch(monkeypatch):
   calls = []
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
   monkeypatch.setattr(jax.config, "update", lambda *a: None)
-  monkeypatch.setattr(gloo_rs, "install", lambda: None)
+  monkeypatch.setattr(gloo_rs, "register_if_gloo", lambda: None)
   monkeypatch.delenv(distributed.HEARTBEAT_TIMEOUT_ENV, raising=False)
   flags = ("127.0.0.1:1234", 2, 0)
   for ours, jaxs in ((60, 150), (120, 270), (6, 100), (0, 100)):
