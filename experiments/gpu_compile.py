@@ -5,7 +5,8 @@ XLA's scheduler logged while compiling it, so the roofline and the estimate comp
   python experiments/gpu_compile.py --model 7b --layers 4 --mesh 1x1 --old all --out DIR/NAME
 
 writes DIR/NAME.hlo, DIR/NAME.log (XLA's scheduler statistics) and DIR/NAME.json (the run's
-settings and the figures the estimate needs: tokens and model FLOPs per step). `--old` undoes
+settings, tokens and model FLOPs per step, and `report`: what `paro-jax inspect --target --json`
+reports of the program: overlap, memory, non-matmul bytes by purpose, estimate). `--old` undoes
 issue 45's changes as experiments/gpu_variants.py does (`all`: the step as measured on the H100
 of experiments/results/gpu_measure/). Run one per process: XLA reads its logging and network
 options once, when jax starts.
@@ -51,6 +52,7 @@ def main(argv=None) -> int:
   estimate.prepare_environment(None, intra)  # before jax starts
   from models.config import get_config
   from paro_jax.analysis.inspect.abstract import compile_for_target
+  from paro_jax.analysis.inspect.gpu_report import gpu_report
   from paro_jax.core.config import StepConfig
   from paro_jax.core.factory import build_engine
   from paro_jax.core.mesh import make_mesh
@@ -74,6 +76,8 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory(prefix="gpu_compile-") as dump:
     with gpu_variants.undone(old, engine), estimate.captured_stderr() as log:
       compiled = compile_for_target(engine, args.target, batch, args.seq_len, GPU_FLAGS, dump)
+    report = gpu_report(engine, compiled, args.target, batch, args.seq_len, dump, log[0])
+  report["overlap"].pop("collectives", None)  # per-op rows: not kept
   tokens = args.micro_batches * batch * args.seq_len
   meta = {
     **vars(args),
@@ -83,6 +87,7 @@ def main(argv=None) -> int:
     "tokens_per_step": tokens,
     "flops_per_step": cfg.flops_per_token(args.seq_len) * tokens,
     "compile_s": time.perf_counter() - t,
+    "report": report,
   }
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out + ".hlo", "w") as f:
@@ -90,7 +95,7 @@ def main(argv=None) -> int:
   with open(args.out + ".log", "w") as f:
     f.write("".join(line for line in log[0].splitlines(True) if "latency_hiding" in line))
   with open(args.out + ".json", "w") as f:
-    json.dump(meta, f, indent=1)
+    json.dump(meta, f, indent=1, default=str)
   print(f"{args.out}: compiled in {meta['compile_s']:.0f} s", flush=True)
   return 0
 

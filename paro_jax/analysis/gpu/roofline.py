@@ -184,19 +184,6 @@ def instruction_seconds(
   return max(flops / matmul_peak(instr, comps, types, peak_flops), moved / memory_bandwidth)
 
 
-def computation_seconds(
-  comps: dict, name: str, peak_flops: float, memory_bandwidth: float, only=None
-) -> float:
-  """The roofline of one computation's kernels (those `only` accepts, when given)."""
-  instrs = comps.get(name, [])
-  types = {i.name: i.type_text for i in instrs}
-  return sum(
-    instruction_seconds(i, comps, types, peak_flops, memory_bandwidth)
-    for i in instrs
-    if only is None or only(i)
-  )
-
-
 # --- the bytes a kernel moves --------------------------------------------------------------
 # A fusion touches its operands only as far as its results need them. Each fused instruction's
 # *demand* (which of its elements its users need: a count, and where known their flat positions
