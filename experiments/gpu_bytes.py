@@ -41,7 +41,17 @@ def compile_one(cache: str, name: str, old: str, resume: bool) -> dict:
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "gpu_compile.py"), *CONFIGS[name]]
     subprocess.run([*cmd, "--old", old, "--out", prefix], env=env, cwd=ROOT, check=True)
   with open(prefix + ".json") as f:
-    return json.load(f)
+    run = json.load(f)
+  with open(prefix + ".hlo") as f:  # counted again: the accounting as it is now
+    run["report"]["traffic"] = breakdown(f.read())
+  return run
+
+
+def breakdown(hlo_text: str) -> dict:
+  from paro_jax.analysis.gpu import estimate, roofline, traffic
+
+  comps, _ = roofline.parse_computations(hlo_text)
+  return traffic.breakdown(traffic.kernels(hlo_text, estimate.sequenced_computations(comps)))
 
 
 def main(argv=None) -> int:

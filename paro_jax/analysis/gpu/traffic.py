@@ -24,6 +24,11 @@ PURPOSES = (
   ("gradient norm", re.compile(r"/optimizer/.*(reduce_sum|square|integer_pow)")),
   ("optimizer", re.compile(r"/optimizer/")),
   ("weight casts", re.compile(r"param_sync/.*convert_element_type")),
+  # packing a bucket before its collective, unpacking it after (slices, concatenations and
+  # transposes in the collectives' scopes)
+  ("collective pack/unpack", re.compile(
+    r"(param_sync|layer_gather|layer_regather|layer_grad_scatter|layer_grad_sync|grad_sync)\)?"
+    r"/(slice|concatenate|transpose|pad)\b")),
   ("weight copies", re.compile(r"param_sync|layer_gather|layer_regather")),
   ("gradient accumulation", re.compile(
     r"layer_grad_scatter|layer_grad_sync|grad_sync|transpose\(.*dynamic_update_index_in_dim|"
