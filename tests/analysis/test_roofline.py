@@ -145,3 +145,27 @@ def test_slices_read_what_they_take():
   assert moved == 512 * 512 * 2 + 512 * 512 * 4 + 4
   moved, _ = _priced(MOVES_HLO, "top")
   assert moved == 2 * 128 * 1024 * 4
+
+
+UNPACK_HLO = """HloModule m, is_scheduled=true
+
+%unpack (a: bf16[1024], b: bf16[3072]) -> bf16[3072] {
+  %a = bf16[1024]{0} parameter(0)
+  %b = bf16[3072]{0} parameter(1)
+  %bucket = bf16[4096]{0} concatenate(%a, %b), dimensions={0}
+  ROOT %second = bf16[3072]{0} slice(%bucket), slice={[1024:4096]}
+}
+
+ENTRY %main (x, y) -> bf16[3072] {
+  %x = bf16[1024]{0} parameter(0)
+  %y = bf16[3072]{0} parameter(1)
+  ROOT %out = bf16[3072]{0} fusion(%x, %y), kind=kLoop, calls=%unpack
+}
+"""
+
+
+def test_unpacking_reads_only_its_part_of_the_bucket():
+  """A fusion that slices the second part out of a concatenated bucket reads that part's
+  operand alone (6 KiB) and writes it (6 KiB): the first part is not read."""
+  moved, _ = _priced(UNPACK_HLO, "out")
+  assert moved == 3072 * 2 + 3072 * 2
