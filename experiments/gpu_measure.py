@@ -1,4 +1,4 @@
-"""Measured step time on the GPUs present, beside XLA's estimate of the same program.
+"""Measured step time on the GPUs present, beside the estimate of the same program.
 
 The step is compiled once, on the real GPUs, with XLA's scheduler statistics logged (the same
 figures `paro-jax inspect --target` composes, paro_jax/analysis/gpu/estimate.py), then run:
@@ -214,8 +214,6 @@ def measure(args, devices, out: str, rate=None, mesh_shape=None) -> dict:
 
 
 def _print_run(r: dict, out: str) -> None:
-  from paro_jax.analysis.gpu import estimate
-
   est, t = r["estimate"], r["trace"]
   if "busy_s" in t:
     print(
@@ -228,7 +226,7 @@ def _print_run(r: dict, out: str) -> None:
     + (f", old: {','.join(r['old'])}" if r["old"] else "")
     + f": measured {r['measured_step_s'] * 1e3:.2f} ms per step "
     f"(median of {len(r['measured_steps_s'])}), "
-    + ("XLA's estimate " if est.get("source") == estimate.SOURCE else "the roofline estimate ")
+    + "the estimate "
     + (f"{est['step_s'] * 1e3:.2f} ms: ratio {r['measured_over_estimate']:.2f}" if est.get("step_s")
        else f"none ({est.get('unavailable')})")
     + f"; trace in {out}/trace"

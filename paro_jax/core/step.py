@@ -198,9 +198,10 @@ def micro_loss(engine, params, sinks, batch_BxL1, materialize, final=False, acc=
   else:
     run_layers = prefetch_layers(engine, final, acc)
     logits = engine.model.apply(shards, inputs, materialize, run_layers, segments)
-  if weights is None:
-    return next_token_loss(logits, targets)
-  return weighted_token_loss(logits, targets, weights)
+  with jax.named_scope("loss"):  # its kernels' bytes are told apart by it (analysis/gpu/traffic)
+    if weights is None:
+      return next_token_loss(logits, targets)
+    return weighted_token_loss(logits, targets, weights)
 
 
 def materializer(engine, wire: WireConfig | None = None):

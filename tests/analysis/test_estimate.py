@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from paro_jax.analysis.gpu import estimate, targets
+from paro_jax.analysis.gpu import estimate, kernel_time, targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_plugin = pytest.mark.skipif(
@@ -76,6 +76,8 @@ def _stats_block(name: str, wasted: float, total: float) -> str:
 
 
 def test_nested_loops_compose_by_hand():
+  """Each computation: its kernels at the efficiencies (PEAK here: the plain roofline) plus the
+  waiting XLA logged for it, times its executions; the host's gap once."""
   log = (
     _stats_block("inner", 99, 999)  # before scheduling: superseded by the next block
     + _stats_block("main", 10, 100)
@@ -85,11 +87,14 @@ def test_nested_loops_compose_by_hand():
   stats = estimate.parse_statistics(log)
   assert stats["inner"] == {"wasted_us": 1.0, "total_us": 7.0}
   bw = 2e12
-  c = estimate.compose(NESTED_HLO, stats, 1e15, bw)
+  c = estimate.compose(NESTED_HLO, stats, 1e15, bw, kernel_time.PEAK)
   plain = 3 * 4e6 / bw  # two operands and a result of 4 MB, once per step
-  assert c["step_s"] == pytest.approx((100 + 3 * 20 + 12 * 7) * 1e-6 + plain, rel=1e-9)
-  assert c["compute_s"] == pytest.approx((90 + 3 * 15 + 12 * 6) * 1e-6 + plain, rel=1e-9)
+  host = estimate.HOST_GAP_S
+  assert c["step_s"] == pytest.approx(host + (10 + 3 * 5 + 12 * 1) * 1e-6 + plain, rel=1e-9)
+  assert c["compute_s"] == pytest.approx(host + plain, rel=1e-9)
+  assert c["exposed_comm_s"] == pytest.approx((10 + 3 * 5 + 12 * 1) * 1e-6, rel=1e-9)
   assert c["unscheduled_s"] == pytest.approx(plain, rel=1e-9)
+  assert c["xla_step_s"] == pytest.approx((100 + 3 * 20 + 12 * 7) * 1e-6, rel=1e-9)
   assert {r["computation"]: r["executions"] for r in c["computations"]} == {
     "main": 1,
     "outer": 3,
@@ -98,10 +103,10 @@ def test_nested_loops_compose_by_hand():
   }
 
 
-def test_unscheduled_is_scaled_by_the_loop_bodies_not_the_entry():
-  # The same kernel (roofline t) in the entry, in the outer loop's body and in `plain`, which
-  # XLA does not cost. XLA prices the body's at 2t and the entry's at 12t (as it prices the
-  # untuned head matmul far above its roofline): `plain` is charged t / (t / 2t) = 2t.
+def test_kernels_at_the_h100_efficiencies_not_xlas_prices():
+  """The same kernel (roofline t) in the entry, in the outer loop's body and in `plain`, which
+  XLA does not cost. XLA prices the entry's at 12 t (as it prices the untuned head matmul far
+  above its roofline): not used. Each is t over the H100's memory-bound efficiency."""
   kernel = "f32[1000000]{0} fusion(%v, %v), kind=kLoop, calls=%fused_add"
   text = NESTED_HLO.replace(
     "%outer (o: s32[]) -> s32[] {\n  %o = s32[] parameter(0)",
@@ -109,15 +114,15 @@ def test_unscheduled_is_scaled_by_the_loop_bodies_not_the_entry():
     f"parameter(1)\n  %k.outer = {kernel}",
   ).replace("%called =", f"%k.main = {kernel}\n  %called =")
   bw = 1.6e12
-  t = 3 * 4e6 / bw  # 7.5 us
+  t = 3 * 4e6 / bw / kernel_time.H100.memory
   stats = {
     "main": {"total_us": 100.0, "wasted_us": 10.0},  # 90 us of compute: 12 t
     "outer": {"total_us": 20.0, "wasted_us": 5.0},  # 15 us of compute: 2 t
   }
-  c = estimate.compose(text, stats, 1e15, bw)
-  assert c["roofline_over_xla"] == pytest.approx(0.5, rel=1e-9)
-  assert c["unscheduled_s"] == pytest.approx(2 * t, rel=1e-9)
-  assert c["step_s"] == pytest.approx((100 + 3 * 20) * 1e-6 + 2 * t, rel=1e-9)
+  c = estimate.compose(text, stats, 1e15, bw)  # kernel_time.H100 unless told
+  assert c["unscheduled_s"] == pytest.approx(t, rel=1e-9)
+  assert c["compute_s"] == pytest.approx(estimate.HOST_GAP_S + (1 + 3 + 1) * t, rel=1e-9)
+  assert c["step_s"] == pytest.approx(c["compute_s"] + (10 + 3 * 5) * 1e-6, rel=1e-9)
 
 
 _ESTIMATE_ARGS = dict(
@@ -136,8 +141,10 @@ def test_one_device_program_is_charged_its_roofline():
   # No async collective (one GPU): XLA's scheduler orders nothing and logs nothing, by design.
   e = estimate.estimate(NESTED_HLO, "", **_ESTIMATE_ARGS)
   assert e["source"] == estimate.ROOFLINE_SOURCE
-  assert e["step_s"] == pytest.approx(3 * 4e6 / 2e12, rel=1e-9)  # `plain`, once; loops empty
-  assert "roofline" in estimate.format_estimate(e)
+  plain = 3 * 4e6 / 2e12 / kernel_time.H100.memory  # `plain`, once; the loops hold no kernel
+  assert e["step_s"] == pytest.approx(estimate.HOST_GAP_S + plain, rel=1e-9)
+  assert e["exposed_comm_s"] == 0 and e["xla_step_s"] is None
+  assert "nothing to wait on" in estimate.format_estimate(e)
 
 
 def test_silent_log_with_collectives_fails_loudly():
@@ -179,16 +186,22 @@ def scans():
 
 @needs_plugin
 def test_scan_is_n_bodies_plus_the_entry(scans):
+  """A scan of N bodies costs N times one body (its kernels and XLA's waiting) plus the entry;
+  XLA's own figure composes the same way."""
   bodies = {}
   for n, r in scans.items():
     entry = re.search(r"^ENTRY %?([\w.\-]+)", r["hlo"], re.M).group(1)
     (body,) = set(r["stats"]) - {entry}  # the scan's body: the other logged computation
-    bodies[n] = r["stats"][body]["total_us"]
-    expected = r["stats"][entry]["total_us"] + n * bodies[n]
-    assert r["compose"]["step_s"] * 1e6 == pytest.approx(expected, rel=0.01)
+    rows = {c["computation"]: c for c in r["compose"]["computations"]}
+    assert rows[body]["executions"] == n and rows[body]["wait_s"] > 0
+    bodies[n] = rows[body]["time_s"]
+    expected = estimate.HOST_GAP_S + rows[entry]["time_s"] + n * bodies[n]
+    assert r["compose"]["step_s"] == pytest.approx(expected, rel=0.01)
+    xla = r["stats"][entry]["total_us"] + n * r["stats"][body]["total_us"]
+    assert r["compose"]["xla_step_s"] * 1e6 == pytest.approx(xla, rel=0.01)
     assert r["compose"]["unscheduled_s"] == 0
   assert bodies[3] == pytest.approx(bodies[6], rel=1e-6)
-  step = {n: r["compose"]["step_s"] * 1e6 for n, r in scans.items()}
+  step = {n: r["compose"]["step_s"] for n, r in scans.items()}
   assert step[6] - step[3] == pytest.approx(3 * bodies[3], rel=0.01)
 
 
@@ -239,7 +252,7 @@ def test_inspect_reports_xla_estimate(reports):
   assert e["source"] == estimate.SOURCE and e["inter_bandwidth_gbps"] == 100
   assert 0 < e["mfu"] < 1 and 0 < e["compute_s"] <= e["step_s"]
   assert e["tokens_per_s"] == pytest.approx(2 * 8 * 64 / e["step_s"])
-  assert any(r["source"] == "xla" for r in e["computations"])
+  assert any(r["source"] == "kernels + XLA's waiting" for r in e["computations"])
   d = reports["IIG@defaults"]["estimate"]
   assert d["inter_bandwidth_gbps"] is None and "XLA's defaults" in d["network"]
 
@@ -251,8 +264,8 @@ def test_inspect_reads_what_xla_charged_each_matmul(reports):
   e = reports["IIG@100"]["estimate"]
   over = e["overpriced"]
   assert over["median_over_roofline"] is not None and over["median_over_roofline"] > 0
-  assert e["step_s_repriced"] == pytest.approx(e["step_s"] - over["overcharge_s"])
-  assert 0 < e["step_s_repriced"] <= e["step_s"]
+  assert e["step_s_repriced"] == pytest.approx(e["xla_step_s"] - over["overcharge_s"])
+  assert 0 < e["step_s_repriced"] <= e["xla_step_s"]
 
 
 @needs_plugin
@@ -292,7 +305,8 @@ def test_estimate_below_the_link_floor_says_so():
     "tokens_per_s": 8240.0,
     "mfu": 0.106,
     "unscheduled_s": 0.0,
-    "attention_left_out_s": 0.0,
+    "attention_s": 0.0,
+    "host_s": 2.06e-3,
   }
   # 65b IIG on 4 x 8 H100 at 100 Gbit/s per node: its syncs cross nodes on the inter axis
   floor = estimate.link_floor(24.48e9, 0.0, 4, 8, 100e9)

@@ -7,6 +7,7 @@ preset (2 layers), so every compile takes seconds.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -342,3 +343,37 @@ def test_inspect_target_bad_input(args, message):
   proc = _cli(*args, "--model", MODEL)
   assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
+
+
+def test_non_matmul_bytes_by_purpose():
+  """`inspect --target`'s breakdown of the bytes of the kernels other than matmuls
+  (analysis/gpu/traffic.py): the purposes sum to the total, little is left unnamed, and the
+  optimizer's are AdamW's by formula: per parameter of the device's OS shard (from the engine's
+  state shardings), the fp32 master, mu and nu each read and written (24 bytes), the gradient
+  read (its dtype) and the compute-dtype copy of the weights written (2 bytes: Engine's
+  weights_copy, on GPUs by default), or a little more where XLA splits a leaf's update around a
+  transpose of its gradient's layout (the embedding's: +2.8% here)."""
+  import jax
+  import jax.numpy as jnp
+
+  from models.config import get_config
+  from models.llama import Llama
+  from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.strategy import parse_strategy
+
+  r = gpu_report("IIG", "xla")
+  t = r["traffic"]
+  assert t["non_matmul_bytes"] > 0 and t["matmul_bytes"] > 0 and t["attention_bytes"] > 0
+  assert sum(t["by_purpose"].values()) == pytest.approx(t["non_matmul_bytes"], rel=1e-12)
+  assert t["by_purpose"].get("other", 0) < 0.03 * t["non_matmul_bytes"], t["by_purpose"]
+  mesh = make_mesh(*MESH, devices=targets.devices("h100", *MESH))
+  model = Llama(get_config(MODEL), DTYPES["bf16"], attention="cudnn")
+  engine = Engine(model, parse_strategy("IIG"), mesh, OptimConfig())
+  shapes = jax.eval_shape(lambda: engine.init_state(jax.random.key(0)))
+  shard = sum(
+    math.prod(sh.shard_shape(s.shape))
+    for s, sh in zip(jax.tree.leaves(shapes.master), jax.tree.leaves(engine.state_shardings.master))
+  )
+  per_param = 3 * 4 * 2 + jnp.dtype(r["grad_dtype"]).itemsize + 2
+  assert per_param * shard <= t["by_purpose"]["optimizer"] <= 1.05 * per_param * shard

@@ -23,6 +23,9 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
   ("L4", 121e12),
   ("V100", 125e12),  # no bf16: its fp16 tensor-core peak
 )
+# Tensor cores run an fp32 matmul as TF32 at half the dense bf16 rate on A100, H100 and H200
+# (datasheets, dense: A100 156 / 312, H100 SXM 494.7 / 989.4, H200 494.7 / 989.4 TFLOP/s).
+TF32_OVER_BF16 = 0.5
 
 
 def peak_flops(device_kind: str) -> float | None:

@@ -1,12 +1,13 @@
 """What a compile for a GPU target adds to the inspector's report: async collectives, their streams
-and overlap (hlo/overlap.py), memory against the plan and the device, and XLA's estimate of the
-step's time (gpu/estimate.py)."""
+and overlap (hlo/overlap.py), memory against the plan and the device, the HBM bytes of the kernels
+other than matmuls by purpose (gpu/traffic.py) and XLA's estimate of the step's time
+(gpu/estimate.py)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from paro_jax.analysis.gpu import estimate, instruction_costs, targets
+from paro_jax.analysis.gpu import estimate, instruction_costs, roofline, targets, traffic
 from paro_jax.analysis.hlo import overlap
 from paro_jax.analysis.inspect.inspector import report
 from paro_jax.analysis.planner.inputs import Workload
@@ -31,6 +32,8 @@ def gpu_report(
   r = report(engine, compiled)
   text = compiled.as_text()
   r["target"] = target
+  comps, _ = roofline.parse_computations(text)
+  r["traffic"] = traffic.breakdown(traffic.kernels(text, estimate.sequenced_computations(comps)))
   r["overlap"] = overlap.overlap(
     text, engine.inter * engine.intra, engine.intra, overlap.thunk_streams(dump)
   )
@@ -136,4 +139,6 @@ def format_gpu_report(r: dict) -> str:
     f"{human_bytes(mem['planned_bytes'])}, device {human_bytes(mem['device_bytes'])} "
     f"({'fits' if mem['fits'] else 'does NOT fit'})"
   )
+  if "traffic" in r:
+    lines.append(traffic.format_breakdown(r["traffic"]))
   return "\n".join(lines)
