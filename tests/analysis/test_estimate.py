@@ -227,6 +227,7 @@ def reports():
     "GGG@25": _inspect("GGG", "--inter-bandwidth", "25gbit"),
     "GGG@400": _inspect("GGG", "--inter-bandwidth", "400gbit"),
     "IIG@defaults": _inspect("IIG"),
+    "NNI@0.1": _inspect("NNI", "--inter-bandwidth", "0.1gbit"),
   }
 
 
@@ -281,7 +282,52 @@ def test_link_floor_is_the_compiled_inter_bytes_on_the_gpus_share(reports):
   assert "inter_link_s" not in reports["IIG@defaults"]["estimate"]
 
 
-def test_estimate_below_the_link_floor_says_so():
+@needs_plugin
+def test_step_is_never_below_the_link_floor(reports):
+  """inspect's step is link_shared's: at 0.1 Gbit/s (the link floor 15x the compute) at least the
+  floor; where the link does not bind (400 Gbit/s, XLA's default network) XLA's own step."""
+  slow = reports["NNI@0.1"]["estimate"]
+  assert slow["inter_link_s"] > 10 * slow["compute_s"]
+  assert slow["step_s"] >= slow["inter_link_s"]
+  assert slow["step_s"] == max(slow["xla_step_s"], slow["inter_link_s"])
+  assert slow["exposed_comm_s"] == pytest.approx(slow["step_s"] - slow["compute_s"])
+  for name in ("GGG@400", "IIG@defaults"):
+    e = reports[name]["estimate"]
+    assert e["step_s"] == e["xla_step_s"] and e["step_bound"] == estimate.BOUND_SCHEDULE, name
+  fast = reports["GGG@400"]["estimate"]
+  assert fast["inter_link_s"] < 0.1 * fast["step_s"]
+
+
+def test_link_shared_step_by_hand():
+  """A hand-written schedule: XLA's step 4 ms (compute 3 ms, waiting 1 ms) of a program that
+  sends 1.25 MB per GPU across 2 nodes of 4 GPUs. At 8 Gbit/s per node a GPU's share is
+  8e9 / 8 / 4 = 250 MB/s, so the link is busy 5 ms: the step is 5 ms, 2 ms of it exposed, and
+  tokens/s and MFU fall by 4/5. At 80 Gbit/s the link takes 0.5 ms: XLA's 4 ms stands."""
+  e = {
+    "step_s": 4e-3,
+    "compute_s": 3e-3,
+    "exposed_comm_s": 1e-3,
+    "tokens_per_s": 1000.0,
+    "mfu": 0.5,
+    "step_s_repriced": 3.5e-3,
+  }
+  slow = estimate.link_floor(1.25e6, 0.0, 2, 4, 8e9)
+  assert slow["inter_link_s"] == pytest.approx(5e-3)
+  s = estimate.link_shared(e, slow["inter_link_s"])
+  assert s["step_s"] == pytest.approx(5e-3) and s["xla_step_s"] == 4e-3
+  assert s["exposed_comm_s"] == pytest.approx(2e-3) and s["compute_s"] == 3e-3
+  assert (s["tokens_per_s"], s["mfu"]) == pytest.approx((800.0, 0.4))
+  assert s["step_s_repriced"] == pytest.approx(5e-3)
+  assert s["step_bound"] == estimate.BOUND_LINK
+  assert estimate.link_shared(s, slow["inter_link_s"]) == s  # applied twice: the same
+  fast = estimate.link_shared(e, estimate.link_floor(1.25e6, 0.0, 2, 4, 80e9)["inter_link_s"])
+  assert fast.pop("step_bound") == estimate.BOUND_SCHEDULE
+  assert fast == pytest.approx({**e, "xla_step_s": 4e-3})
+  assert estimate.link_shared(e, None)["step_s"] == 4e-3  # no --inter-bandwidth: no floor
+  assert estimate.link_shared({"source": None}, 1.0) == {"source": None}  # no estimate
+
+
+def test_estimate_set_by_the_link_floor_says_so():
   e = {
     "source": estimate.SOURCE,
     "inter_bandwidth_gbps": 100.0,
@@ -297,11 +343,14 @@ def test_estimate_below_the_link_floor_says_so():
   # 65b IIG on 4 x 8 H100 at 100 Gbit/s per node: its syncs cross nodes on the inter axis
   floor = estimate.link_floor(24.48e9, 0.0, 4, 8, 100e9)
   assert floor["inter_link_s"] == pytest.approx(24.48e9 / 1.5625e9)
-  text = estimate.format_estimate({**e, **floor})
+  text = estimate.format_estimate(estimate.link_shared({**e, **floor}, floor["inter_link_s"]))
   assert "the inter-node link alone: 15667.20 ms per step (24.5 GB per GPU" in text
-  assert "the estimate is below it" in text
-  fast = estimate.format_estimate({**e, **estimate.link_floor(0.0, 31e9 / 3, 4, 8, 100e9)})
-  assert "the inter-node link alone: 640.00 ms" in fast and "below it" not in fast  # 3/31 cross
+  assert "step 15667.20 ms = compute 1880.00 ms + exposed communication 13787.20 ms" in text
+  assert "set by the inter-node link: XLA's schedule alone gives 7950.00 ms" in text
+  low = estimate.link_floor(0.0, 31e9 / 3, 4, 8, 100e9)  # 3/31 of the bytes cross
+  fast = estimate.format_estimate(estimate.link_shared({**e, **low}, low["inter_link_s"]))
+  assert "the inter-node link alone: 640.00 ms" in fast and "step 7950.00 ms" in fast
+  assert "set by XLA's schedule (the link does not bind)" in fast
 
 
 @needs_plugin

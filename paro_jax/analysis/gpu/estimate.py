@@ -297,6 +297,47 @@ def link_floor(
   return {"inter_bytes_per_device": crossing, "inter_link_s": crossing / share}
 
 
+# What set the step of `link_shared`: XLA's schedule, or the link's share carrying the step's
+# inter-node bytes (the floor).
+BOUND_SCHEDULE, BOUND_LINK = "schedule", "link"
+
+
+def link_shared(e: dict, inter_link_s: float | None) -> dict:
+  """The step with the node's link shared among the collectives in flight: `e` (an `estimate`)
+  with `step_s` the longer of XLA's step (kept as `xla_step_s`) and `inter_link_s` (link_floor's),
+  the exposed communication, tokens/s and MFU with it, and `step_bound` naming which set it.
+
+  XLA's network model gives each GPU its share of the node's link (network_options) but gives
+  it whole to each collective in flight, so with several in flight it moves more bytes per
+  second than the link has. Re-simulating XLA's timeline with the link shared among them (each
+  transfer slowed by the others in flight, compute as XLA ordered it) never gives less than
+  either bound: the compute and waiting of XLA's schedule (a transfer at most as fast as
+  XLA's, nothing earlier), and the link busy for the step's inter-node bytes at its share
+  (`inter_link_s`). This takes the larger: the shortest such re-simulation, reached where the
+  transfers slowed by sharing stay under the compute XLA put beside them; XLA's step itself
+  where the link does not bind (one node, a fast link, no --inter-bandwidth: None). Applying it
+  again gives the same dict (it starts from `xla_step_s`)."""
+  if e.get("step_s") is None:
+    return e
+  xla = e.get("xla_step_s", e["step_s"])
+  step = max(xla, inter_link_s or 0.0)
+  rescale = e["step_s"] / step  # tokens/s and MFU are per second of the step
+  return {
+    **e,
+    "xla_step_s": xla,
+    "step_s": step,
+    "exposed_comm_s": step - e["compute_s"],
+    "tokens_per_s": e["tokens_per_s"] * rescale,
+    "mfu": e["mfu"] * rescale,
+    **(
+      {"step_s_repriced": max(e["step_s_repriced"], inter_link_s or 0.0)}
+      if e.get("step_s_repriced") is not None
+      else {}
+    ),
+    "step_bound": BOUND_LINK if step > xla else BOUND_SCHEDULE,
+  }
+
+
 def format_estimate(e: dict) -> str:
   if e.get("source") is None:
     return f"step time estimate: none ({e['unavailable']})"
@@ -310,17 +351,18 @@ def format_estimate(e: dict) -> str:
     f"MFU {e['mfu']:.1%}",
   ]
   if e.get("inter_link_s"):
-    below = e["step_s"] < e["inter_link_s"]
     lines.append(
       f"  the inter-node link alone: {e['inter_link_s'] * 1e3:.2f} ms per step "
       f"({e['inter_bytes_per_device'] / 1e9:.3g} GB per GPU at its share of the node's link)"
-      + (
-        "; the estimate is below it: XLA's model gives each collective in flight the whole "
-        "link, so read the step as at least this"
-        if below
-        else ""
-      )
     )
+  if e.get("step_bound") == BOUND_LINK:
+    lines.append(
+      f"  the step is set by the inter-node link: XLA's schedule alone gives "
+      f"{e['xla_step_s'] * 1e3:.2f} ms, its model giving each collective in flight the whole "
+      "link; shared among them, the link carries the step's bytes in no less than the above"
+    )
+  elif e.get("step_bound") == BOUND_SCHEDULE:
+    lines.append("  the step is set by XLA's schedule (the link does not bind)")
   if e["unscheduled_s"]:
     ratio = e["roofline_over_xla"]
     lines.append(
