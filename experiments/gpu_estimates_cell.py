@@ -127,7 +127,9 @@ def share_the_link(cell: dict) -> None:
   """Each compiled strategy's estimate (and its collectives variants') with the node's link
   shared among the collectives in flight (estimate.link_shared): its step at least the
   strategy's link floor, XLA's own step kept as `xla_step_s`. Recomputed from what the cell
-  stores (XLA's step and the floors), nothing compiled; the same again on a cell already done.
+  stores (XLA's step and the floors, and for a program compiled since inspect --target splits
+  the link's time by computation, that split), nothing compiled; the same again on a cell
+  already done.
   A variant moves its strategy's bytes across nodes at least (the two-level form sends the
   fewest). A plain-jit baseline gets the cell's smallest floor: every program that trains
   data-parallel across nodes sends at least a ring all-reduce of the node's gradient shard
@@ -140,7 +142,8 @@ def share_the_link(cell: dict) -> None:
     for name, r in cell.get(group, {}).items():
       floor = min(floors.values()) if group == "baselines" else floors.get(name.split("/")[0])
       if "estimate" in r and floors and floor is not None:
-        r["estimate"] = estimate.link_shared(r["estimate"], floor)
+        # a compile since the split was recorded carries its link time by computation
+        r["estimate"] = estimate.link_shared(r["estimate"], floor, None, r.get("computations"))
 
 
 # Of one micro-batch's compute, the share in its backward (full remat: the forward recomputed,

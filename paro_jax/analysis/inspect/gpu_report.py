@@ -76,9 +76,12 @@ def gpu_report(
         by[LEVEL_INTER], by[LEVEL_GLOBAL], engine.inter, engine.intra, inter_bits_per_s
       )
       r["estimate"].update(floor)
+      split = estimate.link_by_computation(text, engine.inter, engine.intra, inter_bits_per_s)
+    else:
+      split = None
     # The step with the link shared among the collectives in flight: what plan --compile-top and
     # train --strategy auto rank by (XLA's own step where the link does not bind).
-    r["estimate"] = estimate.link_shared(r["estimate"], r["estimate"].get("inter_link_s"))
+    r["estimate"] = estimate.link_shared(r["estimate"], r["estimate"].get("inter_link_s"), split)
   return r
 
 
