@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     "--report-only",
     action="store_true",
     help="compile nothing: the planner's figures and the steps with the link shared "
-    "(estimate.link_shared) again for every saved cell, the page rewritten",
+    "(link.link_shared) again for every saved cell, the page rewritten",
   )
   ap.add_argument(
     "--merge",

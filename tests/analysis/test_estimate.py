@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from paro_jax.analysis.gpu import estimate, targets
+from paro_jax.analysis.gpu import estimate, link, targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_plugin = pytest.mark.skipif(
@@ -297,7 +297,7 @@ def test_step_is_never_below_the_link_floor(reports):
   assert slow["exposed_comm_s"] == pytest.approx(slow["step_s"] - slow["compute_s"])
   for name in ("GGG@400", "IIG@defaults"):
     e = reports[name]["estimate"]
-    assert e["step_s"] == e["xla_step_s"] and e["step_bound"] == estimate.BOUND_SCHEDULE, name
+    assert e["step_s"] == e["xla_step_s"] and e["step_bound"] == link.BOUND_SCHEDULE, name
   fast = reports["GGG@400"]["estimate"]
   assert fast["inter_link_s"] < 0.1 * fast["step_s"]
 
@@ -317,18 +317,18 @@ def test_link_shared_step_by_hand():
   }
   slow = estimate.link_floor(1.25e6, 0.0, 2, 4, 8e9)
   assert slow["inter_link_s"] == pytest.approx(5e-3)
-  s = estimate.link_shared(e, slow["inter_link_s"])
+  s = link.link_shared(e, slow["inter_link_s"])
   assert s["step_s"] == pytest.approx(5e-3) and s["xla_step_s"] == 4e-3
   assert s["exposed_comm_s"] == pytest.approx(2e-3) and s["compute_s"] == 3e-3
   assert (s["tokens_per_s"], s["mfu"]) == pytest.approx((800.0, 0.4))
   assert s["step_s_repriced"] == pytest.approx(5e-3)
-  assert s["step_bound"] == estimate.BOUND_LINK
-  assert estimate.link_shared(s, slow["inter_link_s"]) == s  # applied twice: the same
-  fast = estimate.link_shared(e, estimate.link_floor(1.25e6, 0.0, 2, 4, 80e9)["inter_link_s"])
-  assert fast.pop("step_bound") == estimate.BOUND_SCHEDULE
+  assert s["step_bound"] == link.BOUND_LINK
+  assert link.link_shared(s, slow["inter_link_s"]) == s  # applied twice: the same
+  fast = link.link_shared(e, estimate.link_floor(1.25e6, 0.0, 2, 4, 80e9)["inter_link_s"])
+  assert fast.pop("step_bound") == link.BOUND_SCHEDULE
   assert fast == pytest.approx({**e, "xla_step_s": 4e-3})
-  assert estimate.link_shared(e, None)["step_s"] == 4e-3  # no --inter-bandwidth: no floor
-  assert estimate.link_shared({"source": None}, 1.0) == {"source": None}  # no estimate
+  assert link.link_shared(e, None)["step_s"] == 4e-3  # no --inter-bandwidth: no floor
+  assert link.link_shared({"source": None}, 1.0) == {"source": None}  # no estimate
 
 
 def test_link_shared_by_computation_by_hand():
@@ -342,14 +342,14 @@ def test_link_shared_by_computation_by_hand():
   ]
   e = {"step_s": 7e-3, "compute_s": 6e-3, "tokens_per_s": 800.0, "mfu": 0.4, "computations": rows}
   split = {"main": 3e-3, "body": 1e-3}
-  s = estimate.link_shared(e, 4e-3, split)
-  assert s["step_s"] == pytest.approx(8e-3) and s["step_bound"] == estimate.BOUND_LINK
+  s = link.link_shared(e, 4e-3, split)
+  assert s["step_s"] == pytest.approx(8e-3) and s["step_bound"] == link.BOUND_LINK
   assert (s["exposed_comm_s"], s["tokens_per_s"]) == pytest.approx((2e-3, 700.0))
-  assert estimate.link_shared(s, 4e-3)["step_s"] == pytest.approx(8e-3)  # the split is kept
+  assert link.link_shared(s, 4e-3)["step_s"] == pytest.approx(8e-3)  # the split is kept
   # a collective in flight across the loop (no split), or one issued where compose has no row:
   # only the step as a whole bounds the link, and XLA's 7 ms stands
-  assert estimate.link_shared(e, 4e-3, None)["step_s"] == 7e-3
-  assert estimate.link_shared(e, 4e-3, {"elsewhere": 4e-3})["step_s"] == 7e-3
+  assert link.link_shared(e, 4e-3, None)["step_s"] == 7e-3
+  assert link.link_shared(e, 4e-3, {"elsewhere": 4e-3})["step_s"] == 7e-3
 
 
 def test_estimate_set_by_the_link_floor_says_so():
@@ -368,12 +368,12 @@ def test_estimate_set_by_the_link_floor_says_so():
   # 65b IIG on 4 x 8 H100 at 100 Gbit/s per node: its syncs cross nodes on the inter axis
   floor = estimate.link_floor(24.48e9, 0.0, 4, 8, 100e9)
   assert floor["inter_link_s"] == pytest.approx(24.48e9 / 1.5625e9)
-  text = estimate.format_estimate(estimate.link_shared({**e, **floor}, floor["inter_link_s"]))
+  text = estimate.format_estimate(link.link_shared({**e, **floor}, floor["inter_link_s"]))
   assert "the inter-node link alone: 15667.20 ms per step (24.5 GB per GPU" in text
   assert "step 15667.20 ms = compute 1880.00 ms + exposed communication 13787.20 ms" in text
   assert "set by the inter-node link: XLA's schedule alone gives 7950.00 ms" in text
   low = estimate.link_floor(0.0, 31e9 / 3, 4, 8, 100e9)  # 3/31 of the bytes cross
-  fast = estimate.format_estimate(estimate.link_shared({**e, **low}, low["inter_link_s"]))
+  fast = estimate.format_estimate(link.link_shared({**e, **low}, low["inter_link_s"]))
   assert "the inter-node link alone: 640.00 ms" in fast and "step 7950.00 ms" in fast
   assert "set by XLA's schedule (the link does not bind)" in fast
 

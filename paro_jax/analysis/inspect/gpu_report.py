@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from paro_jax.analysis.gpu import estimate, instruction_costs, targets
+from paro_jax.analysis.gpu import estimate, instruction_costs, link, targets
 from paro_jax.analysis.hlo import overlap
 from paro_jax.analysis.inspect.inspector import report
 from paro_jax.analysis.planner.inputs import Workload
@@ -76,12 +76,12 @@ def gpu_report(
         by[LEVEL_INTER], by[LEVEL_GLOBAL], engine.inter, engine.intra, inter_bits_per_s
       )
       r["estimate"].update(floor)
-      split = estimate.link_by_computation(text, engine.inter, engine.intra, inter_bits_per_s)
+      split = link.link_by_computation(text, engine.inter, engine.intra, inter_bits_per_s)
     else:
       split = None
     # The step with the link shared among the collectives in flight: what plan --compile-top and
     # train --strategy auto rank by (XLA's own step where the link does not bind).
-    r["estimate"] = estimate.link_shared(r["estimate"], r["estimate"].get("inter_link_s"), split)
+    r["estimate"] = link.link_shared(r["estimate"], r["estimate"].get("inter_link_s"), split)
   return r
 
 

@@ -8,7 +8,7 @@ the targets of `inspect --target`), the analytic candidates (rerank.candidates: 
 `--compile-top` K, any within 10% of the first, any faster one just over the memory budget) are
 then compiled for this cluster, each with the run's own step flags and, for XLA's network model,
 each node's inter-node rate as the probe measured it; the pick is the fastest by XLA's estimate
-with that link shared among the collectives in flight (estimate.link_shared: never below the
+with that link shared among the collectives in flight (link.link_shared: never below the
 link's floor) whose compiled memory fits (docs/planner.md). On CPUs, on GPUs without such a
 model (A100), with `--compile-top 0`, or where no compiled candidate fits, the analytic pick
 stands and the run says why.

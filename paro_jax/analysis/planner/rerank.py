@@ -2,7 +2,7 @@
 
 The analytic model ranks the 14 strategies in microseconds; XLA's estimate of the compiled step
 (paro_jax/analysis/gpu/estimate.py; with the node's link shared among the collectives in flight,
-`estimate.link_shared`, as `inspect --target` reports it) takes a compile each, minutes for a 7B
+`link.link_shared`, as `inspect --target` reports it) takes a compile each, minutes for a 7B
 model. So the top K that fit, and every other fitting strategy within `WITHIN` (10%) of the
 first, are compiled for the target (`paro-jax inspect --target`, a process each: XLA reads its
 network model at start-up), and the pick is the fastest by that estimate among those whose
