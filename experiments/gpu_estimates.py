@@ -41,6 +41,7 @@ from experiments.gpu_estimates_cell import (  # noqa: E402
   link_floors,
   parse_key,
   planner_times,
+  share_the_link,
 )
 from experiments.gpu_estimates_page import plot, write  # noqa: E402
 
@@ -186,7 +187,8 @@ def main(argv=None) -> int:
   ap.add_argument(
     "--report-only",
     action="store_true",
-    help="compile nothing: the planner's figures again for every saved cell, the page rewritten",
+    help="compile nothing: the planner's figures and the steps with the link shared "
+    "(link.link_shared) again for every saved cell, the page rewritten",
   )
   ap.add_argument(
     "--merge",
@@ -227,7 +229,7 @@ def main(argv=None) -> int:
         for name, r in cell.get(group, {}).items():
           if name not in mine.setdefault(group, {}) or "error" in mine[group][name]:
             mine[group][name] = r
-  if not args.report_only:
+  if not args.report_only or command not in commands:  # a report rescores: it writes steps too
     commands.append(command)
   command = "\n".join(commands)  # every run that wrote these results, in order
 
@@ -235,6 +237,7 @@ def main(argv=None) -> int:
     cell = results.setdefault(cell_key(model, nodes, gbit, a), {"xla": {}})
     cell["planner"] = planner_times(args, model, nodes, gbit, a, with_compile_top=True)
     cell["link_floor_s"] = link_floors(args, model, nodes, gbit, a)
+    share_the_link(cell)
     cell["planner_two_level"] = planner_times(args, model, nodes, gbit, a, "hierarchical")
     cell["planner_one_pass"] = planner_times(args, model, nodes, gbit, a, None, True)
     return cell
@@ -261,6 +264,7 @@ def main(argv=None) -> int:
       done[name] = xla_estimate(args, model, nodes, gbit, a, strategy, collectives)
       r = done[name]
       r["date"] = str(datetime.date.today())
+      share_the_link(cell)  # the step on the formulas' floor, as the cell's others
       step = r.get("estimate", {}).get("step_s")
       print(
         f"{key} {name}: " + (r.get("error") or f"{step:.3f} s") + f" ({r['compile_s']:.0f} s)",

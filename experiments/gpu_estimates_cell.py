@@ -123,6 +123,29 @@ def link_floors(args, model, nodes, gbit, a) -> dict:
   return floor
 
 
+def share_the_link(cell: dict) -> None:
+  """Each compiled strategy's estimate (and its collectives variants') with the node's link
+  shared among the collectives in flight (link.link_shared): its step at least the
+  strategy's link floor, XLA's own step kept as `xla_step_s`. Recomputed from what the cell
+  stores (XLA's step and the floors, and for a program compiled since inspect --target splits
+  the link's time by computation, that split), nothing compiled; the same again on a cell
+  already done.
+  A variant moves its strategy's bytes across nodes at least (the two-level form sends the
+  fewest). A plain-jit baseline gets the cell's smallest floor: every program that trains
+  data-parallel across nodes sends at least a ring all-reduce of the node's gradient shard
+  across nodes in bf16 (NNN's, NNI's, III's and IIG's floor alike), whatever XLA's partitioning
+  sends beyond it."""
+  from paro_jax.analysis.gpu import link
+
+  floors = cell.get("link_floor_s", {})
+  for group in GROUPS:
+    for name, r in cell.get(group, {}).items():
+      floor = min(floors.values()) if group == "baselines" else floors.get(name.split("/")[0])
+      if "estimate" in r and floors and floor is not None:
+        # a compile since the split was recorded carries its link time by computation
+        r["estimate"] = link.link_shared(r["estimate"], floor, None, r.get("computations"))
+
+
 # Of one micro-batch's compute, the share in its backward (full remat: the forward recomputed,
 # then the backward's two matmuls per forward one: 3 of 4 units).
 BACKWARD_SHARE = 0.75

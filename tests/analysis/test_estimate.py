@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from paro_jax.analysis.gpu import estimate, kernel_time, targets
+from paro_jax.analysis.gpu import estimate, kernel_time, link, targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_plugin = pytest.mark.skipif(
@@ -240,6 +240,7 @@ def reports():
     "GGG@25": _inspect("GGG", "--inter-bandwidth", "25gbit"),
     "GGG@400": _inspect("GGG", "--inter-bandwidth", "400gbit"),
     "IIG@defaults": _inspect("IIG"),
+    "NNI@0.1": _inspect("NNI", "--inter-bandwidth", "0.1gbit"),
   }
 
 
@@ -294,7 +295,78 @@ def test_link_floor_is_the_compiled_inter_bytes_on_the_gpus_share(reports):
   assert "inter_link_s" not in reports["IIG@defaults"]["estimate"]
 
 
-def test_estimate_below_the_link_floor_says_so():
+@needs_plugin
+def test_step_is_never_below_the_link_floor(reports):
+  """inspect's step is link_shared's: at 0.1 Gbit/s (the link floor 10x the kernels) at least the
+  floor; where the link does not bind (400 Gbit/s, XLA's default network) the scheduled step."""
+  slow = reports["NNI@0.1"]["estimate"]
+  # the link's time far past the kernels' (the host's gap aside)
+  assert slow["inter_link_s"] > 10 * (slow["compute_s"] - slow["host_s"])
+  assert slow["step_s"] >= slow["inter_link_s"]
+  split = slow["link_s_by_computation"]  # the floor's bytes, by the computation issuing them
+  assert sum(split.values()) == pytest.approx(slow["inter_link_s"])
+  rows = {r["computation"]: r["executions"] * r["time_s"] for r in slow["computations"]}
+  by_hand = sum(max(t, split.get(c, 0.0)) for c, t in rows.items())
+  assert slow["step_s"] == pytest.approx(max(slow["schedule_step_s"], by_hand))
+  assert slow["exposed_comm_s"] == pytest.approx(slow["step_s"] - slow["compute_s"])
+  for name in ("GGG@400", "IIG@defaults"):
+    e = reports[name]["estimate"]
+    assert e["step_s"] == e["schedule_step_s"] and e["step_bound"] == link.BOUND_SCHEDULE, name
+  fast = reports["GGG@400"]["estimate"]
+  assert fast["inter_link_s"] < 0.1 * fast["step_s"]
+
+
+def test_link_shared_step_by_hand():
+  """A hand-written schedule: its step 4 ms (compute 3 ms, waiting 1 ms) of a program that
+  sends 1.25 MB per GPU across 2 nodes of 4 GPUs. At 8 Gbit/s per node a GPU's share is
+  8e9 / 8 / 4 = 250 MB/s, so the link is busy 5 ms: the step is 5 ms, 2 ms of it exposed, and
+  tokens/s and MFU fall by 4/5. At 80 Gbit/s the link takes 0.5 ms: the scheduled 4 ms stands."""
+  e = {
+    "step_s": 4e-3,
+    "compute_s": 3e-3,
+    "exposed_comm_s": 1e-3,
+    "tokens_per_s": 1000.0,
+    "mfu": 0.5,
+    "step_s_repriced": 3.5e-3,
+  }
+  slow = estimate.link_floor(1.25e6, 0.0, 2, 4, 8e9)
+  assert slow["inter_link_s"] == pytest.approx(5e-3)
+  s = link.link_shared(e, slow["inter_link_s"])
+  assert s["step_s"] == pytest.approx(5e-3) and s["schedule_step_s"] == 4e-3
+  assert s["exposed_comm_s"] == pytest.approx(2e-3) and s["compute_s"] == 3e-3
+  assert (s["tokens_per_s"], s["mfu"]) == pytest.approx((800.0, 0.4))
+  assert s["step_s_repriced"] == pytest.approx(5e-3)
+  assert s["step_bound"] == link.BOUND_LINK
+  assert link.link_shared(s, slow["inter_link_s"]) == s  # applied twice: the same
+  fast = link.link_shared(e, estimate.link_floor(1.25e6, 0.0, 2, 4, 80e9)["inter_link_s"])
+  assert fast.pop("step_bound") == link.BOUND_SCHEDULE
+  assert fast == pytest.approx({**e, "schedule_step_s": 4e-3})
+  assert link.link_shared(e, None)["step_s"] == 4e-3  # no --inter-bandwidth: no floor
+  assert link.link_shared({"source": None}, 1.0) == {"source": None}  # no estimate
+
+
+def test_link_shared_by_computation_by_hand():
+  """Two computations run one after the other: the entry (once, 2 ms in XLA's schedule) and a
+  loop body (10 times 0.5 ms). The entry's collectives keep the link busy 3 ms, the body's 1 ms
+  in all (the floor: 4 ms). XLA's step, 7 ms, is above the floor, yet the entry cannot finish
+  before its 3 ms on the link while the body's compute hides its own: 3 + 5 = 8 ms."""
+  rows = [
+    {"computation": "main", "executions": 1, "time_s": 2e-3},
+    {"computation": "body", "executions": 10, "time_s": 0.5e-3},
+  ]
+  e = {"step_s": 7e-3, "compute_s": 6e-3, "tokens_per_s": 800.0, "mfu": 0.4, "computations": rows}
+  split = {"main": 3e-3, "body": 1e-3}
+  s = link.link_shared(e, 4e-3, split)
+  assert s["step_s"] == pytest.approx(8e-3) and s["step_bound"] == link.BOUND_LINK
+  assert (s["exposed_comm_s"], s["tokens_per_s"]) == pytest.approx((2e-3, 700.0))
+  assert link.link_shared(s, 4e-3)["step_s"] == pytest.approx(8e-3)  # the split is kept
+  # a collective in flight across the loop (no split), or one issued where compose has no row:
+  # only the step as a whole bounds the link, and XLA's 7 ms stands
+  assert link.link_shared(e, 4e-3, None)["step_s"] == 7e-3
+  assert link.link_shared(e, 4e-3, {"elsewhere": 4e-3})["step_s"] == 7e-3
+
+
+def test_estimate_set_by_the_link_floor_says_so():
   e = {
     "source": estimate.SOURCE,
     "inter_bandwidth_gbps": 100.0,
@@ -311,11 +383,14 @@ def test_estimate_below_the_link_floor_says_so():
   # 65b IIG on 4 x 8 H100 at 100 Gbit/s per node: its syncs cross nodes on the inter axis
   floor = estimate.link_floor(24.48e9, 0.0, 4, 8, 100e9)
   assert floor["inter_link_s"] == pytest.approx(24.48e9 / 1.5625e9)
-  text = estimate.format_estimate({**e, **floor})
+  text = estimate.format_estimate(link.link_shared({**e, **floor}, floor["inter_link_s"]))
   assert "the inter-node link alone: 15667.20 ms per step (24.5 GB per GPU" in text
-  assert "the estimate is below it" in text
-  fast = estimate.format_estimate({**e, **estimate.link_floor(0.0, 31e9 / 3, 4, 8, 100e9)})
-  assert "the inter-node link alone: 640.00 ms" in fast and "below it" not in fast  # 3/31 cross
+  assert "step 15667.20 ms = compute 1880.00 ms + exposed communication 13787.20 ms" in text
+  assert "set by the inter-node link: the schedule alone gives 7950.00 ms" in text
+  low = estimate.link_floor(0.0, 31e9 / 3, 4, 8, 100e9)  # 3/31 of the bytes cross
+  fast = estimate.format_estimate(link.link_shared({**e, **low}, low["inter_link_s"]))
+  assert "the inter-node link alone: 640.00 ms" in fast and "step 7950.00 ms" in fast
+  assert "set by the schedule (the link does not bind)" in fast
 
 
 @needs_plugin

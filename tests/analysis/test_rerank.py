@@ -51,7 +51,7 @@ def test_table_shows_xla_and_repriced_steps_beside_the_analytic_rank():
   )
   order = [e.strategy for e in sorted(p.ranking, key=lambda e: e.step_time_s) if e.fits]
   other = next(s for s in order if s != p.pick)
-  est = dict(step_s=2.5, compute_s=2.0, exposed_comm_s=0.5, step_s_repriced=2.1)
+  est = dict(step_s=2.5, compute_s=2.0, exposed_comm_s=0.5, step_s_repriced=2.1, step_bound="link")
   r = {
     "target": "h100",
     "k": 2,
@@ -67,13 +67,13 @@ def test_table_shows_xla_and_repriced_steps_beside_the_analytic_rank():
   r["compiled"][0]["compiled_bytes"] = 2e10
   lines = rerank.format_rerank(p, r).splitlines()
   assert lines[1].split() == [
-    "#", "strategy", "XLA", "step", "s", "compute", "exposed", "repriced", "analytic", "s",
-    "analytic", "#", "compile", "s", "memory",
+    "#", "strategy", "step", "s", "compute", "exposed", "repriced", "analytic", "s",
+    "analytic", "#", "compile", "s", "memory", "set", "by",
   ]  # fmt: skip
   row = lines[2].split()
   assert row[:6] == ["1", other, "2.500", "2.000", "0.500", "2.100"]
   assert row[7] == str(order.index(other) + 1)
-  assert row[9:] == ["30.0", "GB"]
+  assert row[9:] == ["30.0", "GB", "link"]
   assert lines[-1] == f"pick by XLA's estimate: {other} (differs from the analytic {p.pick})"
   # XLA's fastest is the analytic pick: the last line says so, with its object
   r["compiled"][0]["estimate"]["step_s"] = 2.0

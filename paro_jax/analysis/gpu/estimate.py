@@ -31,6 +31,7 @@ import tempfile
 from paro_jax.analysis.gpu import kernel_time, roofline
 from paro_jax.analysis.hlo.collectives import computation_counts
 from paro_jax.analysis.gpu.instruction_costs import overpriced
+from paro_jax.analysis.gpu.link import BOUND_LINK, BOUND_SCHEDULE
 
 STATS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "latency_hiding_scheduler=1"}
 NETWORK_FLAG = "--xla_gpu_analytical_latency_estimator_options"
@@ -327,17 +328,24 @@ def format_estimate(e: dict) -> str:
     f"MFU {e['mfu']:.1%}",
   ]
   if e.get("inter_link_s"):
-    below = e["step_s"] < e["inter_link_s"]
     lines.append(
       f"  the inter-node link alone: {e['inter_link_s'] * 1e3:.2f} ms per step "
       f"({e['inter_bytes_per_device'] / 1e9:.3g} GB per GPU at its share of the node's link)"
+    )
+  if e.get("step_bound") == BOUND_LINK:
+    lines.append(
+      f"  the step is set by the inter-node link: the schedule alone gives "
+      f"{e['schedule_step_s'] * 1e3:.2f} ms, XLA's network model giving each collective in "
+      "flight the whole link; shared among them, "
       + (
-        "; the estimate is below it: XLA's model gives each collective in flight the whole "
-        "link, so read the step as at least this"
-        if below
-        else ""
+        "each computation (the entry, a loop body) lasts at least its own collectives' time on "
+        "the link"
+        if e.get("link_s_by_computation")
+        else "the link carries the step's bytes in no less than the above"
       )
     )
+  elif e.get("step_bound") == BOUND_SCHEDULE:
+    lines.append("  the step is set by the schedule (the link does not bind)")
   lines.append(
     f"  of it: cuDNN attention {e['attention_s'] * 1e3:.2f} ms, the host's gap "
     f"{e['host_s'] * 1e3:.2f} ms"

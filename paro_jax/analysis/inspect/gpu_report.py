@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from paro_jax.analysis.gpu import estimate, instruction_costs, roofline, targets, traffic
+from paro_jax.analysis.gpu import estimate, instruction_costs, link, roofline, targets, traffic
 from paro_jax.analysis.hlo import overlap
 from paro_jax.analysis.inspect.inspector import report
 from paro_jax.analysis.planner.inputs import Workload
@@ -79,6 +79,12 @@ def gpu_report(
         by[LEVEL_INTER], by[LEVEL_GLOBAL], engine.inter, engine.intra, inter_bits_per_s
       )
       r["estimate"].update(floor)
+      split = link.link_by_computation(text, engine.inter, engine.intra, inter_bits_per_s)
+    else:
+      split = None
+    # The step with the link shared among the collectives in flight: what plan --compile-top and
+    # train --strategy auto rank by (the scheduled step where the link does not bind).
+    r["estimate"] = link.link_shared(r["estimate"], r["estimate"].get("inter_link_s"), split)
   return r
 
 

@@ -8,9 +8,10 @@ the targets of `inspect --target`), the analytic candidates (rerank.candidates: 
 `--compile-top` K, any within 10% of the first, any faster one just over the memory budget) are
 then compiled for this cluster, each with the run's own step flags and, for XLA's network model,
 each node's inter-node rate as the probe measured it; the pick is the fastest by XLA's estimate
-whose compiled memory fits (docs/planner.md). On CPUs, on GPUs without such a model (A100), with
-`--compile-top 0`, or where no compiled candidate fits, the analytic pick stands and the run says
-why.
+with that link shared among the collectives in flight (link.link_shared: never below the
+link's floor) whose compiled memory fits (docs/planner.md). On CPUs, on GPUs without such a
+model (A100), with `--compile-top 0`, or where no compiled candidate fits, the analytic pick
+stands and the run says why.
 
 Every process probes and plans alike (the probe's numbers are process 0's) and compiles the same
 candidates; process 0's pick is broadcast, so all processes run one strategy.

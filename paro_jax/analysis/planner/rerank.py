@@ -1,14 +1,16 @@
 """`paro-jax plan --target GPU --compile-top K`: the analytic ranking checked by XLA's estimate.
 
 The analytic model ranks the 14 strategies in microseconds; XLA's estimate of the compiled step
-(paro_jax/analysis/gpu/estimate.py) takes a compile each, minutes for a 7B model. So the top K that
-fit, and every other fitting strategy within `WITHIN` (10%) of the first, are compiled for the
-target (`paro-jax inspect --target`, a process each: XLA reads its network model at start-up),
-and the pick is the fastest by XLA's estimate among those whose compiled memory fits the plan's
-budget (the usable fraction of the device's memory, as the analytic model's). A strategy that the
-analytic memory rules out by less than that model's measured error (`MEMORY_SLACK`) is compiled
-too when the analytic model puts it ahead of the first that fits: its compiled memory decides.
-Both rankings are printed side by side, with each compile's time.
+(paro_jax/analysis/gpu/estimate.py; with the node's link shared among the collectives in flight,
+`link.link_shared`, as `inspect --target` reports it) takes a compile each, minutes for a 7B
+model. So the top K that fit, and every other fitting strategy within `WITHIN` (10%) of the
+first, are compiled for the target (`paro-jax inspect --target`, a process each: XLA reads its
+network model at start-up), and the pick is the fastest by that estimate among those whose
+compiled memory fits the plan's budget (the usable fraction of the device's memory, as the
+analytic model's). A strategy that the analytic memory rules out by less than that model's
+measured error (`MEMORY_SLACK`) is compiled too when the analytic model puts it ahead of the
+first that fits: its compiled memory decides. Both rankings are printed side by side, with each
+compile's time.
 """
 
 from __future__ import annotations
@@ -176,10 +178,11 @@ def format_rerank(plan, r: dict) -> str:
   lines = [
     f"compiled for {r['target']}: the analytic top {r['k']}, any within {r['within']:.0%} of its "
     f"first and any faster one over the memory budget by less than {r['memory_slack']:.0%} by "
-    "the analytic model; ranked by XLA's estimate (its cost model, not a measurement); compiled "
-    f"memory held to the plan's budget of {human_bytes(r['budget_bytes'])}",
-    f"{'#':>3s} {'strategy':9s}{'XLA step s':>11s}{'compute':>9s}{'exposed':>9s}"
-    f"{'repriced':>9s}{'analytic s':>11s}{'analytic #':>11s}{'compile s':>10s}{'memory':>10s}",
+    "the analytic model; ranked by XLA's estimate with the link shared (a cost model, not a "
+    f"measurement); compiled memory held to the plan's budget of {human_bytes(r['budget_bytes'])}",
+    f"{'#':>3s} {'strategy':9s}{'step s':>11s}{'compute':>9s}{'exposed':>9s}"
+    f"{'repriced':>9s}{'analytic s':>11s}{'analytic #':>11s}{'compile s':>10s}{'memory':>10s}"
+    "  set by",
   ]
   for i, c in enumerate(by_xla, 1):
     s = c["strategy"]
@@ -193,11 +196,13 @@ def format_rerank(plan, r: dict) -> str:
     repriced = f"{e['step_s_repriced']:9.3f}" if e.get("step_s_repriced") else f"{'-':>9s}"
     lines.append(
       f"{i:3d} {s:9s}{e['step_s']:11.3f}{e['compute_s']:9.3f}{e['exposed_comm_s']:9.3f}"
-      f"{repriced}{tail}{human_bytes(c['compiled_bytes']):>10s}{fit}"
+      f"{repriced}{tail}{human_bytes(c['compiled_bytes']):>10s}  {e.get('step_bound', '-')}{fit}"
     )
   lines.append(
-    "repriced: XLA's step with the matmuls it prices out of line with the program's others (the "
-    "language-model head) at their typical price (docs/gpu.md)"
+    "step: XLA's estimate with the node's link shared among the collectives in flight, the "
+    "longer of XLA's schedule and the link floor (set by: which); repriced: the same with the "
+    "matmuls XLA prices out of line with the program's others (the language-model head) at "
+    "their typical price (docs/gpu.md)"
   )
   if r["pick"] is None:
     lines.append("no compiled candidate fits: the analytic pick stands unchecked")
