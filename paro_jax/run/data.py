@@ -27,6 +27,7 @@ import numpy as np
 
 from paro_jax.run.bins import SHARD, bin_dtype_for, bin_max, check_shards, read_bin
 from paro_jax.run.config import DataConfig
+from paro_jax.run.records import read_records
 from paro_jax.run.tokenizers import BYTES, check_vocab, make_tokenizer
 
 
@@ -60,44 +61,27 @@ def expand_paths(patterns, flag: str = "--data") -> list[str]:
 
 
 def read_jsonl(path: str, field: str, progress=None):
-  """The `field` text of each record; `progress(n)` is called with the bytes of each line."""
-  try:
-    yield from _read_jsonl(path, field, progress)
-  except UnicodeDecodeError as e:
-    raise ValueError(_not_utf8(path, e)) from None
-
-
-def _read_jsonl(path: str, field: str, progress):
-  with open(path, "rb") as f:
-    for n, raw in enumerate(f, 1):
-      if progress:
-        progress(len(raw))
-      line = raw.decode("utf-8")
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: not a JSON object ({e.msg})") from e
-      if not isinstance(record, dict) or field not in record:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(
-          f"{path}:{n}: the record has no {field!r} field (it has {keys}): pass "
-          f"--text-field with the field that holds the text"
-        )
-      text = record[field]
-      if not isinstance(text, str):
-        raise ValueError(
-          f"{path}:{n}: the {field!r} field is {json.dumps(text)[:40]} ({type(text).__name__}), "
-          f"not text: fix or drop that record, or pass --text-field with the field that holds "
-          f"the text"
-        )
-      if bad := _SURROGATE.search(text):  # JSON's "\ud800" escape: no character, no UTF-8
-        raise ValueError(
-          f"{path}:{n}: the {field!r} field holds a lone surrogate ({ascii(bad.group())} at "
-          f"character {bad.start()}), which is not text: fix or drop that record"
-        )
-      yield text
+  """The `field` text of each record (records.read_records: a line that is not a JSON object, or
+  not UTF-8, is one error naming it); `progress(n)` is called with the bytes of each line."""
+  for where, record in read_records(path, None, progress):
+    if field not in record:
+      raise ValueError(
+        f"{where}: the record has no {field!r} field (it has {sorted(record)}): pass "
+        f"--text-field with the field that holds the text"
+      )
+    text = record[field]
+    if not isinstance(text, str):
+      raise ValueError(
+        f"{where}: the {field!r} field is {json.dumps(text)[:40]} ({type(text).__name__}), "
+        f"not text: fix or drop that record, or pass --text-field with the field that holds "
+        f"the text"
+      )
+    if bad := _SURROGATE.search(text):  # JSON's "\ud800" escape: no character, no UTF-8
+      raise ValueError(
+        f"{where}: the {field!r} field holds a lone surrogate ({ascii(bad.group())} at "
+        f"character {bad.start()}), which is not text: fix or drop that record"
+      )
+    yield text
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
