@@ -26,10 +26,7 @@ Pure Python (no jax), so a laptop can plan a 128-GPU run. For every strategy:
   fragmentation. JAX preallocates 75% of a GPU by default: raise XLA_PYTHON_CLIENT_MEM_FRACTION
   (e.g. to 0.95) for plans that need more.
 
-The pick is the fastest strategy that fits. Predictions within `TIE` (1%) of the fastest are a tie
-the model cannot resolve (e.g. ING, INI and IIG with few trainable parameters); among those it
-takes the one with the fewest collectives per step (per-collective overhead is the least certain
-part of the model), then the least memory.
+The pick among the strategies is planner.py's.
 """
 
 from __future__ import annotations
