@@ -103,12 +103,17 @@ def _unflat(tree, values):
 
 
 def _per_leaf(leaves, impl, axes, bucket) -> bool:
-  return not leaves or (not bucket and comm.concrete_impl(impl, axes) == "xla")
+  """Unless `bucket` asks for one: leaves go one by one with XLA's collectives, and where they
+  hold several dtypes (a bucket is one buffer)."""
+  if not leaves:
+    return True
+  mixed = len({x.dtype for x in leaves}) > 1
+  return not bucket and (mixed or comm.concrete_impl(impl, axes) == "xla")
 
 
 def tree_all_gather(tree, dims, axes, impl: str = "xla", wire=None, bucket: bool = False):
   """Each leaf all-gathered along its dim over `axes` (`collectives.all_gather`); one bucket
-  with the hand-written rings, or with any implementation if `bucket`."""
+  with the hand-written rings (leaves of one dtype), or with any implementation if `bucket`."""
   leaves, flat_dims = _flat(tree, dims)
   if _per_leaf(leaves, impl, axes, bucket):
     out = [comm.all_gather(x, axes, dim=d, impl=impl, wire=wire) for x, d in zip(leaves, flat_dims)]
@@ -119,7 +124,8 @@ def tree_all_gather(tree, dims, axes, impl: str = "xla", wire=None, bucket: bool
 
 def tree_reduce_scatter(tree, dims, axes, impl: str = "xla", wire=None, bucket: bool = False):
   """Each leaf reduce-scattered along its dim over `axes` (`collectives.reduce_scatter`); one
-  bucket with the hand-written rings, or with any implementation if `bucket`."""
+  bucket with the hand-written rings (leaves of one dtype), or with any implementation if
+  `bucket`."""
   leaves, flat_dims = _flat(tree, dims)
   if _per_leaf(leaves, impl, axes, bucket):
     out = [

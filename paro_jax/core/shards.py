@@ -15,7 +15,6 @@ import jax
 from jax import lax
 
 from paro_jax.core import buckets
-from paro_jax.core import collectives as comm
 from paro_jax.core.wire import WireConfig
 from paro_jax.core.names import GLOBAL_AXES
 from paro_jax.core.rings import to_varying
@@ -60,36 +59,19 @@ def make_gather(gather_axes, scatter_axes, impl, wire=WireConfig(), grad_dtype=N
   (`grad_dtype`), where it is accumulated. Both collectives carry `wire`'s precision on their
   inter level."""
 
-  def one_bucket(axes, leaves) -> bool:
-    return comm.concrete_impl(impl, axes) != "xla" and len({x.dtype for x in leaves}) == 1
-
   @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
   def gather(params, sinks, dims):
     del sinks  # only receive the gradients
-    if one_bucket(gather_axes, params):
-      full = buckets.all_gather_bucket(
-        list(params), gather_axes, list(dims), impl, wire.params_codec
-      )
-    else:
-      full = [
-        comm.all_gather(p, gather_axes, dim=d % p.ndim, impl=impl, wire=wire.params_codec)
-        for p, d in zip(params, dims)
-      ]
+    dims = tuple(d % p.ndim for p, d in zip(params, dims))
+    full = buckets.tree_all_gather(params, dims, gather_axes, impl, wire.params_codec)
     return tuple(to_varying(w, GLOBAL_AXES) for w in full)
 
   def fwd(params, sinks, dims):
     return gather(params, sinks, dims), None
 
   def bwd(dims, _, cts):
-    if one_bucket(scatter_axes, cts):
-      grads = buckets.reduce_scatter_bucket(
-        list(cts), scatter_axes, list(dims), impl, wire.grads_codec
-      )
-    else:
-      grads = [
-        comm.reduce_scatter(ct, scatter_axes, dim=d % ct.ndim, impl=impl, wire=wire.grads_codec)
-        for ct, d in zip(cts, dims)
-      ]
+    dims = tuple(d % ct.ndim for ct, d in zip(cts, dims))
+    grads = buckets.tree_reduce_scatter(cts, dims, scatter_axes, impl, wire.grads_codec)
     return None, tuple(g.astype(grad_dtype or ct.dtype) for g, ct in zip(grads, cts))
 
   gather.defvjp(fwd, bwd)

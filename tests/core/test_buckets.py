@@ -111,3 +111,47 @@ def test_bucket_refuses_mixed_dtypes_and_indivisible_dims(mesh):
     _run(mesh, mixed, xs)
   with pytest.raises(ValueError, match="does not split into the 4 devices"):
     _run(mesh, lambda b: buckets.reduce_scatter_bucket(b, "intra", [0]), _blocks(mesh, [(6, 2)], 6))
+
+
+def test_tree_collectives_take_mixed_dtypes_leaf_by_leaf(mesh):
+  """A tree of several dtypes cannot be one bucket: with the hand-written rings its leaves go one
+  by one (shards.make_gather gathers a module's leaves so), each equal to lax's; asked for a
+  bucket, it is refused as above."""
+  xs = _blocks(mesh, [(4, 3), (4, 3)], seed=7)
+
+  def gather(blocks, bucket=False):
+    tree = (blocks[0], blocks[1].astype(jnp.bfloat16))
+    return list(buckets.tree_all_gather(tree, (0, 1), ("intra",), "ring", bucket=bucket))
+
+  got = _run(mesh, gather, xs)
+  want = _run(
+    mesh,
+    lambda b: [
+      lax.all_gather(b[0], "intra", axis=0, tiled=True),
+      lax.all_gather(b[1].astype(jnp.bfloat16), "intra", axis=1, tiled=True),
+    ],
+    xs,
+  )
+  assert [g.dtype for g in got] == [jnp.float32, jnp.bfloat16]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  k = 4  # reduce-scatter over intra: full-size leaves
+  ys = _blocks(mesh, [(4 * k, 3), (4, 3 * k)], seed=8)
+
+  def scatter(blocks):
+    tree = (blocks[0], blocks[1].astype(jnp.bfloat16))
+    return list(buckets.tree_reduce_scatter(tree, (0, 1), ("intra",), "ring"))
+
+  got = _run(mesh, scatter, ys)
+  want = _run(
+    mesh,
+    lambda b: [
+      lax.psum_scatter(b[0], "intra", scatter_dimension=0, tiled=True),
+      lax.psum_scatter(b[1].astype(jnp.bfloat16), "intra", scatter_dimension=1, tiled=True),
+    ],
+    ys,
+  )
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  with pytest.raises(ValueError, match="one dtype"):
+    _run(mesh, lambda b: gather(b, bucket=True), xs)
