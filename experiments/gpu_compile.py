@@ -15,7 +15,6 @@ options once, when jax starts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -50,27 +49,14 @@ def main(argv=None) -> int:
   inter, intra = parse_mesh_shape(args.mesh)
   targets.prepare_deviceless_compile()
   estimate.prepare_environment(None, intra)  # before jax starts
-  from models.config import get_config
   from paro_jax.analysis.inspect.abstract import compile_for_target
   from paro_jax.analysis.inspect.gpu_report import gpu_report
-  from paro_jax.core.config import StepConfig
-  from paro_jax.core.factory import build_engine
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.xla_flags import GPU_FLAGS
 
-  cfg = get_config(args.model)
-  if args.layers:
-    cfg = dataclasses.replace(cfg, layers=args.layers)
-  step = StepConfig(
-    strategy=args.strategy,
-    dtype="bf16",
-    remat=args.remat,
-    attention=args.attention,
-    micro_batches=args.micro_batches,
-    collectives=args.collectives,
-  )
   mesh = make_mesh(inter, intra, devices=targets.devices(args.target, inter, intra))
-  engine = build_engine(step, cfg, mesh, **gpu_variants.engine_options(old))
+  engine = gpu_variants.engine_for(args, mesh, old)
+  cfg = engine.model.cfg
   batch = args.batch_size or inter * intra
   t = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="gpu_compile-") as dump:

@@ -31,7 +31,6 @@ and writes DIR/README.md: the measured runs, and the terms side by side.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import glob
 import json
@@ -112,29 +111,15 @@ def measure(args, devices, out: str, rate=None, mesh_shape=None) -> dict:
   import jax
 
   from experiments import gpu_variants
-  from models.config import get_config
   from paro_jax.analysis.gpu import estimate, targets
   from paro_jax.analysis.inspect.abstract import abstract_inputs
   from paro_jax.analysis.gpu.hardware import peak_flops
-  from paro_jax.core.config import StepConfig
-  from paro_jax.core.factory import build_engine
   from paro_jax.core.mesh import make_mesh
 
   t0 = time.perf_counter()
   inter, intra = mesh_shape or (1, len(devices))
-  cfg = get_config(args.model)
-  if args.layers:
-    cfg = dataclasses.replace(cfg, layers=args.layers)
-  step = StepConfig(
-    strategy=args.strategy,
-    dtype="bf16",
-    remat=args.remat,
-    attention=args.attention,
-    micro_batches=args.micro_batches,
-    collectives=args.collectives,
-  )
   mesh = make_mesh(inter, intra, devices=devices[: inter * intra])
-  engine = build_engine(step, cfg, mesh, **gpu_variants.engine_options(args.old))
+  engine = gpu_variants.engine_for(args, mesh, args.old)
   n = inter * intra
   kind = devices[0].device_kind
   with gpu_variants.undone(args.old, engine):
@@ -191,7 +176,7 @@ def measure(args, devices, out: str, rate=None, mesh_shape=None) -> dict:
     "jax": jax.__version__,
     "mesh": [inter, intra],
     "model": args.model,
-    "layers": cfg.layers,
+    "layers": engine.model.cfg.layers,
     "attention": args.attention,
     "remat": args.remat,
     "strategy": args.strategy,

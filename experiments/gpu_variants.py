@@ -40,6 +40,31 @@ def engine_options(names) -> dict:
   return dict(ENGINE_OPTIONS[n] for n in names if n in ENGINE_OPTIONS)
 
 
+def engine_for(args, mesh, names):
+  """The engine of a measured run (gpu_measure.py) and of its compile without a GPU
+  (gpu_compile.py), so that both are the same program: `args`' model (and --layers), bf16,
+  remat, attention, micro-batches and collectives, with the changes in `names` made by an
+  option undone."""
+  import dataclasses
+
+  from models.config import get_config
+  from paro_jax.core.config import StepConfig
+  from paro_jax.core.factory import build_engine
+
+  cfg = get_config(args.model)
+  if args.layers:
+    cfg = dataclasses.replace(cfg, layers=args.layers)
+  step = StepConfig(
+    strategy=args.strategy,
+    dtype="bf16",
+    remat=args.remat,
+    attention=args.attention,
+    micro_batches=args.micro_batches,
+    collectives=args.collectives,
+  )
+  return build_engine(step, cfg, mesh, **engine_options(names))
+
+
 def _plain_head_logits(equation, x, w):
   import jax.numpy as jnp
 
