@@ -3,7 +3,7 @@
 Flags named exist and quoted defaults are argparse's; repository paths named in the docs and in
 comments exist; XLA flag values quoted are those of core/xla_flags.py; the headline figures are
 derived again from the results pages they cite; the sample outputs are what the current code
-prints (experiments/docs_samples.py). The checkers are shown to fail on synthetic pages.
+prints (tests/docs_samples.py). The checkers are shown to fail on synthetic pages.
 """
 
 import ast
@@ -442,7 +442,7 @@ def test_sample_outputs_are_what_the_code_prints():
   """`$ paro-jax plan|inspect ...` blocks in README.md and docs/ match the current output."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a user runs it
   done = subprocess.run(
-    [sys.executable, "experiments/docs_samples.py", "--check"],
+    [sys.executable, "tests/docs_samples.py", "--check"],
     cwd=ROOT,
     env=env,
     capture_output=True,
@@ -450,6 +450,6 @@ def test_sample_outputs_are_what_the_code_prints():
     timeout=600,
   )
   assert done.returncode == 0, (
-    "a sample output in the docs is stale: run `python experiments/docs_samples.py`, review "
+    "a sample output in the docs is stale: run `python tests/docs_samples.py`, review "
     f"the diff (and the prose around it), commit:\n{done.stdout}{done.stderr[-3000:]}"
   )

@@ -6,7 +6,7 @@ asynchronously (the TCP pair writes what the socket takes and leaves the rest to
 and on every rank but 0 copies its reduced chunk over the front of that buffer without waiting for
 the send to finish: when the loop is late, the peer receives, for the tail of the message, the
 sender's reduced chunk instead of its data, and sums it in. The result is wrong, and which bytes
-depends on timing, so identical runs differ. `experiments/gloo_rs_race.py` shows it with exact
+depends on timing, so identical runs differ. `tests/cluster/gloo_rs_race.py` shows it with exact
 integer data; gloo's ring all-reduce waits for its sends and is exact there.
 """
 

@@ -56,7 +56,7 @@ def test_multi_process_reduce_scatter_is_exact(tmp_path):
   lowering every run uses, no device result may be wrong (gloo's own is measured, not asserted:
   it fails only now and then)."""
   cmd = [sys.executable, "-m", "paro_jax", "launch", "--nodes", "2", "--devices-per-node", "2"]
-  cmd += ["--loopback", "--", "python", os.path.join(REPO, "experiments", "gloo_rs_race.py")]
+  cmd += ["--loopback", "--", "python", os.path.join(REPO, "tests", "cluster", "gloo_rs_race.py")]
   cmd += ["--reps", "10", "--out", str(tmp_path)]
   env = {**_env(), "PYTHONPATH": REPO}
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""Training under a real two-node SLURM cluster on this machine (experiments/slurm/cluster.py):
+"""Training under a real two-node SLURM cluster on this machine (tests/cluster/slurm_cluster.py):
 SLURM's processes joined (paro_jax/cluster/distributed.py), a frozen one named by the peer watch
 (paro_jax/cluster/watch.py).
 
@@ -21,7 +21,7 @@ import pytest
 
 from tests.cluster.repro_bound import multiprocess_bound
 
-from experiments.slurm import cluster as slurm
+from tests.cluster import slurm_cluster as slurm
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

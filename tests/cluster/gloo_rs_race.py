@@ -1,7 +1,7 @@
 """XLA:CPU's reduce-scatter through gloo returns wrong sums now and then; an all-reduce does not.
 
   python -m paro_jax launch --nodes 2 --devices-per-node 2 --loopback -- \
-    python experiments/gloo_rs_race.py --reps 100 --out experiments/results/gloo_rs_race
+    python tests/cluster/gloo_rs_race.py --reps 100 --out experiments/results/gloo_rs_race
 
 Each process sums, over its own devices (the mesh's `intra` axis, which jaxlib 0.10.2 runs through
 gloo once jax.distributed joins processes), `lax.psum_scatter` of an array of small integers, whose
@@ -125,7 +125,7 @@ def main() -> None:
     return
   page = {
     "command": f"python -m paro_jax launch --nodes {g} --devices-per-node {m} --loopback -- "
-    f"python experiments/gloo_rs_race.py --reps {args.reps} --elements {args.elements} "
+    f"python tests/cluster/gloo_rs_race.py --reps {args.reps} --elements {args.elements} "
     f"--out {args.out}",
     "date": utc_now(),
     "machine": machine_line(),

@@ -7,8 +7,8 @@ output differs and exits 1. Only commands whose output depends on the code alone
 measurement) may be shown this way: `inspect` (a compile from abstract shapes) and `plan`
 (formulas). tests/test_docs.py runs `--check`.
 
-    python experiments/docs_samples.py            # rewrite the samples in place
-    python experiments/docs_samples.py --check    # exit 1 naming each stale sample
+    python tests/docs_samples.py            # rewrite the samples in place
+    python tests/docs_samples.py --check    # exit 1 naming each stale sample
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
   for line in stale:
     print(("stale: " if args.check else "rewrote: ") + line)
   if stale and args.check:
-    print("run `python experiments/docs_samples.py` and review the diff", file=sys.stderr)
+    print("run `python tests/docs_samples.py` and review the diff", file=sys.stderr)
     return 1
   return 0
 

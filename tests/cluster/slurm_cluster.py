@@ -1,4 +1,4 @@
-"""A real two-node SLURM cluster on one machine (root): `python -m experiments.slurm.cluster up`.
+"""A real two-node SLURM cluster on one machine (root): `python -m tests.cluster.slurm_cluster up`.
 
 `up` installs slurm-wlm and munge with apt-get where they are missing, and starts:
 - two "nodes", each a network namespace (the launcher's `NamespaceNetwork`: a veth pair,
@@ -8,7 +8,7 @@
 - munged (its key and socket in a temporary directory) and slurmctld (on pjnode0).
 It waits until both nodes are idle and writes where everything is to STATE. Client commands
 (`srun`, `sbatch`, `squeue`, `scancel`, `scontrol`) run on pjnode0, as on a login node:
-`python -m experiments.slurm.cluster exec -- sbatch job.sh`. `down` stops every daemon and process
+`python -m tests.cluster.slurm_cluster exec -- sbatch job.sh`. `down` stops every daemon and process
 of the cluster and removes the namespaces and the directory; `up` does the same when it fails.
 
 Debian's slurmd is built without multiple-slurmd support (one slurmd per host name), which is why
@@ -293,7 +293,7 @@ def current() -> Cluster:
 
 
 def main(argv: list[str]) -> int:
-  usage = "usage: python -m experiments.slurm.cluster up | down | exec -- COMMAND..."
+  usage = "usage: python -m tests.cluster.slurm_cluster up | down | exec -- COMMAND..."
   if not argv or argv[0] not in ("up", "down", "exec"):
     print(usage, file=sys.stderr)
     return 2
