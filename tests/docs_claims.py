@@ -64,8 +64,8 @@ def parser_flags() -> dict[str, list]:
   """Every long flag the project's programs define, with the defaults argparse gives it.
 
   The `paro-jax` subcommands are read from `cli.build_parser()` (defaults as argparse holds them);
-  the scripts under experiments/ and examples/ from their source (a default that is not a
-  literal is UNKNOWN)."""
+  the scripts under experiments/, examples/ and tests/ (those the tests run, e.g.
+  tests/docs_samples.py) from their source (a default that is not a literal is UNKNOWN)."""
   from paro_jax import cli  # imports no jax
 
   flags: dict[str, list] = {}
@@ -78,7 +78,9 @@ def parser_flags() -> dict[str, list]:
           defaults = flags.setdefault(option[2:], [])
           if not action.required:  # a required flag has no default to quote
             defaults.append(action.default)
-  for path in sorted(ROOT.glob("experiments/**/*.py")) + sorted(ROOT.glob("examples/*.py")):
+  scripts = [p for p in sorted(ROOT.glob("tests/**/*.py")) if not p.name.startswith("test_")]
+  scripts += sorted(ROOT.glob("experiments/**/*.py")) + sorted(ROOT.glob("examples/*.py"))
+  for path in scripts:
     for flag, default in _source_flags(path.read_text()):
       defaults = flags.setdefault(flag, [])
       if default is not REQUIRED:
@@ -140,10 +142,26 @@ def _same_default(quoted: str, default) -> bool:
     return quoted.strip("'\"") == str(default)
 
 
+# The results index's section of retired studies: their commands are of the commit each names.
+RETIRED_SECTION = "## Studies whose scripts are retired"
+
+
+def _without_retired(text: str) -> str:
+  """The text with the section of retired studies blanked (its lines kept, so line numbers hold)."""
+  start = text.find(RETIRED_SECTION)
+  if start < 0:
+    return text
+  end = text.find("\n## ", start + len(RETIRED_SECTION))
+  end = len(text) if end < 0 else end
+  return text[:start] + re.sub(r"[^\n]", "", text[start:end]) + text[end:]
+
+
 def check_flags(text: str, flags: dict[str, list], where: str = "") -> list[str]:
   """Every `--flag` named exists in some program of the project (or is another program's), and
-  a default quoted beside it equals one that argparse gives it."""
+  a default quoted beside it equals one that argparse gives it. The commands of retired studies
+  (RETIRED_SECTION) are not checked: their scripts are in the commit each names, not here."""
   problems = []
+  text = _without_retired(text)
   for m in FLAG.finditer(text):
     name = m.group(1)
     if name not in flags and name not in FOREIGN_FLAGS:

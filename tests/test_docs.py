@@ -208,6 +208,18 @@ def test_checker_reports_a_wrong_quoted_default(flags):
   assert docs_claims.check_flags(right, flags, "page.md") == []
 
 
+def test_checker_skips_only_the_retired_studies_commands(flags):
+  """A retired study's command runs its script at another commit: its flags are not this tree's.
+  The same flag outside that section, before or after it, is still reported, on its own line."""
+  page = (
+    "intro `--no-such-flag`\n"
+    f"{docs_claims.RETIRED_SECTION}\n| x | `python experiments/old.py --no-such-flag` |\n"
+    "## Superseded\nlater `--no-such-flag`\n"
+  )
+  problems = docs_claims.check_flags(page, flags, "page.md")
+  assert [p.split(":")[1] for p in problems] == ["1", "5"], problems
+
+
 @pytest.mark.parametrize("cls", [RunConfig, InspectConfig, PlanConfig])
 def test_quoted_defaults_are_checked_against_the_config_fields(cls, flags):
   """The defaults argparse has are the config dataclasses' (paro_jax/cli.py builds the flags from

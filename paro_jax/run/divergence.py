@@ -8,8 +8,8 @@ loss or gradient norm is more than a factor above the mean of the previous `wind
 Out-of-band steps never enter the band, so a run that keeps diverging does not drag its band up.
 `patience` out-of-band steps in a row stop the run (mode `stop`) or warn (mode `warn`).
 
-The defaults come from measured healthy runs (experiments/divergence_band.py; its results page
-and docs/failures.md state them).
+The defaults come from measured healthy runs (experiments/results/divergence_band/, by a script
+retired at commit 8ebf865; docs/failures.md states them).
 """
 
 from __future__ import annotations

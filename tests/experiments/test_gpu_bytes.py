@@ -1,5 +1,5 @@
-"""experiments/results/gpu_bytes/ (experiments/gpu_bytes.py): issue 45's byte targets on the step
-compiled for H100, read from the page and its JSON."""
+"""experiments/results/gpu_bytes/ (its script retired at 8ebf865): issue 45's byte targets on
+the step compiled for H100, read from the page and its JSON."""
 
 import json
 import os
