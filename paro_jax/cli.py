@@ -543,6 +543,8 @@ def _main(argv) -> None:
       if shards:  # model-00001-of-0000N.safetensors ...: counted, not listed
         weights.insert(1, f"{len(shards)} shards ({shards[0]}, ...)")
       copied = f"; copied {', '.join(done.copied)}" if done.copied else "; no tokenizer files"
+      if done.chat_template:
+        copied += "; chat_template.jinja: the chat template the run trained with"
       print(
         f"paro-jax: wrote checkpoint step {done.step} of {args.run} to {args.out}: {what} in "
         f"{done.dtype} ({done.dtype_why}), {', '.join(weights)}{copied}"

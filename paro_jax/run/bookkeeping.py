@@ -46,9 +46,11 @@ class Bookkeeper:
     rows: list[str],
     main: bool,
     data_files: dict | None = None,
+    chat_template: str | None = None,
   ):
     self.cfg, self.engine, self.ckpt, self.main = cfg, engine, ckpt, main
     self.data_files = data_files  # what the checkpoints record of the data (run/fingerprint.py)
+    self.chat_template = chat_template  # the text the chat records were rendered with
     self.path = os.path.join(cfg.out, METRICS)
     self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
     self.flops_per_step = engine.model.cfg.flops_per_token(cfg.seq_len) * self.tokens_per_step
@@ -101,7 +103,9 @@ class Bookkeeper:
     if self.guard.streak and self.cfg.guard.mode == "stop":
       self._say(f"paro-jax: step {step} is out of its band: no checkpoint of it{why}")
       return
-    self.ckpt.save(state, run_meta(self.cfg, self.engine, step, self.data_files))
+    self.ckpt.save(
+      state, run_meta(self.cfg, self.engine, step, self.data_files, self.chat_template)
+    )
     self.saved = self.candidate = step
 
   def record(self, step: int, metrics: dict) -> None:

@@ -185,12 +185,13 @@ def _environment():
 
 
 class ChatTemplate:
-  """A chat template with the tokenizer's special tokens; `where` names it in errors."""
+  """A chat template with the tokenizer's special tokens; `where` names it in errors, `source`
+  is its text (what a run records and its export ships)."""
 
   def __init__(self, source: str, tokens: dict[str, str], where: str):
     import jinja2  # optional: the hf extra (_environment says so when it is missing)
 
-    self.where, self.tokens = where, dict(tokens)
+    self.source, self.where, self.tokens = source, where, dict(tokens)
     try:
       self.template = _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:

@@ -37,6 +37,9 @@ class RunMeta:
   data_files: dict | None = None  # the data by content (run/fingerprint.py); None before it
   # the HF config.json the model came from (--init-from's, or --model's): export keeps its fields
   source_config: dict | None = None
+  # the chat template the run's chat records were rendered with (its text): eval renders with it,
+  # export ships it; None for other data (and before it was recorded)
+  chat_template: str | None = None
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)

@@ -11,7 +11,9 @@ batch size, the mesh or the strategy:
   training counts (the completion's, the assistant's).
 The loss is the sum of the scored targets' losses over their count, summed on the host in fp64.
 The text is read with --tokenizer, else the run's tokenizer (as its checkpoints record it), else
-the HF directory's tokenizer.json (run/tokenizers.py resolve_tokenizer).
+the HF directory's tokenizer.json (run/tokenizers.py resolve_tokenizer); chat records are rendered
+with --chat-template, else the template the run trained with (its checkpoints record it), else
+the HF directory's.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from paro_jax.core.config import LoraOptions
 from paro_jax.core.engine import Engine
 from paro_jax.core.factory import build_engine
 from paro_jax.core.mesh import make_mesh
+from paro_jax.run.chat import ChatTemplate, special_tokens
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.config import EvalConfig
 from paro_jax.run.data import expand_paths, load_tokens
 from paro_jax.run.examples import ExampleBatches, select
-from paro_jax.run.instruct import TEXT
+from paro_jax.run.instruct import CHAT, TEXT
 from paro_jax.run.sources import data_format, hf_directory, instruction_examples
 from paro_jax.run.tokenizers import resolve_tokenizer
 
@@ -51,6 +54,7 @@ class Source:
   hf_dir: str | None  # the HF directory (the run's --init-from), if any
   model_name: str | None  # a run's, as its checkpoints record it
   tokenizer: str | None = None  # a run's, as its checkpoints record it (None: not recorded)
+  chat_template: str | None = None  # the text a run's chat records were rendered with
 
 
 def open_source(source: str) -> Source:
@@ -73,7 +77,7 @@ def open_source(source: str) -> Source:
     lora = LoraConfig(**meta.lora) if meta.lora else None
     cfg = LlamaConfig(**meta.model_config)
     tokenizer = meta.data.get("tokenizer")
-    return Source("run", source, cfg, lora, hf_dir, meta.model_name, tokenizer)
+    return Source("run", source, cfg, lora, hf_dir, meta.model_name, tokenizer, meta.chat_template)
   if os.path.isfile(os.path.join(source, CONFIG)):
     return Source("hf", source, read_config(source), None, source, None)
   raise FileNotFoundError(
@@ -154,7 +158,11 @@ def run_eval(cfg: EvalConfig) -> dict:
     batches = window_batches(load_tokens(data, vocab), cfg.seq_len, cfg.batch_size)
   else:
     directory = hf_directory(data, source.hf_dir)
-    examples = instruction_examples(data, files, fmt, directory, vocab)
+    template = None
+    if fmt == CHAT and source.chat_template is not None:  # the run's (--chat-template first)
+      where = f"{cfg.source} (the template its checkpoints record)"
+      template = ChatTemplate(source.chat_template, special_tokens(directory), where)
+    examples = instruction_examples(data, files, fmt, directory, vocab, template)
     rows = ExampleBatches(
       examples,
       select(examples, cfg.seq_len, data.long_examples),

@@ -143,4 +143,20 @@ def read_examples(shards: list[str]) -> Examples:
     offset += int(local[-1])
   starts.append(np.asarray([offset], np.int64))
   stream = lambda parts: parts[0] if len(parts) == 1 else TokenStream(parts)
-  return Examples(stream(tokens), stream(masks), np.concatenate(starts), dropped)
+  template = shards_chat_template(metas)
+  return Examples(stream(tokens), stream(masks), np.concatenate(starts), dropped, template)
+
+
+def shards_chat_template(metas: dict[str, dict]) -> str | None:
+  """The chat template the shards' records were rendered with (meta.json's `chat_template`;
+  None for prompt-completion data and shards prepared before it was recorded). Directories
+  rendered with different templates are refused: the run would learn two formats."""
+  known = {d: m["chat_template"] for d, m in metas.items() if m.get("chat_template") is not None}
+  if len(set(known.values())) > 1:
+    a = next(iter(known))
+    b = next(d for d, t in known.items() if t != known[a])
+    raise ValueError(
+      f"{a} and {b} were prepared with different chat templates ({META}): prepare them again "
+      f"with one --chat-template, or train on one of them"
+    )
+  return next(iter(known.values()), None)

@@ -31,6 +31,7 @@ class Examples:
   mask: object  # 1-D uint8, 1 for a target
   starts: np.ndarray  # int64, one more than the examples
   dropped: dict = dataclasses.field(default_factory=dict)  # why -> how many, when encoded
+  chat_template: str | None = None  # the text of the chat template chat records were rendered with
 
   def __len__(self) -> int:
     return len(self.starts) - 1

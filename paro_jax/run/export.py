@@ -17,7 +17,11 @@ mesh 1x1) built for the model config the checkpoint records. What is written:
   copied as they are (their tokenizer_class included): the export tokenizes as the source does.
   A tokenizer.json with no tokenizer_config.json beside it gets a minimal one naming
   PreTrainedTokenizerFast, the class transformers 4 and 5 both load (5 writes its own name,
-  TokenizersBackend, which 4 cannot load).
+  TokenizersBackend, which 4 cannot load);
+- a run on chat records: the chat template they were rendered with (its checkpoint records it)
+  as chat_template.jinja, where the copied files would give another one or none (a
+  --chat-template FILE): transformers (4.47 and later) takes that file over a
+  tokenizer_config.json's chat_template, so `apply_chat_template` renders as the run trained.
 
 The files are written into a hidden directory beside --out (`.NAME.partial-PID`) and moved into
 place once complete: a failed export (a full disk, Ctrl-C) leaves --out as it was.
@@ -48,7 +52,7 @@ from paro_jax.core.config import LoraOptions, StepConfig
 from paro_jax.core.factory import build_engine
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.mesh import make_mesh
-from paro_jax.run.chat import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG
+from paro_jax.run.chat import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, find_template
 from paro_jax.run.tokenizers import BYTES, TOKENIZER_FILE
 
 EXPORT_DTYPES = tuple(WEIGHT_DTYPES)  # bf16, fp16, fp32
@@ -67,6 +71,7 @@ class Exported:
   dtype_why: str  # where the dtype came from
   weights: list[str]  # the weight files written
   copied: list[str]  # the tokenizer and generation files copied in
+  chat_template: bool = False  # chat_template.jinja written: the template the run trained with
 
 
 def _newest_meta(ckpt: Checkpointer):
@@ -186,6 +191,7 @@ def export_run(
     )
   np_dtype = WEIGHT_DTYPES[written_dtype][0]
   copied: list[str] = []
+  templates: list[str] = []  # chat_template.jinja, when written
 
   def write(partial: str) -> None:
     if adapter:
@@ -194,10 +200,28 @@ def export_run(
     else:
       save_hf(cfg, params, partial, base, written_dtype, max_shard_size)
     copied.extend(_copy_side_files(partial, meta.data.get("tokenizer"), source))
+    if _ship_chat_template(partial, meta.chat_template):
+      templates.append(CHAT_TEMPLATE_FILE)
+      copied[:] = [name for name in copied if name != CHAT_TEMPLATE_FILE]  # replaced
 
   names = _publish(write, out)
-  files = [name for name in names if name not in copied]
-  return Exported(meta.step, written_dtype, why, files, copied)
+  files = [name for name in names if name not in copied + templates]
+  return Exported(meta.step, written_dtype, why, files, copied, bool(templates))
+
+
+def _ship_chat_template(partial: str, template: str | None) -> bool:
+  """Write `template` (the text a run's chat records were rendered with) as chat_template.jinja
+  unless the tokenizer files copied into `partial` already give it; True if written."""
+  if template is None:
+    return False
+  try:
+    if find_template(partial) == template:
+      return False
+  except ValueError:  # named templates without a default: ours is the one to use
+    pass
+  with open(os.path.join(partial, CHAT_TEMPLATE_FILE), "w", encoding="utf-8") as f:
+    f.write(template)
+  return True
 
 
 def _copy_side_files(partial: str, tokenizer: str | None, source: str | None) -> list[str]:

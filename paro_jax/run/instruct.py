@@ -57,9 +57,12 @@ def tokenizer_directory(tokenizer_path: str | None) -> str | None:
 
 class Encoder:
   """Records of one shape to (tokens, mask): `encoder(where, record)`. `directory`: the model's
-  HF directory (chat template, special tokens); `chat_template`: --chat-template FILE."""
+  HF directory (chat template, special tokens); `chat_template`: --chat-template FILE;
+  `template`: a ChatTemplate to use where no --chat-template is given (a run's own, in eval)."""
 
-  def __init__(self, data_format: str, tokenizer, directory=None, chat_template=None):
+  def __init__(
+    self, data_format: str, tokenizer, directory=None, chat_template=None, template=None
+  ):
     self.format, self.tokenizer = data_format, tokenizer
     self.eos = None
     if data_format == PROMPT_COMPLETION and not isinstance(tokenizer, ByteTokenizer):
@@ -71,7 +74,10 @@ class Encoder:
           f"token, and {directory or 'the tokenizer'} names none (eos_token in "
           f"tokenizer_config.json beside tokenizer.json): use the tokenizer of an HF model"
         )
-    self.template = load_chat_template(chat_template, directory) if data_format == CHAT else None
+    self.template = None
+    if data_format == CHAT:  # `template` (a ChatTemplate) unless --chat-template FILE names one
+      use_given = template is not None and not chat_template
+      self.template = template if use_given else load_chat_template(chat_template, directory)
 
   def __call__(self, where: str, record: dict) -> tuple[np.ndarray, np.ndarray]:
     if self.format == PROMPT_COMPLETION:

@@ -290,6 +290,8 @@ def prepare_data(
       if encoder is not None:  # instruction data: the examples' shards (run/example_shards.py)
         dropped = {"no target": dropped} if dropped else {}
         meta.update(**writer.meta(), format=fmt, dropped=dropped)
+        if encoder.template is not None:  # what train records and export ships (chat data)
+          meta["chat_template"] = encoder.template.source
       with open(os.path.join(partial, META), "w") as f:
         json.dump(meta, f, indent=1)
       stop.hold()

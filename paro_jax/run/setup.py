@@ -141,9 +141,15 @@ def model_name(cfg: RunConfig) -> str:
   return f"hf:{cfg.init_from}" if cfg.init_from else cfg.model
 
 
-def run_meta(cfg: RunConfig, engine: Engine, step: int, data_files: dict | None) -> RunMeta:
+def run_meta(
+  cfg: RunConfig,
+  engine: Engine,
+  step: int,
+  data_files: dict | None,
+  chat_template: str | None = None,
+) -> RunMeta:
   """What checkpoint `step` records besides the arrays; `data_files`: the run's data by content
-  (run/fingerprint.py)."""
+  (run/fingerprint.py); `chat_template`: the text its chat records were rendered with."""
   return RunMeta(
     step=step,
     seed=cfg.seed,
@@ -157,6 +163,7 @@ def run_meta(cfg: RunConfig, engine: Engine, step: int, data_files: dict | None)
     train=lr_schedule_inputs(cfg),
     data_files=data_files,
     source_config=source_config(cfg.init_from or cfg.model),
+    chat_template=chat_template,
   )
 
 
@@ -196,10 +203,17 @@ def lr_schedule_inputs(cfg: RunConfig) -> dict:
   return dataclasses.asdict(cfg.optimizer)  # steps, lr, warmup
 
 
-def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer, data_files: dict) -> TrainState:
+def start_state(
+  cfg: RunConfig,
+  engine: Engine,
+  ckpt: Checkpointer,
+  data_files: dict,
+  chat_template: str | None = None,
+) -> TrainState:
   """A fresh state (random, or --init-from's weights), or with --resume the newest intact
   checkpoint placed for this engine; a resume on other data (`data_files`, this run's
-  fingerprint, against the checkpoint's) or other batch settings is said."""
+  fingerprint, against the checkpoint's; `chat_template`, the text its chat records are rendered
+  with) or other batch settings is said."""
   if not cfg.checkpoints.resume:
     if ckpt.steps():
       raise ValueError(
@@ -235,8 +249,19 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer, data_files: 
         stacklevel=2,
       )
     was.pop("paths", None)
+  compared = ["tokenizer", "tokenizer_identity", "document_ends"]
+  if None not in (meta.chat_template, chat_template):  # by content, not by the path naming it
+    compared.append("chat_template")
+    if meta.chat_template != chat_template:
+      given = cfg.data.chat_template or "the model directory's"
+      warnings.warn(
+        f"resuming with another chat template ({given}) than checkpoint step {meta.step} was "
+        f"trained with: the chat records are rendered otherwise, and the export ships the new "
+        f"one: " + differ("pass the template it trained with to continue the same run"),
+        stacklevel=2,
+      )
   for key in was:
-    if key in ("tokenizer", "tokenizer_identity", "document_ends"):
+    if key in compared:
       continue  # compared above
     if was[key] != now.get(key):
       warnings.warn(
@@ -263,7 +288,7 @@ def start_state(cfg: RunConfig, engine: Engine, ckpt: Checkpointer, data_files: 
 
 
 def starting_point(
-  cfg: RunConfig, engine: Engine, ckpt: Checkpointer, main: bool
+  cfg: RunConfig, engine: Engine, ckpt: Checkpointer, main: bool, chat_template: str | None = None
 ) -> tuple[RunConfig, TrainState, list[str], dict]:
   """(the run's config as it runs, the state it starts from, the metrics rows it keeps, its
   data's fingerprint) for the run directory as it is: a run that stopped before its first
@@ -276,7 +301,7 @@ def starting_point(
     if main:
       set_aside_metrics(metrics_path)
   data_files = data_fingerprint(cfg.data)
-  state = start_state(cfg, engine, ckpt, data_files)
+  state = start_state(cfg, engine, ckpt, data_files, chat_template)
   rows = kept_rows(metrics_path, int(state.step)) if main and cfg.checkpoints.resume else []
   return cfg, state, rows, data_files
 

@@ -46,7 +46,8 @@ def data_format(files: list[str], text_field: str, requested: str = "auto") -> s
 
 
 def load_examples(files: list[str], encoder: Encoder | None, model_vocab: int) -> Examples:
-  """The examples of the --data files: prepare-data's shards as they are, records encoded."""
+  """The examples of the --data files: prepare-data's shards as they are, records encoded; with
+  the chat template they were rendered with (chat data)."""
   shards = [p for p in files if p.endswith(".bin")]
   if shards:
     if len(shards) < len(files):
@@ -59,6 +60,8 @@ def load_examples(files: list[str], encoder: Encoder | None, model_vocab: int) -
   )
   top = int(np.max(examples.tokens)) if len(examples) else 0
   check_vocab(top + 1, model_vocab, "the encoded examples' largest id")
+  if encoder.template is not None:
+    examples.chat_template = encoder.template.source
   return examples
 
 
@@ -68,14 +71,17 @@ def hf_directory(data: DataConfig, init_from: str | None) -> str | None:
   return init_from or tokenizer_directory(data.tokenizer)
 
 
-def instruction_examples(data: DataConfig, files, fmt: str, directory, model_vocab: int):
-  """The examples of instruction data files (records encoded, or prepared shards)."""
+def instruction_examples(
+  data: DataConfig, files, fmt: str, directory, model_vocab: int, template=None
+):
+  """The examples of instruction data files (records encoded, or prepared shards); `template`:
+  the ChatTemplate to render chat records with where no --chat-template is given."""
   needs_encoder = any(not p.endswith(".bin") for p in files)
   encoder = None
   if needs_encoder:
     tokenizer = make_tokenizer(data)
     check_vocab(tokenizer.vocab_size, model_vocab, f"tokenizer {data.tokenizer or 'bytes'}")
-    encoder = Encoder(fmt, tokenizer, directory, data.chat_template)
+    encoder = Encoder(fmt, tokenizer, directory, data.chat_template, template)
   return load_examples(files, encoder, model_vocab)
 
 

@@ -52,14 +52,16 @@ def train(cfg: RunConfig) -> str:
           print(batches.note, flush=True)
     ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINTS), cfg.checkpoints.keep)
     stop.ckpt = ckpt
+    # chat records: the template they are rendered with, recorded in every checkpoint
+    template = batches.examples.chat_template if isinstance(batches, ExampleBatches) else None
     try:
-      cfg, state, rows, data_files = starting_point(cfg, engine, ckpt, main)
+      cfg, state, rows, data_files = starting_point(cfg, engine, ckpt, main, template)
     except BaseException:
       ckpt.close()
       raise
     # One fixed eval batch, placed once: eval losses are comparable across steps and runs.
     eval_batch = place_batch(engine, eval_batches, 0) if eval_batches else None
-    with Bookkeeper(cfg, engine, ckpt, int(state.step), rows, main, data_files) as book:
+    with Bookkeeper(cfg, engine, ckpt, int(state.step), rows, main, data_files, template) as book:
       _run(cfg, engine, batches, eval_batch, state, book, stop)
     if stop.stopping:
       if main:

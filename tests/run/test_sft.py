@@ -176,9 +176,8 @@ def test_lora_with_ing_on_chat_data_end_to_end(tmp_path, capsys):
   assert scores[out]["tokens"] == scores[CHAT_MODEL]["tokens"] and scores[out]["windows"] == 64
   assert scores[out]["loss"] < scores[CHAT_MODEL]["loss"]  # the adapters learned
   main(["export", out, "--out", str(tmp_path / "hf")])
-  for name in ("tokenizer.json", "tokenizer_config.json"):  # the chat template, bos_token
-    if not os.path.exists(tmp_path / "hf" / name):  # (until export copies them itself)
-      shutil.copy(os.path.join(CHAT_MODEL, name), tmp_path / "hf")
+  # the directory's own template: the copied tokenizer_config.json gives it, no file is added
+  assert not os.path.exists(tmp_path / "hf" / "chat_template.jinja")
   main(["eval", str(tmp_path / "hf"), "--json", "--mesh", "2x4", *common])
   merged = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert merged["loss"] == pytest.approx(scores[out]["loss"], rel=1e-5)
