@@ -144,9 +144,16 @@ class ExampleBatches:
     what: str = "the training examples",
   ):
     if not len(selection):
+      why = "; ".join(f"{n} {reason}" for reason, n in selection.dropped.items() if n)
+      shortest = int(examples.lengths().min()) if len(examples) else 0
+      longer = "a longer --seq-len"
+      if len(examples) and shortest > seq_len + 1:  # all too long: the length that fits one
+        longer = f"--seq-len {shortest - 1} or more (the shortest example is {shortest} tokens)"
+      fix = f"use {longer}, --long-examples truncate, or more data"
       raise ValueError(
-        f"{what}: no example left to train on (of {len(examples)}): use a longer --seq-len, "
-        f"--long-examples truncate, or more data"
+        f"{what}: no example left to train on (of {len(examples) + sum(examples.dropped.values())}"
+        + (f": {why}" if why else "")
+        + f"): {fix}"
       )
     self.examples, self.selection = examples, selection
     self.seed, self.pack, self.shuffle = seed, pack, shuffle

@@ -51,6 +51,22 @@ def test_long_examples_dropped_or_truncated():
     select(ex, L, "keep")
 
 
+def test_no_example_left_names_why_and_the_seq_len_that_fits_one():
+  ex = from_encoded(encoded())
+  shortest = int(ex.lengths().min())  # counted here from the examples themselves
+  too_short = shortest - 2  # rows of shortest - 1 tokens: none fits
+  selection = select(ex, too_short, "drop")
+  with pytest.raises(ValueError) as e:
+    ExampleBatches(ex, selection, 1, 2, too_short, seed=0)
+  assert f"(of 40: 6 no target; {len(ex)} longer than --seq-len {too_short} + 1 " in str(
+    e.value
+  )
+  assert f"use --seq-len {shortest - 1} or more (the shortest example is {shortest} tokens)" in str(
+    e.value
+  )
+  assert len(select(ex, shortest - 1, "drop"))  # and that one does fit one
+
+
 def test_packing_fills_rows_in_order():
   lengths = np.array([5, 9, 3, 17, 2, 2, 16])
   assert pack_rows(lengths, 17).tolist() == [0, 3, 4, 6, 7]  # 5+9+3, 17, 2+2, 16
