@@ -8,6 +8,8 @@ be of one kind (a text file beside chat records is refused, naming both).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from paro_jax.run.config import DATA_FORMATS, DataConfig
@@ -82,7 +84,26 @@ def instruction_examples(
     tokenizer = make_tokenizer(data)
     check_vocab(tokenizer.vocab_size, model_vocab, f"tokenizer {data.tokenizer or 'bytes'}")
     encoder = Encoder(fmt, tokenizer, directory, data.chat_template, template)
-  return load_examples(files, encoder, model_vocab)
+  examples = load_examples(files, encoder, model_vocab)
+  if encoder is None and data.chat_template:  # shards: rendered when they were prepared
+    check_shards_template(examples.chat_template, data.chat_template)
+  return examples
+
+
+def check_shards_template(recorded: str | None, chat_template: str) -> None:
+  """--chat-template FILE with prepare-data's shards, which are rendered already: refused where
+  the shards record another template (or none: prompt-completion shards, or shards prepared
+  before the template was recorded), so that the flag never goes unused."""
+  if not os.path.isfile(chat_template):
+    raise FileNotFoundError(f"--chat-template {chat_template!r} does not exist: pass a file")
+  with open(chat_template, encoding="utf-8") as f:
+    if f.read() == recorded:
+      return
+  what = "another chat template" if recorded else "no chat template (meta.json)"
+  raise ValueError(
+    f"--chat-template {chat_template}: the prepared shards were rendered with {what}: prepare "
+    f"the records again with --chat-template {chat_template}, or leave the flag out"
+  )
 
 
 def instruction_batches(

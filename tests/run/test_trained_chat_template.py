@@ -104,7 +104,7 @@ def test_a_resume_with_another_template_is_said(run, capsys):
   assert open_source(str(resumed)).chat_template == find_template(CHAT_MODEL)
 
 
-def test_prepared_shards_carry_their_template(tmp_path):
+def test_prepared_shards_carry_their_template(tmp_path, capsys):
   data = write_jsonl(tmp_path / "chat.jsonl", chat_records(n=8))
   tok = os.path.join(CHAT_MODEL, "tokenizer.json")
   for name, template in (("a", CHATML), ("b", None)):
@@ -118,3 +118,14 @@ def test_prepared_shards_carry_their_template(tmp_path):
   assert read_examples(b).chat_template == find_template(CHAT_MODEL)
   with pytest.raises(ValueError, match="prepared with different chat templates"):
     read_examples(a + b)
+  # --chat-template with shards: used only where it is the template they were rendered with
+  train = ["train", "--init-from", CHAT_MODEL, "--steps", "1", "--seq-len", "128", "--mesh", "2x4"]
+  for shards, template, refused in ((a, CHATML, False), (b, CHATML, True)):
+    flags = [*train, "--data", *shards, "--chat-template", template, "--out", str(tmp_path / "r")]
+    if refused:
+      with pytest.raises(SystemExit):
+        main(flags)
+      err = capsys.readouterr().err
+      assert "the prepared shards were rendered with another chat template" in err, err
+    else:
+      main([*flags, "--lr", "1e-3", "--batch-size", "8", *FP32])
