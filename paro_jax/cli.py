@@ -545,6 +545,11 @@ def _main(argv) -> None:
       copied = f"; copied {', '.join(done.copied)}" if done.copied else "; no tokenizer files"
       if done.chat_template:
         copied += "; chat_template.jinja: the chat template the run trained with"
+      if done.stops:
+        copied += (
+          f"; generation_config.json: eos_token_id {done.stops} (generation stops at the chat "
+          f"template's end of turn, {done.stops[-1]})"
+        )
       print(
         f"paro-jax: wrote checkpoint step {done.step} of {args.run} to {args.out}: {what} in "
         f"{done.dtype} ({done.dtype_why}), {', '.join(weights)}{copied}"

@@ -21,7 +21,11 @@ mesh 1x1) built for the model config the checkpoint records. What is written:
 - a run on chat records: the chat template they were rendered with (its checkpoint records it)
   as chat_template.jinja, where the copied files would give another one or none (a
   --chat-template FILE): transformers (4.47 and later) takes that file over a
-  tokenizer_config.json's chat_template, so `apply_chat_template` renders as the run trained.
+  tokenizer_config.json's chat_template, so `apply_chat_template` renders as the run trained;
+  and the special token that template ends an assistant's turn with (`<|eot_id|>`, `<|im_end|>`)
+  added to generation_config.json's eos_token_id where it is not there (a base model's lists
+  only its end of text), so that generation stops where the run's answers ended. Without a
+  generation_config.json to copy, one is written with config.json's bos and eos ids and it.
 
 The files are written into a hidden directory beside --out (`.NAME.partial-PID`) and moved into
 place once complete: a failed export (a full disk, Ctrl-C) leaves --out as it was.
@@ -52,8 +56,15 @@ from paro_jax.core.config import LoraOptions, StepConfig
 from paro_jax.core.factory import build_engine
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.mesh import make_mesh
-from paro_jax.run.chat import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, find_template
-from paro_jax.run.tokenizers import BYTES, TOKENIZER_FILE
+from paro_jax.run.chat import (
+  CHAT_TEMPLATE_FILE,
+  TOKENIZER_CONFIG,
+  ChatTemplate,
+  find_template,
+  special_tokens,
+)
+from paro_jax.run.instruct import end_of_turn, tokenizer_directory
+from paro_jax.run.tokenizers import BYTES, TOKENIZER_FILE, HFTokenizer
 
 EXPORT_DTYPES = tuple(WEIGHT_DTYPES)  # bf16, fp16, fp32
 SCRATCH_DTYPE = "bf16"  # of a run trained from scratch: the dtype Llama checkpoints ship in
@@ -72,6 +83,7 @@ class Exported:
   weights: list[str]  # the weight files written
   copied: list[str]  # the tokenizer and generation files copied in
   chat_template: bool = False  # chat_template.jinja written: the template the run trained with
+  stops: list[int] | None = None  # generation_config.json's eos_token_id, where it was extended
 
 
 def _newest_meta(ckpt: Checkpointer):
@@ -202,11 +214,49 @@ def export_run(
     copied.extend(_copy_side_files(partial, meta.data.get("tokenizer"), source))
     if _ship_chat_template(partial, meta.chat_template):
       templates.append(CHAT_TEMPLATE_FILE)
-      copied[:] = [name for name in copied if name != CHAT_TEMPLATE_FILE]  # replaced
+    stops[:] = _stop_at_end_of_turn(partial, meta.chat_template, meta.data.get("tokenizer")) or []
+    if stops:
+      templates.append(GENERATION_CONFIG)
+    copied[:] = [name for name in copied if name not in templates]  # rewritten
 
+  stops: list[int] = []
   names = _publish(write, out)
   files = [name for name in names if name not in copied + templates]
-  return Exported(meta.step, written_dtype, why, files, copied, bool(templates))
+  chat = CHAT_TEMPLATE_FILE in templates
+  return Exported(meta.step, written_dtype, why, files, copied, chat, stops or None)
+
+
+def _stop_at_end_of_turn(partial: str, template: str | None, tokenizer: str | None):
+  """Add the end-of-turn token of `template` (the run's chat template, read by its tokenizer) to
+  the eos_token_id of generation_config.json in `partial` (written from config.json's bos and
+  eos ids where none was copied); returns the new eos_token_id, None where nothing changed."""
+  if template is None or tokenizer in (None, BYTES) or not os.path.exists(tokenizer):
+    return None
+  directory = tokenizer_directory(tokenizer)
+  chat = ChatTemplate(template, special_tokens(directory), "the run's chat template")
+  eot = end_of_turn(chat, HFTokenizer(tokenizer))
+  path = os.path.join(partial, GENERATION_CONFIG)
+  if eot is None:
+    return None
+  if os.path.isfile(path):
+    with open(path) as f:
+      generation = json.load(f)
+  elif os.path.isfile(os.path.join(partial, CONFIG)):  # a model export without the source's
+    with open(os.path.join(partial, CONFIG)) as f:
+      model = json.load(f)
+    generation = {k: model[k] for k in ("bos_token_id", "eos_token_id") if model.get(k) is not None}
+  else:  # an adapter of a source without one: generation is the base model's
+    return None
+  eos = generation.get("eos_token_id")
+  stops = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+  if eot in stops:
+    return None
+  generation["eos_token_id"] = stops + [eot]
+  generation.pop("_from_model_config", None)  # no longer config.json's: transformers keeps it
+  with open(path, "w") as f:
+    json.dump(generation, f, indent=2)
+    f.write("\n")
+  return generation["eos_token_id"]
 
 
 def _ship_chat_template(partial: str, template: str | None) -> bool:

@@ -55,6 +55,26 @@ def tokenizer_directory(tokenizer_path: str | None) -> str | None:
   return tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
 
 
+def end_of_turn(template, tokenizer) -> int | None:
+  """The special token `template` (a ChatTemplate) closes an assistant's turn with, as
+  `tokenizer` reads it (`<|eot_id|>` of Llama 3, `<|im_end|>` of ChatML): the first token after
+  the answer in a rendered two-message chat, if it is one of the tokenizer's added special
+  tokens; None otherwise (no such token, or a template that renders no such chat)."""
+  answer = "Paris."
+  chat = [{"role": "user", "content": "The capital of France?"}]
+  chat.append({"role": "assistant", "content": answer})
+  try:
+    text, spans = template.render_with_spans(chat)
+  except Exception:  # noqa: BLE001 - a template that wants other messages: no stop is known
+    return None
+  turn = text[spans[-1][0] : spans[-1][1]] if spans else ""
+  at = turn.rfind(answer)
+  if at < 0:
+    return None
+  ids, _ = tokenizer.encode_offsets(turn[at + len(answer) :])
+  return int(ids[0]) if len(ids) and int(ids[0]) in tokenizer.special_ids() else None
+
+
 class Encoder:
   """Records of one shape to (tokens, mask): `encoder(where, record)`. `directory`: the model's
   HF directory (chat template, special tokens); `chat_template`: --chat-template FILE;

@@ -50,6 +50,9 @@ class ByteTokenizer:
   def token_id(self, token: str) -> int | None:
     return None  # no special tokens in 256 bytes
 
+  def special_ids(self) -> set[int]:
+    return set()
+
 
 class HFTokenizer:
   """An HF `tokenizer.json` through the `tokenizers` package."""
@@ -130,6 +133,10 @@ class HFTokenizer:
 
   def token_id(self, token: str) -> int | None:
     return self._tok.token_to_id(token)
+
+  def special_ids(self) -> set[int]:
+    """The ids of the tokenizer's added special tokens (`<|eot_id|>`, `<|im_end|>`, ...)."""
+    return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
 
 def make_tokenizer(cfg: DataConfig):

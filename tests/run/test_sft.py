@@ -176,8 +176,11 @@ def test_lora_with_ing_on_chat_data_end_to_end(tmp_path, capsys):
   assert scores[out]["tokens"] == scores[CHAT_MODEL]["tokens"] and scores[out]["windows"] == 64
   assert scores[out]["loss"] < scores[CHAT_MODEL]["loss"]  # the adapters learned
   main(["export", out, "--out", str(tmp_path / "hf")])
-  # the directory's own template: the copied tokenizer_config.json gives it, no file is added
+  # the directory's own template: the copied tokenizer_config.json gives it, no file is added;
+  # its generation_config.json already stops at <|eot_id|>: copied as it is
   assert not os.path.exists(tmp_path / "hf" / "chat_template.jinja")
+  with open(os.path.join(CHAT_MODEL, "generation_config.json"), "rb") as f:
+    assert (tmp_path / "hf" / "generation_config.json").read_bytes() == f.read()
   main(["eval", str(tmp_path / "hf"), "--json", "--mesh", "2x4", *common])
   merged = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert merged["loss"] == pytest.approx(scores[out]["loss"], rel=1e-5)

@@ -2,9 +2,9 @@
 of the run renders chat records with it, `export` ships it as chat_template.jinja, and a resume
 with another one is said.
 
-The run trains on chat records with `--chat-template` naming ChatML (tests/fixtures/chat/
-chatml_generation.jinja), a format other than the one in the model directory's
-tokenizer_config.json: before the template was recorded, `eval RUN` rendered with the
+The run trains on chat records with `--chat-template` naming tests/fixtures/chat/
+chatml_generation.jinja (ChatML's layout with Llama 3's tokens, its answers in generation
+blocks), a format other than the one in the model directory's tokenizer_config.json: before the template was recorded, `eval RUN` rendered with the
 directory's template and the export shipped the directory's, so the shipped model was prompted
 in a format it never saw.
 """
@@ -16,9 +16,11 @@ import shutil
 import pytest
 
 from paro_jax.cli import main
-from paro_jax.run.chat import CHAT_TEMPLATE_FILE, find_template
+from paro_jax.run.chat import CHAT_TEMPLATE_FILE, ChatTemplate, find_template, special_tokens
 from paro_jax.run.evaluate import open_source
 from paro_jax.run.example_shards import read_examples
+from paro_jax.run.instruct import end_of_turn
+from paro_jax.run.tokenizers import HFTokenizer
 from tests.run.test_sft import CHAT_MODEL, FIXTURES, FP32, chat_records, write_jsonl
 
 CHATML = os.path.join(FIXTURES, "chat", "chatml_generation.jinja")
@@ -129,3 +131,61 @@ def test_prepared_shards_carry_their_template(tmp_path, capsys):
       assert "the prepared shards were rendered with another chat template" in err, err
     else:
       main([*flags, "--lr", "1e-3", "--batch-size", "8", *FP32])
+
+
+def test_end_of_turn_is_the_special_token_closing_an_answer():
+  chat_llama = HFTokenizer(os.path.join(CHAT_MODEL, "tokenizer.json"))
+  tokens = special_tokens(CHAT_MODEL)
+  llama3 = ChatTemplate(find_template(CHAT_MODEL), tokens, "chat_llama")
+  assert end_of_turn(llama3, chat_llama) == chat_llama.token_id("<|eot_id|>") == 299
+  # the other layout closes its answers with <|eot_id|> too
+  assert end_of_turn(ChatTemplate(_text(CHATML), tokens, "generation blocks"), chat_llama) == 299
+  # a tokenizer for which <|eot_id|> is text, not a special token: no stop is added
+  plain = os.path.join(FIXTURES, "hf_llama", "llama32_tied")
+  assert "<|eot_id|>" in _text(os.path.join(FIXTURES, "chat", "llama3.jinja"))
+  llama3_text = ChatTemplate(_text(os.path.join(FIXTURES, "chat", "llama3.jinja")), {}, "llama3")
+  assert end_of_turn(llama3_text, HFTokenizer(os.path.join(plain, "tokenizer.json"))) is None
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+  """chat_llama as a base model ships: its end of text (not <|eot_id|>) as eos, everywhere."""
+  base = tmp_path_factory.mktemp("base") / "model"
+  shutil.copytree(CHAT_MODEL, base)
+  for name, key, value in (
+    ("generation_config.json", "eos_token_id", 296),
+    ("config.json", "eos_token_id", 296),
+    ("tokenizer_config.json", "eos_token", "<|end_of_text|>"),
+  ):
+    with open(base / name) as f:
+      fields = json.load(f)
+    fields[key] = value
+    with open(base / name, "w") as f:
+      json.dump(fields, f, indent=2)
+  return base
+
+
+def test_a_chat_fine_tune_of_a_base_model_stops_at_its_end_of_turn(base_model, tmp_path, capsys):
+  data = write_jsonl(tmp_path / "chat.jsonl", chat_records())
+  out = str(tmp_path / "run")
+  main(
+    ["train", "--init-from", str(base_model), "--strategy", "IIG", "--mesh", "2x4", "--steps"]
+    + ["1", "--lr", "1e-3", "--seq-len", "128", "--batch-size", "8", "--data", data, *FP32]
+    + ["--out", out]
+  )
+  generation = {}
+  for name, flags in (("hf", []), ("no-generation-config", [])):
+    target = tmp_path / name
+    if name == "no-generation-config":  # a source without one: written from config.json's ids
+      os.remove(base_model / "generation_config.json")
+    capsys.readouterr()
+    main(["export", out, "--out", str(target), *flags])
+    assert "generation_config.json: eos_token_id [296, 299]" in capsys.readouterr().out
+    with open(target / "generation_config.json") as f:
+      generation[name] = json.load(f)
+  assert generation["hf"]["eos_token_id"] == [296, 299]
+  assert "_from_model_config" not in generation["hf"]  # the file's own now
+  assert generation["no-generation-config"] == {"bos_token_id": 295, "eos_token_id": [296, 299]}
+  transformers = pytest.importorskip("transformers")
+  loaded = transformers.GenerationConfig.from_pretrained(str(tmp_path / "hf"))
+  assert loaded.eos_token_id == [296, 299]
