@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import threading
 import sys
 
 from paro_jax import report
@@ -446,6 +447,23 @@ def _log_place(args, child_argv: list[str]) -> tuple[str | None, str]:
   return None, report.LOG_NAME
 
 
+def _exit_on_signals_until_the_loop() -> None:
+  """A `paro-jax train` process, until its loop takes SIGINT and SIGTERM over (run/stopping.py
+  StopSignals), has nothing to save: either signal ends it at once with 128 + the signal.
+  Python's own SIGINT handler raises KeyboardInterrupt instead, which a spot that swallows
+  exceptions can lose (a gc callback of jax's: "Exception ignored in ..."): the process then ran
+  on, and its peers and `paro-jax launch` waited for it (the launcher until its --stop-grace)."""
+
+  def handler(signum, _frame):
+    name = signal.Signals(signum).name
+    os.write(2, f"\nparo-jax: {name} before the first step: nothing to save; exiting\n".encode())
+    os._exit(128 + signum)
+
+  if threading.current_thread() is threading.main_thread():
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(sig, handler)
+
+
 def main(argv=None) -> None:
   """The `paro-jax` command. Its reporter (paro_jax/report.py) stays installed until the process
   exits (libraries print their noise at shutdown too); a caller in Python that passes `argv`
@@ -579,6 +597,8 @@ def _main(argv) -> None:
       inspect(config_of(args, InspectConfig, mesh=mesh))
       return
     if args.command == "train":
+      if command_line:
+        _exit_on_signals_until_the_loop()
       if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(
           f"--out {args.out} is a file: pass a directory for the run (metrics.jsonl, checkpoints/)"

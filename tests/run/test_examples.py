@@ -58,9 +58,7 @@ def test_no_example_left_names_why_and_the_seq_len_that_fits_one():
   selection = select(ex, too_short, "drop")
   with pytest.raises(ValueError) as e:
     ExampleBatches(ex, selection, 1, 2, too_short, seed=0)
-  assert f"(of 40: 6 no target; {len(ex)} longer than --seq-len {too_short} + 1 " in str(
-    e.value
-  )
+  assert f"(of 40: 6 no target; {len(ex)} longer than --seq-len {too_short} + 1 " in str(e.value)
   assert f"use --seq-len {shortest - 1} or more (the shortest example is {shortest} tokens)" in str(
     e.value
   )

@@ -4,9 +4,10 @@ with another one is said.
 
 The run trains on chat records with `--chat-template` naming tests/fixtures/chat/
 chatml_generation.jinja (ChatML's layout with Llama 3's tokens, its answers in generation
-blocks), a format other than the one in the model directory's tokenizer_config.json: before the template was recorded, `eval RUN` rendered with the
-directory's template and the export shipped the directory's, so the shipped model was prompted
-in a format it never saw.
+blocks), a format other than the one in the model directory's tokenizer_config.json: before the
+template was recorded, `eval RUN` rendered with the directory's template and the export shipped
+the directory's, so the shipped model was prompted in a format it never saw. A chat fine-tune of
+a base model (end of text as its eos) also ships the end of turn as a stop token.
 """
 
 import json
