@@ -452,13 +452,16 @@ def _exit_on_signals_until_the_loop() -> None:
   StopSignals), has nothing to save: either signal ends it at once with 128 + the signal.
   Python's own SIGINT handler raises KeyboardInterrupt instead, which a spot that swallows
   exceptions can lose (a gc callback of jax's: "Exception ignored in ..."): the process then ran
-  on, and its peers and `paro-jax launch` waited for it (the launcher until its --stop-grace)."""
+  on, and its peers and `paro-jax launch` waited for it (the launcher until its --stop-grace).
+  StopSignals does not give this handler back: after the loop Python's own are in place, and
+  after a failed loop a first signal waits for the run's one-line error."""
 
   def handler(signum, _frame):
     name = signal.Signals(signum).name
     os.write(2, f"\nparo-jax: {name} before the first step: nothing to save; exiting\n".encode())
     os._exit(128 + signum)
 
+  handler.until_the_loop = True  # StopSignals takes over, and does not give it back
   if threading.current_thread() is threading.main_thread():
     for sig in (signal.SIGINT, signal.SIGTERM):
       signal.signal(sig, handler)

@@ -50,6 +50,7 @@ class StopSignals:
     self.dispatched_at_signal = 0
     self.ckpt: Checkpointer | None = None  # the run's, once opened: what a stop interrupts
     self._old = {}
+    self._after_failure_signum: int | None = None
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
@@ -57,15 +58,31 @@ class StopSignals:
         self._old[sig] = signal.signal(sig, self._handle)
     return self
 
-  def __exit__(self, *_exc):
+  def __exit__(self, exc_type, *_exc):
     if self.signum is not None:
       # Stopped: what is left (the checkpointer's close, jax.distributed's shutdown at exit) can
       # wait on the other processes, and a signal then (srun's SIGTERM once another task has
       # exited 143) must still end this one with 128 + the signal, as documented, not by the
       # signal's default action ("Terminated"): the handler stays.
       return
+    # `paro-jax train`'s own handler until the loop (cli.py): its job ends here
+    cli = any(getattr(old, "until_the_loop", False) for old in self._old.values())
+    if cli and exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
+      # The run failed: its one line comes next (cli.py). A signal now (srun's SIGTERM to the
+      # other tasks once one is lost) must not cut it off: the first is noted, a second ends the
+      # process at once.
+      for sig in self._old:
+        signal.signal(sig, self._after_failure)
+      return
     for sig, old in self._old.items():
+      if getattr(old, "until_the_loop", False):  # after the loop: Python's own behaviour
+        old = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
       signal.signal(sig, old)
+
+  def _after_failure(self, signum, _frame):
+    if self._after_failure_signum is not None:
+      os._exit(128 + signum)
+    self._after_failure_signum = signum
 
   def _handle(self, signum, _frame):
     if self.signum is not None:

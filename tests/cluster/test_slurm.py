@@ -279,7 +279,13 @@ def test_sigkilled_task_ends_the_job(cluster, tmp_path):
   # The kernel reports the killed peer's socket as closed (FIN) or, when data was in flight to it,
   # reset (RST): which one is a race, the line names either.
   peer = r"Connection (closed|reset) by peer .*--resume"
-  assert re.search(lost + peer, output, re.M), output[-3000:]
+  # A race with srun (--kill-on-bad-exit): about 1 run in 6 here, task 0 is still blocked in the
+  # step's collective when srun cancels the step, and SLURM ends it before it can say its line
+  # (srun's own lines name task 1 as the one lost, asserted above). Either way the job ends.
+  cancelled = re.search(
+    r"^srun: error: pjnode0: task 0: (Killed|Exited with exit code 143)$", output, re.M
+  )
+  assert re.search(lost + peer, output, re.M) or cancelled, output[-3000:]
   assert "Traceback" not in output, output[-3000:]
 
 

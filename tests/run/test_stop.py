@@ -179,3 +179,37 @@ def test_a_signal_before_the_loop_is_never_swallowed(install):
   else:
     assert p.returncode == 128 + signal.SIGINT and "ran on" not in p.stdout, p.stderr
     assert "paro-jax: SIGINT before the first step: nothing to save; exiting" in p.stderr
+
+
+_AFTER_THE_LOOP = """
+import os, signal
+from paro_jax.cli import _exit_on_signals_until_the_loop as until_the_loop
+from paro_jax.run.stopping import StopSignals
+
+until_the_loop()
+with StopSignals():
+  pass
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+until_the_loop()
+try:
+  with StopSignals():
+    raise ValueError("a collective failed")
+except ValueError:
+  os.kill(os.getpid(), signal.SIGTERM)  # srun's, while the failure is reported: noted
+  print("reported", flush=True)
+  os.kill(os.getpid(), signal.SIGTERM)  # a second one ends the process
+  print("not reached", flush=True)
+"""
+
+
+def test_after_the_loop_signals_are_pythons_again_and_a_failure_is_reported_first():
+  """The handler of before the loop is not given back when the loop ends: a run that finished
+  has Python's own handlers again; a run whose loop failed (a collective with a lost process)
+  says its one line before a first signal ends it (srun sends one to the other tasks once one is
+  lost), and a second signal ends it at once."""
+  p = subprocess.run(
+    [sys.executable, "-c", _AFTER_THE_LOOP], cwd=REPO, capture_output=True, text=True
+  )
+  assert p.stdout.split() == ["True", "True", "reported"], p.stdout + p.stderr[-2000:]
+  assert p.returncode == 128 + signal.SIGTERM, p.stderr[-2000:]
