@@ -17,6 +17,7 @@ import dataclasses
 import re
 
 from paro_jax.analysis.gpu import roofline
+from paro_jax.analysis.gpu.estimate import sequenced_computations
 from paro_jax.analysis.hlo.collectives import computation_counts
 
 # (purpose, pattern on a result's op_name); the order decides between them.
@@ -89,13 +90,13 @@ def result_op_names(instr, comps) -> list[str]:
   return [m.group(1)] if m else []
 
 
-def kernels(hlo_text: str, sequenced: set[str]) -> list[Kernel]:
-  """Every kernel that runs (in the entry and the `sequenced` computations: estimate.py's) with
-  its executions per step, bytes, FLOPs and purpose."""
+def kernels(hlo_text: str) -> list[Kernel]:
+  """Every kernel that runs (in the entry and the computations that run as sequences of their
+  own, as estimate.py costs them) with its executions per step, bytes, FLOPs and purpose."""
   comps, entry = roofline.parse_computations(hlo_text)
   counts = computation_counts(hlo_text)
   out = []
-  for comp in sorted({entry} | sequenced):
+  for comp in sorted({entry} | sequenced_computations(comps)):
     n = counts.get(comp, 0)
     instrs = comps.get(comp, []) if n else []
     types = {i.name: i.type_text for i in instrs}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from paro_jax.analysis.gpu import estimate, instruction_costs, link, roofline, targets, traffic
+from paro_jax.analysis.gpu import estimate, instruction_costs, link, targets, traffic
 from paro_jax.analysis.hlo import overlap
 from paro_jax.analysis.inspect.inspector import report
 from paro_jax.analysis.planner.inputs import Workload
@@ -32,8 +32,7 @@ def gpu_report(
   r = report(engine, compiled)
   text = compiled.as_text()
   r["target"] = target
-  comps, _ = roofline.parse_computations(text)
-  r["traffic"] = traffic.breakdown(traffic.kernels(text, estimate.sequenced_computations(comps)))
+  r["traffic"] = traffic.breakdown(traffic.kernels(text))
   r["overlap"] = overlap.overlap(
     text, engine.inter * engine.intra, engine.intra, overlap.thunk_streams(dump)
   )
