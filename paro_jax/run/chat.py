@@ -238,15 +238,20 @@ class ChatTemplate:
     return text, spans
 
 
+def read_template_file(chat_template: str) -> str:
+  """The text of --chat-template FILE; a missing file is one line."""
+  if not os.path.isfile(chat_template):
+    raise FileNotFoundError(f"--chat-template {chat_template!r} does not exist: pass a file")
+  with open(chat_template, encoding="utf-8") as f:
+    return f.read()
+
+
 def load_chat_template(chat_template: str | None, directory: str | None) -> ChatTemplate:
   """--chat-template FILE, else the chat template of the model's HF directory; its special
   tokens from the directory's tokenizer_config.json. None of either is one line."""
   tokens = special_tokens(directory)
   if chat_template:
-    if not os.path.isfile(chat_template):
-      raise FileNotFoundError(f"--chat-template {chat_template!r} does not exist: pass a file")
-    with open(chat_template, encoding="utf-8") as f:
-      return ChatTemplate(f.read(), tokens, chat_template)
+    return ChatTemplate(read_template_file(chat_template), tokens, chat_template)
   source = find_template(directory) if directory else None
   if source is None:
     where = f"{directory} has no chat template" if directory else "no HF directory is given"

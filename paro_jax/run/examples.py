@@ -39,6 +39,10 @@ class Examples:
   def lengths(self) -> np.ndarray:
     return np.diff(self.starts)
 
+  def read_count(self) -> int:
+    """The records read: the examples kept and those left out when encoded."""
+    return len(self) + sum(self.dropped.values())
+
   def read(self, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The first n tokens of example i, and their mask."""
     index = np.arange(self.starts[i], self.starts[i] + n)
@@ -151,7 +155,7 @@ class ExampleBatches:
         longer = f"--seq-len {shortest - 1} or more (the shortest example is {shortest} tokens)"
       fix = f"use {longer}, --long-examples truncate, or more data"
       raise ValueError(
-        f"{what}: no example left to train on (of {len(examples) + sum(examples.dropped.values())}"
+        f"{what}: no example left to train on (of {examples.read_count()}"
         + (f": {why}" if why else "")
         + f"): {fix}"
       )

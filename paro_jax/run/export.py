@@ -203,7 +203,8 @@ def export_run(
     )
   np_dtype = WEIGHT_DTYPES[written_dtype][0]
   copied: list[str] = []
-  templates: list[str] = []  # chat_template.jinja, when written
+  written: list[str] = []  # besides the weights: chat_template.jinja, generation_config.json
+  stops: list[int] = []  # generation_config.json's eos_token_id, where extended
 
   def write(partial: str) -> None:
     if adapter:
@@ -213,31 +214,30 @@ def export_run(
       save_hf(cfg, params, partial, base, written_dtype, max_shard_size)
     copied.extend(_copy_side_files(partial, meta.data.get("tokenizer"), source))
     if _ship_chat_template(partial, meta.chat_template):
-      templates.append(CHAT_TEMPLATE_FILE)
-    stops[:] = _stop_at_end_of_turn(partial, meta.chat_template, meta.data.get("tokenizer")) or []
+      written.append(CHAT_TEMPLATE_FILE)
+    stops.extend(_stop_at_end_of_turn(partial, meta.chat_template, meta.data.get("tokenizer")))
     if stops:
-      templates.append(GENERATION_CONFIG)
-    copied[:] = [name for name in copied if name not in templates]  # rewritten
+      written.append(GENERATION_CONFIG)
+    copied[:] = [name for name in copied if name not in written]  # rewritten after the copy
 
-  stops: list[int] = []
   names = _publish(write, out)
-  files = [name for name in names if name not in copied + templates]
-  chat = CHAT_TEMPLATE_FILE in templates
+  files = [name for name in names if name not in copied + written]
+  chat = CHAT_TEMPLATE_FILE in written
   return Exported(meta.step, written_dtype, why, files, copied, chat, stops or None)
 
 
-def _stop_at_end_of_turn(partial: str, template: str | None, tokenizer: str | None):
+def _stop_at_end_of_turn(partial: str, template: str | None, tokenizer: str | None) -> list[int]:
   """Add the end-of-turn token of `template` (the run's chat template, read by its tokenizer) to
   the eos_token_id of generation_config.json in `partial` (written from config.json's bos and
-  eos ids where none was copied); returns the new eos_token_id, None where nothing changed."""
+  eos ids where none was copied); returns the new eos_token_id, [] where nothing changed."""
   if template is None or tokenizer in (None, BYTES) or not os.path.exists(tokenizer):
-    return None
+    return []
   directory = tokenizer_directory(tokenizer)
   chat = ChatTemplate(template, special_tokens(directory), "the run's chat template")
   eot = end_of_turn(chat, HFTokenizer(tokenizer))
-  path = os.path.join(partial, GENERATION_CONFIG)
   if eot is None:
-    return None
+    return []
+  path = os.path.join(partial, GENERATION_CONFIG)
   if os.path.isfile(path):
     with open(path) as f:
       generation = json.load(f)
@@ -246,11 +246,11 @@ def _stop_at_end_of_turn(partial: str, template: str | None, tokenizer: str | No
       model = json.load(f)
     generation = {k: model[k] for k in ("bos_token_id", "eos_token_id") if model.get(k) is not None}
   else:  # an adapter of a source without one: generation is the base model's
-    return None
+    return []
   eos = generation.get("eos_token_id")
   stops = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
   if eot in stops:
-    return None
+    return []
   generation["eos_token_id"] = stops + [eot]
   generation.pop("_from_model_config", None)  # no longer config.json's: transformers keeps it
   with open(path, "w") as f:

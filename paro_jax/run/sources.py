@@ -8,10 +8,9 @@ be of one kind (a text file beside chat records is refused, naming both).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from paro_jax.run.chat import read_template_file
 from paro_jax.run.config import DATA_FORMATS, DataConfig
 from paro_jax.run.tokenizers import check_vocab, make_tokenizer
 from paro_jax.run.example_shards import example_format, read_examples
@@ -94,11 +93,8 @@ def check_shards_template(recorded: str | None, chat_template: str) -> None:
   """--chat-template FILE with prepare-data's shards, which are rendered already: refused where
   the shards record another template (or none: prompt-completion shards, or shards prepared
   before the template was recorded), so that the flag never goes unused."""
-  if not os.path.isfile(chat_template):
-    raise FileNotFoundError(f"--chat-template {chat_template!r} does not exist: pass a file")
-  with open(chat_template, encoding="utf-8") as f:
-    if f.read() == recorded:
-      return
+  if read_template_file(chat_template) == recorded:
+    return
   what = "another chat template" if recorded else "no chat template (meta.json)"
   raise ValueError(
     f"--chat-template {chat_template}: the prepared shards were rendered with {what}: prepare "
@@ -139,5 +135,4 @@ def instruction_batches(
       shuffle=False,
       what=f"the eval split (the last {data.eval_fraction:g} of the examples)",
     )
-  total = len(examples) + sum(examples.dropped.values())
-  return batches, eval_batches, dropped_line(selection.dropped, total)
+  return batches, eval_batches, dropped_line(selection.dropped, examples.read_count())
