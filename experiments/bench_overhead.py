@@ -25,7 +25,7 @@ import optax
 from models.config import get_config
 from models.llama import next_token_loss
 from paro_jax.core.config import StepConfig
-from paro_jax.core.engine import OptimConfig, decay_mask
+from paro_jax.core.state import OptimConfig, decay_mask
 from paro_jax.core.factory import build_engine
 from paro_jax.core.mesh import make_mesh
 

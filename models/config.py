@@ -2,8 +2,8 @@
 LLaMA `config.json`, and the LoRA adapters' `LoraConfig`.
 
 Pure Python (no jax, no numpy): what the planner, the CLI's argument checks and the HF reader
-need before anything is compiled. models/llama.py (the Flax model) and models/hf.py (the HF
-weights) both import it; it imports neither.
+need before anything is compiled. models/llama.py (the Flax model) and paro_jax/hf/weights.py
+(the HF weights) both import it; it imports neither.
 """
 
 from __future__ import annotations

@@ -23,18 +23,18 @@ _EXPORTS = {
   "provide_cpu_devices": "paro_jax.core.xla_flags",
   # the training step
   "Engine": "paro_jax.core.engine",
-  "OptimConfig": "paro_jax.core.engine",
-  "TrainState": "paro_jax.core.engine",
+  "OptimConfig": "paro_jax.core.state",
+  "TrainState": "paro_jax.core.state",
   # the model
   "Llama": "models.llama",
   "LlamaConfig": "models.config",
   "LoraConfig": "models.config",
   "get_config": "models.config",
   # data and checkpoints
-  "Batches": "paro_jax.run.data",
-  "DataConfig": "paro_jax.run.config",
-  "load_tokens": "paro_jax.run.data",
-  "default_corpus": "paro_jax.run.data",
+  "Batches": "paro_jax.data.streams",
+  "DataConfig": "paro_jax.data.config",
+  "load_tokens": "paro_jax.data.streams",
+  "default_corpus": "paro_jax.data.streams",
   "Checkpointer": "paro_jax.run.checkpoint",
   "RunMeta": "paro_jax.run.checkpoint_content",
   # the whole run, as `paro-jax train` does it

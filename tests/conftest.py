@@ -1,7 +1,10 @@
 """Every test runs on 8 virtual CPU devices; the flags must be set before jax is imported."""
 
 import os
+import tempfile
 from importlib.metadata import version
+
+import pytest
 
 from paro_jax.core.xla_flags import add_xla_flags  # imports no jax
 
@@ -21,3 +24,13 @@ add_xla_flags(
   + (("--xla_cpu_use_fusion_emitters=false",) if version("jaxlib").startswith("0.10.") else ())
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="module")
+def compilation_cache():
+  """Each train() builds a new engine whose programs jax would compile again from scratch; a
+  persistent compilation cache turns those repeats into cache hits (seconds, not tens). A module
+  that trains repeatedly asks for it with `pytestmark = pytest.mark.usefixtures(...)`."""
+  import jax  # after the flags above
+
+  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="paro-jax-jit-"))

@@ -124,8 +124,8 @@ def test_bad_data_is_one_line(tmp_path, capsys):
 
 
 def test_text_check_accepts_text_cut_mid_character(tmp_path):
-  from paro_jax.run.config import DataConfig
-  from paro_jax.run.data import load_tokens, TEXT_SAMPLE
+  from paro_jax.data.config import DataConfig
+  from paro_jax.data.streams import load_tokens, TEXT_SAMPLE
 
   text = ("ü" * (TEXT_SAMPLE // 2 + 7)).encode()  # the sample ends inside a 2-byte character
   (tmp_path / "u.txt").write_bytes(text)

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from paro_jax import cli
+from paro_jax.core import flags as cli_flags
 from paro_jax.analysis.inspect.config import InspectConfig
 from paro_jax.analysis.planner.config import PlanConfig
 from paro_jax.core.config import (
@@ -51,7 +52,7 @@ def test_no_flags_parse_to_the_default_config(command):
   cls = COMMANDS[command]
   args = cli.build_parser().parse_args([command, *REQUIRED.get(command, [])])
   given = {k: getattr(args, k) for k in BY_CLI if hasattr(cls, k)}
-  parsed = cli.config_of(args, cls, **given)
+  parsed = cli_flags.config_of(args, cls, **given)
   required = {"nodes": 2} if command == "plan" else {}
   assert parsed == cls(**required)
   # the flags reach their fields, converted as the field's type says
@@ -61,7 +62,9 @@ def test_no_flags_parse_to_the_default_config(command):
     else [command, "--seq-len", "96", "--dtype", "FP32", "--no-memory-check", "--lora-rank", "4"]
     + ["--data", "a.txt", "b.txt", "--divergence-window", "7", "--steps", "9", "--warmup", "2"]
   )
-  parsed = cli.config_of(args, cls, **{k: getattr(args, k) for k in BY_CLI if hasattr(cls, k)})
+  parsed = cli_flags.config_of(
+    args, cls, **{k: getattr(args, k) for k in BY_CLI if hasattr(cls, k)}
+  )
   assert (parsed.seq_len, parsed.dtype) == (96, "fp32")
   if command == "train":  # the groups' flags reach their groups
     assert (parsed.memory_check, parsed.lora.rank, parsed.guard.window) == (False, 4, 7)
@@ -86,7 +89,7 @@ def test_step_flags_parse_back_to_the_step(errfb):
     if path != "error_feedback":
       assert value_at(step, path) != field.default, path
   args = cli.build_parser().parse_args(["inspect", *step_flags(step)])
-  parsed = cli.config_of(args, InspectConfig, mesh=parse_mesh_shape(args.mesh))
+  parsed = cli_flags.config_of(args, InspectConfig, mesh=parse_mesh_shape(args.mesh))
   for path, _ in options(StepConfig):
     assert value_at(parsed, path) == value_at(step, path), path
   # a value replaced, and one left out (None: its flag's default)
@@ -98,15 +101,15 @@ def test_a_field_without_a_flag_is_an_error():
   args = cli.build_parser().parse_args(["inspect"])
   del args.hlo_out  # as if InspectConfig had gained a field the parser does not know
   with pytest.raises(TypeError, match=r"field but no flag \['hlo_out'\]"):
-    cli.config_of(args, InspectConfig)
+    cli_flags.config_of(args, InspectConfig)
   args = cli.build_parser().parse_args(["inspect"])
   with pytest.raises(TypeError, match=r"given but no field \['meshes'\]"):
-    cli.config_of(args, InspectConfig, meshes=(1, 8))
+    cli_flags.config_of(args, InspectConfig, meshes=(1, 8))
 
 
 def test_a_flag_of_an_unknown_field_is_an_error():
   with pytest.raises(KeyError, match="InspectConfig has no field 'seq_length'"):
-    cli.add_options(argparse.ArgumentParser(), InspectConfig, "seq_length")
+    cli_flags.add_options(argparse.ArgumentParser(), InspectConfig, "seq_length")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,9 +123,9 @@ class _Toy:
 
 def test_flags_take_the_fields_defaults_and_types():
   p = argparse.ArgumentParser()
-  cli.add_options(p, _Toy, "steps", "speed", "name", "fast", "needed")
+  cli_flags.add_options(p, _Toy, "steps", "speed", "name", "fast", "needed")
   args = p.parse_args(["--needed", "7", "--speed", "2"])
-  assert cli.config_of(argparse.Namespace(command="toy", **vars(args)), _Toy) == _Toy(
+  assert cli_flags.config_of(argparse.Namespace(command="toy", **vars(args)), _Toy) == _Toy(
     needed=7, speed=2.0
   )
   assert p.parse_args(["--needed", "1", "--fast", "--steps", "3"]).steps == 3
@@ -146,11 +149,11 @@ class _Grouped:
 def test_a_groups_options_are_flags_and_build_the_group():
   assert [path for path, _ in options(_Grouped)] == ["steps", "limits.low", "limits.high"]
   p = argparse.ArgumentParser()
-  cli.add_options(p, _Grouped, "steps", "limits.low", "limits.high")
+  cli_flags.add_options(p, _Grouped, "steps", "limits.low", "limits.high")
   # argparse's metavar is the flag's (LIMIT_LOW), not the dest's (LIMITS.LOW)
   assert "--limit-low LIMIT_LOW" in p.format_help() and "--limit-high N" in p.format_help()
   args = argparse.Namespace(command="toy", **vars(p.parse_args(["--limit-high", "4"])))
-  assert cli.config_of(args, _Grouped) == _Grouped(limits=_Limits(high=4))
+  assert cli_flags.config_of(args, _Grouped) == _Grouped(limits=_Limits(high=4))
   assert make_config(_Grouped, {"limits.low": 2}).limits == _Limits(low=2)
   assert make_config(_Grouped, {"limits.note": "set"}).limits.note == "set"  # not an option
   with pytest.raises(TypeError, match="_Limits has no field lo"):
@@ -158,7 +161,7 @@ def test_a_groups_options_are_flags_and_build_the_group():
   assert value_at(_Grouped(), "limits.high") == 9
   del vars(args)["limits.low"]  # as if the parser lacked a group's flag
   with pytest.raises(TypeError, match=r"field but no flag \['limits.low'\]"):
-    cli.config_of(args, _Grouped)
+    cli_flags.config_of(args, _Grouped)
 
 
 # A default written by hand beside "default": the help should say %(default)s instead.
@@ -236,7 +239,7 @@ def test_plan_step_flags_parse_back_to_the_plans_workload():
   )
   inputs = plan.inputs
   args = cli.build_parser().parse_args(["inspect", *rerank.plan_step_flags(inputs, "xla")])
-  parsed = cli.config_of(args, InspectConfig, mesh=parse_mesh_shape(args.mesh))
+  parsed = cli_flags.config_of(args, InspectConfig, mesh=parse_mesh_shape(args.mesh))
   assert parsed.mesh == (inputs["nodes"], inputs["devices_per_node"]) == (2, 8)
   assert parsed.batch_size == inputs["micro_batch"] * 16 and parsed.attention == "xla"
   for name in ("model", "collectives", "micro_batches", "seq_len", "dtype"):

@@ -47,7 +47,7 @@ def build(
 
   from models.llama import Llama, next_token_loss
   from models.config import get_config
-  from paro_jax.core.engine import DTYPES, OptimConfig, decay_mask
+  from paro_jax.core.state import DTYPES, OptimConfig, decay_mask
   from paro_jax.core.sharding import shard_dims
 
   model = Llama(get_config(model_name), DTYPES[dtype], remat, None, attention)
@@ -122,8 +122,8 @@ def child_baseline(args) -> None:
   import jax
 
   from paro_jax.core.names import parse_mesh_shape
-  from paro_jax.run.config import DataConfig
-  from paro_jax.run.data import Batches, load_tokens, split_eval
+  from paro_jax.data.config import DataConfig
+  from paro_jax.data.streams import Batches, load_tokens, split_eval
 
   inter, intra = parse_mesh_shape(args.mesh)
   mesh = auto_mesh(inter, intra)

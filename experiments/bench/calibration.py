@@ -51,7 +51,7 @@ def child_calibrate(args) -> None:
 
   from models.llama import Llama, next_token_loss
   from models.config import get_config
-  from paro_jax.core.engine import DTYPES
+  from paro_jax.core.state import DTYPES
 
   cfg = get_config(args.model)
   model = Llama(cfg, DTYPES[args.dtype])

@@ -8,7 +8,7 @@ rank = node x devices per node + device, so the ranks of a node share its networ
 its shaped link, and the link counters count torch's inter-node bytes as they count ours.
 
 The model is the preset as an HF LLaMA config (`config_to_hf`, models/config.py), built by
-transformers' `LlamaForCausalLM`; the batches are the built-in corpus's (`paro_jax.run.data.
+transformers' `LlamaForCausalLM`; the batches are the built-in corpus's (`paro_jax.data.streams.
 Batches`, same seed: the same tokens per step and micro-batches as `train`); AdamW in fp32 (or
 bf16 autocast with `--dtype bf16`); `--remat full` checkpoints every decoder layer, so backward
 recomputes what `train --remat full` recomputes. Peers (`--peer`):
@@ -128,8 +128,8 @@ def rank_main(local: int, args, nodes: int, per_node: int) -> None:
   import torch.distributed as dist
 
   from models.config import get_config
-  from paro_jax.run.config import DataConfig
-  from paro_jax.run.data import Batches, load_tokens, split_eval
+  from paro_jax.data.config import DataConfig
+  from paro_jax.data.streams import Batches, load_tokens, split_eval
 
   _die_with_parent()
   torch.set_num_threads(1)

@@ -76,17 +76,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _is_python(token: str) -> bool:
-  return re.fullmatch(r"python[0-9.]*", os.path.basename(token)) is not None
-
-
 def child_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> list[str]:
   """The children's argv, checked; --mesh GxM is added unless given (and equal).
 
   `train ...` stays as it is (run by `python -m paro_jax`); `python ARGS` and `SCRIPT.py ARGS`
   become `[SCRIPT.py, ...]` / `[ARGS...]`, run by this interpreter (see `_command`).
   """
-  if train_argv and _is_python(train_argv[0]):
+  if train_argv and re.fullmatch(r"python[0-9.]*", os.path.basename(train_argv[0])):
     train_argv = train_argv[1:]
     if not train_argv:
       raise ValueError("`python` after -- needs a script, e.g. `-- python experiments/x.py`")

@@ -13,27 +13,23 @@ gradient; master weights, gradients and optimizer states exist for the adapters 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.config import LAYERS
-from models.llama import Llama, next_token_loss, weighted_token_loss
+from models.llama import Llama
 from paro_jax.core import collectives as comm
 from paro_jax.core import feedback_rules, step
-from paro_jax.core.batch import Batch, inputs_of
+from paro_jax.core.batch import Batch
 from paro_jax.core.wire import WireConfig
+from paro_jax.core.forward import Forward
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import (
   BATCH_AXES,
-  GLOBAL_AXES,
   GRAD_DTYPES,
   MESH_AXES,
   check_batch_divides,
@@ -46,80 +42,10 @@ from paro_jax.core.sharding import (
   shard_dims,
   state_specs,
 )
-from paro_jax.core.shards import Shard, gather_invariant, join_trainable, split_trainable
+from paro_jax.core.shards import gather_invariant, join_trainable, split_trainable
 from paro_jax.core.step import LayerStack, StepProgram
+from paro_jax.core.state import OptimConfig, TrainState, decay_mask
 from paro_jax.core.strategy import Strategy
-
-DTYPES = {
-  "bf16": jnp.bfloat16,
-  "bfloat16": jnp.bfloat16,
-  "fp32": jnp.float32,
-  "float32": jnp.float32,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-  learning_rate: float = 3e-3
-  warmup_steps: int = 10
-  total_steps: int = 1000
-  min_lr_ratio: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.1
-  clip_norm: float = 1.0
-
-  def __post_init__(self):
-    if self.learning_rate <= 0 or self.total_steps <= 0 or self.warmup_steps < 0:
-      raise ValueError(
-        f"OptimConfig: learning_rate and total_steps must be positive and "
-        f"warmup_steps >= 0, got {self}"
-      )
-
-  def lr_schedule(self):
-    warmup = min(self.warmup_steps, self.total_steps)
-    return optax.warmup_cosine_decay_schedule(
-      0.0,
-      self.learning_rate,
-      warmup,
-      max(self.total_steps, warmup + 1),
-      end_value=self.learning_rate * self.min_lr_ratio,
-    )
-
-  def adamw(self, decay_mask):
-    """AdamW without clipping: the engine clips by the global norm across shards itself."""
-    return optax.adamw(
-      self.lr_schedule(),
-      b1=self.b1,
-      b2=self.b2,
-      eps=self.eps,
-      weight_decay=self.weight_decay,
-      mask=decay_mask,
-    )
-
-  def reference_tx(self, decay_mask):
-    """The same optimizer as one plain optax chain, for a single-device reference."""
-    return optax.chain(optax.clip_by_global_norm(self.clip_norm), self.adamw(decay_mask))
-
-
-def decay_mask(logical_tree):
-  """Weight decay on matrices only (not on norm scales)."""
-  return jax.tree.map(
-    lambda axes: len([a for a in axes if a != LAYERS]) >= 2,
-    logical_tree,
-    is_leaf=lambda x: isinstance(x, tuple),
-  )
-
-
-class TrainState(NamedTuple):
-  step: jax.Array  # scalar int32, replicated
-  master: Any  # fp32 trained parameters at the OS placement
-  opt_state: Any  # optax state; moments at the OS placement
-  frozen: Any = None  # LoRA: the frozen base weights, compute dtype, P placement
-  residual: Any = None  # error feedback (core/feedback.py): fp32, one vector per device
-  reference: Any = None  # delta parameter sync (core/feedback.py): compute dtype, P placement
-  weights: Any = None  # `weights_copy`: master in the compute dtype, OS placement (not saved)
 
 
 class Engine:
@@ -263,8 +189,7 @@ class Engine:
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
     self.batch_sharding = NamedSharding(mesh, self.batch_spec)
     self.train_step = jax.jit(self._train_step, donate_argnums=0)
-    self._eval_loss = jax.jit(self._eval_loss_fn)
-    self._eval_sums = jax.jit(self._eval_sums_fn)
+    self.forward = Forward(self)
 
   # --- state -------------------------------------------------------------------------------
   def init_state(self, rng) -> TrainState:
@@ -318,6 +243,12 @@ class Engine:
 
   def params(self, state: TrainState):
     """The compute-dtype parameters at their P placement (what the step holds while it runs)."""
+    trained = self._sync_params(state.master)
+    return join_trainable(self.mask, trained, state.frozen) if self.lora else trained
+
+  @functools.cached_property
+  def _sync_params(self):
+    """The parameter sync alone, compiled once: the master cast and gathered to P."""
 
     def sync(master):
       return jax.tree.map(
@@ -328,11 +259,14 @@ class Engine:
         self.trained_dims,
       )
 
-    fn = jax.shard_map(
-      sync, mesh=self.mesh, in_specs=(self.trained_specs.opt,), out_specs=self.trained_specs.params
+    return jax.jit(
+      jax.shard_map(
+        sync,
+        mesh=self.mesh,
+        in_specs=(self.trained_specs.opt,),
+        out_specs=self.trained_specs.params,
+      )
     )
-    trained = jax.jit(fn)(state.master)
-    return join_trainable(self.mask, trained, state.frozen) if self.lora else trained
 
   def check_batch_size(self, batch_size: int) -> None:
     check_batch_divides(batch_size, self.inter, self.intra)
@@ -367,64 +301,15 @@ class Engine:
       local_batch,
     )
 
-  # --- evaluation --------------------------------------------------------------------------
+  # --- evaluation: forward only, core/forward.py -------------------------------------------
   def eval_loss(self, state: TrainState, batch_AxBxL1) -> jax.Array:
-    """Mean next-token loss over a placed batch of any number of micro-batches (for a Batch,
-    over its counted targets), forward only, with the master weights in the compute dtype
-    (gathered as the step gathers them, at full precision on every level)."""
-    if isinstance(batch_AxBxL1, Batch):
-      total, targets = self._eval_sums(state, batch_AxBxL1)
-      return total / jnp.maximum(targets, 1)
-    return self._eval_loss(state, batch_AxBxL1)
+    """Mean next-token loss over a placed batch (for a Batch, over its counted targets), with the
+    master weights in the compute dtype at the P placement: `Forward.loss` of `params(state)`."""
+    return self.forward.loss(self.params(state), batch_AxBxL1)
 
   def eval_sums(self, state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """(the summed loss of the counted targets, how many) of a placed Batch, forward only: sums
-    of several batches add up to the mean of all of them (`paro-jax eval`)."""
-    return self._eval_sums(state, batch)
-
-  def _eval_forward(self, state, batch_AxBxL1, micro_fn, reduce_fn, out_specs):
-    """Forward only, with the parameters as eval sees them: `micro_fn(logits, batch_BxL1)` of
-    each micro-batch on each device, then `reduce_fn` of their stack (in the shard_map)."""
-    params = self.params(state)  # compute dtype, P placement
-    # The exact weights, whatever the wire precision: eval scores the model the run trains (its
-    # fp32 master), so runs with and without compressed traffic are compared on equal terms.
-    materialize = step.materializer(self, WireConfig())
-
-    def local(params, batch_AxBxL1):
-      # Forward only: no gradient reaches the sink, so the parameter itself can stand in.
-      shards = jax.tree.map(lambda p, d: Shard(p, p, d), params, self.dims)
-
-      def micro(_, batch_BxL1):
-        inputs, _, _, segments = inputs_of(batch_BxL1)
-        logits = self.model.apply(shards, inputs, materialize, segments_BxL=segments)
-        return None, micro_fn(logits, batch_BxL1)
-
-      _, per_micro = lax.scan(micro, None, batch_AxBxL1)
-      return reduce_fn(per_micro)
-
-    return jax.shard_map(
-      local,
-      mesh=self.mesh,
-      in_specs=(self.specs.params, self.batch_spec),
-      out_specs=out_specs,
-      check_vma=self.collectives == "xla",  # the rings' replicated results: see _train_step
-    )(params, batch_AxBxL1)
-
-  def _eval_loss_fn(self, state, tokens_AxBxL1):
-    def mean(losses):
-      # Every device holds the same number of rows: the mean of the local means is the mean.
-      return lax.psum(jnp.mean(losses), GLOBAL_AXES) / (self.inter * self.intra)
-
-    loss = lambda logits, tokens_BxL1: next_token_loss(logits, tokens_BxL1[:, 1:])
-    return self._eval_forward(state, tokens_AxBxL1, loss, mean, PartitionSpec())
-
-  def _eval_sums_fn(self, state, batch: Batch):
-    def sums(logits, batch_BxL1):
-      _, targets, weights, _ = inputs_of(batch_BxL1)
-      return weighted_token_loss(logits, targets, weights), jnp.sum(weights)
-
-    total = lambda per_micro: jax.tree.map(lambda x: lax.psum(jnp.sum(x), GLOBAL_AXES), per_micro)
-    return self._eval_forward(state, batch, sums, total, (PartitionSpec(), PartitionSpec()))
+    """(the summed loss of the counted targets, how many) of a placed Batch: `Forward.sums`."""
+    return self.forward.sums(self.params(state), batch)
 
   def _train_step(self, state: TrainState, batch_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no

@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 from models.config import LlamaConfig, resolve_attention
 from models.llama import Llama
 from paro_jax.core.config import StepConfig
-from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+from paro_jax.core.state import DTYPES, OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.names import resolve_collectives
 from paro_jax.core.strategy import Strategy, parse_strategy
 

@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from paro_jax.analysis.gpu.hardware import mfu
 from paro_jax.cluster import watch
-from paro_jax.core.engine import Engine, TrainState
+from paro_jax.core.state import TrainState
+from paro_jax.core.engine import Engine
 from paro_jax.run import reporting
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_errors import CheckpointError
@@ -49,7 +50,7 @@ class Bookkeeper:
     chat_template: str | None = None,
   ):
     self.cfg, self.engine, self.ckpt, self.main = cfg, engine, ckpt, main
-    self.data_files = data_files  # what the checkpoints record of the data (run/fingerprint.py)
+    self.data_files = data_files  # what the checkpoints record of the data (data/fingerprint.py)
     self.chat_template = chat_template  # the text the chat records were rendered with
     self.path = os.path.join(cfg.out, METRICS)
     self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len

@@ -34,7 +34,8 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from paro_jax.cluster.agree import Agreement, agreed_steps, local_verdict
-from paro_jax.core.engine import Engine, TrainState
+from paro_jax.core.state import TrainState
+from paro_jax.core.engine import Engine
 from paro_jax.run.checkpoint_content import (
   NonFiniteStateError,
   RunMeta,

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.config import LlamaConfig
-from paro_jax.core.engine import Engine, TrainState
+from paro_jax.core.state import TrainState
+from paro_jax.core.engine import Engine
 
 FORMAT = 1
 
@@ -34,7 +35,7 @@ class RunMeta:
   lora: dict | None = None  # dataclasses.asdict(LoraConfig) of a LoRA run
   checksums: dict | None = None  # leaf path -> [h1, h2] (state_checksums); set by save
   train: dict | None = None  # what the learning-rate schedule depends on: steps, lr, warmup
-  data_files: dict | None = None  # the data by content (run/fingerprint.py); None before it
+  data_files: dict | None = None  # the data by content (data/fingerprint.py); None before it
   # the HF config.json the model came from (--init-from's, or --model's): export keeps its fields
   source_config: dict | None = None
   # the chat template the run's chat records were rendered with (its text): eval renders with it,

@@ -15,15 +15,13 @@ import re
 import warnings
 
 from paro_jax.core.config import LoraOptions, StepConfig, group, option, option_like
+from paro_jax.data.config import DataConfig
 from paro_jax.run.divergence import GuardConfig
 
-BIN_DTYPE_NAMES = ("uint16", "uint32")  # of .bin token files (run/bins.py BIN_DTYPES)
 # Characters the checkpoint library cannot have in a path: orbax finds a save's per-process files
 # with a glob of the directory (`[`, `]`, `*`, `?` are patterns there) and TensorStore reads `\`
 # as an escape; the arrays of such a save are written but can never be read back.
 UNSAFE_PATH_CHARS = "[]*?\\"
-DATA_FORMATS = ("auto", "text", "prompt-completion", "chat")  # run/instruct.py
-LONG_EXAMPLES = ("drop", "truncate")
 
 
 def unsafe_path_chars(path: str) -> str:
@@ -62,79 +60,6 @@ class OptimizerOptions:
       raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
     if self.steps < 1:
       raise ValueError(f"--steps must be >= 1, got {self.steps}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  """Where a run's tokens come from (run/data.py reads them)."""
-
-  paths: tuple[str, ...] = option(  # files and globs (a str is one path); empty: built-in corpus
-    (),
-    "files and globs: *.jsonl (JSON lines), *.parquet, *.bin (token ids), else text",
-    flag="--data",
-    nargs="+",
-    metavar="PATH",
-  )
-  text_field: str = option("text", "the JSONL field holding the text")
-  tokenizer: str | None = option(  # None: the model's (run/tokenizers.py resolve_tokenizer)
-    None,
-    "an HF tokenizer.json (needs the hf extra), or 'bytes' (vocab 256); default: the "
-    "tokenizer.json of --init-from's directory, else bytes",
-    metavar="TOKENIZER_JSON",
-  )
-  bin_dtype: str | None = option(  # of .bin files; None: inferred (run/bins.py bin_dtype_for)
-    None,
-    ".bin token dtype (default: uint16, or uint32 when the tokenizer's "
-    "vocab, else the model's, exceeds 65536)",
-    type=str.lower,
-    choices=BIN_DTYPE_NAMES,
-  )
-  eval_fraction: float = option(
-    0.01,
-    "the last fraction of the tokens (of instruction data: of the examples) held out for eval "
-    "(default %(default)s)",
-  )
-  # instruction data (run/instruct.py, run/examples.py)
-  data_format: str = option(
-    "auto",
-    "what the records hold: text, a prompt and its completion (loss on the completion and EOS), "
-    "or chat messages (loss on the assistant's turns); default %(default)s: from each file's "
-    "first record",
-    choices=DATA_FORMATS,
-  )
-  chat_template: str | None = option(  # None: the model's HF directory's
-    None,
-    "a jinja2 chat template for chat records (default: the one of --init-from's HF directory, "
-    "else of --tokenizer's)",
-    metavar="FILE",
-  )
-  pack: bool = option(
-    False,
-    "instruction data: pack several examples into each sequence, each attending only to itself "
-    "(default: one example per sequence, padded)",
-  )
-  long_examples: str = option(
-    "drop",
-    "instruction examples longer than --seq-len + 1 tokens: drop them (counted in the log) or "
-    "keep their first --seq-len + 1 tokens (default %(default)s)",
-    choices=LONG_EXAMPLES,
-  )
-
-  def __post_init__(self):
-    paths = (self.paths,) if isinstance(self.paths, str) else tuple(self.paths)
-    object.__setattr__(self, "paths", paths)  # the flag's list, or one path
-    if self.data_format not in DATA_FORMATS:
-      raise ValueError(f"unknown --data-format {self.data_format!r}; choose one of {DATA_FORMATS}")
-    if self.long_examples not in LONG_EXAMPLES:
-      raise ValueError(
-        f"unknown --long-examples {self.long_examples!r}; choose one of {LONG_EXAMPLES}"
-      )
-    if self.bin_dtype is not None and self.bin_dtype not in BIN_DTYPE_NAMES:
-      raise ValueError(
-        f"unknown --bin-dtype {self.bin_dtype!r}; choose one of {list(BIN_DTYPE_NAMES)}"
-      )
-    if not 0 <= self.eval_fraction < 1:
-      raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -228,7 +153,7 @@ class RunConfig(StepConfig):
   )
 
   def __post_init__(self):
-    from paro_jax.core.engine import DTYPES  # jax: this module is read before jax starts
+    from paro_jax.core.state import DTYPES  # jax: this module is read before jax starts
 
     if self.dtype not in DTYPES:
       raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")

@@ -11,7 +11,7 @@ batch size, the mesh or the strategy:
   training counts (the completion's, the assistant's).
 The loss is the sum of the scored targets' losses over their count, summed on the host in fp64.
 The text is read with --tokenizer, else the run's tokenizer (as its checkpoints record it), else
-the HF directory's tokenizer.json (run/tokenizers.py resolve_tokenizer); chat records are rendered
+the HF directory's tokenizer.json (data/tokenizers.py resolve_tokenizer); chat records are rendered
 with --chat-template, else the template the run trained with (its checkpoints record it), else
 the HF directory's.
 """
@@ -27,20 +27,20 @@ import jax
 import numpy as np
 
 from models.config import CONFIG, LlamaConfig, LoraConfig, read_config
-from models.hf import load_hf
+from paro_jax.hf.weights import load_hf
 from paro_jax.core.batch import Batch
 from paro_jax.core.config import LoraOptions
 from paro_jax.core.engine import Engine
 from paro_jax.core.factory import build_engine
 from paro_jax.core.mesh import make_mesh
-from paro_jax.run.chat import ChatTemplate, special_tokens
+from paro_jax.data.chat import ChatTemplate, special_tokens
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.config import EvalConfig
-from paro_jax.run.data import expand_paths, load_tokens
-from paro_jax.run.examples import ExampleBatches, select
-from paro_jax.run.instruct import CHAT, TEXT
-from paro_jax.run.sources import data_format, hf_directory, instruction_examples
-from paro_jax.run.tokenizers import resolve_tokenizer
+from paro_jax.data.streams import expand_paths, load_tokens
+from paro_jax.data.examples import ExampleBatches, select
+from paro_jax.data.instruct import CHAT, TEXT
+from paro_jax.data.sources import data_format, hf_directory, instruction_examples
+from paro_jax.data.tokenizers import resolve_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

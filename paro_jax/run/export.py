@@ -2,14 +2,14 @@
 
 The checkpoint is restored through paro_jax.run.checkpoint onto a one-device engine (strategy NNN,
 mesh 1x1) built for the model config the checkpoint records. What is written:
-- the model (models.hf.save_hf): config.json with the fields of the config.json the run started
-  from (--init-from's or --model's, as the checkpoint records it: bos/eos ids,
+- the model (paro_jax.hf.weights.save_hf): config.json with the fields of the config.json the run
+  started from (--init-from's or --model's, as the checkpoint records it: bos/eos ids,
   max_position_embeddings, ...) and our shapes, RoPE and tying; the weights in `--dtype` (by
   default the dtype the --init-from weights came in, bf16 for a run trained from scratch), in
   shards of at most `--max-shard-size` with their index above it. A LoRA run's adapters are
   merged into its frozen base: the export is a plain LLaMA;
 - or, with `--adapter` (a LoRA run started from --init-from), the adapters alone as PEFT writes
-  them (models/peft.py), for the HF directory the run started from;
+  them (paro_jax/hf/peft.py), for the HF directory the run started from;
 - beside either, the tokenizer the run read its data with (tokenizer.json and the files of its
   directory: tokenizer_config.json, special_tokens_map.json, chat_template.jinja) and the source
   directory's generation_config.json, so that transformers' AutoTokenizer and
@@ -48,23 +48,23 @@ import numpy as np
 from safetensors import SafetensorError
 
 from models.config import CONFIG, LlamaConfig, LoraConfig
-from models.hf import MAX_SHARD_SIZE, WEIGHT_DTYPES, save_hf, weights_dtype
-from models.peft import save_adapter
+from paro_jax.hf.weights import MAX_SHARD_SIZE, WEIGHT_DTYPES, save_hf, weights_dtype
+from paro_jax.hf.peft import save_adapter
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.run.prepare import pid_alive
+from paro_jax.data.prepare import pid_alive
 from paro_jax.core.config import LoraOptions, StepConfig
 from paro_jax.core.factory import build_engine
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.mesh import make_mesh
-from paro_jax.run.chat import (
+from paro_jax.data.chat import (
   CHAT_TEMPLATE_FILE,
   TOKENIZER_CONFIG,
   ChatTemplate,
   find_template,
   special_tokens,
 )
-from paro_jax.run.instruct import end_of_turn, tokenizer_directory
-from paro_jax.run.tokenizers import BYTES, TOKENIZER_FILE, HFTokenizer
+from paro_jax.data.instruct import end_of_turn, tokenizer_directory
+from paro_jax.data.tokenizers import BYTES, TOKENIZER_FILE, HFTokenizer
 
 EXPORT_DTYPES = tuple(WEIGHT_DTYPES)  # bf16, fp16, fp32
 SCRATCH_DTYPE = "bf16"  # of a run trained from scratch: the dtype Llama checkpoints ship in

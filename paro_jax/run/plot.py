@@ -83,3 +83,13 @@ def plot_runs(run_dirs: list[str], out: str) -> str:
   fig.savefig(out, dpi=100, format=fmt)
   plt.close(fig)
   return out
+
+
+def add_parser(sub) -> None:
+  plot = sub.add_parser("plot", help="PNG of loss (train, eval) and throughput of runs")
+  plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (--out of train)")
+  plot.add_argument("--out", default="runs/plot.png", help="the PNG to write")
+
+
+def main(args, inv) -> None:
+  print(f"paro-jax: wrote {plot_runs(args.runs, args.out)}")

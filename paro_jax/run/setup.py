@@ -13,9 +13,10 @@ import warnings
 import jax
 
 from models.config import CONFIG, get_config, read_config, resolve_attention
-from models.hf import load_hf
+from paro_jax.hf.weights import load_hf
 from paro_jax.analysis.planner.auto import auto_strategy
-from paro_jax.core.engine import DTYPES, Engine, OptimConfig, TrainState
+from paro_jax.core.state import DTYPES, OptimConfig, TrainState
+from paro_jax.core.engine import Engine
 from paro_jax.core.factory import build_engine, build_model
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.names import AUTO_COLLECTIVES, resolve_collectives
@@ -23,11 +24,11 @@ from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import RunMeta
 from paro_jax.run.config import RunConfig
-from paro_jax.run.data import Batches, expand_paths, load_tokens, split_eval
-from paro_jax.run.instruct import TEXT
-from paro_jax.run.sources import data_format, hf_directory, instruction_batches
-from paro_jax.run.fingerprint import data_change, data_fingerprint
-from paro_jax.run.tokenizers import (
+from paro_jax.data.streams import Batches, expand_paths, load_tokens, split_eval
+from paro_jax.data.instruct import TEXT
+from paro_jax.data.sources import data_format, hf_directory, instruction_batches
+from paro_jax.data.fingerprint import data_change, data_fingerprint
+from paro_jax.data.tokenizers import (
   BYTES,
   check_resumed_tokenizer,
   resolve_tokenizer,
@@ -86,7 +87,7 @@ def build(cfg: RunConfig):
 
 
 def with_tokenizer(cfg: RunConfig, vocab: int | None = None) -> RunConfig:
-  """`cfg` with the tokenizer its data is read with (run/tokenizers.py resolve_tokenizer:
+  """`cfg` with the tokenizer its data is read with (data/tokenizers.py resolve_tokenizer:
   --tokenizer, else --init-from's tokenizer.json, else bytes where the model's vocabulary is)."""
   if vocab is None:
     vocab = (read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)).vocab
@@ -96,7 +97,7 @@ def with_tokenizer(cfg: RunConfig, vocab: int | None = None) -> RunConfig:
 
 def run_batches(cfg: RunConfig, vocab: int):
   """The run's batches and its eval batches (None without --eval-every): windows of a token
-  stream (run/data.py), or instruction examples with their loss masks (run/examples.py)."""
+  stream (data/streams.py), or instruction examples with their loss masks (data/examples.py)."""
   data = with_tokenizer(cfg, vocab).data
   files = expand_paths(data.paths) if data.paths else []
   fmt = data_format(files, data.text_field, data.data_format)
@@ -149,7 +150,7 @@ def run_meta(
   chat_template: str | None = None,
 ) -> RunMeta:
   """What checkpoint `step` records besides the arrays; `data_files`: the run's data by content
-  (run/fingerprint.py); `chat_template`: the text its chat records were rendered with."""
+  (data/fingerprint.py); `chat_template`: the text its chat records were rendered with."""
   return RunMeta(
     step=step,
     seed=cfg.seed,

@@ -13,14 +13,15 @@ import os
 import jax
 
 from paro_jax.cluster import watch
-from paro_jax.core.engine import Engine, TrainState
+from paro_jax.core.state import TrainState
+from paro_jax.core.engine import Engine
 from paro_jax.run import reporting
 from paro_jax.run.bookkeeping import Bookkeeper
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.config import RunConfig
-from paro_jax.run.bins import DataChanged
-from paro_jax.run.data import Batches
-from paro_jax.run.examples import ExampleBatches
+from paro_jax.data.bins import DataChanged
+from paro_jax.data.streams import Batches
+from paro_jax.data.examples import ExampleBatches
 from paro_jax.run.fit import run_memory
 from paro_jax.run.setup import build, place_batch, starting_point, with_tokenizer
 from paro_jax.run.stopping import Interrupted, RunLock, StopSignals, StopVote
@@ -132,7 +133,7 @@ def _run(
       print(reporting.stop_line(book.saved, book.ckpt), flush=True)
     raise
   except DataChanged as e:
-    # A data file shrank under the run (run/bins.py): the steps done are sound, saved as on a
+    # A data file shrank under the run (data/bins.py): the steps done are sound, saved as on a
     # stop (one process: with several, saving needs all of them, and the others are waiting in
     # a collective for this one). The line says where to continue from.
     if pending is not None:

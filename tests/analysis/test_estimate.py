@@ -1,5 +1,5 @@
 """XLA's estimate of a GPU step's time (paro_jax/analysis/gpu/estimate.py) and `inspect --target`'s
-`estimate` section (analysis/inspect/command.py, analysis/inspect/gpu_report.py).
+`estimate` section (analysis/inspect/inspection.py, analysis/inspect/gpu_report.py).
 
 The composition is checked on programs whose answer is known by hand: a written HLO module with
 nested loops, and a compiled scan of N identical bodies (N x one body plus the entry). The

@@ -50,7 +50,8 @@ def gpu_report(
     from models.config import get_config
     from paro_jax.analysis.inspect.abstract import compile_for_target
     from paro_jax.analysis.inspect.gpu_report import gpu_report as report
-    from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+    from paro_jax.core.state import DTYPES, OptimConfig
+    from paro_jax.core.engine import Engine
     from paro_jax.core.mesh import make_mesh
     from paro_jax.core.strategy import parse_strategy
 
@@ -137,7 +138,8 @@ def test_packed_rows_keep_cudnns_fused_kernel():
   from models.llama import Llama
   from models.config import get_config
   from paro_jax.analysis.inspect.abstract import compile_for_target
-  from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+  from paro_jax.core.state import DTYPES, OptimConfig
+  from paro_jax.core.engine import Engine
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.strategy import parse_strategy
 
@@ -358,7 +360,8 @@ def test_non_matmul_bytes_by_purpose():
 
   from models.config import get_config
   from models.llama import Llama
-  from paro_jax.core.engine import DTYPES, Engine, OptimConfig
+  from paro_jax.core.state import DTYPES, OptimConfig
+  from paro_jax.core.engine import Engine
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.strategy import parse_strategy
 

@@ -8,7 +8,8 @@ import pytest
 from models.llama import Llama
 from models.config import LlamaConfig
 from paro_jax.analysis.hlo.collectives import device_bytes, level_of, parse_collectives, phase_of
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.analysis.inspect.abstract import compile_step
 from paro_jax.analysis.inspect.inspector import report
 from paro_jax.core.mesh import make_mesh

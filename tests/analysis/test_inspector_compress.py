@@ -8,7 +8,8 @@ from models.llama import Llama
 from paro_jax.analysis.inspect.abstract import compile_step
 from paro_jax.analysis.inspect.inspector import expected_traffic, format_report, report
 from paro_jax.core.wire import WireConfig
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy
 from tests.analysis.test_inspector import CFG

@@ -9,7 +9,8 @@ import pytest
 
 from models.llama import Llama, next_token_loss
 from models.config import LlamaConfig
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.wire import WireConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.step import StepProgram

@@ -14,7 +14,8 @@ from paro_jax.core import collectives as comm
 from paro_jax.core import feedback_rules
 from paro_jax.core.wire import Codec, WireConfig
 from paro_jax.core.compress import with_feedback
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.names import INTER, INTRA
 from paro_jax.core.strategy import parse_strategy

@@ -9,7 +9,8 @@ import pytest
 from models.llama import Llama
 from models.config import LlamaConfig
 from paro_jax.analysis.planner.costs import model_state_bytes
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.step import make_sinks
 from paro_jax.core.strategy import VALID_NAMES, parse_strategy

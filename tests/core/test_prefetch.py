@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.llama import Llama
 from models.config import LlamaConfig, LoraConfig
 from paro_jax.core import step
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES
 from paro_jax.core.sharding import named

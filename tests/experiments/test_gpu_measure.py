@@ -69,7 +69,8 @@ def test_every_change_can_be_undone():
   from models.config import get_config
   from models.llama import Llama
   from paro_jax.analysis.inspect.abstract import abstract_inputs
-  from paro_jax.core.engine import Engine, OptimConfig
+  from paro_jax.core.state import OptimConfig
+  from paro_jax.core.engine import Engine
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.step import StepProgram
   from paro_jax.core.strategy import parse_strategy

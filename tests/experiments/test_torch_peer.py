@@ -22,8 +22,8 @@ STEPS = 3
 
 def _reference_losses():
   """The same model, batches and AdamW in one process, on the whole batch."""
-  from paro_jax.run.config import DataConfig
-  from paro_jax.run.data import Batches, load_tokens, split_eval
+  from paro_jax.data.config import DataConfig
+  from paro_jax.data.streams import Batches, load_tokens, split_eval
 
   args = torch_peer.parse_args([*ARGS, "--peer", "full_shard", "--out", "unused"])
   torch.manual_seed(args.seed)

@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 
 from models.config import LlamaConfig, PRESETS, RopeScaling, config_from_hf, read_config
-from models.hf import load_hf
+from paro_jax.hf.weights import load_hf
 from models.llama import Llama, inverse_frequencies, next_token_loss
 from paro_jax import cli
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.reference import reference_train

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.hf import load_hf
+from paro_jax.hf.weights import load_hf
 from models.llama import Llama, is_lora_path
 from models.config import LlamaConfig, LoraConfig
 from paro_jax import cli
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.analysis.planner.costs import model_state_bytes
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.step import StepProgram
 from paro_jax.analysis.inspect.abstract import compile_step

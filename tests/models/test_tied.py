@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from models.hf import load_hf
+from paro_jax.hf.weights import load_hf
 from models.llama import Llama, is_lora_path, next_token_loss
 from models.config import LlamaConfig, LoraConfig
 from paro_jax import cli
 from paro_jax.analysis.planner.costs import model_state_bytes
 from paro_jax.analysis.inspect.abstract import compile_step
 from paro_jax.analysis.inspect.inspector import report
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from tests.core.test_memory import gradient_sinks
 from paro_jax.core.strategy import parse_strategy
@@ -221,7 +222,7 @@ def test_live_transformers_loads_a_tied_export(tmp_path):
   transformers = pytest.importorskip(
     "transformers", reason="transformers not installed: live transformers check skipped"
   )
-  from models.hf import save_hf
+  from paro_jax.hf.weights import save_hf
 
   cfg, params = load_hf(FIXTURE)
   rng = np.random.default_rng(0)  # perturbed: not the fixture's own bytes

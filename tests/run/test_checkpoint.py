@@ -22,8 +22,9 @@ from models.config import get_config
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import NonFiniteStateError, RunMeta
 from paro_jax.run.checkpoint_errors import CheckpointError
-from paro_jax.run.data import Batches, default_corpus
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.data.streams import Batches, default_corpus
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
 from paro_jax import cli

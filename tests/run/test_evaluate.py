@@ -1,4 +1,5 @@
-"""`paro-jax eval`: transformers' mean loss on the fixtures' windows, whatever the batch and mesh.
+"""`paro-jax eval` (paro_jax/run/evaluate.py): transformers' mean loss on the fixtures' windows,
+whatever the batch and mesh.
 
 tests/fixtures/hf_llama holds six tiny Llamas saved by transformers, one per configuration users
 bring, with transformers' fp32 loss of each window of SEQ_LEN + 1 tokens of text.txt (consecutive,

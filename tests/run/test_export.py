@@ -1,5 +1,6 @@
-"""`paro-jax export` of every kind of run (bf16/fp32 x LoRA/full) reads what training wrote, and
-calls a checkpoint damaged exactly when `train --resume` does (one restore path, one verdict).
+"""`paro-jax export` (paro_jax/run/export.py) of every kind of run (bf16/fp32 x LoRA/full) reads
+what training wrote, and calls a checkpoint damaged exactly when `train --resume` does (one restore
+path, one verdict).
 
 A bf16 LoRA run stores its frozen base in bf16; export (an fp32 engine) and a resume in fp32 must
 verify the checksums of the bf16 bits as written, not of the fp32 values they are converted to.
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.hf import load_hf
+from paro_jax.hf.weights import load_hf
 from models.llama import Llama
 from paro_jax import cli
 from paro_jax.core.shards import join_trainable

@@ -1,4 +1,4 @@
-"""Resuming compares the data by content (run/fingerprint.py): a file appended to, replaced or
+"""Resuming compares the data by content (data/fingerprint.py): a file appended to, replaced or
 added by a glob is said, with what changed; the same file reached by another path is not."""
 
 import os
@@ -8,8 +8,9 @@ import warnings
 import pytest
 
 from paro_jax.core.config import make_config
-from paro_jax.run.config import DataConfig, RunConfig
-from paro_jax.run.fingerprint import EDGE, data_change, data_fingerprint
+from paro_jax.data.config import DataConfig
+from paro_jax.run.config import RunConfig
+from paro_jax.data.fingerprint import EDGE, data_change, data_fingerprint
 from paro_jax.run.train import train
 from tests.run.tiny_run import RUN, losses
 

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.hf import load_hf
+from paro_jax.hf.weights import load_hf
 from models.llama import Llama
 from models.config import get_config
 from paro_jax.cli import main
-from paro_jax.run.tokenizers import ByteTokenizer, HFTokenizer
-from paro_jax.run.examples import ExampleBatches, from_encoded, select
-from paro_jax.run.instruct import CHAT, PROMPT_COMPLETION, Encoder
+from paro_jax.data.tokenizers import ByteTokenizer, HFTokenizer
+from paro_jax.data.examples import ExampleBatches, from_encoded, select
+from paro_jax.data.instruct import CHAT, PROMPT_COMPLETION, Encoder
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 CHAT_MODEL = os.path.join(FIXTURES, "chat_llama")

@@ -166,7 +166,8 @@ print("ran on", flush=True)
 
 
 @pytest.mark.parametrize(
-  "install", ["", "from paro_jax.cli import _exit_on_signals_until_the_loop as f; f()"]
+  "install",
+  ["", "from paro_jax.run.train_command import _exit_on_signals_until_the_loop as f; f()"],
 )
 def test_a_signal_before_the_loop_is_never_swallowed(install):
   """Before its loop takes the signals over, `paro-jax train` ends at once on SIGINT or SIGTERM
@@ -183,7 +184,7 @@ def test_a_signal_before_the_loop_is_never_swallowed(install):
 
 _AFTER_THE_LOOP = """
 import os, signal
-from paro_jax.cli import _exit_on_signals_until_the_loop as until_the_loop
+from paro_jax.run.train_command import _exit_on_signals_until_the_loop as until_the_loop
 from paro_jax.run.stopping import StopSignals
 
 until_the_loop()

@@ -17,11 +17,11 @@ import shutil
 import pytest
 
 from paro_jax.cli import main
-from paro_jax.run.chat import CHAT_TEMPLATE_FILE, ChatTemplate, find_template, special_tokens
+from paro_jax.data.chat import CHAT_TEMPLATE_FILE, ChatTemplate, find_template, special_tokens
 from paro_jax.run.evaluate import open_source
-from paro_jax.run.example_shards import read_examples
-from paro_jax.run.instruct import end_of_turn
-from paro_jax.run.tokenizers import HFTokenizer
+from paro_jax.data.example_shards import read_examples
+from paro_jax.data.instruct import end_of_turn
+from paro_jax.data.tokenizers import HFTokenizer
 from tests.run.test_sft import CHAT_MODEL, FIXTURES, FP32, chat_records, write_jsonl
 
 CHATML = os.path.join(FIXTURES, "chat", "chatml_generation.jinja")

@@ -1,81 +1,50 @@
-"""`paro-jax inspect`: build the engine of a configuration, compile its step from abstract inputs
-(on this machine's devices, or for a GPU target without one), and print the report."""
+"""`paro-jax inspect`: its flags and its entry (analysis/inspect/inspection.py compiles and
+reports). Imports no jax: the CLI builds the parser before jax starts, and the compile is imported
+once the device flags (or the GPU target's environment) are set."""
 
 from __future__ import annotations
 
-import glob
-import json
-import shutil
-import tempfile
-
-from models.config import get_config
 from paro_jax.analysis.gpu import targets
-from paro_jax.analysis.gpu.estimate import captured_stderr, format_estimate
-from paro_jax.analysis.hlo.collectives import packed_attention
-from paro_jax.analysis.inspect.abstract import compile_for_target, compile_step
 from paro_jax.analysis.inspect.config import InspectConfig
-from paro_jax.analysis.inspect.gpu_report import format_gpu_report, gpu_report
-from paro_jax.analysis.inspect.inspector import format_report, report
-from paro_jax.core.factory import build_engine
-from paro_jax.core.mesh import make_mesh
+from paro_jax.core.flags import Invocation, add_options, add_step_flags, check_shape, config_of
 from paro_jax.core.units import parse_rate
-from paro_jax.core.xla_flags import GPU_FLAGS
 
 
-def inspect(cfg: InspectConfig) -> dict:
-  """Build the engine for a configuration, compile its step and print the report.
-
-  With `cfg.target` (a GPU name), the step is compiled for a cluster of those GPUs (`cfg.mesh`
-  nodes x GPUs per node) without one, and the report adds the GPU schedule and memory against the
-  plan and XLA's estimate of the step's time (its network model set from `cfg.inter_bandwidth`, a
-  rate per node, by cli.py before jax started: estimate.prepare_environment).
-  """
-  target, mesh = cfg.target, cfg.mesh
-  if target is not None:
-    if mesh is None:
-      raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
-    grid = make_mesh(*mesh, devices=targets.devices(target, *mesh))  # compile-only GPUs
-  else:
-    grid = make_mesh(*mesh) if mesh else make_mesh()
-  engine = build_engine(cfg, get_config(cfg.model), grid, prefetch=cfg.prefetch)
-  with tempfile.TemporaryDirectory(prefix="paro-jax-dump-") as dump:
-    try:
-      if target is None:
-        compiled = compile_step(engine, cfg.batch_size, cfg.seq_len, cfg.pack)
-      else:
-        with captured_stderr() as log:
-          compiled = compile_for_target(
-            engine, target, cfg.batch_size, cfg.seq_len, GPU_FLAGS, dump, packed=cfg.pack
-          )
-    except Exception as e:  # XLA's own limits (e.g. out of host memory while compiling)
-      raise RuntimeError(
-        f"XLA could not compile the {cfg.model} step for {cfg.strategy} "
-        f"{'for ' + target if target else 'on this machine'}: {type(e).__name__}: {str(e)[:500]}"
-      ) from e
-    if target is None:
-      r = report(engine, compiled)
-    else:
-      rate = parse_rate(cfg.inter_bandwidth) if cfg.inter_bandwidth else None
-      r = gpu_report(engine, compiled, target, cfg.batch_size, cfg.seq_len, dump, log[0], rate)
-    if cfg.pack:
-      r["packed_attention"] = packed_attention(compiled.as_text())
-    if cfg.hlo_out:
-      _write_hlo(compiled.as_text(), dump, cfg.hlo_out)
-  if cfg.as_json:
-    print(json.dumps(r, indent=2), flush=True)
-  else:
-    print(format_report(r), flush=True)
-    if target is not None:
-      print("\n" + format_gpu_report(r), flush=True)
-      print("\n" + format_estimate(r["estimate"]), flush=True)
-    if cfg.pack:
-      print(f"\npacked rows (--pack): attention {r['packed_attention']}", flush=True)
-  return r
+def add_parser(sub) -> None:
+  inspect = sub.add_parser(
+    "inspect", help="compile a training step (no allocation) and report its communication"
+  )
+  add_step_flags(inspect, InspectConfig)
+  add_options(inspect, InspectConfig, "as_json", "target", "inter_bandwidth", "prefetch")
+  add_options(inspect, InspectConfig, "hlo_out", "pack")
 
 
-def _write_hlo(text: str, dump: str, path: str) -> None:
-  """The scheduled HLO at `path` and, for GPU compiles, the thunk sequence beside it."""
-  with open(path, "w") as f:
-    f.write(text)
-  for seq in glob.glob(f"{dump}/*.thunk_sequence.txt"):
-    shutil.copy(seq, f"{path}.thunk_sequence.txt")
+def check_args(args) -> None:
+  if args.inter_bandwidth and not args.target:
+    raise ValueError(
+      "--inter-bandwidth sets the link of XLA's step-time estimate, made only for a GPU "
+      "compile: pass --target h100 (or h200) with it, or leave it out"
+    )
+
+
+def main_for_target(args, inv: Invocation) -> None:
+  """A compile for GPUs described, not present: no devices; XLA's environment set first."""
+  check_shape(args, inv.mesh)
+  args.target = targets.check_target(args.target)
+  targets.prepare_deviceless_compile()
+  from paro_jax.analysis.gpu import estimate  # numpy: not at the CLI's start
+
+  if inv.mesh is None:
+    raise ValueError("--target needs --mesh NODESxGPUS, e.g. --mesh 2x8")
+  rate = parse_rate(args.inter_bandwidth) if args.inter_bandwidth else None
+  estimate.prepare_environment(rate, inv.mesh[1])  # before jax starts: XLA reads it once
+  from paro_jax.analysis.inspect.inspection import inspect  # jax: once XLA's environment is set
+
+  inspect(config_of(args, InspectConfig, mesh=inv.mesh))
+
+
+def main(args, inv: Invocation) -> None:
+  """On this machine's devices, set up by the entry point."""
+  from paro_jax.analysis.inspect.inspection import inspect  # jax: after the device flags
+
+  inspect(config_of(args, InspectConfig, mesh=inv.mesh))

@@ -22,11 +22,12 @@ from safetensors.numpy import load_file
 
 from paro_jax import cli
 from paro_jax.core.config import make_config
-from paro_jax.run.config import DataConfig, RunConfig
-from paro_jax.run.data import load_tokens
-from paro_jax.run.prepare import prepare_data
+from paro_jax.data.config import DataConfig
+from paro_jax.run.config import RunConfig
+from paro_jax.data.streams import load_tokens
+from paro_jax.data.prepare import prepare_data
 from paro_jax.run.setup import build, with_tokenizer
-from paro_jax.run.tokenizers import tokenizer_identity
+from paro_jax.data.tokenizers import tokenizer_identity
 from paro_jax.run.train import train
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -317,8 +318,8 @@ def lora_exports(tmp_path_factory):
 def test_the_adapter_is_the_merged_export_minus_the_base(lora_exports):
   """PEFT's formula applied to the adapter file by hand: base + (alpha / r) lora_B @ lora_A is
   the merged export, tensor for tensor; the untouched weights are the base's bit for bit."""
-  from models.hf import load_hf
-  from models.peft import load_adapter
+  from paro_jax.hf.weights import load_hf
+  from paro_jax.hf.peft import load_adapter
 
   source, run, merged, adapter = lora_exports
   with open(adapter / "adapter_config.json") as f:

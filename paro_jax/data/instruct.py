@@ -9,7 +9,7 @@ auto`) or named by the flag:
   `eos_token` in the tokenizer's directory). The completion's tokens and that EOS are targets.
   Byte-level tokens have no EOS: the completion's bytes are the targets.
 - chat, `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered with the model's chat
-  template and tokenized as transformers does (run/chat.py); the assistant's tokens, their
+  template and tokenized as transformers does (data/chat.py); the assistant's tokens, their
   end-of-turn token included, are targets.
 A token's mask says whether it is a target: predicting it from the tokens before it counts in the
 loss (the first token of an example is never one).
@@ -21,9 +21,9 @@ import os
 
 import numpy as np
 
-from paro_jax.run.chat import load_chat_template, normalize_messages, special_tokens, token_mask
-from paro_jax.run.config import DATA_FORMATS
-from paro_jax.run.tokenizers import BYTES, ByteTokenizer
+from paro_jax.data.chat import load_chat_template, normalize_messages, special_tokens, token_mask
+from paro_jax.data.config import DATA_FORMATS
+from paro_jax.data.tokenizers import BYTES, ByteTokenizer
 
 TEXT, PROMPT_COMPLETION, CHAT = DATA_FORMATS[1:]
 

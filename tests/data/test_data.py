@@ -9,10 +9,12 @@ import pytest
 
 from models.llama import Llama, next_token_loss
 from models.config import get_config
-from paro_jax.run.bins import BinFile
-from paro_jax.run.config import DataConfig, EvalOptions, OptimizerOptions, RunConfig
-from paro_jax.run.data import Batches, load_tokens, split_eval
-from paro_jax.core.engine import Engine, OptimConfig
+from paro_jax.data.bins import BinFile
+from paro_jax.data.config import DataConfig
+from paro_jax.run.config import EvalOptions, OptimizerOptions, RunConfig
+from paro_jax.data.streams import Batches, load_tokens, split_eval
+from paro_jax.core.state import OptimConfig
+from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.analysis.gpu.hardware import mfu, peak_flops
 from paro_jax.core.strategy import parse_strategy

@@ -90,7 +90,7 @@ def first_record(path: str) -> tuple[str, dict]:
 
 
 def read_texts(path: str, field: str, progress=None):
-  """The `field` text of each record of a Parquet file (JSONL: run/data.py read_jsonl)."""
+  """The `field` text of each record of a Parquet file (JSONL: data/streams.py read_jsonl)."""
   if field not in parquet_columns(path):
     raise ValueError(
       f"{path} has no {field!r} column (it has {parquet_columns(path)}): pass --text-field with "

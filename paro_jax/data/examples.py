@@ -1,6 +1,6 @@
 """Examples of instruction data and the batches a run trains on.
 
-An example is a token sequence with a target mask (run/instruct.py). `Examples` holds them laid end
+An example is a token sequence with a target mask (data/instruct.py). `Examples` holds them laid end
 to end, read by index: in memory (encoded from JSONL/Parquet at the start of a run) or from the
 shards `paro-jax prepare-data` writes (tokens, masks and each example's start, read by pread).
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from models.config import MAX_SEGMENTS
 from paro_jax.core.batch import Batch
-from paro_jax.run.config import LONG_EXAMPLES
+from paro_jax.data.config import LONG_EXAMPLES
 
 
 @dataclasses.dataclass

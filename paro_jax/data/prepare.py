@@ -3,12 +3,12 @@ memory.
 
 The sources are read in sorted order (as `train --data` reads them), a block at a time: text files
 in blocks of whole lines (about 1 MiB), JSONL files a record at a time, Parquet files a batch of
-rows at a time (run/records.py). Instruction data (prompt-completion or chat records) becomes
-shards of examples with their target masks (run/example_shards.py). Tokens go to
+rows at a time (data/records.py). Instruction data (prompt-completion or chat records) becomes
+shards of examples with their target masks (data/example_shards.py). Tokens go to
 `OUT/shard-00000.bin`, `shard-00001.bin`, ... of at most `--shard-tokens` ids each (uint16, or
 uint32 when the tokenizer's vocabulary needs it), written as they come; memory stays at a few
 blocks whatever the size of the data. `OUT/meta.json` records the tokenizer, dtype and counts.
-`train --data 'OUT/*.bin'` then reads the shards, checked against meta.json (paro_jax/run/bins.py).
+`train --data 'OUT/*.bin'` then reads the shards, checked against meta.json (paro_jax/data/bins.py).
 
 Nothing is published until everything is written: the shards are written into `OUT/.partial-PID/`
 and moved into OUT, then meta.json is written, only at the end. A stop (SIGINT, SIGTERM, SIGHUP:
@@ -18,7 +18,7 @@ prepare-data into OUT removes.
 
 Byte-level tokens are exactly what `train --data FILE` would use for the same files. With an HF
 tokenizer each document starts and ends as `train --data` makes it (the post-processor's special
-tokens, then the end-of-sequence token: run/tokenizers.py); text files are tokenized per block of
+tokens, then the end-of-sequence token: data/tokenizers.py); text files are tokenized per block of
 lines, so a token never spans a block boundary (JSONL and Parquet records are tokenized one by
 one either way).
 """
@@ -36,13 +36,13 @@ import threading
 import numpy as np
 from tqdm import tqdm
 
-from paro_jax.run import sources
-from paro_jax.run.example_shards import ExampleShardWriter
-from paro_jax.run.instruct import TEXT, Encoder, tokenizer_directory
-from paro_jax.run.records import read_records, read_texts
-from paro_jax.run.bins import BIN_DTYPES, META
-from paro_jax.run.data import _not_utf8, check_text, expand_paths, read_jsonl, TEXT_SAMPLE
-from paro_jax.run.tokenizers import BYTES, ByteTokenizer, HFTokenizer, tokenizer_identity
+from paro_jax.data import sources
+from paro_jax.data.example_shards import ExampleShardWriter
+from paro_jax.data.instruct import TEXT, Encoder, tokenizer_directory
+from paro_jax.data.records import read_records, read_texts
+from paro_jax.data.bins import BIN_DTYPES, META
+from paro_jax.data.streams import _not_utf8, check_text, expand_paths, read_jsonl, TEXT_SAMPLE
+from paro_jax.data.tokenizers import BYTES, ByteTokenizer, HFTokenizer, tokenizer_identity
 
 BLOCK = 1 << 20  # bytes of text tokenized at once
 
@@ -195,7 +195,7 @@ def prepare_data(
 ) -> dict:
   """Tokenize `paths` (files and globs) into shards in `out`; returns the meta.json contents.
   Instruction data (prompt-completion or chat records, `data_format`) become shards of examples
-  with their target masks (run/example_shards.py); examples with no target are left out and
+  with their target masks (data/example_shards.py); examples with no target are left out and
   counted in meta.json."""
   if shard_tokens < 1:
     raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
@@ -287,7 +287,7 @@ def prepare_data(
         ],
         "sources": files,
       }
-      if encoder is not None:  # instruction data: the examples' shards (run/example_shards.py)
+      if encoder is not None:  # instruction data: the examples' shards (data/example_shards.py)
         dropped = {"no target": dropped} if dropped else {}
         meta.update(**writer.meta(), format=fmt, dropped=dropped)
         if encoder.template is not None:  # what train records and export ships (chat data)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 
-from paro_jax.run.config import DataConfig
-from paro_jax.run.data import default_corpus, expand_paths
+from paro_jax.data.config import DataConfig
+from paro_jax.data.streams import default_corpus, expand_paths
 
 EDGE = 1 << 16  # bytes hashed at each end of a file
 

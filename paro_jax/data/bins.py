@@ -1,6 +1,6 @@
 """Pre-tokenized `.bin` files of uint16 or uint32 token ids, read by os.pread window by window
 (`BinFile`: never loaded whole, and a file truncated under the run is one error, `DataChanged`,
-not a SIGBUS), and the shard directories of `paro-jax prepare-data` (run/prepare.py), checked
+not a SIGBUS), and the shard directories of `paro-jax prepare-data` (data/prepare.py), checked
 against their meta.json before a run reads them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from paro_jax.run.config import BIN_DTYPE_NAMES, DataConfig
+from paro_jax.data.config import BIN_DTYPE_NAMES, DataConfig
 
 BIN_DTYPES = {name: np.dtype(name).type for name in BIN_DTYPE_NAMES}
 
@@ -125,7 +125,7 @@ class BinFile:
     return whole if dtype is None else whole.astype(dtype)
 
 
-SHARD = re.compile(r"shard-\d{5}\.bin")  # the files of `paro-jax prepare-data` (run/prepare.py)
+SHARD = re.compile(r"shard-\d{5}\.bin")  # the files of `paro-jax prepare-data` (data/prepare.py)
 META = "meta.json"
 
 

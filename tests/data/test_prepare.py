@@ -14,12 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from paro_jax.run.bins import BinFile
+from paro_jax.data.bins import BinFile
 
-from paro_jax.run.config import DataConfig
+from paro_jax.data.config import DataConfig
 
-from paro_jax.run.data import Batches, load_tokens, split_eval, TokenStream
-from paro_jax.run.prepare import prepare_data
+from paro_jax.data.streams import Batches, load_tokens, split_eval, TokenStream
+from paro_jax.data.prepare import prepare_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,8 +93,8 @@ PEAK = "int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) // 1
 READER = """
 import sys
 import numpy as np
-from paro_jax.run.config import DataConfig
-from paro_jax.run.data import Batches, load_tokens, split_eval, TokenStream
+from paro_jax.data.config import DataConfig
+from paro_jax.data.streams import Batches, load_tokens, split_eval, TokenStream
 def rss(kind):
   return int(open("/proc/self/status").read().split(kind + ":")[1].split()[0]) // 1024
 tokens = load_tokens(DataConfig(paths=(sys.argv[1],)), 256)
@@ -299,7 +299,7 @@ def test_shards_of_another_tokenizer_are_refused(tmp_path):
   """prepare-data's meta.json records its tokenizer (by the hash of its tokenizer.json): shards
   of byte-level tokens, or of another tokenizer, into a run whose tokenizer differs are one line
   (they trained silently: byte ids are valid ids of any vocabulary)."""
-  from paro_jax.run.tokenizers import BYTES, resolve_tokenizer
+  from paro_jax.data.tokenizers import BYTES, resolve_tokenizer
 
   llama = os.path.join(REPO, "tests", "fixtures", "hf_llama", "llama3_gqa")
   other = os.path.join(REPO, "tests", "fixtures", "hf_llama", "llama2_mha")

@@ -3,7 +3,7 @@
 token, 1 for a target) and where each example starts (`shard-NNNNN.starts`, int64, one more than
 its examples: the last is its token count). An example never spans two shards. meta.json names
 the records' format (chat, prompt-completion), the examples and those left out (no target).
-`train --data 'OUT/*.bin'` reads them back as `Examples` (run/examples.py), by pread.
+`train --data 'OUT/*.bin'` reads them back as `Examples` (data/examples.py), by pread.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import os
 
 import numpy as np
 
-from paro_jax.run.bins import META, read_bin
+from paro_jax.data.bins import META, read_bin
 
-from paro_jax.run.data import TokenStream
-from paro_jax.run.examples import Examples
-from paro_jax.run.instruct import CHAT, PROMPT_COMPLETION
+from paro_jax.data.streams import TokenStream
+from paro_jax.data.examples import Examples
+from paro_jax.data.instruct import CHAT, PROMPT_COMPLETION
 
 MASK, STARTS = ".mask", ".starts"
 

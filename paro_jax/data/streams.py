@@ -2,14 +2,14 @@
 
 Sources (`--data`, any number of paths and globs, in sorted order): text files; JSONL files whose
 records carry the text in one field (`--text-field`), and Parquet files likewise (one column,
-read a batch of rows at a time: run/records.py); pre-tokenized `.bin` files of uint16 or uint32
+read a batch of rows at a time: data/records.py); pre-tokenized `.bin` files of uint16 or uint32
 ids (read by os.pread, window by window: never loaded whole, any number of them, e.g. the shards
-of `paro-jax prepare-data`, paro_jax/run/prepare.py, checked against their meta.json). Several
+of `paro-jax prepare-data`, paro_jax/data/prepare.py, checked against their meta.json). Several
 sources are read as one stream (`TokenStream`) without being joined in memory. Text is tokenized
 at byte level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, needs the
 `tokenizers` package: `pip install -e ".[hf]"`); with an HF tokenizer each document (a text file,
 a JSONL or Parquet record) starts with the special tokens its post-processor adds and ends with
-its end-of-sequence token (run/tokenizers.py), as bytes each is its bytes alone.
+its end-of-sequence token (data/tokenizers.py), as bytes each is its bytes alone.
 
 The default corpus is real text that every Python installation carries: the source files of
 the Python standard library, so a training run needs no download.
@@ -25,10 +25,10 @@ import sysconfig
 
 import numpy as np
 
-from paro_jax.run.bins import SHARD, bin_dtype_for, bin_max, check_shards, read_bin
-from paro_jax.run.config import DataConfig
-from paro_jax.run.records import read_records
-from paro_jax.run.tokenizers import BYTES, check_vocab, make_tokenizer
+from paro_jax.data.bins import SHARD, bin_dtype_for, bin_max, check_shards, read_bin
+from paro_jax.data.config import DataConfig
+from paro_jax.data.records import read_records
+from paro_jax.data.tokenizers import BYTES, check_vocab, make_tokenizer
 
 
 # --- sources ---------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def load_tokens(cfg: DataConfig, model_vocab: int) -> np.ndarray:
           f"{model_vocab} (read as {dtype.name}; is --bin-dtype right?)"
         )
     elif path.endswith((".jsonl", ".parquet")):
-      from paro_jax.run.records import read_texts  # (it imports this module)
+      from paro_jax.data.records import read_texts  # (it imports this module)
 
       texts = (
         read_jsonl(path, cfg.text_field)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from models.hf import WEIGHTS, load_hf, save_hf
+from paro_jax.hf.weights import WEIGHTS, load_hf, save_hf
 from models.config import config_to_hf, read_config
 from models.llama import Llama, next_token_loss
 from paro_jax import cli

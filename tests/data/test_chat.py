@@ -18,9 +18,9 @@ import shutil
 import numpy as np
 import pytest
 
-from paro_jax.run.chat import ChatTemplate, load_chat_template
-from paro_jax.run.tokenizers import HFTokenizer
-from paro_jax.run.instruct import CHAT, Encoder
+from paro_jax.data.chat import ChatTemplate, load_chat_template
+from paro_jax.data.tokenizers import HFTokenizer
+from paro_jax.data.instruct import CHAT, Encoder
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 MODEL = os.path.join(FIXTURES, "chat_llama")
@@ -140,7 +140,7 @@ def test_the_environment_is_transformers():
 
 def test_masks_are_tokens_not_characters():
   """A token is the assistant's when it overlaps an assistant span (transformers' rule)."""
-  from paro_jax.run.chat import token_mask
+  from paro_jax.data.chat import token_mask
 
   assert token_mask([(0, 2), (2, 5), (5, 6), (6, 9)], [(3, 6)]) == [0, 1, 1, 0]
   assert np.sum(token_mask([(0, 1)], [])) == 0

@@ -10,14 +10,14 @@ import pytest
 pa = pytest.importorskip("pyarrow", reason="Parquet needs pyarrow (the hf extra)")
 import pyarrow.parquet as pq  # noqa: E402
 
-from paro_jax.run.config import DataConfig  # noqa: E402
+from paro_jax.data.config import DataConfig  # noqa: E402
 
-from paro_jax.run.data import load_tokens  # noqa: E402
+from paro_jax.data.streams import load_tokens  # noqa: E402
 
-from paro_jax.run.tokenizers import HFTokenizer  # noqa: E402
-from paro_jax.run.examples import ExampleBatches, select  # noqa: E402
-from paro_jax.run.instruct import CHAT, PROMPT_COMPLETION, Encoder  # noqa: E402
-from paro_jax.run.sources import data_format, load_examples  # noqa: E402
+from paro_jax.data.tokenizers import HFTokenizer  # noqa: E402
+from paro_jax.data.examples import ExampleBatches, select  # noqa: E402
+from paro_jax.data.instruct import CHAT, PROMPT_COMPLETION, Encoder  # noqa: E402
+from paro_jax.data.sources import data_format, load_examples  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 MODEL = os.path.join(FIXTURES, "chat_llama")
@@ -93,7 +93,7 @@ def test_not_parquet_is_one_line(tmp_path):
 CHILD = """
 import resource, sys
 import pyarrow.parquet as pq
-from paro_jax.run.prepare import prepare_data
+from paro_jax.data.prepare import prepare_data
 
 small, big, out, cap, mode = sys.argv[1:6]
 prepare_data([small], out + "-warm", progress=False)  # imports, thread pools, first allocations

@@ -1,11 +1,11 @@
-"""Examples of instruction data and their batches (run/examples.py, run/example_shards.py)."""
+"""Examples of instruction data and their batches (data/examples.py, data/example_shards.py)."""
 
 import numpy as np
 import pytest
 
 from models.config import MAX_SEGMENTS
-from paro_jax.run.example_shards import ExampleShardWriter, read_examples
-from paro_jax.run.examples import ExampleBatches, from_encoded, pack_rows, select
+from paro_jax.data.example_shards import ExampleShardWriter, read_examples
+from paro_jax.data.examples import ExampleBatches, from_encoded, pack_rows, select
 
 L = 16
 

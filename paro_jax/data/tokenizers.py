@@ -19,9 +19,9 @@ import os
 
 import numpy as np
 
-from paro_jax.run.bins import META, SHARD
-from paro_jax.run.chat import special_tokens
-from paro_jax.run.config import DataConfig
+from paro_jax.data.bins import META, SHARD
+from paro_jax.data.chat import special_tokens
+from paro_jax.data.config import DataConfig
 
 BYTE_VOCAB = 256
 BYTES = "bytes"  # --tokenizer bytes: byte-level tokens, asked for by name

@@ -1,6 +1,6 @@
 """What `--data` holds: a token stream (text, JSONL or Parquet text, .bin ids) or instruction data
 (prompt-completion or chat records, or the shards prepare-data made of them), and the examples of
-instruction data (run/instruct.py, run/examples.py).
+instruction data (data/instruct.py, data/examples.py).
 
 `--data-format auto` takes each records file's shape from its first record; every file must then
 be of one kind (a text file beside chat records is refused, naming both).
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from paro_jax.run.chat import read_template_file
-from paro_jax.run.config import DATA_FORMATS, DataConfig
-from paro_jax.run.tokenizers import check_vocab, make_tokenizer
-from paro_jax.run.example_shards import example_format, read_examples
-from paro_jax.run.examples import ExampleBatches, Examples, dropped_line, from_encoded, select
-from paro_jax.run.instruct import TEXT, Encoder, detect_format, tokenizer_directory
-from paro_jax.run.records import first_record, is_records, read_records
+from paro_jax.data.chat import read_template_file
+from paro_jax.data.config import DATA_FORMATS, DataConfig
+from paro_jax.data.tokenizers import check_vocab, make_tokenizer
+from paro_jax.data.example_shards import example_format, read_examples
+from paro_jax.data.examples import ExampleBatches, Examples, dropped_line, from_encoded, select
+from paro_jax.data.instruct import TEXT, Encoder, detect_format, tokenizer_directory
+from paro_jax.data.records import first_record, is_records, read_records
 
 
 def data_format(files: list[str], text_field: str, requested: str = "auto") -> str:

@@ -1,0 +1,83 @@
+"""`paro-jax export RUN_DIR --out HF_DIR`: its flags and its entry (paro_jax/run/export.py
+writes), with the one line that says what was written."""
+
+from __future__ import annotations
+
+from paro_jax.core.flags import Invocation, note_cpu_platform
+
+
+def add_parser(sub) -> None:
+  export = sub.add_parser("export", help="the newest checkpoint of a run as an HF LLaMA directory")
+  export.add_argument("run", nargs="?", metavar="RUN_DIR", help="a run directory (--out of train)")
+  export.add_argument("--run", dest="run_flag", metavar="RUN_DIR", help="the same, as an option")
+  export.add_argument(
+    "--out",
+    required=True,
+    metavar="HF_DIR",
+    help="directory to write the HF model into: config.json, the safetensors weights, the "
+    "tokenizer files and generation_config.json",
+  )
+  export.add_argument(
+    "--overwrite", action="store_true", help="replace the files of an existing, non-empty --out"
+  )
+  export.add_argument(
+    "--dtype",
+    default=None,
+    type=str.lower,
+    choices=("bf16", "fp16", "fp32"),
+    help="the weights' dtype (default: the dtype of the --init-from weights the run started "
+    "from; bf16 for a run trained from scratch)",
+  )
+  export.add_argument(
+    "--max-shard-size",
+    default="5GB",
+    metavar="SIZE",
+    help="split the weights into safetensors shards of at most SIZE (KB, MB, GB, TB: decimal "
+    "units, as transformers' max_shard_size) with model.safetensors.index.json",
+  )
+  export.add_argument(
+    "--adapter",
+    action="store_true",
+    help="for a LoRA run started from --init-from: write the adapters alone as a PEFT adapter "
+    "(adapter_config.json, adapter_model.safetensors) instead of the merged model",
+  )
+
+
+def check_args(args, error) -> None:
+  """The run directory, given positionally or as --run (`error`: the parser's, one usage line)."""
+  if args.run and args.run_flag and args.run != args.run_flag:
+    error(f"two run directories: {args.run} and --run {args.run_flag}; give one")
+  args.run = args.run or args.run_flag
+  if not args.run:
+    error("the run directory is required: paro-jax export RUN_DIR --out HF_DIR")
+
+
+def main(args, inv: Invocation) -> None:
+  note_cpu_platform(args)
+  from paro_jax.run.export import export_run  # jax: after the CUDA plugin note
+
+  done = export_run(
+    args.run,
+    args.out,
+    overwrite=args.overwrite,
+    dtype=args.dtype,
+    max_shard_size=args.max_shard_size,
+    adapter=args.adapter,
+  )
+  what = "its LoRA adapters (PEFT)" if args.adapter else "the model"
+  shards = [w for w in done.weights if w.startswith("model-")]
+  weights = [w for w in done.weights if w not in shards]
+  if shards:  # model-00001-of-0000N.safetensors ...: counted, not listed
+    weights.insert(1, f"{len(shards)} shards ({shards[0]}, ...)")
+  copied = f"; copied {', '.join(done.copied)}" if done.copied else "; no tokenizer files"
+  if done.chat_template:
+    copied += "; chat_template.jinja: the chat template the run trained with"
+  if done.stops:
+    copied += (
+      f"; generation_config.json: eos_token_id {done.stops} (generation stops at the chat "
+      f"template's end of turn, {done.stops[-1]})"
+    )
+  print(
+    f"paro-jax: wrote checkpoint step {done.step} of {args.run} to {args.out}: {what} in "
+    f"{done.dtype} ({done.dtype_why}), {', '.join(weights)}{copied}"
+  )
