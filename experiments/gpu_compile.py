@@ -7,7 +7,7 @@ XLA's scheduler logged while compiling it, so the roofline and the estimate comp
 writes DIR/NAME.hlo, DIR/NAME.log (XLA's scheduler statistics) and DIR/NAME.json (the run's
 settings, tokens and model FLOPs per step, and `report`: what `paro-jax inspect --target --json`
 reports of the program: overlap, memory, non-matmul bytes by purpose, estimate). `--old` undoes
-issue 45's changes as experiments/gpu_variants.py does (`all`: the step as measured on the H100
+the GPU step's changes as experiments/gpu_variants.py does (`all`: the step as measured on the H100
 of experiments/results/gpu_measure/). Run one per process: XLA reads its logging and network
 options once, when jax starts.
 """

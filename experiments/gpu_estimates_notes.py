@@ -15,7 +15,7 @@ EXPOSED_WHY = (
 # The day the stored steps were recomputed with the link shared (link.link_shared), by
 # `--report-only`, nothing recompiled.
 RESCORED = "2026-11-27"
-# `inspect --target` on a mesh of 4 GPUs per node, outside the grid (issue 45's example), run by
+# `inspect --target` on a mesh of 4 GPUs per node, outside the grid (the GPU step's example), run by
 # hand on RESCORED at commit b19fd4d (70 s): the step with the link shared, set by the link;
 # the composed figure by hand after the est-roofline merge, the same day.
 INSPECT_EXAMPLE = (

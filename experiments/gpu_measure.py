@@ -60,7 +60,7 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--inter-bandwidth", default=None, help="as inspect's (multi-node meshes)")
-  ap.add_argument("--old", default="none", help="undo these changes of issue 45 (comma-separated, "
+  ap.add_argument("--old", default="none", help="undo these changes of the GPU step (comma-separated, "
                   "`all` or `none`; experiments/gpu_variants.py names them)")  # fmt: skip
   ap.add_argument("--suite", action="store_true", help="the before/after suite on one GPU "
                   "(SUITE, in priority order within --budget-s): one page in --out")  # fmt: skip
@@ -218,7 +218,7 @@ def _print_run(r: dict, out: str) -> None:
   )  # fmt: skip
 
 
-# The before/after suite of issue 45 on one GPU, in priority order (the budget cuts from the end):
+# The before/after suite of the GPU step's changes on one GPU, in priority order (the budget cuts from the end):
 # each row (name, layers of 7b, micro-batches, changes undone).
 SUITE = (
   ("7b-L4-A1", 4, 1, "none"),
@@ -227,7 +227,7 @@ SUITE = (
   ("7b-L8-A2-before", 8, 2, "all"),
   *((f"7b-L4-A1-old-{c}", 4, 1, c) for c in CHANGES_ON_ONE_GPU),
 )
-# The goals: how much faster than before each run must be (issue 45), and the runs it compares.
+# The goals: how much faster than before each run must be (the GPU step's goals), and the runs it compares.
 GOALS = {"7b-L4-A1": 0.10, "7b-L8-A2": 0.08}
 
 
@@ -273,7 +273,7 @@ def suite_page(results: list[dict], skipped: list[str], args) -> str:
   if args.dry_run:
     how = "a CPU dry run of the plumbing, `test` model: no figure here is a GPU measurement"
   lines = [
-    "# The step before and after issue 45's changes, measured on one GPU",
+    "# The step before and after the GPU step's changes's changes, measured on one GPU",
     "",
     f"{first['device']}, jax {first['jax']}, {first['date']}. `python experiments/gpu_measure.py "
     f"--suite --out DIR` ({how}): the median of {args.steps} steps after {args.warmup} of "

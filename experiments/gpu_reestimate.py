@@ -2,7 +2,7 @@
 
 Each measured run is compiled here for the H100 target as it was measured: the same model,
 layers, micro-batches, sequence length, remat and attention, on one GPU (IIG, mesh 1x1), with
-the code of before issue 45's changes (experiments/gpu_variants.py undone(all): the
+the code of before the GPU step's changes (experiments/gpu_variants.py undone(all): the
 measurements were taken before them). Its step is then estimated (paro_jax/analysis/gpu/
 estimate.py compose: the roofline of every kernel at the hardware's efficiencies, XLA's
 scheduler for the waiting on collectives), and the page puts the estimate beside the
@@ -42,7 +42,7 @@ def measured_runs() -> list[dict]:
   return runs
 
 
-# Issue 45's goals on the GPU: these runs faster than measured by at least this fraction.
+# The GPU step's goals: these runs faster than measured by at least this fraction.
 GOALS = {"7b-L4-A1": 0.10, "7b-L8-A2": 0.08}
 NOW = "-now"  # the cache's name for a goal run's program with the code as it is
 
@@ -74,7 +74,7 @@ def compile_all(cache: str, resume: bool, runs) -> None:
 
 
 KINDS = ("matmul", "attention", "other")
-BAND = (0.87, 1.15)  # issue 45: every run within 15% of its estimate
+BAND = (0.87, 1.15)  # every run within 15% of its estimate (the GPU step's goal)
 
 
 def kernel_times(hlo_text: str, peak_flops: float, bandwidth: float) -> dict[str, float]:
@@ -170,7 +170,7 @@ def goals_section(gs: list[dict]) -> list[str]:
   ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
   lines = [
     "",
-    "## Issue 45's goals, estimated (not measured)",
+    "## The GPU step's goals, estimated (not measured)",
     "",
     "The same runs compiled with the code as it is (`--old none`), estimated the same way; "
     "`projected` is the measured step scaled by the two estimates' ratio. A goal is met only "
@@ -222,7 +222,7 @@ def page(rows: list[dict], command: str, gs: list[dict] = ()) -> str:
     f"`{command}` ({datetime.date.today()}, {machine_line()}, no GPU). Each run of "
     "experiments/results/gpu_measure/ (one H100 SXM, 2026-11-25) compiled here for the H100 "
     "target as it was measured: its model, layers, micro-batches, sequence, remat and "
-    "attention, IIG on one GPU, with the code of before issue 45's changes "
+    "attention, IIG on one GPU, with the code of before the GPU step's changes "
     "(experiments/gpu_variants.py undone(all)), then estimated by "
     "paro_jax/analysis/gpu/estimate.py compose: each kernel at the efficiencies below "
     "(kernel_time.H100), XLA's scheduler's waiting on collectives (none on one GPU), the "

@@ -465,3 +465,46 @@ def test_sample_outputs_are_what_the_code_prints():
     "a sample output in the docs is stale: run `python tests/docs_samples.py`, review "
     f"the diff (and the prose around it), commit:\n{done.stdout}{done.stderr[-3000:]}"
   )
+
+
+# The project's own tracker (its issue numbers) is not the product's: code, tests, docs and results
+# pages say what a change is, and commits name history by hash. (Other projects' trackers, named
+# with their repository, e.g. "MaxText #551", are a citation, not this.)
+TRACKER = re.compile(r"\bissues?\s+#?\d+\b|(?<![\w/&])#\d{2,}\b(?!\s*-)", re.IGNORECASE)
+CITED = re.compile(r"\b[A-Z][\w.-]*\s+#\d+")  # a repository's own issue, named with it
+
+
+def tracker_numbers(text: str) -> list[str]:
+  """The tracker numbers `text` names, not counting other projects' issues cited by name."""
+  found = []
+  for m in TRACKER.finditer(text):
+    start = max(0, m.start() - 40)
+    if CITED.search(text[start : m.end()]) and m.group(0).startswith("#"):
+      continue
+    found.append(m.group(0))
+  return found
+
+
+def test_the_product_names_no_tracker_numbers():
+  files = subprocess.run(
+    ["git", "ls-files", "paro_jax", "models", "tests", "experiments", "docs", "examples"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.split()
+  bad = []
+  for name in [*files, "README.md", "pyproject.toml"]:
+    path = ROOT / name
+    if path.suffix not in (".py", ".md", ".toml", ".txt", ".jinja", ".sh") or not path.is_file():
+      continue
+    for number in tracker_numbers(path.read_text(errors="replace")):
+      bad.append(f"{name}: {number!r}")
+  assert not bad, "say what the change is, not its tracker number:\n" + "\n".join(bad)
+
+
+def test_the_tracker_check_catches_a_number():
+  issue, hashed = "issue" + " 45", "#" + "45"
+  assert tracker_numbers(f"before {issue}'s changes; see {hashed}") == [issue, hashed]
+  assert tracker_numbers("MaxText " + hashed + " and torchtune " + hashed) == []
+  assert tracker_numbers("#" + " 64 bytes; a-#1; x#45") == []

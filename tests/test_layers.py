@@ -206,6 +206,60 @@ def test_layer_imports_only_downward(layer):
   assert not bad, "imports against the layer contract:\n" + "\n".join(bad)
 
 
+# What the rest of the library asks of the data pipeline (paro_jax/data/), by module: the
+# config, the batches and their fingerprint, the shards' meta and the tokenizer a run writes
+# beside its checkpoints, the chat template it records, and each command's entry. Anything else
+# stays inside data/; a new name here is a decision, not a side effect.
+DATA_SURFACE = {
+  "paro_jax.data.config": {"DataConfig"},
+  "paro_jax.data.streams": {"Batches", "expand_paths", "load_tokens", "split_eval"},
+  "paro_jax.data.sources": {"data_format", "hf_directory", "instruction_batches"}
+  | {"instruction_examples"},
+  "paro_jax.data.examples": {"ExampleBatches", "select"},
+  "paro_jax.data.fingerprint": {"data_change", "data_fingerprint"},
+  "paro_jax.data.bins": {"DataChanged"},
+  "paro_jax.data.instruct": {"CHAT", "TEXT", "end_of_turn", "tokenizer_directory"},
+  "paro_jax.data.chat": {"ChatTemplate", "special_tokens", "find_template"}
+  | {"CHAT_TEMPLATE_FILE", "TOKENIZER_CONFIG"},
+  "paro_jax.data.tokenizers": {"BYTES", "TOKENIZER_FILE", "HFTokenizer", "resolve_tokenizer"}
+  | {"check_resumed_tokenizer", "tokenizer_identity"},
+  "paro_jax.data.prepare": {"pid_alive"},
+  "paro_jax.data": {"prepare_command"},
+}
+
+
+def data_imports_from_outside(repo: pathlib.Path) -> list[str]:
+  """Every `from paro_jax.data... import name` outside paro_jax/data/ not in DATA_SURFACE."""
+  bad = []
+  for path in sorted((repo / "paro_jax").glob("**/*.py")):
+    if path.relative_to(repo).parts[:2] == ("paro_jax", "data"):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("paro_jax.data"):
+        for a in node.names:
+          if a.name not in DATA_SURFACE.get(node.module, ()):
+            bad.append(f"{path.relative_to(repo)}: {node.module}.{a.name}")
+  return bad
+
+
+def test_the_rest_of_the_library_uses_only_the_data_surface():
+  bad = data_imports_from_outside(REPO)
+  assert not bad, (
+    "names of paro_jax/data/ used outside it but not in DATA_SURFACE (keep them inside data/, "
+    "or add them to its surface on purpose):\n" + "\n".join(bad)
+  )
+
+
+def test_the_data_surface_check_catches_an_inner_name(tmp_path):
+  (tmp_path / "paro_jax" / "run").mkdir(parents=True)
+  (tmp_path / "paro_jax" / "run" / "x.py").write_text(
+    "from paro_jax.data.streams import Batches, _not_utf\n"
+  )
+  assert data_imports_from_outside(tmp_path) == [
+    "paro_jax/run/x.py: paro_jax.data.streams._not_utf"
+  ]
+
+
 def test_every_folder_of_the_library_is_a_layer():
   """A new folder (a wing) gets its own line in ALLOWED: its modules are judged, not skipped."""
   folders = {

@@ -2,7 +2,7 @@
 wire formats, LoRA) and the flag metadata every command's config is declared with (`option`).
 
 Each field that is also a command-line flag is declared with `option()`: its default, its help and
-how argparse reads it are written here once, and paro_jax/cli.py builds the flags from them. A
+how argparse reads it are written here once, and core/flags.py builds the flags from them. A
 config nests its groups (`group()`: the wire formats, the adapters; a run's data, optimizer,
 checkpoints) as dataclasses of their own, whose options are flags like the others: `options()`
 lists them by path (`lora.rank`), `make_config()` makes a config from values by path.

@@ -2,8 +2,9 @@
 run's in groups: `optimizer` (the schedule), `data` (where its tokens come from), `eval`,
 `checkpoints` and `guard` (the divergence guard, run/divergence.py).
 
-Its flags are built from these fields by paro_jax/cli.py (core/config.py `option`, `group`). The
-module imports no jax or numpy: the CLI builds its parser before jax starts.
+Its flags are built from these fields by run/train_command.py (core/flags.py, from core/config.py
+`option`, `group`). The module imports no jax or numpy: the CLI builds its parser before jax
+starts.
 """
 
 from __future__ import annotations

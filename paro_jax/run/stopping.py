@@ -65,7 +65,7 @@ class StopSignals:
       # exited 143) must still end this one with 128 + the signal, as documented, not by the
       # signal's default action ("Terminated"): the handler stays.
       return
-    # `paro-jax train`'s own handler until the loop (cli.py): its job ends here
+    # `paro-jax train`'s own handler until the loop (run/train_command.py): its job ends here
     cli = any(getattr(old, "until_the_loop", False) for old in self._old.values())
     if cli and exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
       # The run failed: its one line comes next (cli.py). A signal now (srun's SIGTERM to the

@@ -1,4 +1,4 @@
-"""experiments/results/gpu_bytes/ (its script retired at 8ebf865): issue 45's byte targets on
+"""experiments/results/gpu_bytes/ (its script retired at 8ebf865): the GPU step's byte targets on
 the step compiled for H100, read from the page and its JSON."""
 
 import json

@@ -48,7 +48,7 @@ def test_constants_are_the_ones_derived_from_the_measurements():
 
 
 def test_goal_runs_estimated_with_the_code_as_it_is():
-  """Issue 45's goals (7b-L4 A=1 10% and 7b-L8 A=2 8% faster than measured) are for the GPU to
+  """The GPU step's goals (7b-L4 A=1 10% and 7b-L8 A=2 8% faster than measured) are for the GPU to
   measure; the page gives what the estimate expects of them, consistent with its own columns
   and with the measurement."""
   rows = re.findall(

@@ -28,7 +28,7 @@ def inspect(cfg: InspectConfig) -> dict:
   With `cfg.target` (a GPU name), the step is compiled for a cluster of those GPUs (`cfg.mesh`
   nodes x GPUs per node) without one, and the report adds the GPU schedule and memory against the
   plan and XLA's estimate of the step's time (its network model set from `cfg.inter_bandwidth`, a
-  rate per node, by cli.py before jax started: estimate.prepare_environment).
+  rate per node, by analysis/inspect/command.py before jax started: estimate.prepare_environment).
   """
   target, mesh = cfg.target, cfg.mesh
   if target is not None:
