@@ -485,9 +485,13 @@ MAX_SEGMENTS = 64
 FUSED_DTYPES = ("bfloat16", "float16")
 
 
-def resolve_attention(requested: str, platform: str, dtype, head_dim: int) -> tuple[str, str]:
+def resolve_attention(
+  requested: str, platform: str, dtype, head_dim: int, packed_window: bool = False
+) -> tuple[str, str]:
   """(the attention implementation to run, why) for --attention on `platform` ("cpu", "gpu",
-  "cuda"). Asking for cudnn where it cannot run is an error, not a quiet fallback."""
+  "cuda"). Asking for cudnn where it cannot run is an error, not a quiet fallback.
+  `packed_window`: packed rows (--pack) longer than the model's sliding window, which cuDNN's
+  packed kernel here does not apply (models/llama.py check_window_fits_kernel)."""
   # here: this module starts without numpy; ml_dtypes registers bfloat16
   import ml_dtypes  # noqa: F401
   import numpy as np
@@ -506,8 +510,15 @@ def resolve_attention(requested: str, platform: str, dtype, head_dim: int) -> tu
         f"--attention cudnn needs --dtype bf16 and a head dim that is a multiple of 8 and at most "
         f"128 (got {np.dtype(dtype).name}, {head_dim}); use --attention xla"
       )
+    if packed_window:
+      raise ValueError(
+        "--attention cudnn: the model's sliding_window is shorter than --seq-len and cuDNN's "
+        "kernel over packed rows (--pack) applies no window; use --attention xla"
+      )
   if requested != "auto":
     return requested, f"{requested} (asked for)"
+  if gpu and fits and packed_window:
+    return "xla", "auto, a sliding window over packed rows, which cuDNN's kernel does not apply"
   if gpu and fits:
     return "cudnn", "auto on GPUs in bf16: cuDNN's fused kernel"
   why = "not on GPUs" if not gpu else "cuDNN's kernel needs bf16 and head dim <= 128, % 8 == 0"

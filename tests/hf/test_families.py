@@ -255,6 +255,18 @@ def test_a_window_cudnn_cannot_apply_is_refused():
     check_window_fits_kernel(8, 16, packed=True)
 
 
+def test_a_binding_window_over_packed_rows_resolves_to_xla():
+  """--attention auto on GPUs takes the written-out attention for it; cudnn is refused before
+  anything compiles, in one line."""
+  from models.config import resolve_attention
+
+  assert resolve_attention("auto", "cuda", "bfloat16", 128)[0] == "cudnn"
+  attention, why = resolve_attention("auto", "cuda", "bfloat16", 128, packed_window=True)
+  assert attention == "xla" and "sliding window" in why
+  with pytest.raises(ValueError, match="applies no window; use --attention xla$"):
+    resolve_attention("cudnn", "cuda", "bfloat16", 128, packed_window=True)
+
+
 # --- `paro-jax eval`, 20 steps, export ------------------------------------------------------
 SEQ, BATCH, STEPS = 16, 8, 20
 # One sharded strategy per family: IIG on two nodes of 4, GGG on four nodes of 2.
