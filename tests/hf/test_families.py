@@ -81,6 +81,8 @@ def test_config_reads_as_written(name):
   for field, want in EXPECTED[name].items():
     assert getattr(cfg, field) == want, field
   assert (cfg.qkv_bias, cfg.qk_norm) == (name == "qwen2", name == "qwen3")
+  # the counts the planner and the traffic formulas use: the HF tensors' sizes
+  assert cfg.param_count() == sum(x.size for x in jax.tree.leaves(loaded(name)[1]))
 
 
 @pytest.mark.parametrize("name", NAMES)
