@@ -1,5 +1,5 @@
 """The model's configuration: `LlamaConfig`, the presets, the mapping to and from an HF
-LLaMA `config.json`, and the LoRA adapters' `LoraConfig`.
+`config.json` (Llama, Qwen2/2.5, Qwen3, Mistral), and the LoRA adapters' `LoraConfig`.
 
 Pure Python (no jax, no numpy): what the planner, the CLI's argument checks and the HF reader
 need before anything is compiled. models/llama.py (the Flax model) and paro_jax/hf/weights.py
@@ -22,6 +22,18 @@ LAYERS = "layers"
 # transformers' modeling_rope_utils.py (`_compute_linear_scaling_rope_parameters`,
 # `_compute_llama3_parameters`); models/llama.py `inverse_frequencies` computes them.
 ROPE_SCALINGS = ("linear", "llama3")
+
+# The HF decoders we run, by config.json's model_type -> its architecture. Each is the Llama
+# decoder with switches (transformers' modeling_qwen2.py, modeling_qwen3.py, modeling_mistral.py):
+# Qwen2/2.5 add biases to the q, k and v projections; Qwen3 drops them and RMS-normalises each
+# head's queries and keys (q_norm, k_norm, over head_dim) before RoPE; Mistral is Llama's layout
+# with an optional sliding window.
+FAMILIES = {
+  "llama": "LlamaForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+  "mistral": "MistralForCausalLM",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +79,19 @@ class LlamaConfig:
   rope_scaling: RopeScaling | None = None  # None: plain RoPE
   # The output head is the embedding table (HF's tie_word_embeddings): one parameter, two uses.
   tie_embeddings: bool = False
+  family: str = "llama"  # a key of FAMILIES: the HF architecture, and its switches
+  # Mistral's: each token attends to itself and the sliding_window - 1 tokens before it. None:
+  # the whole causal prefix.
+  sliding_window: int | None = None
 
   def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"LlamaConfig.family {self.family!r} is not one of {', '.join(FAMILIES)}")
+    if self.sliding_window is not None and (self.family != "mistral" or self.sliding_window <= 0):
+      raise ValueError(
+        f"LlamaConfig.sliding_window {self.sliding_window}: only a positive window of the "
+        f"mistral family is supported (family {self.family!r})"
+      )
     for field in ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp"):
       if getattr(self, field) <= 0:
         raise ValueError(f"LlamaConfig.{field} must be positive, got {getattr(self, field)}")
@@ -82,10 +105,27 @@ class LlamaConfig:
     if isinstance(self.rope_scaling, dict):  # as read back from JSON (a checkpoint's metadata)
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
-  def layer_param_count(self) -> int:
-    """Parameters of one transformer layer: attention, MLP and the two norms."""
+  @property
+  def qkv_bias(self) -> bool:
+    """Biases on the q, k and v projections (Qwen2's, built into its attention)."""
+    return self.family == "qwen2"
+
+  @property
+  def qk_norm(self) -> bool:
+    """An RMSNorm over head_dim of each query and key head before RoPE (Qwen3's)."""
+    return self.family == "qwen3"
+
+  def layer_matmul_count(self) -> int:
+    """The weights of one layer's matmuls: the four attention projections and the MLP's three."""
     attn = self.dim * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-    return attn + 3 * self.dim * self.mlp + 2 * self.dim
+    return attn + 3 * self.dim * self.mlp
+
+  def layer_param_count(self) -> int:
+    """Parameters of one transformer layer: its matmuls, the two norms, and the q/k/v biases
+    or the q/k norms of the families that have them."""
+    biases = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+    qk_norms = 2 * self.head_dim if self.qk_norm else 0
+    return self.layer_matmul_count() + 2 * self.dim + biases + qk_norms
 
   def outer_param_count(self) -> int:
     """Parameters outside the layer stack: the embedding, the final norm and the head's kernel
@@ -99,7 +139,7 @@ class LlamaConfig:
     """Training FLOPs per token: 6 x matmul params + attention scores (forward + backward). The
     matmuls are the layers' weights and the head's V x D (tied or not); the embedding is a
     lookup."""
-    matmul = self.layers * (self.layer_param_count() - 2 * self.dim) + self.vocab * self.dim
+    matmul = self.layers * self.layer_matmul_count() + self.vocab * self.dim
     return 6 * matmul + 12 * self.layers * self.heads * self.head_dim * seq_len
 
 
@@ -118,6 +158,24 @@ def _llama3(dim: int, layers: int, heads: int, mlp: int, factor: float, tied: bo
     norm_eps=1e-5,
     rope_scaling=RopeScaling("llama3", factor, 1.0, 4.0, 8192),
     tie_embeddings=tied,
+  )
+
+
+def _qwen(family: str, dim: int, layers: int, heads: int, kv_heads: int, mlp: int, **kw):
+  """A Qwen2.5 or Qwen3 shape as its HF config.json gives it: head dim 128, RoPE theta
+  1,000,000, RMSNorm eps 1e-6, vocabulary 151,936 unless given."""
+  return LlamaConfig(
+    vocab=kw.pop("vocab", 151_936),
+    dim=dim,
+    layers=layers,
+    heads=heads,
+    kv_heads=kv_heads,
+    head_dim=128,
+    mlp=mlp,
+    rope_theta=1_000_000.0,
+    norm_eps=1e-6,
+    family=family,
+    **kw,
   )
 
 
@@ -143,6 +201,25 @@ PRESETS: dict[str, LlamaConfig] = {
   "llama3.1-405b": _llama3(dim=16384, layers=126, heads=128, mlp=53248, factor=8.0),
   "llama3.2-1b": _llama3(dim=2048, layers=16, heads=32, mlp=8192, factor=32.0, tied=True),
   "llama3.2-3b": _llama3(dim=3072, layers=28, heads=24, mlp=8192, factor=32.0, tied=True),
+  # Qwen/Qwen3-0.6B, -8B, -32B and Qwen/Qwen2.5-7B as their config.json files give them:
+  # 0.60B (tied), 8.19B, 32.76B, 7.62B parameters.
+  "qwen3-0.6b": _qwen("qwen3", 1024, 28, 16, 8, 3072, tie_embeddings=True),
+  "qwen3-8b": _qwen("qwen3", 4096, 36, 32, 8, 12288),
+  "qwen3-32b": _qwen("qwen3", 5120, 64, 64, 8, 25600),
+  "qwen2.5-7b": _qwen("qwen2", 3584, 28, 28, 4, 18944, vocab=152_064),
+  # mistralai/Mistral-7B-v0.3 (v0.1's sliding window of 4096 is gone since v0.2): 7.25B.
+  "mistral-7b": LlamaConfig(
+    vocab=32768,
+    dim=4096,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    mlp=14336,
+    rope_theta=1_000_000.0,
+    norm_eps=1e-5,
+    family="mistral",
+  ),
 }
 
 
@@ -192,12 +269,7 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
 
   if not isinstance(hf, dict):
     refuse(f"a JSON {type(hf).__name__}, not an object of fields (vocab_size, hidden_size, ...)")
-  archs = hf.get("architectures") or []
-  if hf.get("model_type", "llama") != "llama" or (archs and "LlamaForCausalLM" not in archs):
-    refuse(
-      f"model_type {hf.get('model_type')!r}, architectures {archs}: only LLaMA "
-      f"(LlamaForCausalLM) is supported"
-    )
+  family = _family_from_hf(hf, refuse)
   missing = [
     k
     for k in (
@@ -211,9 +283,6 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
   ]
   if missing:
     refuse(f"missing field(s) {', '.join(missing)}")
-  for key in ("attention_bias", "mlp_bias"):
-    if hf.get(key, False):
-      refuse(f"{key} is true; our model has no biases")
   if hf.get("hidden_act", "silu") != "silu":
     refuse(f"hidden_act {hf['hidden_act']!r}; our MLP is SwiGLU (silu)")
   theta, scaling = _rope_from_hf(hf, refuse)
@@ -241,9 +310,44 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> LlamaConfig:
       init_std=float(hf.get("initializer_range", 0.02)),
       rope_scaling=scaling,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      family=family,
+      sliding_window=_sliding_window_from_hf(hf, family, refuse),
     )
   except ValueError as e:
     refuse(str(e))
+
+
+def _family_from_hf(hf: dict, refuse) -> str:
+  """The family (a key of FAMILIES) of an HF config; other architectures and the fields of a
+  supported one that our model lacks are refused, by name."""
+  family, archs = hf.get("model_type", "llama"), hf.get("architectures") or []
+  if family not in FAMILIES or (archs and FAMILIES[family] not in archs):
+    supported = ", ".join(f"{t} ({a})" for t, a in FAMILIES.items())
+    refuse(f"model_type {family!r}, architectures {archs}: supported are {supported}")
+  # Llama's attention_bias puts biases on o_proj too, Qwen3's as well; Qwen2's q/k/v biases
+  # are built into its attention (no field).
+  for key in ("attention_bias", "mlp_bias"):
+    if hf.get(key, False):
+      refuse(f"{key} is true; our {family} model has no such biases")
+  return family
+
+
+def _sliding_window_from_hf(hf: dict, family: str, refuse) -> int | None:
+  """Mistral's sliding_window (None: none); Qwen's sliding layers are refused. Qwen2/3 keep a
+  sliding_window that transformers uses only with use_sliding_window (in transformers 5, for the
+  layers layer_types names sliding_attention): with neither it is ignored, as there."""
+  if family == "mistral":  # transformers' Mistral reads no layer_types: every layer slides
+    window = hf.get("sliding_window")
+    return None if window is None else int(window)
+  layer_types = hf.get("layer_types") or []
+  if hf.get("use_sliding_window", False):
+    refuse("use_sliding_window is true; only full attention is supported for " + family)
+  if any(t != "full_attention" for t in layer_types):
+    refuse(
+      f"layer_types {sorted(set(layer_types))}: only full_attention layers are supported for "
+      f"{family}"
+    )
+  return None  # (transformers' Llama reads no sliding_window either)
 
 
 def _rope_from_hf(hf: dict, refuse) -> tuple[float, RopeScaling | None]:
@@ -309,10 +413,11 @@ def rope_to_hf(c: LlamaConfig) -> dict:
 
 
 def config_to_hf(c: LlamaConfig) -> dict:
-  """The config.json of a LlamaForCausalLM with our model's shapes."""
+  """The config.json of our model's family (LlamaForCausalLM, Qwen2ForCausalLM, ...) with its
+  shapes, as transformers writes it."""
   return {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
+    "architectures": [FAMILIES[c.family]],
+    "model_type": c.family,
     "vocab_size": c.vocab,
     "hidden_size": c.dim,
     "num_hidden_layers": c.layers,
@@ -323,12 +428,23 @@ def config_to_hf(c: LlamaConfig) -> dict:
     "hidden_act": "silu",
     "rms_norm_eps": c.norm_eps,
     **rope_to_hf(c),
-    "attention_bias": False,
-    "mlp_bias": False,
+    **_family_fields_to_hf(c),
     "tie_word_embeddings": c.tie_embeddings,
     "initializer_range": c.init_std,
     "torch_dtype": "float32",
   }
+
+
+def _family_fields_to_hf(c: LlamaConfig) -> dict:
+  """The fields of config.json that differ by family, as their configs spell them."""
+  if c.family == "mistral":
+    return {"sliding_window": c.sliding_window}
+  qwen = {"use_sliding_window": False, "layer_types": ["full_attention"] * c.layers}
+  return {
+    "llama": {"attention_bias": False, "mlp_bias": False},
+    "qwen2": qwen,
+    "qwen3": {**qwen, "attention_bias": False},
+  }[c.family]
 
 
 def read_config(directory: str) -> LlamaConfig:
@@ -369,9 +485,13 @@ MAX_SEGMENTS = 64
 FUSED_DTYPES = ("bfloat16", "float16")
 
 
-def resolve_attention(requested: str, platform: str, dtype, head_dim: int) -> tuple[str, str]:
+def resolve_attention(
+  requested: str, platform: str, dtype, head_dim: int, packed_window: bool = False
+) -> tuple[str, str]:
   """(the attention implementation to run, why) for --attention on `platform` ("cpu", "gpu",
-  "cuda"). Asking for cudnn where it cannot run is an error, not a quiet fallback."""
+  "cuda"). Asking for cudnn where it cannot run is an error, not a quiet fallback.
+  `packed_window`: packed rows (--pack) longer than the model's sliding window, which cuDNN's
+  packed kernel here does not apply (models/llama.py check_window_fits_kernel)."""
   # here: this module starts without numpy; ml_dtypes registers bfloat16
   import ml_dtypes  # noqa: F401
   import numpy as np
@@ -390,8 +510,15 @@ def resolve_attention(requested: str, platform: str, dtype, head_dim: int) -> tu
         f"--attention cudnn needs --dtype bf16 and a head dim that is a multiple of 8 and at most "
         f"128 (got {np.dtype(dtype).name}, {head_dim}); use --attention xla"
       )
+    if packed_window:
+      raise ValueError(
+        "--attention cudnn: the model's sliding_window is shorter than --seq-len and cuDNN's "
+        "kernel over packed rows (--pack) applies no window; use --attention xla"
+      )
   if requested != "auto":
     return requested, f"{requested} (asked for)"
+  if gpu and fits and packed_window:
+    return "xla", "auto, a sliding window over packed rows, which cuDNN's kernel does not apply"
   if gpu and fits:
     return "cudnn", "auto on GPUs in bf16: cuDNN's fused kernel"
   why = "not on GPUs" if not gpu else "cuDNN's kernel needs bf16 and head dim <= 128, % 8 == 0"

@@ -1,5 +1,7 @@
 """A Flax LLaMA: RMSNorm, RoPE (plain, linear or llama3-scaled), grouped-query attention, SwiGLU
-MLP, and an output head of its own or tied to the embedding table.
+MLP, and an output head of its own or tied to the embedding table. The family's switches
+(models/config.py FAMILIES) make it Qwen2's (q/k/v biases), Qwen3's (per-head q/k RMSNorm before
+RoPE) or Mistral's (a sliding attention window).
 
 Every parameter is declared once, with its logical axes (`embed`, `mlp`, `heads`, ...), through
 `nn.with_logical_partitioning`; the sharding layer maps those names onto the mesh. The layers are
@@ -87,13 +89,17 @@ def lora_delta(
 
 
 class RMSNorm(nn.Module):
+  """RMS-normalises the last axis, whose logical name is `axis` (`head_dim` for Qwen3's q/k
+  norms, which normalise each head)."""
+
   eps: float
+  axis: str = "embed"
 
   @nn.compact
   def __call__(self, x_BxLxD):
     scale_D = self.param(
       "scale",
-      nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+      nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
       (x_BxLxD.shape[-1],),
       jnp.float32,
     )
@@ -161,14 +167,43 @@ def apply_rope(x_BxLxHxK, sin, cos):
   return out.astype(x_BxLxHxK.dtype)
 
 
-def fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation: str):
-  """Causal grouped-query attention through jax.nn.dot_product_attention (scale 1/sqrt(K)).
+def fused_attention(
+  q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation: str, sliding_window: int | None = None
+):
+  """Causal grouped-query attention through jax.nn.dot_product_attention (scale 1/sqrt(K)),
+  each token seeing itself and the `sliding_window - 1` before it where a window is given.
 
   `implementation="cudnn"` is the GPU kernel; "xla" is the same call on any backend, which the
   tests compare with the written-out attention."""
+  window = None if sliding_window is None else (sliding_window - 1, 0)
   return jax.nn.dot_product_attention(
-    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True, implementation=implementation
+    q_BxLxHxK,
+    k_BxLxGxK,
+    v_BxLxGxK,
+    is_causal=True,
+    local_window_size=window,
+    implementation=implementation,
   )
+
+
+def visible_mask(L: int, sliding_window: int | None):
+  """L x L: whether query i sees key j: causal (j <= i) and, with a sliding window W, one of
+  the W latest (i - j < W), as transformers' sliding-window mask (masking_utils.py)."""
+  i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
+  if sliding_window is None:
+    return j <= i
+  return (j <= i) & (i - j < sliding_window)
+
+
+def check_window_fits_kernel(sliding_window: int | None, L: int, packed: bool) -> None:
+  """cuDNN's packed-rows kernel (jax's wrapper with offsets) takes no window here: a window
+  that binds (shorter than the rows) is refused rather than ignored."""
+  if packed and sliding_window is not None and sliding_window < L:
+    raise ValueError(
+      f"sliding_window {sliding_window} is shorter than the sequence length {L}, and cuDNN "
+      f"attention over packed rows does not apply a window: use --attention xla (or a sequence "
+      f"length of at most {sliding_window})"
+    )
 
 
 def segment_runs(segments_BxL, runs: int):
@@ -232,13 +267,21 @@ class Attention(nn.Module):
     v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, wv_DxGxK.astype(dt)) + lora(
       "wv", x_BxLxD, (G, K)
     )
+    if c.qkv_bias:
+      q_BxLxHxK = q_BxLxHxK + self._bias("bq", H, K, dt)
+      k_BxLxGxK = k_BxLxGxK + self._bias("bk", G, K, dt)
+      v_BxLxGxK = v_BxLxGxK + self._bias("bv", G, K, dt)
+    if c.qk_norm:  # Qwen3: each head's query and key, before RoPE
+      q_BxLxHxK = RMSNorm(c.norm_eps, "head_dim", name="q_norm")(q_BxLxHxK)
+      k_BxLxGxK = RMSNorm(c.norm_eps, "head_dim", name="k_norm")(k_BxLxGxK)
     q_BxLxHxK = apply_rope(q_BxLxHxK, sin, cos)
     k_BxLxGxK = apply_rope(k_BxLxGxK, sin, cos)
     B, L = x_BxLxD.shape[:2]
     if self.impl == "cudnn":
       if segments_BxL is None:
-        out_BxLxHxK = fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, "cudnn")
+        out_BxLxHxK = fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, "cudnn", c.sliding_window)
       else:
+        check_window_fits_kernel(c.sliding_window, L, packed=True)
         out_BxLxHxK = packed_fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segments_BxL)
       return self._out(out_BxLxHxK.reshape(B, L, H * K), wo_HxKxD, lora)
     # Grouped-query attention: R = H/G query heads share each key/value head.
@@ -246,7 +289,7 @@ class Attention(nn.Module):
     scores_BxGxRxLxL = jnp.einsum(
       "blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK, preferred_element_type=jnp.float32
     ) / jnp.sqrt(K).astype(jnp.float32)
-    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
+    causal_LxL = visible_mask(L, c.sliding_window)
     if segments_BxL is None:
       visible = causal_LxL
     else:  # causal and inside the token's own example: B x 1 x 1 x L x L
@@ -256,6 +299,15 @@ class Attention(nn.Module):
     probs = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(dt)
     out_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxLxGxK)
     return self._out(out_BxLxGxRxK.reshape(B, L, H * K), wo_HxKxD, lora)
+
+  def _bias(self, name: str, heads: int, K: int, dt):
+    """A projection's bias, heads x K. Stored flat (heads * K, HF's layout), on the logical
+    axis `proj_out`: the sharding layer splits it there, a dimension as divisible as the
+    projection's output."""
+    b = self.param(
+      name, nn.with_logical_partitioning(nn.initializers.zeros, ("proj_out",)), (heads * K,)
+    )
+    return b.reshape(heads, K).astype(dt)
 
   def _out(self, out_BxLxHK, wo_HxKxD, lora):
     B, L, _ = out_BxLxHK.shape

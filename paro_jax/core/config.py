@@ -101,7 +101,8 @@ def value_at(cfg, path: str):
 
 MODEL_HELP = (
   "preset: tiny, small, 7b, 13b, 65b, llama3.1-8b, llama3.1-70b, llama3.1-405b, llama3.2-1b, "
-  "llama3.2-3b; or an HF LLaMA config.json (its shapes, from scratch)"
+  "llama3.2-3b, qwen3-0.6b, qwen3-8b, qwen3-32b, qwen2.5-7b, mistral-7b; or an HF config.json "
+  "of a Llama, Qwen2, Qwen3 or Mistral (its shapes, from scratch)"
 )
 COMPUTE_DTYPES = tuple(COMPUTE_DTYPE_BYTES)  # bf16, fp32
 

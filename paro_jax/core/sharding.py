@@ -23,7 +23,9 @@ class ShardingRules:
   """Which logical axes may carry the data-parallel shard, in order of preference."""
 
   # `lora_out`/`lora_in`: a LoRA adapter's big dimension where it has no `embed` (models/llama.py).
-  shard_axes: tuple[str, ...] = ("embed", "lora_out", "lora_in")
+  # `proj_out`: a q/k/v bias (Qwen2's), flat heads x head_dim; `head_dim`: a q/k norm's scale
+  # (Qwen3's), the only axis it has (head_dim devices at most under G).
+  shard_axes: tuple[str, ...] = ("embed", "lora_out", "lora_in", "proj_out", "head_dim")
   never_shard: tuple[str, ...] = ("layers",)  # scanned over: must stay whole on every device
 
   def __post_init__(self):

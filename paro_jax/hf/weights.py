@@ -1,4 +1,5 @@
-"""Hugging Face LLaMA weights: read and write `LlamaForCausalLM` directories (safetensors).
+"""Hugging Face weights: read and write `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`
+and `MistralForCausalLM` directories (safetensors).
 
 `load_hf(directory)` reads `config.json` and `model.safetensors` (or the shards listed in
 `model.safetensors.index.json`) into a `LlamaConfig` and our fp32 parameter tree;
@@ -13,6 +14,8 @@ HF stores each `nn.Linear` weight as (out, in); ours are (in, out) with the head
   k_proj, v_proj (G*K, D) -> (D, G, K)  gate_proj, up_proj (F, D) -> (D, F)
   down_proj (D, F) -> w_down (F, D)     lm_head (V, D) -> head/kernel (D, V)
 A tied model (`tie_word_embeddings`) has one table, embed_tokens; its head has no kernel.
+Qwen2's q/k/v biases (H*K,), (G*K,) are ours as stored (attn/bq, bk, bv); Qwen3's q_norm and
+k_norm (K,) are attn/q_norm/scale and attn/k_norm/scale.
 Both sides use the "rotate_half" RoPE layout (first half / second half of each head), so the
 query and key weights need no permutation. Per-layer tensors are stacked on a leading axis.
 """
@@ -56,7 +59,18 @@ def _layer_map(c: LlamaConfig) -> dict:
   split = lambda n: (lambda w: w.T.reshape(D, n, K), lambda w: w.reshape(D, n * K).T)
   t = (lambda w: w.T, lambda w: w.T)
   same = (lambda w: w, lambda w: w)
+  family = {}
+  if c.qkv_bias:  # Qwen2's: stored flat, as HF does
+    family = {
+      f"self_attn.{x}_proj.bias": (("attn", f"b{x}"), (n * K,), *same)
+      for x, n in (("q", H), ("k", G), ("v", G))
+    }
+  if c.qk_norm:  # Qwen3's: one scale over head_dim, shared by the heads
+    family = {
+      f"self_attn.{x}_norm.weight": (("attn", f"{x}_norm", "scale"), (K,), *same) for x in "qk"
+    }
   return {
+    **family,
     "self_attn.q_proj.weight": (("attn", "wq"), (H * K, D), *split(H)),
     "self_attn.k_proj.weight": (("attn", "wk"), (G * K, D), *split(G)),
     "self_attn.v_proj.weight": (("attn", "wv"), (G * K, D), *split(G)),

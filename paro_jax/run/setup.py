@@ -45,7 +45,11 @@ def build(cfg: RunConfig):
   model_cfg = read_config(cfg.init_from) if cfg.init_from else get_config(cfg.model)
   mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
   platform, processes = jax.devices()[0].platform, jax.process_count()
-  attention, why = resolve_attention(cfg.attention, platform, DTYPES[cfg.dtype], model_cfg.head_dim)
+  window = model_cfg.sliding_window
+  packed_window = cfg.data.pack and window is not None and window < cfg.seq_len
+  attention, why = resolve_attention(
+    cfg.attention, platform, DTYPES[cfg.dtype], model_cfg.head_dim, packed_window
+  )
   if cfg.attention == "auto" and platform != "cpu" and jax.process_index() == 0:
     print(f"paro-jax: --attention {why}: {attention}", flush=True)
   model = build_model(cfg, model_cfg, attention)

@@ -76,11 +76,28 @@ def assert_trees_close(a, b, atol, rtol=0.0):
     )
 
 
-def test_reference_moves_every_parameter(setup):
+def test_reference_moves_every_parameter(setup, qwen2_setup, tied_setup):
   # Otherwise "equal to the reference" could hold for a step that does nothing.
-  _, params0, _, params = setup
+  for _, params0, _, params in (setup, qwen2_setup, tied_setup):
+    assert_every_leaf_moved(params0, params)
+  assert {"bq", "bk", "bv"} < set(qwen2_setup[3]["layers"]["attn"])
+  assert {"q_norm", "k_norm"} < set(tied_setup[3]["layers"]["attn"])
+
+
+def assert_every_leaf_moved(params0, params):
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params0)):
     assert np.abs(np.asarray(a) - np.asarray(b)).mean() > 1e-3, jax.tree_util.keystr(path)
+
+
+# The Qwen2 shape: biases on q, k and v (their leaves split along `proj_out`). It takes the four
+# nodes of 2 below, the Llama shape the two nodes of 4 and one node: every strategy sees each
+# without a compile more.
+QWEN2 = dataclasses.replace(CFG, family="qwen2")
+
+
+@pytest.fixture(scope="module")
+def qwen2_setup():
+  return reference_setup(QWEN2)
 
 
 # Every strategy on two nodes of 4 and four nodes of 2. On one node of 8 (inter = 1) I and G are
@@ -91,16 +108,20 @@ CASES = [(s, m) for m in MESHES if m[0] > 1 for s in VALID_NAMES] + [(s, (1, 8))
 
 
 @pytest.mark.parametrize("strategy,mesh_shape", CASES, ids=[f"{s}-{m[0]}x{m[1]}" for s, m in CASES])
-def test_fp32_equals_single_device(setup, strategy, mesh_shape):
-  batches, params0, ref_losses, ref_params = setup
-  losses, params, _, _ = run_engine(strategy, mesh_shape, batches, params0)
+def test_fp32_equals_single_device(setup, qwen2_setup, strategy, mesh_shape):
+  cfg, (batches, params0, ref_losses, ref_params) = (
+    (QWEN2, qwen2_setup) if mesh_shape == (4, 2) else (CFG, setup)
+  )
+  losses, params, _, _ = run_engine(strategy, mesh_shape, batches, params0, cfg=cfg)
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   assert_trees_close(params, ref_params, atol=2e-5)
 
 
-# Tied embeddings (Llama 3.2's): the table is also the output head, one leaf, its gradient the
-# sum of both uses; with a vocabulary no mesh divides (the tables are split along `embed`).
-TIED = dataclasses.replace(CFG, vocab=61, tie_embeddings=True)
+# Tied embeddings (Llama 3.2's, the small Qwen3's): the table is also the output head, one leaf,
+# its gradient the sum of both uses; with a vocabulary no mesh divides (the tables are split
+# along `embed`). In the Qwen3 shape: q/k norms (split along `head_dim`) and a head_dim apart from
+# dim/heads.
+TIED = dataclasses.replace(CFG, vocab=61, tie_embeddings=True, family="qwen3", head_dim=16)
 
 
 @pytest.fixture(scope="module")

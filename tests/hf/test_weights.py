@@ -169,7 +169,8 @@ def test_missing_directory_and_files(tmp_path):
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE type 'yarn'"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "only LLaMA"),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "model_type 'mixtral'"),
+    ({"architectures": ["MistralForCausalLM"]}, "supported are llama \\(LlamaForCausalLM\\)"),
     (
       {"head_dim": None, "num_attention_heads": 5, "num_key_value_heads": 5},
       "not a multiple of num_attention_heads",

@@ -8,6 +8,8 @@ program really uses cuDNN's kernel is checked on the compiled program
 (tests/analysis/test_gpu_program.py).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,20 +61,25 @@ def test_unknown_attention():
     Llama(CFG, attention="auto")
 
 
-def test_fused_path_equals_written_out(monkeypatch):
+# Mistral's sliding window (5, of rows of 32): the fused call's local window as the written mask.
+WINDOWED = dataclasses.replace(CFG, family="mistral", sliding_window=5)
+
+
+@pytest.mark.parametrize("cfg", [CFG, WINDOWED], ids=["causal", "sliding-window"])
+def test_fused_path_equals_written_out(monkeypatch, cfg):
   """Logits and gradients of the whole model, fp32: fused path (XLA's kernel) = written out."""
-  written = Llama(CFG, jnp.float32)
+  written = Llama(cfg, jnp.float32)
   params = written.init(jax.random.key(0))
-  tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, CFG.vocab)
+  tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab)
   calls = []
   kernel = llama.fused_attention
 
-  def on_cpu(q, k, v, implementation):
+  def on_cpu(q, k, v, implementation, sliding_window=None):
     calls.append(implementation)
-    return kernel(q, k, v, "xla")
+    return kernel(q, k, v, "xla", sliding_window)
 
   monkeypatch.setattr(llama, "fused_attention", on_cpu)
-  fused = Llama(CFG, jnp.float32, attention="cudnn")
+  fused = Llama(cfg, jnp.float32, attention="cudnn")
 
   def loss(model, p):
     return next_token_loss(model.apply(p, tokens[:, :-1]), tokens[:, 1:])

@@ -179,7 +179,8 @@ ROPE = BASE["rope_parameters"]
       {"rope_parameters": {"full_attention": ROPE, "sliding_attention": ROPE}},
       "only one RoPE for every layer",
     ),
-    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "only LLaMA"),
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "'qwen3_moe'"),
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type 'gemma'"),
     ({"tie_word_embeddings": True, "vocab_size": 0}, "vocab must be positive"),
   ],
 )
