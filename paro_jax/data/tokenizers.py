@@ -1,5 +1,5 @@
 """Tokenizers of `--data` text: bytes (vocabulary 256, no special tokens), or an HF
-`tokenizer.json` through the `tokenizers` package (`pip install -e ".[hf]"`); which one a run
+`tokenizer.json` through the `tokenizers` package (a dependency); which one a run
 uses (`resolve_tokenizer`: --tokenizer, else the model's HF directory's); the check that a
 tokenizer's ids fit the model's vocabulary.
 
@@ -59,10 +59,11 @@ class HFTokenizer:
 
   def __init__(self, path: str):
     try:
-      import tokenizers  # optional: only for HF tokenizer files
+      import tokenizers  # a dependency: imported when a tokenizer is read
     except ImportError as e:
       raise ValueError(
-        f'--tokenizer {path} needs the `tokenizers` package: pip install -e ".[hf]"'
+        f"--tokenizer {path} needs the `tokenizers` package, a dependency of paro-jax that is "
+        f"not installed: install paro-jax again (from a checkout: pip install -e .)"
       ) from e
     if os.path.isdir(path):  # an HF model directory: its tokenizer.json
       inside = os.path.join(path, TOKENIZER_FILE)
