@@ -31,6 +31,8 @@ import json
 import os
 import re
 
+import numpy as np
+
 from paro_jax import report
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' name for it in an HF directory
@@ -331,6 +333,9 @@ def normalize_messages(messages) -> list[dict]:
   return out
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")  # OpenAI's chat and Responses formats
+
+
 def text_content(where: str, i: int, message: dict, keep_parts: bool) -> dict:
   """`message` with its content as text: content given as a list of parts (OpenAI's format,
   `[{"type": "text", "text": ...}]`; a lone part as a dict; plain strings count as text parts)
@@ -350,8 +355,8 @@ def text_content(where: str, i: int, message: dict, keep_parts: bool) -> dict:
       continue
     kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
     text = part.get("text") if isinstance(part, dict) else None
-    if kind != "text" or not isinstance(text, str):
-      what = f"a {kind!r} part" if kind != "text" else f"a text part without text ({part!r:.60})"
+    if kind not in TEXT_PARTS or not isinstance(text, str):
+      what = f"a {kind!r} part" if kind not in TEXT_PARTS else "a text part without text"
       raise ValueError(
         f"{where}: message {i} ({message['role']}) has {what} at content[{k}]; only text can be "
         f'trained on: give text content, or parts {{"type": "text", "text": ...}}, or drop that '
@@ -365,15 +370,16 @@ def text_content(where: str, i: int, message: dict, keep_parts: bool) -> dict:
   return {**message, "content": content}
 
 
-def token_mask(offsets, spans) -> list[int]:
-  """1 for each token (its character span `offsets[i]`) overlapping an assistant span, else 0:
-  transformers' rule (`apply_chat_template(return_assistant_tokens_mask=True)`)."""
-  mask, k = [0] * len(offsets), 0
-  for i, (start, end) in enumerate(offsets):
-    while k < len(spans) and start >= spans[k][1]:
-      k += 1
-    if k == len(spans):
-      break
-    if end > spans[k][0]:
-      mask[i] = 1
-  return mask
+def token_mask(offsets, spans) -> np.ndarray:
+  """1 for each token (its character span `offsets[i]`, an (n, 2) array) overlapping an
+  assistant span, else 0: transformers' rule (`apply_chat_template(return_assistant_tokens_mask=
+  True)`): the first span ending after the token's start, if the token ends after it starts."""
+  offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+  if not spans:
+    return np.zeros(len(offsets), np.uint8)
+  starts, ends = np.asarray(spans, dtype=np.int64).T
+  k = np.searchsorted(ends, offsets[:, 0], side="right")
+  inside = k < len(ends)
+  mask = np.zeros(len(offsets), bool)
+  mask[inside] = offsets[inside, 1] > starts[k[inside]]
+  return mask.astype(np.uint8)

@@ -164,7 +164,7 @@ class Encoder:
       ) from None
     check_surrogates(where, "the chat", text)  # roles, reasoning: any field a template renders
     tokens, offsets = self.tokenizer.encode_offsets(text)
-    return tokens.astype(np.uint32), np.asarray(token_mask(offsets, spans), np.uint8)
+    return tokens.astype(np.uint32), token_mask(offsets, spans)
 
 
 def _missing(where: str, record: dict, field: str, fmt: str) -> ValueError:

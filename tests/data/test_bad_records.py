@@ -212,6 +212,8 @@ CONTENTS = {  # the same chat's user content in the shapes OpenAI's message form
   "parts": [{"type": "text", "text": "what is the tide?"}],
   "dict": {"type": "text", "text": "what is the tide?"},
   "two-parts": [{"type": "text", "text": "what is"}, {"type": "text", "text": "the tide?"}],
+  "responses-api": [{"type": "input_text", "text": "what is the tide?"}],
+  "strings": ["what is", "the tide?"],
 }
 
 
@@ -222,7 +224,7 @@ def test_content_parts_are_trained_on_as_their_text(shape, template):
   strings), never as the list's repr; the tokens equal those of the same chat as strings."""
   enc = Encoder(CHAT, HFTokenizer(TOKENIZER), MODEL, template)
   assert not enc.template.takes_parts()
-  want_text = "what is\nthe tide?" if shape == "two-parts" else "what is the tide?"
+  want_text = "what is\nthe tide?" if shape in ("two-parts", "strings") else "what is the tide?"
   chat = {
     "messages": [
       {"role": "user", "content": CONTENTS[shape]},
