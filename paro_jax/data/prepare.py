@@ -39,7 +39,6 @@ import numpy as np
 from tqdm import tqdm
 
 from paro_jax import report
-
 from paro_jax.core.run_lock import LOCK, RunLock
 from paro_jax.data import sources
 from paro_jax.data.example_shards import ExampleShardWriter
@@ -288,13 +287,7 @@ class _Job:
 
 def _prepare_locked(job: _Job, block: int, progress: bool | None) -> dict:
   """prepare_data within the lock on its --out."""
-  files, out, tok, tokenizer, text_field = (
-    job.files,
-    job.out,
-    job.tok,
-    job.tokenizer,
-    job.text_field,
-  )
+  files, out, tok, text_field = job.files, job.out, job.tok, job.text_field
   dtype, shard_tokens, fmt, encoder = job.dtype, job.shard_tokens, job.fmt, job.encoder
   _remove_stale(out)
   old = sorted(glob.glob(os.path.join(glob.escape(out), "shard-*.bin")))
@@ -353,8 +346,8 @@ def _prepare_locked(job: _Job, block: int, progress: bool | None) -> dict:
         )
       writer.close()
       meta = {
-        "tokenizer": tokenizer or "bytes",
-        "tokenizer_identity": tokenizer_identity(tokenizer),  # what train compares its own to
+        "tokenizer": job.tokenizer or "bytes",
+        "tokenizer_identity": tokenizer_identity(job.tokenizer),  # what train compares its own to
         "vocab_size": tok.vocab_size,
         "dtype": dtype.name,
         "tokens": writer.total,
