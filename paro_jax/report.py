@@ -54,6 +54,13 @@ def one_line(text) -> str:
   return " ".join(_REPRS.sub("", str(text)).split())
 
 
+def shown(path) -> str:
+  """`path` as a message shows it: as it is, or quoted with its escapes (repr) where it holds a
+  character that would not print as itself (a newline would split a one-line message)."""
+  path = os.fsdecode(path)
+  return path if path.isprintable() else repr(path)
+
+
 class _Log:
   """Full texts, buffered until the run directory exists, then appended to its log file."""
 

@@ -31,6 +31,10 @@ import json
 import os
 import re
 
+import numpy as np
+
+from paro_jax import report
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' name for it in an HF directory
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS = (  # transformers' SPECIAL_TOKENS_ATTRIBUTES: variables of every template
@@ -50,11 +54,10 @@ def tokenizer_config(directory: str) -> dict:
   path = os.path.join(directory, TOKENIZER_CONFIG)
   if not os.path.isfile(path):
     return {}
-  with open(path, encoding="utf-8") as f:
-    try:
-      return json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path} is not JSON ({e.msg} at line {e.lineno})") from None
+  try:
+    return json.loads(read_text(path, "the tokenizer config"))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not JSON ({e.msg} at line {e.lineno})") from None
 
 
 def special_tokens(directory: str | None) -> dict[str, str]:
@@ -74,8 +77,7 @@ def find_template(directory: str) -> str | None:
   """The chat template of an HF directory, as transformers loads it; None if it has none."""
   path = os.path.join(directory, CHAT_TEMPLATE_FILE)
   if os.path.isfile(path):
-    with open(path, encoding="utf-8") as f:
-      return f.read()
+    return read_text(path, "the chat template")
   template = tokenizer_config(directory).get("chat_template")
   if isinstance(template, list):  # named templates
     named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -90,13 +92,16 @@ def find_template(directory: str) -> str | None:
 
 def _environment():
   """transformers' jinja environment for chat templates (chat_template_utils.py)."""
-  try:  # optional (the hf extra): only chat records need it
-    import jinja2  # optional: the hf extra
-    import jinja2.ext  # optional: the hf extra
-    import jinja2.nodes  # optional: the hf extra
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # optional: the hf extra
+  try:  # a dependency: imported when a template is read (not at the CLI's start)
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
   except ImportError:
-    raise ValueError('chat templates need jinja2: pip install -e ".[hf]"') from None
+    raise ValueError(
+      "chat templates need jinja2, a dependency of paro-jax that is not installed: install "
+      "paro-jax again (from a checkout: pip install -e .)"
+    ) from None
 
   class AssistantTracker(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}`: records where each block's text lands."""
@@ -189,9 +194,15 @@ class ChatTemplate:
   is its text (what a run records and its export ships)."""
 
   def __init__(self, source: str, tokens: dict[str, str], where: str):
-    import jinja2  # optional: the hf extra (_environment says so when it is missing)
+    import jinja2  # a dependency (_environment says so when it is missing)
 
     self.source, self.where, self.tokens = source, where, dict(tokens)
+    if not source.strip():  # it would render every chat as nothing: no record has a target
+      raise ValueError(
+        f"the chat template of {where} is empty: pass --chat-template FILE with a jinja2 chat "
+        f"template (the model's chat_template.jinja)"
+      )
+    self._takes_parts = None
     try:
       self.template = _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
@@ -210,6 +221,21 @@ class ChatTemplate:
 
   def render(self, messages, add_generation_prompt: bool = False) -> str:
     return self.template.render(**self._variables(messages, add_generation_prompt))
+
+  def takes_parts(self) -> bool:
+    """Whether the template renders content given as a list of parts (OpenAI's
+    `[{"type": "text", "text": ...}]`) by their text, as templates that iterate the parts do;
+    one that does not would print the list's repr (found by rendering one such chat)."""
+    if self._takes_parts is None:
+      probe = "Pr0be text"
+      part = [{"type": "text", "text": probe}]
+      chat = [{"role": "user", "content": part}, {"role": "assistant", "content": part}]
+      try:
+        text = self.render(chat)
+      except Exception:  # noqa: BLE001 - a template that refuses lists: give it strings
+        text = ""
+      self._takes_parts = text.count(probe) == 2 and "'type'" not in text
+    return self._takes_parts
 
   def render_with_spans(self, messages) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the assistant's character spans in it), in order."""
@@ -238,26 +264,55 @@ class ChatTemplate:
     return text, spans
 
 
+def read_text(path: str, what: str) -> str:
+  """The text of a UTF-8 file the data depends on (a chat template, a tokenizer config)."""
+  with open(path, "rb") as f:
+    raw = f.read()
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(
+      f"{what} {report.shown(path)} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+      f"{e.start}): save it as UTF-8"
+    ) from None
+
+
 def read_template_file(chat_template: str) -> str:
-  """The text of --chat-template FILE; a missing file is one line."""
+  """The text of --chat-template FILE; a missing file, a directory, one not UTF-8: one line."""
+  shown = report.shown(chat_template)
+  if os.path.isdir(chat_template):
+    raise IsADirectoryError(
+      f"--chat-template {shown} is a directory: pass the template file in it (a jinja2 file, "
+      f"such as an HF model's {CHAT_TEMPLATE_FILE})"
+    )
   if not os.path.isfile(chat_template):
-    raise FileNotFoundError(f"--chat-template {chat_template!r} does not exist: pass a file")
-  with open(chat_template, encoding="utf-8") as f:
-    return f.read()
+    raise FileNotFoundError(f"--chat-template {shown} does not exist: pass a file")
+  return read_text(chat_template, "--chat-template")
 
 
-def load_chat_template(chat_template: str | None, directory: str | None) -> ChatTemplate:
+MODEL_FLAGS = "--init-from with the model's HF directory, or --tokenizer with its tokenizer.json"
+
+
+def load_chat_template(
+  chat_template: str | None, directory: str | None, model_flags: str = MODEL_FLAGS
+) -> ChatTemplate:
   """--chat-template FILE, else the chat template of the model's HF directory; its special
-  tokens from the directory's tokenizer_config.json. None of either is one line."""
+  tokens from the directory's tokenizer_config.json. None of either is one line: with no
+  directory, the flags that name the model's (`model_flags`: the command's)."""
   tokens = special_tokens(directory)
   if chat_template:
     return ChatTemplate(read_template_file(chat_template), tokens, chat_template)
   source = find_template(directory) if directory else None
-  if source is None:
-    where = f"{directory} has no chat template" if directory else "no HF directory is given"
+  if source is None and directory is None:  # the model's tokenizer is not known either
     raise ValueError(
-      f"chat records need a chat template and {where} ({CHAT_TEMPLATE_FILE}, or "
-      f"chat_template in {TOKENIZER_CONFIG}): pass --chat-template FILE"
+      f"chat records are rendered with the model's chat template and tokenized with its "
+      f"tokenizer, and no HF directory names them: pass {model_flags} (--chat-template FILE "
+      f"alone would tokenize the chats as bytes: for a byte-level model only)"
+    )
+  if source is None:
+    raise ValueError(
+      f"chat records need a chat template and {directory} has no chat template "
+      f"({CHAT_TEMPLATE_FILE}, or chat_template in {TOKENIZER_CONFIG}): pass --chat-template FILE"
     )
   return ChatTemplate(source, tokens, directory)
 
@@ -278,15 +333,53 @@ def normalize_messages(messages) -> list[dict]:
   return out
 
 
-def token_mask(offsets, spans) -> list[int]:
-  """1 for each token (its character span `offsets[i]`) overlapping an assistant span, else 0:
-  transformers' rule (`apply_chat_template(return_assistant_tokens_mask=True)`)."""
-  mask, k = [0] * len(offsets), 0
-  for i, (start, end) in enumerate(offsets):
-    while k < len(spans) and start >= spans[k][1]:
-      k += 1
-    if k == len(spans):
-      break
-    if end > spans[k][0]:
-      mask[i] = 1
-  return mask
+TEXT_PARTS = ("text", "input_text", "output_text")  # OpenAI's chat and Responses formats
+
+
+def text_content(where: str, i: int, message: dict, keep_parts: bool) -> dict:
+  """`message` with its content as text: content given as a list of parts (OpenAI's format,
+  `[{"type": "text", "text": ...}]`; a lone part as a dict; plain strings count as text parts)
+  kept as text parts where the template renders them (`keep_parts`), else joined with newlines
+  (as vLLM serves such content to a template that takes strings). A part that is not text (an
+  image, audio) is refused: there is nothing to train it on."""
+  content = message.get("content")
+  if content is None or isinstance(content, str):
+    return message
+  parts = [content] if isinstance(content, dict) else content
+  if not isinstance(parts, list):
+    return message  # a number: str() is its text; anything else fails the rendered-text check
+  texts = []
+  for k, part in enumerate(parts):
+    if isinstance(part, str):
+      texts.append(part)
+      continue
+    kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
+    text = part.get("text") if isinstance(part, dict) else None
+    if kind not in TEXT_PARTS or not isinstance(text, str):
+      what = f"a {kind!r} part" if kind not in TEXT_PARTS else "a text part without text"
+      raise ValueError(
+        f"{where}: message {i} ({message['role']}) has {what} at content[{k}]; only text can be "
+        f'trained on: give text content, or parts {{"type": "text", "text": ...}}, or drop that '
+        f"record"
+      )
+    texts.append(text)
+  if keep_parts:
+    content = [{"type": "text", "text": t} for t in texts]
+  else:
+    content = "\n".join(texts)
+  return {**message, "content": content}
+
+
+def token_mask(offsets, spans) -> np.ndarray:
+  """1 for each token (its character span `offsets[i]`, an (n, 2) array) overlapping an
+  assistant span, else 0: transformers' rule (`apply_chat_template(return_assistant_tokens_mask=
+  True)`): the first span ending after the token's start, if the token ends after it starts."""
+  offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+  if not spans:
+    return np.zeros(len(offsets), np.uint8)
+  starts, ends = np.asarray(spans, dtype=np.int64).T
+  k = np.searchsorted(ends, offsets[:, 0], side="right")
+  inside = k < len(ends)
+  mask = np.zeros(len(offsets), bool)
+  mask[inside] = offsets[inside, 1] > starts[k[inside]]
+  return mask.astype(np.uint8)

@@ -29,7 +29,7 @@ class DataConfig:
   text_field: str = option("text", "the JSONL field holding the text")
   tokenizer: str | None = option(  # None: the model's (data/tokenizers.py resolve_tokenizer)
     None,
-    "an HF tokenizer.json (needs the hf extra), or 'bytes' (vocab 256); default: the "
+    "an HF tokenizer.json (or its model's directory), or 'bytes' (vocab 256); default: the "
     "tokenizer.json of --init-from's directory, else bytes",
     metavar="TOKENIZER_JSON",
   )

@@ -21,8 +21,16 @@ import os
 
 import numpy as np
 
-from paro_jax.data.chat import load_chat_template, normalize_messages, special_tokens, token_mask
+from paro_jax.data.chat import (
+  MODEL_FLAGS,
+  load_chat_template,
+  normalize_messages,
+  special_tokens,
+  text_content,
+  token_mask,
+)
 from paro_jax.data.config import DATA_FORMATS
+from paro_jax.data.records import check_surrogates, not_text
 from paro_jax.data.tokenizers import BYTES, ByteTokenizer
 
 TEXT, PROMPT_COMPLETION, CHAT = DATA_FORMATS[1:]
@@ -78,10 +86,18 @@ def end_of_turn(template, tokenizer) -> int | None:
 class Encoder:
   """Records of one shape to (tokens, mask): `encoder(where, record)`. `directory`: the model's
   HF directory (chat template, special tokens); `chat_template`: --chat-template FILE;
-  `template`: a ChatTemplate to use where no --chat-template is given (a run's own, in eval)."""
+  `template`: a ChatTemplate to use where no --chat-template is given (a run's own, in eval);
+  `model_flags`: the command's flags that name the model's HF directory (for the line saying
+  none did)."""
 
   def __init__(
-    self, data_format: str, tokenizer, directory=None, chat_template=None, template=None
+    self,
+    data_format: str,
+    tokenizer,
+    directory=None,
+    chat_template=None,
+    template=None,
+    model_flags: str = MODEL_FLAGS,
   ):
     self.format, self.tokenizer = data_format, tokenizer
     self.eos = None
@@ -97,7 +113,9 @@ class Encoder:
     self.template = None
     if data_format == CHAT:  # `template` (a ChatTemplate) unless --chat-template FILE names one
       use_given = template is not None and not chat_template
-      self.template = template if use_given else load_chat_template(chat_template, directory)
+      self.template = (
+        template if use_given else load_chat_template(chat_template, directory, model_flags)
+      )
 
   def __call__(self, where: str, record: dict) -> tuple[np.ndarray, np.ndarray]:
     if self.format == PROMPT_COMPLETION:
@@ -109,11 +127,11 @@ class Encoder:
   def _prompt_completion(self, where, record):
     texts = []
     for field in ("prompt", "completion"):
-      if not isinstance(record.get(field), str):
-        raise ValueError(
-          f"{where}: the {field!r} field is {type(record.get(field)).__name__}, not text: fix or "
-          f"drop that record"
-        )
+      if field not in record:
+        raise _missing(where, record, field, PROMPT_COMPLETION)
+      if not isinstance(record[field], str):
+        raise not_text(where, field, record[field], "fix or drop that record")
+      check_surrogates(where, f"the {field!r} field", record[field])
       texts.append(record[field])
     prompt = self.tokenizer.encode(texts[0])
     completion = self.tokenizer.encode_offsets(texts[1])[0]
@@ -124,6 +142,8 @@ class Encoder:
     return tokens, mask
 
   def _chat(self, where, record):
+    if "messages" not in record:
+      raise _missing(where, record, "messages", CHAT)
     messages = record["messages"]
     if not isinstance(messages, list) or not all(
       isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
@@ -132,6 +152,8 @@ class Encoder:
         f"{where}: 'messages' must be a list of objects with a 'role' and a 'content': fix or "
         f"drop that record"
       )
+    parts = self.template.takes_parts()
+    messages = [text_content(where, i, m, parts) for i, m in enumerate(messages)]
     try:
       text, spans = self.template.render_with_spans(normalize_messages(messages))
     except Exception as e:  # jinja2's TemplateError (raise_exception), a template's own bug
@@ -140,5 +162,23 @@ class Encoder:
       raise ValueError(
         f"{where}: the chat template of {self.template.where} refused the record: {e}"
       ) from None
+    check_surrogates(where, "the chat", text)  # roles, reasoning: any field a template renders
     tokens, offsets = self.tokenizer.encode_offsets(text)
-    return tokens.astype(np.uint32), np.asarray(token_mask(offsets, spans), np.uint8)
+    return tokens.astype(np.uint32), token_mask(offsets, spans)
+
+
+def _missing(where: str, record: dict, field: str, fmt: str) -> ValueError:
+  """A record without a field its format needs: one line, saying which format it looks like
+  (--data-format chat on prompt-completion records, a chat file with another record in it)."""
+  looks = record_format(record, "text")
+  hint = ""
+  if looks not in (None, fmt):
+    hint = (
+      f"; it is a {looks} record: pass records of one shape, with --data-format {looks} (or "
+      f"auto) for {looks} records"
+    )
+  need = "'prompt' and 'completion'" if fmt == PROMPT_COMPLETION else "'messages' (a chat)"
+  return ValueError(
+    f"{where}: the record has no {field!r} field (it has {sorted(record)}), and {fmt} records "
+    f"each need {need}{hint}: fix or drop that record"
+  )

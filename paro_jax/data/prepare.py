@@ -25,6 +25,8 @@ one either way).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import glob
 import json
@@ -36,9 +38,11 @@ import threading
 import numpy as np
 from tqdm import tqdm
 
+from paro_jax import report
+from paro_jax.core.run_lock import LOCK, RunLock
 from paro_jax.data import sources
 from paro_jax.data.example_shards import ExampleShardWriter
-from paro_jax.data.instruct import TEXT, Encoder, tokenizer_directory
+from paro_jax.data.instruct import CHAT, TEXT, Encoder, tokenizer_directory
 from paro_jax.data.records import read_records, read_texts
 from paro_jax.data.bins import BIN_DTYPES, META
 from paro_jax.data.streams import _not_utf8, check_text, expand_paths, read_jsonl, TEXT_SAMPLE
@@ -150,6 +154,7 @@ def _disk_full(e: OSError, out: str) -> ValueError | None:
   if e.errno not in (errno.ENOSPC, errno.EDQUOT):
     return None
   what = "the disk is full" if e.errno == errno.ENOSPC else "the disk quota is exceeded"
+  out = report.shown(out)
   return ValueError(
     f"{what}: could not write the shards into {out}; nothing was published there (the partial "
     f"shards were removed). Free space on the disk holding {out}, or pass another --out"
@@ -217,18 +222,82 @@ def prepare_data(
       f"the tokenizer's vocabulary of {tok.vocab_size} does not fit in {dtype.name}: pass "
       f"--bin-dtype uint32"
     )
+  fmt = sources.data_format(files, text_field, data_format)
+  encoder = None
+  if fmt != TEXT:
+    if fmt == CHAT and tokenizer is None:
+      raise ValueError(
+        "chat records are tokenized with the model's tokenizer and rendered with its chat "
+        "template, and no --tokenizer names them: pass --tokenizer with the tokenizer.json of the "
+        "model's HF directory (its chat template is used unless --chat-template FILE names "
+        f"another), or --tokenizer {BYTES} to tokenize the chats as bytes"
+      )
+    flags = "--tokenizer with the tokenizer.json of the model's HF directory"
+    encoder = Encoder(fmt, tok, tokenizer_directory(tokenizer), chat_template, None, flags)
+  made = _missing_top(out)
   os.makedirs(out, exist_ok=True)
+  with RunLock(out, True, "prepare-data", remove=True):  # the whole run: checks and renames
+    try:
+      job = _Job(files, out, tok, tokenizer, text_field, dtype, shard_tokens, fmt, encoder)
+      return _prepare_locked(job, block, progress)
+    except BaseException:
+      if made is not None:  # a failed run leaves no directory it made
+        _remove_made(made, out)
+      raise
+
+
+def _missing_top(out: str) -> str | None:
+  """The top directory `os.makedirs(out)` would create (None: `out` exists)."""
+  path, top = os.path.abspath(out), None
+  while not os.path.exists(path):
+    path, top = os.path.dirname(path), path
+  return top
+
+
+def _remove_made(top: str, out: str) -> None:
+  """Remove `out` and its parents up to `top` (those this run made) where they hold nothing but
+  the lock file, still held (a run taking it next makes the directory again)."""
+  path = os.path.abspath(out)
+  with contextlib.suppress(OSError):
+    os.unlink(os.path.join(path, LOCK))
+  while True:
+    try:
+      os.rmdir(path)
+    except OSError:
+      return
+    if path == top:
+      return
+    path = os.path.dirname(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+  """What a prepare-data run was asked, checked before its --out is made."""
+
+  files: list[str]
+  out: str
+  tok: ByteTokenizer | HFTokenizer
+  tokenizer: str | None  # as given (meta.json names it)
+  text_field: str
+  dtype: np.dtype
+  shard_tokens: int
+  fmt: str
+  encoder: Encoder | None  # instruction data's
+
+
+def _prepare_locked(job: _Job, block: int, progress: bool | None) -> dict:
+  """prepare_data within the lock on its --out."""
+  files, out, tok, text_field = job.files, job.out, job.tok, job.text_field
+  dtype, shard_tokens, fmt, encoder = job.dtype, job.shard_tokens, job.fmt, job.encoder
   _remove_stale(out)
   old = sorted(glob.glob(os.path.join(glob.escape(out), "shard-*.bin")))
   if old or os.path.exists(os.path.join(out, META)):
     what = f"{len(old)} shards ({os.path.basename(old[0])}, ...)" if old else META
     raise ValueError(
-      f"{out} already holds {what}: pass another --out, or delete them to prepare the data again"
+      f"{report.shown(out)} already holds {what}: pass another --out, or delete them to prepare "
+      f"the data again"
     )
-  fmt = sources.data_format(files, text_field, data_format)
-  encoder, dropped = None, 0
-  if fmt != TEXT:
-    encoder = Encoder(fmt, tok, tokenizer_directory(tokenizer), chat_template)
+  dropped = 0
   partial = os.path.join(out, f"{PARTIAL}{os.getpid()}")
   os.makedirs(partial)
   if encoder is not None:
@@ -277,8 +346,8 @@ def prepare_data(
         )
       writer.close()
       meta = {
-        "tokenizer": tokenizer or "bytes",
-        "tokenizer_identity": tokenizer_identity(tokenizer),  # what train compares its own to
+        "tokenizer": job.tokenizer or "bytes",
+        "tokenizer_identity": tokenizer_identity(job.tokenizer),  # what train compares its own to
         "vocab_size": tok.vocab_size,
         "dtype": dtype.name,
         "tokens": writer.total,

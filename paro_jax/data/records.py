@@ -9,10 +9,42 @@ where it is (`FILE:LINE`, `FILE row N`), for errors that name it.
 from __future__ import annotations
 
 import json
+import re
 
 PARQUET_ROWS = 1024  # rows decoded at once
 RECORD_FILES = (".jsonl", ".parquet")
-INSTALL = 'pip install -e ".[hf]"'
+INSTALL = "pip install 'paro-jax[hf]' (from a checkout: pip install -e \".[hf]\")"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_surrogates(where: str, what: str, text: str) -> None:
+  """A lone surrogate (JSON's "\\ud800" escape) is no character and has no UTF-8: no tokenizer
+  takes it. One line naming the record and the field."""
+  if bad := _SURROGATE.search(text):
+    raise ValueError(
+      f"{where}: {what} holds a lone surrogate ({ascii(bad.group())} at character "
+      f"{bad.start()}), which is not text: fix or drop that record"
+    )
+
+
+def preview(value) -> str:
+  """The start of a record's field as JSON writes it (bytes and other non-JSON values: their
+  repr), for a line naming a field that is not text."""
+  try:
+    shown = json.dumps(value)
+  except (TypeError, ValueError):
+    shown = repr(value)
+  return shown[:40]
+
+
+def not_text(where: str, field: str, value, fix: str) -> ValueError:
+  """The field `field` of a record is not text (a number, a list, bytes...): one line."""
+  kind = type(value).__name__
+  if isinstance(value, (bytes, bytearray)):
+    fix = f"{fix}; a Parquet column of binary type holds bytes: cast it to string"
+  return ValueError(f"{where}: the {field!r} field is {preview(value)} ({kind}), not text: {fix}")
 
 
 def is_records(path: str) -> bool:
@@ -24,7 +56,9 @@ def _parquet(path: str):
   try:
     import pyarrow.parquet as pq  # optional: only for Parquet files
   except ImportError:
-    raise ValueError(f"{path}: reading Parquet files needs pyarrow: {INSTALL}") from None
+    raise ValueError(
+      f"{path}: reading Parquet files needs pyarrow, the hf extra: {INSTALL}"
+    ) from None
   try:
     return pq.ParquetFile(path)
   except Exception as e:  # pyarrow's ArrowInvalid and friends
@@ -74,12 +108,31 @@ def _parquet_records(path: str, columns, progress):
   size = pf.metadata.serialized_size + sum(
     pf.metadata.row_group(i).total_byte_size for i in range(pf.num_row_groups)
   )
-  for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=columns):
-    for record in batch.to_pylist():
-      yield f"{path} row {row}", record
-      row += 1
-    if progress and total:
-      progress(size * batch.num_rows // total)
+  for group in range(pf.num_row_groups):
+    batches = pf.iter_batches(batch_size=PARQUET_ROWS, columns=columns, row_groups=[group])
+    while True:
+      try:  # decoding a page: where a damaged file fails (a bad checksum, garbled compression)
+        batch = next(batches, None)
+        records = None if batch is None else batch.to_pylist()
+      except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid, OSError and friends
+        raise _damaged(path, pf, group, e) from None
+      if batch is None:
+        break
+      for record in records:
+        yield f"{path} row {row}", record
+        row += 1
+      if progress and total:
+        progress(size * batch.num_rows // total)
+
+
+def _damaged(path: str, pf, group: int, e: Exception) -> ValueError:
+  first = sum(pf.metadata.row_group(g).num_rows for g in range(group))
+  last = first + pf.metadata.row_group(group).num_rows - 1
+  why = str(e).strip() or type(e).__name__
+  return ValueError(
+    f"{path}: row group {group} of {pf.num_row_groups} (rows {first}-{last}) cannot be read "
+    f"({why}): the file is damaged: download or write it again"
+  )
 
 
 def first_record(path: str) -> tuple[str, dict]:
@@ -99,8 +152,6 @@ def read_texts(path: str, field: str, progress=None):
   for where, record in read_records(path, [field], progress):
     text = record[field]
     if not isinstance(text, str):
-      raise ValueError(
-        f"{where}: the {field!r} field is {json.dumps(text)[:40]} ({type(text).__name__}), not "
-        f"text: fix or drop that record, or pass --text-field with the column that holds the text"
-      )
+      fix = "fix or drop that record, or pass --text-field with the column that holds the text"
+      raise not_text(where, field, text, fix)
     yield text

@@ -6,8 +6,8 @@ read a batch of rows at a time: data/records.py); pre-tokenized `.bin` files of 
 ids (read by os.pread, window by window: never loaded whole, any number of them, e.g. the shards
 of `paro-jax prepare-data`, paro_jax/data/prepare.py, checked against their meta.json). Several
 sources are read as one stream (`TokenStream`) without being joined in memory. Text is tokenized
-at byte level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, needs the
-`tokenizers` package: `pip install -e ".[hf]"`); with an HF tokenizer each document (a text file,
+at byte level (vocabulary 256) or by an HF `tokenizer.json` (`--tokenizer`, through the
+`tokenizers` package); with an HF tokenizer each document (a text file,
 a JSONL or Parquet record) starts with the special tokens its post-processor adds and ends with
 its end-of-sequence token (data/tokenizers.py), as bytes each is its bytes alone.
 
@@ -18,16 +18,14 @@ the Python standard library, so a training run needs no download.
 from __future__ import annotations
 
 import glob
-import json
 import os
-import re
 import sysconfig
 
 import numpy as np
 
 from paro_jax.data.bins import SHARD, bin_dtype_for, bin_max, check_shards, read_bin
 from paro_jax.data.config import DataConfig
-from paro_jax.data.records import read_records
+from paro_jax.data.records import check_surrogates, not_text, read_records
 from paro_jax.data.tokenizers import BYTES, check_vocab, make_tokenizer
 
 
@@ -71,20 +69,12 @@ def read_jsonl(path: str, field: str, progress=None):
       )
     text = record[field]
     if not isinstance(text, str):
-      raise ValueError(
-        f"{where}: the {field!r} field is {json.dumps(text)[:40]} ({type(text).__name__}), "
-        f"not text: fix or drop that record, or pass --text-field with the field that holds "
-        f"the text"
-      )
-    if bad := _SURROGATE.search(text):  # JSON's "\ud800" escape: no character, no UTF-8
-      raise ValueError(
-        f"{where}: the {field!r} field holds a lone surrogate ({ascii(bad.group())} at "
-        f"character {bad.start()}), which is not text: fix or drop that record"
-      )
+      fix = "fix or drop that record, or pass --text-field with the field that holds the text"
+      raise not_text(where, field, text, fix)
+    check_surrogates(where, f"the {field!r} field", text)
     yield text
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
 TEXT_SAMPLE = 1 << 20  # bytes of a text file checked for being text
 MAX_CONTROL = 0.05  # fraction of control characters (other than tab, newlines, form feed) allowed
 

@@ -1,5 +1,5 @@
 """Tokenizers of `--data` text: bytes (vocabulary 256, no special tokens), or an HF
-`tokenizer.json` through the `tokenizers` package (`pip install -e ".[hf]"`); which one a run
+`tokenizer.json` through the `tokenizers` package (a dependency); which one a run
 uses (`resolve_tokenizer`: --tokenizer, else the model's HF directory's); the check that a
 tokenizer's ids fit the model's vocabulary.
 
@@ -26,6 +26,8 @@ from paro_jax.data.config import DataConfig
 BYTE_VOCAB = 256
 BYTES = "bytes"  # --tokenizer bytes: byte-level tokens, asked for by name
 TOKENIZER_FILE = "tokenizer.json"  # an HF model directory's
+WINDOW = 1 << 16  # characters of a long text tokenized at once (HFTokenizer.encode_offsets)
+MARGIN = 1 << 10  # characters at a window's end whose tokens may depend on the text after it
 
 
 class ByteTokenizer:
@@ -42,10 +44,12 @@ class ByteTokenizer:
   def document_ends(self) -> tuple[list[int], list[int]]:
     return [], []
 
-  def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """(the bytes, the character span each byte belongs to)."""
-    spans = [(i, i + 1) for i, c in enumerate(text) for _ in range(len(c.encode("utf-8")))]
-    return self.encode(text), spans
+  def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the bytes, the character span each byte belongs to: (n, 2) int32)."""
+    raw = self.encode(text)
+    dtype = np.int32 if len(raw) < 2**31 else np.int64
+    char = np.cumsum((raw & 0xC0) != 0x80, dtype=dtype) - 1  # UTF-8's first bytes start one
+    return raw, np.stack([char, char + 1], axis=1)
 
   def token_id(self, token: str) -> int | None:
     return None  # no special tokens in 256 bytes
@@ -59,10 +63,11 @@ class HFTokenizer:
 
   def __init__(self, path: str):
     try:
-      import tokenizers  # optional: only for HF tokenizer files
+      import tokenizers  # a dependency: imported when a tokenizer is read
     except ImportError as e:
       raise ValueError(
-        f'--tokenizer {path} needs the `tokenizers` package: pip install -e ".[hf]"'
+        f"--tokenizer {path} needs the `tokenizers` package, a dependency of paro-jax that is "
+        f"not installed: install paro-jax again (from a checkout: pip install -e .)"
       ) from e
     if os.path.isdir(path):  # an HF model directory: its tokenizer.json
       inside = os.path.join(path, TOKENIZER_FILE)
@@ -95,24 +100,30 @@ class HFTokenizer:
     self._ends = None
 
   def encode(self, text: str) -> np.ndarray:
-    return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
+    """`text`'s ids with the special tokens the post-processor adds."""
+    before, after = self._post_processed()
+    return np.concatenate([before, self.encode_offsets(text)[0], after]).astype(np.uint32)
 
   def document(self, text: str) -> np.ndarray:
     """A document's tokens: `text` through the tokenizer's post-processor (which adds the
     beginning-of-sequence token where the tokenizer does), then the end-of-sequence token."""
-    _, end = self.document_ends()
-    return np.asarray(self._tok.encode(text).ids + end, dtype=np.uint32)
+    before, end = self.document_ends()
+    return np.concatenate([before, self.encode_offsets(text)[0], end]).astype(np.uint32)
+
+  def _post_processed(self) -> tuple[list[int], list[int]]:
+    """(the ids the post-processor adds before a text, those after it)."""
+    probe = self._tok.encode("x")  # one ordinary token between the added ones
+    special = probe.special_tokens_mask
+    text = [i for i, s in enumerate(special) if not s]
+    lo, hi = (text[0], text[-1] + 1) if text else (len(special), len(special))
+    return probe.ids[:lo], probe.ids[hi:]
 
   def document_ends(self) -> tuple[list[int], list[int]]:
     """(the ids before a document's text, those after it): what the post-processor adds on
     either side, then the end-of-sequence token unless the post-processor already ends with it.
     For a document tokenized in pieces (prepare-data's blocks of lines)."""
     if self._ends is None:
-      probe = self._tok.encode("x")  # one ordinary token between the added ones
-      special = probe.special_tokens_mask
-      text = [i for i, s in enumerate(special) if not s]
-      lo, hi = (text[0], text[-1] + 1) if text else (len(special), len(special))
-      before, after = probe.ids[:lo], probe.ids[hi:]
+      before, after = self._post_processed()
       eos = special_tokens(os.path.dirname(self.path)).get("eos_token")
       eos_id = self._tok.token_to_id(eos) if eos else None
       if eos_id is None:
@@ -125,11 +136,40 @@ class HFTokenizer:
       self._ends = (before, after if after[-1:] == [eos_id] else [*after, eos_id])
     return self._ends
 
-  def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+  def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
     """(the ids without the special tokens the post-processor adds, each one's character span
-    in `text`): as transformers tokenizes a rendered chat."""
-    encoding = self._tok.encode(text, add_special_tokens=False)
-    return np.asarray(encoding.ids, dtype=np.uint32), encoding.offsets
+    in `text`, (n, 2) int32): as transformers tokenizes a rendered chat.
+
+    A long text is tokenized a window of `WINDOW` characters at a time, in bounded memory (the
+    tokenizer's own encoding holds a few hundred bytes per token): each window is cut at a token
+    that starts half-way in, and the next window starts there; the two windows' tokens must be
+    the same (ids and spans) from the cut to near the first one's end, which shows that the
+    tokens do not depend on the text beyond (as a pre-tokenizer's pieces do not). Where they
+    differ (a tokenizer that prepends to each text it is given, a piece longer than a window),
+    the text is tokenized whole, as before: the same tokens, in more memory."""
+    if len(text) <= 2 * WINDOW:
+      return self._window(text, 0, len(text))
+    ids, spans, pos = [], [], 0
+    here = self._window(text, 0, WINDOW)
+    while pos + WINDOW < len(text):
+      k = int(np.searchsorted(here[1][:, 0], pos + WINDOW // 2))
+      if not 0 < k < len(here[0]):
+        return self._window(text, 0, len(text))
+      cut = int(here[1][k, 0])
+      after = self._window(text, cut, min(len(text), cut + WINDOW))
+      m = int(np.searchsorted(here[1][k:, 1], pos + WINDOW - MARGIN, side="right"))
+      if m == 0 or not all(np.array_equal(a[k : k + m], b[:m]) for a, b in zip(here, after)):
+        return self._window(text, 0, len(text))
+      ids.append(here[0][:k])
+      spans.append(here[1][:k])
+      pos, here = cut, after
+    return np.concatenate([*ids, here[0]]), np.concatenate([*spans, here[1]])
+
+  def _window(self, text: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    encoding = self._tok.encode(text[start:stop], add_special_tokens=False)
+    dtype = np.int32 if len(text) < 2**31 else np.int64  # 8 bytes a token, not 16
+    spans = np.asarray(encoding.offsets, dtype=dtype).reshape(-1, 2) + dtype(start)
+    return np.asarray(encoding.ids, dtype=np.uint32), spans
 
   def token_id(self, token: str) -> int | None:
     return self._tok.token_to_id(token)

@@ -1,10 +1,9 @@
 """How a run of `paro-jax train` stops: the signals (SIGINT, SIGTERM) that ask it to stop at a step
-boundary, the vote by which several processes stop at the same step, the lock that keeps two runs
-out of one directory, and the exceptions a stopped run raises."""
+boundary, the vote by which several processes stop at the same step, and the exceptions a stopped
+run raises (the lock that keeps two runs out of one directory: core/run_lock.py)."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import threading
@@ -15,8 +14,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paro_jax.run.checkpoint import Checkpointer
-
-LOCK = ".paro-jax.lock"  # held (flock) by the process-0 of the run using the directory
 
 
 class NonFiniteSteps(ValueError):
@@ -132,33 +129,3 @@ class StopVote:
   def __call__(self, flag: bool) -> jax.Array:
     local = np.full((self.local,), int(flag), np.int32)
     return self.reduce(jax.make_array_from_process_local_data(self.sharding, local))
-
-
-class RunLock:
-  """An exclusive lock on a run directory while a run writes it (process 0 only)."""
-
-  def __init__(self, out: str, main: bool):
-    self.path, self.main, self.fd = os.path.join(out, LOCK), main, None
-
-  def __enter__(self):
-    if not self.main:
-      return self
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      holder = os.read(fd, 100).decode(errors="replace").strip() or "another process"
-      os.close(fd)
-      raise ValueError(
-        f"{os.path.dirname(self.path)} is in use by another run ({holder}): wait for it to "
-        f"finish, stop it, or pass another --out"
-      ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
-    self.fd = fd
-    return self
-
-  def __exit__(self, *_exc):
-    if self.fd is not None:
-      os.close(self.fd)  # releases the lock
-      self.fd = None

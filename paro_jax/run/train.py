@@ -15,6 +15,7 @@ import jax
 from paro_jax.cluster import watch
 from paro_jax.core.state import TrainState
 from paro_jax.core.engine import Engine
+from paro_jax.core.run_lock import RunLock
 from paro_jax.run import reporting
 from paro_jax.run.bookkeeping import Bookkeeper
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
@@ -24,7 +25,7 @@ from paro_jax.data.streams import Batches
 from paro_jax.data.examples import ExampleBatches
 from paro_jax.run.fit import run_memory
 from paro_jax.run.setup import build, place_batch, starting_point, with_tokenizer
-from paro_jax.run.stopping import Interrupted, RunLock, StopSignals, StopVote
+from paro_jax.run.stopping import Interrupted, StopSignals, StopVote
 
 
 def train(cfg: RunConfig) -> str:

@@ -142,5 +142,5 @@ def test_masks_are_tokens_not_characters():
   """A token is the assistant's when it overlaps an assistant span (transformers' rule)."""
   from paro_jax.data.chat import token_mask
 
-  assert token_mask([(0, 2), (2, 5), (5, 6), (6, 9)], [(3, 6)]) == [0, 1, 1, 0]
+  assert token_mask([(0, 2), (2, 5), (5, 6), (6, 9)], [(3, 6)]).tolist() == [0, 1, 1, 0]
   assert np.sum(token_mask([(0, 1)], [])) == 0

@@ -30,7 +30,8 @@ from paro_jax.core.strategy import parse_strategy
 from paro_jax import cli
 from paro_jax.core.config import make_config
 from paro_jax.run.config import RunConfig
-from paro_jax.run.stopping import LOCK, NonFiniteSteps
+from paro_jax.core.run_lock import LOCK
+from paro_jax.run.stopping import NonFiniteSteps
 from paro_jax.run.train import train
 from tests.run.tiny_run import RUN, losses
 
