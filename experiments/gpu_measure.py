@@ -60,8 +60,8 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--inter-bandwidth", default=None, help="as inspect's (multi-node meshes)")
-  ap.add_argument("--old", default="none", help="undo these changes of the GPU step (comma-separated, "
-                  "`all` or `none`; experiments/gpu_variants.py names them)")  # fmt: skip
+  ap.add_argument("--old", default="none", help="undo these of the GPU step's changes "
+                  "(comma-separated, `all` or `none`; gpu_variants.py names them)")  # fmt: skip
   ap.add_argument("--suite", action="store_true", help="the before/after suite on one GPU "
                   "(SUITE, in priority order within --budget-s): one page in --out")  # fmt: skip
   ap.add_argument("--budget-s", type=float, default=450.0, help="the suite starts no run that "
@@ -218,7 +218,8 @@ def _print_run(r: dict, out: str) -> None:
   )  # fmt: skip
 
 
-# The before/after suite of the GPU step's changes on one GPU, in priority order (the budget cuts from the end):
+# The before/after suite of the GPU step's changes on one GPU, in priority order (the budget cuts
+# from the end):
 # each row (name, layers of 7b, micro-batches, changes undone).
 SUITE = (
   ("7b-L4-A1", 4, 1, "none"),
@@ -227,7 +228,7 @@ SUITE = (
   ("7b-L8-A2-before", 8, 2, "all"),
   *((f"7b-L4-A1-old-{c}", 4, 1, c) for c in CHANGES_ON_ONE_GPU),
 )
-# The goals: how much faster than before each run must be (the GPU step's goals), and the runs it compares.
+# The goals: how much faster than before each run must be, and the runs it compares.
 GOALS = {"7b-L4-A1": 0.10, "7b-L8-A2": 0.08}
 
 

@@ -1,4 +1,4 @@
-"""The step as it was before each of the GPU step's changes, to measure every change on the same GPU.
+"""The step as it was before each of the GPU step's changes, to measure each on the same GPU.
 
 Each change that made the GPU step move fewer bytes can be undone here, alone or together, for
 one measurement (`experiments/gpu_measure.py --old NAMES`): the earlier code of what it
