@@ -445,7 +445,7 @@ MAGIC = 255  # a batch whose first token is this gets a NaN loss (and NaN gradie
 @pytest.fixture
 def nan_batches(monkeypatch):
   """Steps listed in the returned set get a NaN loss and NaN gradients, inside the jitted step."""
-  import paro_jax.core.engine as engine_module
+  import paro_jax.core.forward as forward_module
   import paro_jax.core.step as step_module
 
   real_loss, real_call, poisoned = next_token_loss, Batches.__call__, set()
@@ -460,8 +460,8 @@ def nan_batches(monkeypatch):
       tokens[:, :, 1] = MAGIC  # the first target of every micro-batch
     return tokens
 
-  monkeypatch.setattr(engine_module, "next_token_loss", loss)  # the sync-in-backward program
-  monkeypatch.setattr(step_module, "next_token_loss", loss)  # the boundary-sync program
+  monkeypatch.setattr(step_module, "next_token_loss", loss)  # the step's loss
+  monkeypatch.setattr(forward_module, "next_token_loss", loss)  # eval's
   monkeypatch.setattr(Batches, "__call__", call)
   return poisoned
 
