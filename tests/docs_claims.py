@@ -46,6 +46,8 @@ FOREIGN_FLAGS = {
   "batch",  # scancel
   "map-by",  # mpirun
   "allow-run-as-root",  # mpirun
+  "logdir",  # tensorboard
+  "backend-store-uri",  # mlflow ui
 }
 
 FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w-])")

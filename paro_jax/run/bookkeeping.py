@@ -1,8 +1,9 @@
 """The per-step bookkeeping of a run of `paro-jax train`: each finished step's metrics row
-(metrics.jsonl, the progress bar), the streak of non-finite steps, the divergence band
-(run/divergence.py), which checkpoints to save, and which one is the newest good one (kept by
---keep, named when the run stops). The loop (run/train.py) calls `record` for each finished step
-and `save` where it checkpoints; what it raises stops the run.
+(metrics.jsonl, the progress bar, from process 0 the sinks of run/sinks.py), the streak of
+non-finite steps, the divergence band (run/divergence.py), which checkpoints to save, and which
+one is the newest good one (kept by --keep, named when the run stops). The loop (run/train.py)
+calls `record` for each finished step and `save` where it checkpoints; what it raises stops the
+run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import warnings
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from paro_jax.analysis.gpu.hardware import mfu
@@ -26,8 +28,10 @@ from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_errors import CheckpointError
 from paro_jax.run.config import RunConfig
 from paro_jax.run.divergence import DivergenceGuard
-from paro_jax.run.metrics import METRICS, dump_row
+from paro_jax.core.config import options, value_at
+from paro_jax.run.metrics import METRICS, dump_row, read_rows
 from paro_jax.run.setup import run_meta
+from paro_jax.run.sinks import Sinks
 from paro_jax.run.stopping import Diverged, NonFiniteSteps
 
 
@@ -56,6 +60,12 @@ class Bookkeeper:
     self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
     self.flops_per_step = engine.model.cfg.flops_per_token(cfg.seq_len) * self.tokens_per_step
     self.device_kind = jax.devices()[0].device_kind
+    # The learning rate of each update (the engine's schedule, read once); a non-finite step
+    # leaves Adam's count as it was, so the next one takes the same rate. A resumed run counts
+    # its checkpoint's steps as updates (skipped steps before it are not known).
+    lr_of = engine.optim.lr_schedule()
+    self.lrs = np.asarray(jax.device_get(lr_of(np.arange(max(cfg.optimizer.steps, 1)))))
+    self.updates = start
     self.bar = tqdm(
       total=cfg.optimizer.steps,
       initial=min(start, cfg.optimizer.steps),
@@ -78,6 +88,12 @@ class Bookkeeper:
     self.good = self.candidate = self.saved
     if self.saved is not None:
       ckpt.protect(self.saved)
+    self.sinks = None
+    if main:  # opened before metrics.jsonl is rewritten: it says what the sinks were given
+      kept = [json.loads(line) for line in rows]
+      logged_to = _last_step(self.path) if start else None
+      params = {path: value_at(cfg, path) for path, _ in options(type(cfg))}
+      self.sinks = Sinks(cfg.sinks, cfg.out, start, kept, logged_to, params)
     self.log = open(self.path if main else os.devnull, "w")  # noqa: SIM115 - closed by __exit__
     try:
       self._write(rows)
@@ -91,6 +107,8 @@ class Bookkeeper:
   def __exit__(self, *_exc):
     self.log.close()
     self.bar.close()
+    if self.sinks is not None:
+      self.sinks.close()
 
   def save(self, state: TrainState, why: str = "") -> None:
     """Checkpoint `state` (asynchronously), unless it is saved already, its weights did not
@@ -128,6 +146,8 @@ class Bookkeeper:
     self.rows.append(row)
     line = dump_row(row)
     self._write([line])
+    if self.sinks is not None:
+      self.sinks.write(json.loads(line))  # as metrics.jsonl holds it (NaN: null, no figure)
     self._show(row, line)
     self._stop_if_diverged(step, row)
 
@@ -137,6 +157,9 @@ class Bookkeeper:
     # targets: the target tokens the step's loss is the mean over (all but each row's first
     # token of a token stream; instruction data's completion or assistant tokens)
     row = {"step": step, **{k: int(v) if k == "targets" else float(v) for k, v in metrics.items()}}
+    row["lr"] = float(self.lrs[min(self.updates, len(self.lrs) - 1)])
+    if math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]):
+      self.updates += 1
     watch.finished(step)
     # The first step of a process includes compilation; later ones are pure step time.
     row["step_time_s"] = now - self.last_time
@@ -145,6 +168,9 @@ class Bookkeeper:
     if util is not None:
       row["mfu"] = util
     self.last_time = now
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    if all(p is not None for p in peaks):  # GPUs and TPUs; the CPU keeps no such count
+      row["peak_memory_gib"] = max(peaks) / 2**30
     return row
 
   def _warn_once_out_of_band(self) -> None:
@@ -226,3 +252,14 @@ class Bookkeeper:
         f"{what}: could not write {self.path}; {kept}. Free space on its disk or pass another "
         f"--out",
       ) from None
+
+
+def _last_step(metrics_path: str) -> int | None:
+  """The last step of the metrics.jsonl a resumed run is about to rewrite (None: unreadable)."""
+  try:
+    with warnings.catch_warnings():  # a truncated last line: said already when it was read
+      warnings.simplefilter("ignore")
+      rows = read_rows(metrics_path)
+  except (OSError, ValueError):
+    return None
+  return rows[-1]["step"] if rows else 0

@@ -1,6 +1,7 @@
 """`RunConfig`: what `paro-jax train` runs, a training step's configuration plus the run's, the
 run's in groups: `optimizer` (the schedule), `data` (where its tokens come from), `eval`,
-`checkpoints` and `guard` (the divergence guard, run/divergence.py).
+`checkpoints`, `guard` (the divergence guard, run/divergence.py), `sinks` (where the metrics rows
+go besides metrics.jsonl, run/sinks.py) and `profile` (a profiler trace, run/profiling.py).
 
 Its flags are built from these fields by run/train_command.py (core/flags.py, from core/config.py
 `option`, `group`). The module imports no jax or numpy: the CLI builds its parser before jax
@@ -105,6 +106,74 @@ class CheckpointOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SinkOptions:
+  """Where each step's metrics row goes besides OUT/metrics.jsonl (run/sinks.py)."""
+
+  tensorboard: bool = option(
+    True,
+    "write no TensorBoard event files (by default the rows go to OUT/tensorboard/ too)",
+    flag="--no-tensorboard",
+    action="store_false",
+  )
+  wandb: str | None = option(
+    None,
+    "log the rows to this Weights & Biases project too (pip install wandb; WANDB_MODE=offline "
+    "keeps the run on disk, under OUT/wandb/)",
+    flag="--wandb",
+    metavar="PROJECT",
+  )
+  mlflow: str | None = option(
+    None,
+    "log the rows to the MLflow tracking server at URI too (http://HOST:PORT, or file:///DIR "
+    "for a local store; pip install mlflow-skinny)",
+    flag="--mlflow",
+    metavar="URI",
+  )
+
+  def __post_init__(self):
+    for name in ("wandb", "mlflow"):
+      if getattr(self, name) is not None and not getattr(self, name).strip():
+        raise ValueError(f"--{name} needs a value, got an empty string")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+  """A jax.profiler trace of a window of steps (run/profiling.py)."""
+
+  steps: str | None = option(
+    None,
+    "trace steps A to B-1 (numbered as metrics.jsonl's `step`: 1 is the first) with "
+    "jax.profiler into OUT/profile/ (TensorBoard's profile tab, XProf, Perfetto)",
+    flag="--profile-steps",
+    metavar="A:B",
+  )
+  process: int | None = option(
+    None,
+    "with several processes: trace on process N only (default: on every process)",
+    flag="--profile-process",
+    metavar="N",
+    type=int,
+  )
+
+  def __post_init__(self):
+    self.window()  # a bad A:B is refused before anything starts
+    if self.process is not None and self.process < 0:
+      raise ValueError(f"--profile-process must be >= 0, got {self.process}")
+
+  def window(self) -> tuple[int, int] | None:
+    """(A, B) of --profile-steps A:B: the steps A..B-1 are traced; None: no trace."""
+    if self.steps is None:
+      return None
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", self.steps)
+    if not match or not 1 <= int(match[1]) < int(match[2]):
+      raise ValueError(
+        f"--profile-steps {self.steps!r}: pass A:B with 1 <= A < B (steps A to B-1, numbered "
+        f"from 1 as metrics.jsonl's step), e.g. --profile-steps 3:5"
+      )
+    return int(match[1]), int(match[2])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig(StepConfig):
   """A training run: its step (StepConfig's fields), then the run's own fields and groups."""
 
@@ -137,6 +206,8 @@ class RunConfig(StepConfig):
   )
   # run/divergence.py: a loss or gradient norm that leaves its running band
   guard: GuardConfig = group(GuardConfig)
+  sinks: SinkOptions = group(SinkOptions)
+  profile: ProfileOptions = group(ProfileOptions)
   progress_timeout: float = option(
     0.0,
     "exit (code 3, naming the last step) when no step finished for S seconds, the first "

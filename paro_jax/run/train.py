@@ -1,9 +1,10 @@
 """The training loop behind `paro-jax train`.
 
 The run is set up by run/setup.py (engine, data, the state it starts from), each finished step is
-booked by run/bookkeeping.py (metrics rows, non-finite and out-of-band streaks, checkpoints),
-signals and the other processes stop it through run/stopping.py, and run/reporting.py says what
-happened. Here: the order of those, and the loop.
+booked by run/bookkeeping.py (metrics rows and their sinks, non-finite and out-of-band streaks,
+checkpoints), run/profiling.py traces a window of steps (--profile-steps), signals and the other
+processes stop it through run/stopping.py, and run/reporting.py says what happened.
+Here: the order of those, and the loop.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from paro_jax.data.bins import DataChanged
 from paro_jax.data.streams import Batches
 from paro_jax.data.examples import ExampleBatches
 from paro_jax.run.fit import run_memory
+from paro_jax.run.profiling import StepProfiler
 from paro_jax.run.setup import build, place_batch, starting_point, with_tokenizer
 from paro_jax.run.stopping import Interrupted, StopSignals, StopVote
 
@@ -63,8 +65,12 @@ def train(cfg: RunConfig) -> str:
       raise
     # One fixed eval batch, placed once: eval losses are comparable across steps and runs.
     eval_batch = place_batch(engine, eval_batches, 0) if eval_batches else None
+    profiler = StepProfiler(cfg.profile, cfg.out, int(state.step))
     with Bookkeeper(cfg, engine, ckpt, int(state.step), rows, main, data_files, template) as book:
-      _run(cfg, engine, batches, eval_batch, state, book, stop)
+      try:
+        _run(cfg, engine, batches, eval_batch, state, book, stop, profiler)
+      finally:
+        profiler.stop()  # a run that ended inside the window: the steps traced so far
     if stop.stopping:
       if main:
         print(reporting.stop_line(book.saved, ckpt), flush=True)
@@ -85,6 +91,7 @@ def _run(
   state: TrainState,
   book: Bookkeeper,
   stop: StopSignals,
+  profiler: StepProfiler,
 ) -> None:
   """The steps from `state` to the last, or to a stop; the last finished step checkpointed."""
   start, pending = int(state.step), None
@@ -95,7 +102,9 @@ def _run(
       if vote is None and stop.stopping:
         break
       asked = vote(stop.stopping) if vote else None
-      state, metrics = engine.train_step(state, place_batch(engine, batches, step))
+      with profiler.step(step + 1):
+        state, metrics = engine.train_step(state, place_batch(engine, batches, step))
+      profiler.after(step + 1, metrics)
       stop.dispatched += 1
       # Read the previous step's metrics only after the next step is dispatched, so the host
       # never stalls the device.

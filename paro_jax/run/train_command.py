@@ -33,6 +33,13 @@ def add_parser(sub) -> None:
   add_options(data, RunConfig, *group_options(RunConfig, "data"))
   add_options(data, RunConfig, *group_options(RunConfig, "eval"))
   add_options(train, RunConfig, "out")
+  watching = train.add_argument_group(
+    "watching the run",
+    "each step's metrics row goes to OUT/metrics.jsonl and, from process 0, to the sinks below "
+    "(a sink that fails is one warning line; the run goes on); docs/training.md",
+  )
+  add_options(watching, RunConfig, *group_options(RunConfig, "sinks"))
+  add_options(watching, RunConfig, *group_options(RunConfig, "profile"))
   ckpt = train.add_argument_group(
     "checkpoints",
     "saved asynchronously into OUT/checkpoints/, also at the end and on Ctrl-C or SIGTERM "
