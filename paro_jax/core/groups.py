@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from paro_jax.core import outer as outer_loop
-from paro_jax.core import step
+from paro_jax.core import feedback_rules, step
 from paro_jax.core.batch import Batch
 from paro_jax.core.config import OuterOptions
 from paro_jax.core.engine import Engine
@@ -100,6 +100,10 @@ class GroupEngine(Engine):
         f"--error-feedback"
       )
     self.outer_feedback = compresses and error_feedback is not False
+    # The banner's word on it (the Engine's own note is of the step's gradients: none here).
+    self.feedback_note = "on" if self.outer_feedback else "off"
+    if not compresses:
+      self.feedback_note = "off (the pseudo-gradient is sent in fp32)"
     self.outer_residual_size = 0
     if self.outer_feedback:
       ways = s.opt.shard_count(self.inter, self.intra)
@@ -107,7 +111,9 @@ class GroupEngine(Engine):
         math.prod(local_shape(t.shape, d, ways))
         for t, d in zip(jax.tree.leaves(self.trained_shapes), jax.tree.leaves(self.trained_dims))
       )
-      self.outer_residual_size = outer_loop.residual_elements(s, local, self.inter, self.intra)
+      self.outer_residual_size = feedback_rules.outer_residual_size(
+        s, local, self.inter, self.intra
+      )
     self.outer_state_specs = outer_loop.OuterState(
       self.outer_specs,
       self.outer_opt_specs,

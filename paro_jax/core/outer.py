@@ -28,15 +28,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from paro_jax.core import buckets, feedback_rules
+from paro_jax.core import buckets
 from paro_jax.core.config import OuterOptions
 from paro_jax.core.shards import gather_invariant
 from paro_jax.core.strategy import Placement, Strategy
 from paro_jax.core.wire import Codec
-
-# Bytes per trained parameter the outer state adds, divided by all devices: the fp32 outer
-# weights and the fp32 momentum (the memory model, analysis/planner/memory.py, counts them).
-OUTER_STATE_BYTES = 8
 
 
 class OuterState(NamedTuple):
@@ -58,13 +54,6 @@ def sync_axes(strategy: Strategy) -> tuple[str, ...]:
 def due(step, every: int):
   """Whether the step count `step` (after the step) ends a round of `every` steps."""
   return step % every == 0
-
-
-def residual_elements(strategy: Strategy, local_elements: int, inter: int, intra: int) -> int:
-  """Elements of one device's residual: what it quantizes of its flat pseudo-gradient (its
-  `local_elements` at OS), reduced over `sync_axes`."""
-  devices = {Placement.I: inter, Placement.N: inter * intra}[strategy.opt]
-  return feedback_rules.feedback_size(local_elements, devices, inter)
 
 
 def sync(

@@ -190,6 +190,41 @@ def test_compressed_pseudo_gradient_within_the_format(full, apart, fmt, bound):
     assert 0 < err <= bound * largest + 1e-6, (jax.tree_util.keystr(path), err, largest)
 
 
+def bytes_per_device(tree):
+  held = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  assert len(set(held.values())) == 1 and len(held) == 8, held
+  return next(iter(held.values()))
+
+
+@pytest.mark.parametrize("strategy,fmt", [("NNN", "int8"), ("III", "same"), ("NII", "bf16")])
+def test_memory_model_counts_the_outer_state(strategy, fmt):
+  """The memory model's outer state (8 bytes per parameter over all devices, and the
+  pseudo-gradient's residual where its wire compresses) is what each device holds; the groups'
+  own states are the strategy's, as without the outer loop."""
+  from paro_jax.analysis.planner.inputs import Workload
+  from paro_jax.analysis.planner.memory import step_memory
+  from paro_jax.core.wire import WireConfig
+
+  model = Llama(CFG, remat=REMAT)
+  engine = GroupEngine(
+    model, parse_strategy(strategy), make_mesh(GROUPS, 4), OPTIM, PAPER, Codec(fmt)
+  )
+  state = engine.state_from_params(model.init(jax.random.key(1)))
+  work = Workload(CFG, micro_batch=1, micro_batches=A, seq_len=L, itemsize=4, remat=False)
+  plain = step_memory(parse_strategy(strategy), work, GROUPS, 4, gpu=False)["model_states"]
+  outer = Workload(**{**work.__dict__, "wire": WireConfig(grads=fmt), "outer_sync": H})
+  need = step_memory(parse_strategy(strategy), outer, GROUPS, 4, gpu=False)["model_states"]
+  assert need["outer"] == bytes_per_device(state.outer) > 0
+  assert need["total"] == plain["total"] + need["outer"]
+  # Each device holds its group's entry of the master and the moments: the strategy's 12 bytes
+  # per parameter at OS (the step count, one per group, aside).
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 1]
+  assert bytes_per_device((state.master, moments)) == plain["opt"]
+
+
 @pytest.mark.parametrize(
   "args,message",
   [
