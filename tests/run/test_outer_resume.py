@@ -47,3 +47,32 @@ def test_resume_mid_round_equals_uninterrupted(straight, tmp_path):
 def eval_losses(run_dir):
   rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
   return [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+
+
+def engine_of(mesh, **step):
+  from models.config import get_config
+  from paro_jax.core.factory import build_engine
+  from paro_jax.core.mesh import make_mesh
+
+  config = make_config(RunConfig, {**RUN, **step})
+  return build_engine(config, get_config("test"), make_mesh(*mesh))
+
+
+def test_without_the_outer_loop_its_checkpoint_gives_the_outer_weights(straight):
+  """Eval, export and a run without --outer-sync read the outer loop's checkpoint as its outer
+  weights (said in one line); with another number of groups the outer loop refuses it."""
+  import jax
+  import numpy as np
+
+  from paro_jax.run.checkpoint import Checkpointer
+  from paro_jax.run.checkpoint_content import OuterMismatch
+
+  ckpt = Checkpointer(str(straight / "checkpoints"), read_only=True)
+  own, _ = ckpt.restore(engine_of((2, 4)))
+  with pytest.warns(UserWarning, match="holds the outer loop's state"):
+    plain, _ = ckpt.restore(engine_of((1, 8), **{"outer.sync": None, "wire.inter_grads": "same"}))
+  for a, b in zip(jax.tree.leaves(plain.master), jax.tree.leaves(own.outer.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(OuterMismatch, match="holds the states of 2 groups and --mesh has 4"):
+    ckpt.restore(engine_of((4, 2)))
+  ckpt.close()
