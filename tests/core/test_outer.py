@@ -247,3 +247,17 @@ def test_bad_outer_options_and_one_group_refused():
     OuterOptions(sync=0)
   with pytest.raises(ValueError, match="one node"):
     GroupEngine(Llama(CFG), parse_strategy("III"), make_mesh(1, 8), OPTIM, PAPER)
+
+
+def test_a_groups_step_reduces_over_intra_only():
+  """The letters keep their schedule inside a node; what reached across nodes does not."""
+  from paro_jax.core.strategy import GroupStrategy
+
+  for name, plain, group in [("NNN", ("intra", "inter"), ("intra",)), ("III", ("inter",), ())]:
+    assert parse_strategy(name).sync_reduce_axes == plain
+    assert GroupStrategy.of(parse_strategy(name)).sync_reduce_axes == group
+  for name in GROUP_NAMES:
+    s, g = parse_strategy(name), GroupStrategy.of(parse_strategy(name))
+    axes = ("param_gather_axes", "grad_scatter_axes", "sync_scatter_axes", "param_sync_axes")
+    assert all(getattr(s, a) == getattr(g, a) and "inter" not in getattr(g, a) for a in axes)
+    assert "inter" not in g.sync_reduce_axes and g.data_axes == ("intra",)
