@@ -15,6 +15,7 @@ from paro_jax.analysis.inspect.config import InspectConfig
 from paro_jax.analysis.planner.config import PlanConfig
 from paro_jax.core.config import (
   LoraOptions,
+  OuterOptions,
   WireOptions,
   group,
   make_config,
@@ -85,13 +86,19 @@ def test_step_flags_parse_back_to_the_step(errfb):
     param_delta=False, remat="layer", lora=LoraOptions(rank=4, alpha=8.5, targets="wq,wo"),
     wire=WireOptions(inter_params="int8", inter_grads="bf16", int8_block=64, grad_dtype="fp32"),
   )  # fmt: skip
+  # The outer loop's options (which refuse a G placement and compressed parameters): below.
   for path, field in options(StepConfig):  # every option away from its default
-    if path != "error_feedback":
+    if path != "error_feedback" and not path.startswith("outer."):
       assert value_at(step, path) != field.default, path
-  args = cli.build_parser().parse_args(["inspect", *step_flags(step)])
-  parsed = cli_flags.config_of(args, InspectConfig, mesh=parse_mesh_shape(args.mesh))
-  for path, _ in options(StepConfig):
-    assert value_at(parsed, path) == value_at(step, path), path
+  outer = RunConfig(strategy="nii", outer=OuterOptions(sync=7, lr=0.5, momentum=0.8))
+  for path, field in options(OuterOptions, "outer."):
+    assert value_at(outer, path) != field.default, path
+  for cfg in (step, outer):
+    args = cli.build_parser().parse_args(["inspect", *step_flags(cfg)])
+    mesh = parse_mesh_shape(args.mesh) if args.mesh else None
+    parsed = cli_flags.config_of(args, InspectConfig, mesh=mesh)
+    for path, _ in options(StepConfig):
+      assert value_at(parsed, path) == value_at(cfg, path), path
   # a value replaced, and one left out (None: its flag's default)
   flags = step_flags(step, strategy=None, model="7b")
   assert "--strategy" not in flags and flags[flags.index("--model") + 1] == "7b"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 
 from models.config import ATTENTION_IMPLS, LoraConfig
@@ -27,7 +28,7 @@ from paro_jax.core.names import (
   GRAD_DTYPES,
   WIRE_FORMATS,
 )
-from paro_jax.core.strategy import ALIASES
+from paro_jax.core.strategy import ALIASES, GROUP_NAMES, GroupStrategy, parse_strategy
 from paro_jax.core.units import COMPUTE_DTYPE_BYTES
 from paro_jax.core.wire import WireConfig
 
@@ -189,6 +190,43 @@ class LoraOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OuterOptions:
+  """The outer loop (DiLoCo, arXiv 2311.08105; core/outer.py): each node takes `sync` steps on
+  its own, then the nodes average their pseudo-gradients and take one outer step."""
+
+  sync: int | None = option(
+    None,
+    "H: each node (group) trains on its own slice of every batch with no collective across "
+    "nodes, and every H steps the nodes average their weights' change (on the wire as "
+    "--inter-grads says) into one outer Nesterov step (default: off; strategies of N and I "
+    "letters only)",
+    flag="--outer-sync",
+    metavar="H",
+    type=int,
+  )
+  lr: float = option(
+    0.7, "the outer step's learning rate (default %(default)g)", flag="--outer-lr", metavar="LR"
+  )
+  momentum: float = option(
+    0.9,
+    "the outer step's Nesterov momentum (default %(default)g)",
+    flag="--outer-momentum",
+    metavar="MU",
+  )
+
+  def __post_init__(self):
+    if self.sync is not None and self.sync < 1:
+      raise ValueError(
+        f"--outer-sync must be >= 1 (steps between the nodes' syncs), got {self.sync}; omit it "
+        f"for a synchronous run"
+      )
+    if not (math.isfinite(self.lr) and self.lr > 0):
+      raise ValueError(f"--outer-lr must be a positive finite number, got {self.lr}")
+    if not 0 <= self.momentum < 1:
+      raise ValueError(f"--outer-momentum must be in [0, 1), got {self.momentum}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StepConfig:
   """One training step: the model, its strategy on a mesh, its batch, precision and memory."""
 
@@ -246,11 +284,34 @@ class StepConfig:
     choices=("full", "layer", "none"),
   )
   lora: LoraOptions = group(LoraOptions)
+  outer: OuterOptions = group(OuterOptions)
 
   def __post_init__(self):
     for name in ("micro_batches", "batch_size", "seq_len"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+    if self.outer.sync is not None:
+      self._check_outer()
+
+  def _check_outer(self):
+    """One line for what --outer-sync cannot run with (known before jax starts; one node is
+    refused where the mesh is known, core/groups.py)."""
+    if self.strategy.strip().lower() == "auto":
+      raise ValueError(
+        f"--strategy auto does not consider --outer-sync: pass one of {', '.join(GROUP_NAMES)}"
+      )
+    GroupStrategy.of(parse_strategy(self.strategy))  # its check: no G placement
+    if self.param_delta:
+      raise ValueError(
+        "--param-delta applies to the step's parameter sync across nodes, and with "
+        "--outer-sync the step has none: drop --param-delta"
+      )
+    if self.wire.inter_params != "same":
+      raise ValueError(
+        f"--inter-params {self.wire.inter_params} compresses the step's parameter gathers "
+        f"across nodes, and with --outer-sync the step has none (the pseudo-gradient's wire is "
+        f"--inter-grads): drop --inter-params"
+      )
 
 
 def step_flags(cfg: StepConfig, **replace) -> list[str]:

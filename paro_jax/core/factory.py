@@ -15,6 +15,8 @@ from models.llama import Llama
 from paro_jax.core.config import StepConfig
 from paro_jax.core.state import DTYPES, OptimConfig
 from paro_jax.core.engine import Engine
+from paro_jax.core.groups import GroupEngine
+from paro_jax.core.wire import Codec
 from paro_jax.core.names import resolve_collectives
 from paro_jax.core.strategy import Strategy, parse_strategy
 
@@ -57,8 +59,24 @@ def build_engine(
     )
   if collectives is None:
     collectives, _ = resolve_collectives(step.collectives, platform, jax.process_count(), strategy)
+  model = build_model(step, model_cfg, attention)
+  if step.outer.sync is not None:  # the groups train on their own (core/groups.py)
+    return GroupEngine(
+      model,
+      strategy,
+      mesh,
+      optim,
+      step.outer,
+      Codec(step.wire.inter_grads, step.wire.int8_block),
+      step.error_feedback,
+      micro_batches=step.micro_batches,
+      collectives=collectives,
+      grad_dtype=step.wire.grad_dtype,
+      prefetch=prefetch,
+      weights_copy=weights_copy,
+    )
   return Engine(
-    build_model(step, model_cfg, attention),
+    model,
     strategy,
     mesh,
     optim,

@@ -11,7 +11,14 @@ import dataclasses
 import sys
 
 from paro_jax import report
-from paro_jax.core.config import LoraOptions, WireOptions, flag_of, make_config, options
+from paro_jax.core.config import (
+  LoraOptions,
+  OuterOptions,
+  WireOptions,
+  flag_of,
+  make_config,
+  options,
+)
 from paro_jax.core.names import check_batch_divides
 from paro_jax.core.xla_flags import cpu_without_gpu_driver
 
@@ -136,6 +143,11 @@ def add_step_flags(p: argparse.ArgumentParser, cls) -> None:
     "(held once, at the P placement, with no gradient or optimizer state)",
   )
   add_options(lora, cls, *(f"lora.{path}" for path, _ in options(LoraOptions)))
+  outer = p.add_argument_group(
+    "outer loop (DiLoCo)",
+    "nodes train on their own and sync every H steps (core/outer.py; docs/outer.md)",
+  )
+  add_options(outer, cls, *(f"outer.{path}" for path, _ in options(OuterOptions)))
 
 
 def add_process_flags(group) -> None:

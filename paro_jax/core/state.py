@@ -83,3 +83,4 @@ class TrainState(NamedTuple):
   residual: Any = None  # error feedback (core/feedback.py): fp32, one vector per device
   reference: Any = None  # delta parameter sync (core/feedback.py): compute dtype, P placement
   weights: Any = None  # `weights_copy`: master in the compute dtype, OS placement (not saved)
+  outer: Any = None  # the outer loop (core/outer.py OuterState): outer weights and momentum, G

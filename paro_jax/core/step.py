@@ -336,7 +336,7 @@ def local_step(
   acc, losses = micro_batches(engine, params, batch_AxBxL1, targets_per_step)
   grads, new_residual = grad_sync(engine, acc, residual)
   # Scalar metrics: not worth a ring; lax.psum is exact and cheap.
-  loss = lax.psum(jnp.sum(losses), GLOBAL_AXES)
+  loss = lax.psum(jnp.sum(losses), engine.strategy.data_axes)
   master, opt_state, residual, grad_norm, weights = optimizer(
     engine, master, opt_state, grads, loss, residual, new_residual
   )

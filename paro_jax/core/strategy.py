@@ -97,9 +97,14 @@ class Strategy:
     return _rest(self.opt.axes, self.grads.axes)
 
   @property
+  def data_axes(self) -> tuple[str, ...]:
+    """The axes a step's batch is split over and its gradients and loss summed over: all."""
+    return (INTRA, INTER)
+
+  @property
   def sync_reduce_axes(self) -> tuple[str, ...]:
-    """At the accumulation boundary: all-reduce over the axes OS is replicated across."""
-    return _rest((INTRA, INTER), self.opt.axes)
+    """At the accumulation boundary: all-reduce over the data axes OS is replicated across."""
+    return _rest(self.data_axes, self.opt.axes)
 
   @property
   def param_sync_axes(self) -> tuple[str, ...]:
@@ -121,6 +126,30 @@ class Strategy:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupStrategy(Strategy):
+  """A strategy each group (node) runs on its own, the groups independent replicas along
+  `inter` (the inner step of the outer loop, core/outer.py): its placements N or I, so that no
+  collective of its step crosses nodes; its batch and gradients are the group's."""
+
+  def __post_init__(self):
+    super().__post_init__()
+    if Placement.G in (self.params, self.grads, self.opt):
+      raise ValueError(
+        f"--outer-sync runs each node's step on its own, with no collective across nodes, but "
+        f"{self.name} shards a state over all devices (G): pass a strategy of N and I letters "
+        f"({', '.join(GROUP_NAMES)}), or drop --outer-sync"
+      )
+
+  @classmethod
+  def of(cls, strategy: Strategy) -> GroupStrategy:
+    return cls(strategy.params, strategy.grads, strategy.opt)
+
+  @property
+  def data_axes(self) -> tuple[str, ...]:
+    return (INTRA,)
+
+
 def _all_strategies() -> tuple[str, ...]:
   names = []
   for p in Placement:
@@ -132,6 +161,7 @@ def _all_strategies() -> tuple[str, ...]:
 
 
 VALID_NAMES = _all_strategies()
+GROUP_NAMES = tuple(n for n in VALID_NAMES if "G" not in n)  # GroupStrategy's: N and I letters
 
 
 def parse_strategy(text: str) -> Strategy:

@@ -42,6 +42,8 @@ from paro_jax.run.checkpoint_content import (
   abstract_state,
   cast_like,
   check_model,
+  OuterMismatch,
+  outer_target,
   reference_target,
   residual_target,
   restart_reference,
@@ -248,6 +250,7 @@ class Checkpointer:
         step_target, reference = reference_target(
           step_target, saved_field(written, "reference") is not None
         )
+        step_target, from_outer = outer_target(step_target, written, engine, meta)
         # Read every array as it was written (a bf16 run's frozen LoRA base in bf16, even
         # when an fp32 engine reads it): the checksums are of the written bits. Only a verified
         # state is then converted to this engine's dtypes.
@@ -256,9 +259,13 @@ class Checkpointer:
           step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(stored)})
         )[STATE_ITEM]
         verify(restored, meta)  # the checksums are global: the same verdict on every process
+      except OuterMismatch:
+        raise
       except Exception as e:  # noqa: BLE001
         failures.append((step, e))
         continue
+      if from_outer is not None:  # the outer weights of the outer loop's checkpoint
+        restored = from_outer(restored)
       if not carried:
         restored = restart_residual(restored, engine, meta)
       if reference is not None:

@@ -198,6 +198,73 @@ def restart_reference(state: TrainState, engine: Engine, meta: RunMeta, what: st
   return state._replace(reference=weights)
 
 
+class OuterMismatch(ValueError):
+  """A checkpoint whose outer loop (core/outer.py) the engine cannot continue: one line."""
+
+
+def outer_target(target: TrainState, written, engine: Engine, meta: RunMeta):
+  """(what to read, None or the conversion of what was read to the engine's state). A checkpoint
+  of the outer loop read by an engine without it (eval, export, a run without --outer-sync) is
+  read whole, its groups' states replicated, and gives the engine its outer weights, with a
+  fresh optimizer state (said in one line); the other way round, or with another number of
+  groups, it is refused (OuterMismatch)."""
+  saved = saved_field(written, "outer") is not None
+  if target.outer is not None:
+    groups = jax.tree.leaves(saved_field(written, "master"))[0].shape[0] if saved else None
+    if groups != engine.inter:
+      where = f"step {meta.step}'s checkpoint ({meta.strategy} on {meta.mesh[0]}x{meta.mesh[1]})"
+      raise OuterMismatch(
+        f"{where} was written without --outer-sync: the outer loop cannot continue it; resume "
+        f"it without --outer-sync (or export it and start a run with --init-from)"
+        if not saved
+        else f"{where} holds the states of {groups} groups and --mesh has {engine.inter}: "
+        f"resume the outer loop on {groups} groups"
+      )
+    return target, None
+  if not saved:
+    return target, None
+  from paro_jax.core import outer as outer_loop  # the outer loop's state, as GroupEngine holds it
+  from paro_jax.core.config import OuterOptions
+
+  groups = jax.tree.leaves(saved_field(written, "master"))[0].shape[0]
+  replicated = jax.sharding.NamedSharding(engine.mesh, jax.sharding.PartitionSpec())
+  stacked = lambda tree: jax.tree.map(  # noqa: E731
+    lambda s: jax.ShapeDtypeStruct((groups, *s.shape), s.dtype, sharding=replicated), tree
+  )
+  residual = saved_field(written["outer"], "residual")
+  momentum = jax.eval_shape(outer_loop.outer_tx(OuterOptions()).init, target.master)
+  read = target._replace(
+    master=stacked(target.master),
+    opt_state=stacked(target.opt_state),
+    residual=None,
+    reference=None,
+    outer=outer_loop.OuterState(
+      target.master,
+      jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), momentum),
+      None
+      if residual is None
+      else jax.ShapeDtypeStruct(residual.shape, jnp.float32, sharding=replicated),
+    ),
+  )
+
+  def convert(state: TrainState) -> TrainState:
+    warnings.warn(
+      f"step {meta.step}'s checkpoint holds the outer loop's state (--outer-sync): its outer "
+      f"weights are read; the groups' own weights and optimizer states are not (resume with "
+      f"--outer-sync to continue it exactly)",
+      stacklevel=3,
+    )
+    master = state.outer.params
+    return TrainState(
+      state.step,
+      master,
+      engine.tx.init(master),
+      state.frozen,
+    )
+
+  return read, convert
+
+
 def verify(state: TrainState, meta: RunMeta) -> None:
   """Raise if the restored arrays are not those that were saved (or hold NaN/Inf)."""
   sums, non_finite = state_checksums(state)

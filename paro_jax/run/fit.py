@@ -56,6 +56,7 @@ def run_memory(cfg, model, strategy, inter: int, intra: int, gpu: bool) -> dict:
     fused_attention=model.attention == "cudnn",
     error_feedback=cfg.error_feedback,
     param_delta=cfg.param_delta,
+    outer_sync=cfg.outer.sync,
   )
   return step_memory(strategy, work, inter, intra, gpu=gpu)
 

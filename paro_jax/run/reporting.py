@@ -30,12 +30,25 @@ def banner(cfg: RunConfig, engine: Engine, need: dict) -> str:
     f"{engine.strategy} on mesh {engine.inter}x{engine.intra} ({jax.device_count()} "
     f"{jax.devices()[0].platform} devices), A={cfg.micro_batches}, batch "
     f"{cfg.batch_size}x{cfg.seq_len}, tokenizer {cfg.data.tokenizer or 'bytes'}, {cfg.dtype}, "
-    f"collectives={engine.collectives}, inter "
-    f"wire params={cfg.wire.inter_params} (delta {engine.param_delta_note}) grads="
-    f"{cfg.wire.inter_grads} (error feedback {engine.feedback_note}), grads in "
+    f"collectives={engine.collectives}, {_wire(cfg, engine)}, grads in "
     f"{cfg.wire.grad_dtype}; memory {need['total'] / mib:.2f} MiB/device (model states "
     f"{need['model_states']['total'] / mib:.2f}, activations "
     f"{need['activations']['total'] / mib:.2f}; the planner's estimate)"
+  )
+
+
+def _wire(cfg: RunConfig, engine: Engine) -> str:
+  """What crosses nodes: the step's wire formats, or with the outer loop its syncs."""
+  o = cfg.outer
+  if o.sync is not None:
+    return (
+      f"outer sync every {o.sync} steps (outer lr {o.lr:g}, Nesterov momentum {o.momentum:g}; "
+      f"no collective across nodes inside a step), pseudo-gradient on the wire "
+      f"{cfg.wire.inter_grads} (error feedback {engine.feedback_note})"
+    )
+  return (
+    f"inter wire params={cfg.wire.inter_params} (delta {engine.param_delta_note}) grads="
+    f"{cfg.wire.inter_grads} (error feedback {engine.feedback_note})"
   )
 
 

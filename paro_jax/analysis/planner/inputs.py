@@ -110,6 +110,7 @@ class Workload:
   # --error-feedback / --param-delta (None: on where the wire formats call for them)
   error_feedback: bool | None = None
   param_delta: bool | None = None
+  outer_sync: int | None = None  # --outer-sync H (core/outer.py); None: off
 
   def __post_init__(self):
     for name in ("micro_batch", "micro_batches", "seq_len"):

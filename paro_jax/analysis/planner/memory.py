@@ -7,10 +7,13 @@ Pure Python (no jax): `plan` runs without it; `available_memory` is handed the d
 
 from __future__ import annotations
 
+import dataclasses
+
 from paro_jax.analysis.planner.costs import model_state_bytes
 from paro_jax.analysis.planner.inputs import Workload
 from paro_jax.core import feedback_rules  # no jax
 from paro_jax.core.strategy import Strategy
+from paro_jax.core.wire import WireConfig
 
 GIB = 2**30
 
@@ -21,7 +24,12 @@ def step_memory(strategy: Strategy, w: Workload, inter: int, intra: int, gpu: bo
   total}, "total"}. Model states are `costs.model_state_bytes` at the placements, with the fp32
   error-feedback residual and the delta sync's reference where `w`'s wire formats and flags turn
   them on (core/feedback_rules.py); activations are `activation_bytes`. `gpu`: the step program
-  of GPUs (the planner plans for them; a run on CPUs passes False)."""
+  of GPUs (the planner plans for them; a run on CPUs passes False). With the outer loop
+  (`w.outer_sync`) the step's own wire formats do not apply (it has no collective across nodes),
+  and the outer weights and momentum add OUTER_STATE_BYTES per trained parameter over all
+  devices, with the pseudo-gradient's residual where its wire compresses."""
+  if w.outer_sync:
+    return _with_outer(strategy, dataclasses.replace(w, outer_sync=None), inter, intra, gpu)
   states = model_state_bytes(
     strategy,
     w.psi,
@@ -51,6 +59,25 @@ def step_memory(strategy: Strategy, w: Workload, inter: int, intra: int, gpu: bo
     states = {**states, "grads": states["grads"] - stack, "total": states["total"] - stack}
   acts = activation_bytes(strategy, w, inter, intra)
   return {"model_states": states, "activations": acts, "total": states["total"] + acts["total"]}
+
+
+# Bytes per trained parameter the outer loop adds, divided by all devices: the fp32 outer weights
+# and their fp32 Nesterov momentum (core/outer.py OuterState, sharded over all devices).
+OUTER_STATE_BYTES = 8
+
+
+def _with_outer(strategy: Strategy, inner: Workload, inter: int, intra: int, gpu: bool) -> dict:
+  """`step_memory` of a group's step (`inner`, with the step's wire formats left out) plus the
+  outer loop's state."""
+  plain = dataclasses.replace(inner, wire=WireConfig(), error_feedback=None, param_delta=None)
+  need = step_memory(strategy, plain, inter, intra, gpu)
+  n = inter * intra
+  outer = OUTER_STATE_BYTES * -(-inner.psi_trained // n) + feedback_rules.outer_residual_bytes(
+    strategy, inner.psi_trained, inter, intra, inner.wire, inner.error_feedback
+  )
+  states = need["model_states"]
+  states = {**states, "outer": outer, "total": states["total"] + outer}
+  return {**need, "model_states": states, "total": need["total"] + outer}
 
 
 def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int = 1) -> dict:

@@ -1,0 +1,263 @@
+"""The Engine of the outer loop: the groups along `inter` as independent replicas (core/outer.py).
+
+Each group (a node, one row of the (inter, intra) mesh) runs the step of its strategy on its own
+slice of every batch, with no collective across nodes: a `GroupStrategy` (N and I letters) sums
+the loss and the gradients over `intra` only. The groups' training states differ, so every leaf
+that a step changes (master weights, optimizer state, the compute-dtype copy) carries a leading
+axis of one entry per group, sharded over `inter`; inside the `shard_map` each device sees its
+group's entry and runs core/step.py's `local_step` unchanged. The frozen LoRA base is the same in
+every group and is held as the Engine holds it.
+
+Every H steps (`due`) the same compiled step ends the round (core/outer.py `sync`): the groups'
+pseudo-gradients averaged over `inter`, the outer Nesterov step on the outer weights at G, the
+groups restarted from them. The step count in the state is the round's position, so a restored
+state continues the round exactly. Eval and export read the outer weights (`params`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from paro_jax.core import outer as outer_loop
+from paro_jax.core import feedback_rules, step
+from paro_jax.core.batch import Batch
+from paro_jax.core.config import OuterOptions
+from paro_jax.core.engine import Engine
+from paro_jax.core.mesh import mesh_shape
+from paro_jax.core.names import INTER, MESH_AXES
+from paro_jax.core.sharding import local_shape, named, state_specs
+from paro_jax.core.shards import gather_invariant, join_trainable, split_trainable
+from paro_jax.core.state import TrainState
+from paro_jax.core.strategy import GroupStrategy, Placement, Strategy
+from paro_jax.core.wire import Codec
+
+
+def stacked_spec(spec: PartitionSpec) -> PartitionSpec:
+  """The spec of a leaf with one entry per group in front, sharded over `inter`."""
+  return PartitionSpec(INTER, *spec)
+
+
+def _stack_specs(tree):
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  return jax.tree.map(stacked_spec, tree, is_leaf=is_spec)
+
+
+class GroupEngine(Engine):
+  """An Engine whose groups train independently between the outer loop's syncs."""
+
+  def __init__(
+    self,
+    model,
+    strategy: Strategy,
+    mesh,
+    optim,
+    outer: OuterOptions,
+    pseudo_grad_wire: Codec = Codec(),
+    error_feedback: bool | None = None,
+    **engine_args,
+  ):
+    inter, intra = mesh_shape(mesh)
+    if inter < 2:
+      raise ValueError(
+        f"--outer-sync averages the nodes' weights every H steps, but --mesh {inter}x{intra} has "
+        f"one node (group): pass a mesh of two or more groups, or drop --outer-sync"
+      )
+    if outer.sync is None:
+      raise ValueError("GroupEngine needs the outer loop's H (--outer-sync)")
+    self.outer = outer
+    self.outer_tx = outer_loop.outer_tx(outer)
+    self.pseudo_grad_wire = pseudo_grad_wire
+    # The group's step has no collective across nodes: its wire formats and int8 corrections
+    # do not apply (the pseudo-gradient's wire is `pseudo_grad_wire`).
+    super().__init__(model, GroupStrategy.of(strategy), mesh, optim, **engine_args)
+    s = self.strategy
+    outer_specs = state_specs(
+      self.shapes, self.dims, Strategy(s.params, s.grads, Placement.G), mesh
+    )
+    self.outer_specs = split_trainable(outer_specs.opt, self.mask)
+    momentum = jax.eval_shape(self.outer_tx.init, self.trained_shapes)
+    self.outer_opt_specs = optax.tree_map_params(
+      self.outer_tx,
+      lambda _, spec: spec,
+      momentum,
+      self.outer_specs,
+      transform_non_params=lambda _: PartitionSpec(),
+      is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    # Error feedback of the pseudo-gradient's wire: on where it compresses fp32 (bf16, int8).
+    compresses = pseudo_grad_wire.active_for(jnp.float32)
+    if error_feedback and not compresses:
+      raise ValueError(
+        f"error feedback corrects a compressed pseudo-gradient, but --inter-grads "
+        f"{pseudo_grad_wire.fmt} sends it in fp32: pass --inter-grads bf16 or int8, or drop "
+        f"--error-feedback"
+      )
+    self.outer_feedback = compresses and error_feedback is not False
+    # The banner's word on it (the Engine's own note is of the step's gradients: none here).
+    self.feedback_note = "on" if self.outer_feedback else "off"
+    if not compresses:
+      self.feedback_note = "off (the pseudo-gradient is sent in fp32)"
+    self.outer_residual_size = 0
+    if self.outer_feedback:
+      ways = s.opt.shard_count(self.inter, self.intra)
+      local = sum(
+        math.prod(local_shape(t.shape, d, ways))
+        for t, d in zip(jax.tree.leaves(self.trained_shapes), jax.tree.leaves(self.trained_dims))
+      )
+      self.outer_residual_size = feedback_rules.outer_residual_size(
+        s, local, self.inter, self.intra
+      )
+    self.outer_state_specs = outer_loop.OuterState(
+      self.outer_specs,
+      self.outer_opt_specs,
+      PartitionSpec(MESH_AXES) if self.outer_feedback else None,
+    )
+    # The groups' own leaves, one entry per group; the step count and the frozen base shared.
+    self.group_specs = self.state_specs
+    self.state_specs = TrainState(
+      PartitionSpec(),
+      _stack_specs(self.state_specs.master),
+      _stack_specs(self.state_specs.opt_state),
+      self.state_specs.frozen,
+      None,
+      None,
+      _stack_specs(self.state_specs.weights) if self.weights_copy else None,
+      self.outer_state_specs,
+    )
+    self.state_shardings = named(mesh, self.state_specs)
+
+  # --- state -------------------------------------------------------------------------------
+  def _fresh_state(self, params) -> TrainState:
+    one = super()._fresh_state(params)
+    stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (self.inter, *x.shape)), tree)
+    residual = None
+    if self.outer_feedback:
+      residual = jnp.zeros((self.inter * self.intra * self.outer_residual_size,), jnp.float32)
+    outer = outer_loop.OuterState(one.master, self.outer_tx.init(one.master), residual)
+    return TrainState(
+      one.step,
+      stack(one.master),
+      stack(one.opt_state),
+      one.frozen,
+      None,
+      None,
+      stack(one.weights) if self.weights_copy else None,
+      outer,
+    )
+
+  def params(self, state: TrainState):
+    """The outer weights in the compute dtype at the P placement (eval and export read them)."""
+    trained = self._outer_params(state.outer.params)
+    return join_trainable(self.mask, trained, state.frozen) if self.lora else trained
+
+  @functools.cached_property
+  def _outer_params(self):
+    axes = tuple(a for a in Placement.G.axes if a not in self.strategy.params.axes)
+
+    def gather(outer):
+      return jax.tree.map(
+        lambda w, d: gather_invariant(w.astype(self.compute_dtype), axes, d),
+        outer,
+        self.trained_dims,
+      )
+
+    return jax.jit(
+      jax.shard_map(
+        gather,
+        mesh=self.mesh,
+        in_specs=(self.outer_specs,),
+        out_specs=self.trained_specs.params,
+      )
+    )
+
+  # --- the step ----------------------------------------------------------------------------
+  def _train_step(self, state: TrainState, batch_AxBxL1):
+    check_vma = self.collectives == "xla"
+    g = self.inter
+    # Each group's loss is the mean over its own targets.
+    if isinstance(batch_AxBxL1, Batch):
+      w = batch_AxBxL1.weights
+      per_group = jnp.sum(w.reshape(w.shape[0], g, -1), axis=(0, 2))
+      targets = jnp.maximum(per_group, 1)
+    else:
+      targets = batch_AxBxL1[..., 1:].size // g
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    again = lambda tree: jax.tree.map(lambda x: x[None], tree)
+
+    def body(master, opt_state, frozen, weights, batch, *group_targets):
+      out = step.local_step(
+        self,
+        first(master),
+        first(opt_state),
+        frozen,
+        None,
+        None,
+        first(weights),
+        batch,
+        targets_per_step=group_targets[0][0] if group_targets else targets,
+      )
+      master, opt_state, _, _, weights, loss, grad_norm = out
+      return again(master), again(opt_state), again(weights), loss[None], grad_norm[None]
+
+    specs = self.state_specs
+    extra = (targets,) if isinstance(batch_AxBxL1, Batch) else ()
+    groups = PartitionSpec(INTER)
+    step_fn = jax.shard_map(
+      body,
+      mesh=self.mesh,
+      in_specs=(
+        specs.master,
+        specs.opt_state,
+        specs.frozen,
+        specs.weights,
+        self.batch_spec,
+        *((groups,) if extra else ()),
+      ),
+      out_specs=(specs.master, specs.opt_state, specs.weights, groups, groups),
+      check_vma=check_vma,
+    )
+    master, opt_state, weights, losses, norms = step_fn(
+      state.master, state.opt_state, state.frozen, state.weights, batch_AxBxL1, *extra
+    )
+    count = state.step + 1
+    new = TrainState(count, master, opt_state, state.frozen, None, None, weights, state.outer)
+    new = lax.cond(outer_loop.due(count, self.outer.sync), self._sync, lambda s: s, new)
+    # The metrics are the groups' means (a few floats across nodes, not the step's tensors).
+    total = jnp.sum(targets) if extra else targets * g
+    metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms), "targets": total}
+    return new, metrics
+
+  def _sync(self, state: TrainState) -> TrainState:
+    """The round's end (core/outer.py `sync`) on the whole state."""
+    codec = self.pseudo_grad_wire
+
+    def body(master, outer, weights):
+      restart, outer = outer_loop.sync(
+        jax.tree.map(lambda x: x[0], master),
+        outer,
+        self.trained_dims,
+        self.strategy,
+        self.outer_tx,
+        self.collectives,
+        codec,
+      )
+      if weights is not None:
+        weights = jax.tree.map(lambda w: w.astype(self.compute_dtype)[None], restart)
+      return jax.tree.map(lambda x: x[None], restart), outer, weights
+
+    specs = self.state_specs
+    master, outer, weights = jax.shard_map(
+      body,
+      mesh=self.mesh,
+      in_specs=(specs.master, specs.outer, specs.weights),
+      out_specs=(specs.master, specs.outer, specs.weights),
+      check_vma=self.collectives == "xla",
+    )(state.master, state.outer, state.weights)
+    return state._replace(master=master, outer=outer, weights=weights)

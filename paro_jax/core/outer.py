@@ -1,0 +1,87 @@
+"""The outer loop of DiLoCo (Douillard et al., arXiv 2311.08105) on the (inter, intra) mesh.
+
+Each group (a node: one row of the mesh) trains on its own as an independent replica along
+`inter` (core/groups.py). Every H steps the groups sync:
+
+  1. the outer weights (fp32, sharded over all devices: G) are all-gathered to the placement the
+     groups hold their master weights at (OS of the inner strategy, N or I);
+  2. each group's pseudo-gradient, outer weights minus its inner weights, is reduce-scattered
+     back to G and divided by the devices that summed it: the mean over groups (the copies
+     inside a group are equal, so with OS = N the sum over the node counts each group m times
+     and the division by n = g m still gives the mean); the inter level on the wire as
+     `--inter-grads` says, with error feedback;
+  3. the outer optimizer, optax SGD with Nesterov momentum, updates the outer weights at G;
+  4. the new outer weights are all-gathered to OS again, and every group restarts from them.
+     The inner optimizer state is kept.
+
+Because G nests inside I (docs/design.md, "Layout"), for OS = I both collectives run over
+`inter` alone, on 1/m of the weights: what crosses nodes per round is 4 bytes (the outer
+weights) out and w bytes (the pseudo-gradient's wire format) back per parameter, times
+(g-1)/g / m, once every H steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from paro_jax.core import buckets
+from paro_jax.core.config import OuterOptions
+from paro_jax.core.shards import gather_invariant
+from paro_jax.core.strategy import Placement, Strategy
+from paro_jax.core.wire import Codec
+
+
+class OuterState(NamedTuple):
+  params: Any  # fp32 outer weights of the trained leaves, G placement
+  opt_state: Any  # the outer optimizer's state (momentum at G)
+  residual: Any = None  # error feedback of the pseudo-gradient's wire: fp32, one vector a device
+
+
+def outer_tx(outer: OuterOptions) -> optax.GradientTransformation:
+  """The outer optimizer: SGD with Nesterov momentum (the paper's: lr 0.7, momentum 0.9)."""
+  return optax.sgd(outer.lr, momentum=outer.momentum, nesterov=True)
+
+
+def sync_axes(strategy: Strategy) -> tuple[str, ...]:
+  """The axes between the groups' master placement and G (major first): S(G) minus S(OS)."""
+  return tuple(a for a in Placement.G.axes if a not in strategy.opt.axes)
+
+
+def due(step, every: int):
+  """Whether the step count `step` (after the step) ends a round of `every` steps."""
+  return step % every == 0
+
+
+def sync(
+  inner, outer: OuterState, dims, strategy: Strategy, tx, impl: str, codec: Codec | None
+) -> tuple[Any, OuterState]:
+  """One round's end on this device (inside the shard_map): (the weights every group restarts
+  from, at OS; the new outer state). `inner`: this group's fp32 master weights at OS."""
+  axes = sync_axes(strategy)
+  devices = 1
+  for a in axes:
+    devices *= jax.lax.axis_size(a)
+  with jax.named_scope("outer_sync"):
+    start = buckets.tree_all_gather(outer.params, dims, axes, impl)
+    delta = jax.tree.map(jnp.subtract, start, inner)
+    residual = outer.residual
+    if residual is None:
+      summed = buckets.tree_reduce_scatter(delta, dims, axes, impl, codec)
+    else:
+      summed, residual = buckets.tree_reduce_scatter_feedback(
+        delta, dims, axes, residual, impl, codec
+      )
+    pseudo_grad = jax.tree.map(lambda s: s / devices, summed)
+    updates, opt_state = tx.update(pseudo_grad, outer.opt_state, outer.params)
+    params = optax.apply_updates(outer.params, updates)
+    # Every device of a group holds the restart weights at OS: typed so (replicated over the
+    # axes OS does not shard) with XLA's collectives; the rings' results are typed varying.
+    if impl == "xla":
+      restart = jax.tree.map(lambda w, d: gather_invariant(w, axes, d), params, dims)
+    else:
+      restart = buckets.tree_all_gather(params, dims, axes, impl)
+  return restart, OuterState(params, opt_state, residual)

@@ -1,0 +1,78 @@
+"""The outer loop across checkpoints: a checkpoint holds the outer weights, their momentum and
+the pseudo-gradient's error-feedback residual, and the step count is the round's position, so a
+run resumed mid-round continues exactly as the uninterrupted run."""
+
+import json
+import shutil
+
+import pytest
+
+from paro_jax.core.config import make_config
+from paro_jax.run.config import RunConfig
+from paro_jax.run.train import train
+from tests.run.tiny_run import RUN as TINY_RUN, losses
+
+# III on 2x4, rounds of 2 steps, the pseudo-gradient in int8 (error feedback on); a checkpoint
+# every 3 steps: step 3 is in the middle of the second round.
+RUN = {
+  **TINY_RUN,
+  "strategy": "III",
+  "outer.sync": 2,
+  "wire.inter_grads": "int8",
+  "checkpoints.every": 3,
+  "eval.every": 3,
+}
+pytestmark = pytest.mark.usefixtures("compilation_cache")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  out = tmp_path_factory.mktemp("outer-straight")
+  train(make_config(RunConfig, {**RUN, "out": str(out)}))
+  return out
+
+
+def test_resume_mid_round_equals_uninterrupted(straight, tmp_path):
+  out = tmp_path / "run"
+  shutil.copytree(straight, out)
+  shutil.rmtree(out / "checkpoints" / "6")
+  train(make_config(RunConfig, {**RUN, "out": str(out), "checkpoints.resume": True}))
+  steps, resumed = losses(out)
+  assert steps == [1, 2, 3, 4, 5, 6]
+  assert resumed == losses(straight)[1]  # bit for bit
+  # the eval losses (of the outer weights) too
+  assert eval_losses(out) == eval_losses(straight)
+
+
+def eval_losses(run_dir):
+  rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+  return [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+
+
+def engine_of(mesh, **step):
+  from models.config import get_config
+  from paro_jax.core.factory import build_engine
+  from paro_jax.core.mesh import make_mesh
+
+  config = make_config(RunConfig, {**RUN, **step})
+  return build_engine(config, get_config("test"), make_mesh(*mesh))
+
+
+def test_without_the_outer_loop_its_checkpoint_gives_the_outer_weights(straight):
+  """Eval, export and a run without --outer-sync read the outer loop's checkpoint as its outer
+  weights (said in one line); with another number of groups the outer loop refuses it."""
+  import jax
+  import numpy as np
+
+  from paro_jax.run.checkpoint import Checkpointer
+  from paro_jax.run.checkpoint_content import OuterMismatch
+
+  ckpt = Checkpointer(str(straight / "checkpoints"), read_only=True)
+  own, _ = ckpt.restore(engine_of((2, 4)))
+  with pytest.warns(UserWarning, match="holds the outer loop's state"):
+    plain, _ = ckpt.restore(engine_of((1, 8), **{"outer.sync": None, "wire.inter_grads": "same"}))
+  for a, b in zip(jax.tree.leaves(plain.master), jax.tree.leaves(own.outer.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(OuterMismatch, match="holds the states of 2 groups and --mesh has 4"):
+    ckpt.restore(engine_of((4, 2)))
+  ckpt.close()
