@@ -180,6 +180,94 @@ def time_import(directory: str) -> dict:
   return seconds
 
 
+def import_peak(directory: str, devices: int) -> dict:
+  """import_hf of the whole model in bf16 alone (at G on 1x`devices`, N on 1x1): seconds, and
+  this process's peak RSS before and after it (getrusage)."""
+  import resource
+
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+  import jax.numpy as jnp
+
+  from models.config import read_config
+  from models.llama import Llama
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.sharding import named, shard_dims, tree_specs
+  from paro_jax.core.strategy import Placement
+  from paro_jax.hf.stream import import_hf
+  from paro_jax.hf.weights import expected_shapes
+
+  cfg = read_config(directory)
+  shapes = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+    expected_shapes(cfg),
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+  mesh = make_mesh(1, devices)
+  placement = Placement.G if devices > 1 else Placement.N
+  target = named(mesh, tree_specs(shapes, shard_dims(Llama(cfg).logical_axes()), placement, mesh))
+  peak = lambda: round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # noqa: E731
+  before, start = peak(), time.perf_counter()
+  jax.block_until_ready(import_hf(directory, cfg, target, jnp.bfloat16))
+  return {
+    "mesh": f"1x{devices}",
+    "seconds": round(time.perf_counter() - start, 1),
+    "peak_rss_gib_before_import": before,
+    "peak_rss_gib": peak(),
+  }
+
+
+# `paro-jax eval`'s weights alone, up to its first batch, with the code on PYTHONPATH (before or
+# after): run/evaluate.py source_engine, and before, the params(state) its score gathered.
+WEIGHTS_STAGE = """
+import json, os, resource, sys, time
+n = int(sys.argv[2])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+from paro_jax.core.config import make_config
+from paro_jax.run.config import EvalConfig
+from paro_jax.run.evaluate import open_source, source_engine
+flags = {"source": sys.argv[1], "mesh": (1, n), "strategy": "GGG", "dtype": "bf16"}
+cfg = make_config(EvalConfig, {**flags, "batch_size": 8, "seq_len": 64})
+start = time.perf_counter()
+engine, held = source_engine(open_source(cfg.source), cfg)
+if hasattr(held, "master"):  # before: a training state, gathered to P by score()
+  held = (held, engine.params(held))
+jax.block_until_ready(held)
+seconds = round(time.perf_counter() - start, 1)
+print(json.dumps({"seconds": seconds, "peak_rss_gib": resource.getrusage(0).ru_maxrss / 2**20}))
+"""
+
+
+def weights_stages(args) -> None:
+  """Add the weights stage of before and after to the record in --out and write its page again."""
+  path = os.path.join(args.out, "model_io.json")
+  with open(path) as f:
+    record = json.load(f)
+  stages = []
+  for code, tree in (("before", args.base), ("after", ROOT)):
+    for devices in (8, 1):
+      done = subprocess.run(
+        [CAPPED, str(args.cap), sys.executable, "-c", WEIGHTS_STAGE, args.dir, str(devices)],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": tree},
+        capture_output=True,
+        text=True,
+      )
+      rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
+      row = {"code": code, "mesh": f"1x{devices}", "rc": done.returncode}
+      row["peak_rss_gib"] = round(int(rss.group(1)) / 2**20, 2) if rss else None
+      if done.returncode == 0:
+        row["seconds"] = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+      stages.append(row)
+      print(json.dumps(row), flush=True)
+  record["weights_stage"] = stages
+  record["weights_stage_command"] = " ".join(sys.argv)
+  write_page(args.out, record, "model_io.json", page(record), "README.md")
+
+
 def measure(args) -> None:
   text = os.path.join(os.path.dirname(os.path.abspath(args.dir)), "model_io_text.txt")
   with open(text, "w") as f:  # one batch: 8 windows of 64 + 1 tokens (bytes)
@@ -189,6 +277,19 @@ def measure(args) -> None:
     for mesh, strategy in RUNS:
       runs.append({"code": code, **eval_run(tree, args.dir, mesh, strategy, args.cap, text)})
       print(json.dumps(runs[-1]), flush=True)
+  peaks = []
+  for devices in (8, 1):
+    done = subprocess.run(
+      [CAPPED, str(args.cap), sys.executable, os.path.abspath(__file__), "import-peak"]
+      + ["--dir", args.dir, "--devices", str(devices)],
+      env={**os.environ, "PYTHONPATH": ROOT},
+      capture_output=True,
+      text=True,
+    )
+    if done.returncode:
+      raise SystemExit(done.stderr[-3000:])
+    peaks.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(json.dumps(peaks[-1]), flush=True)
   child = subprocess.run(
     [sys.executable, os.path.abspath(__file__), "time-import", "--dir", args.dir],
     env={**os.environ, "PYTHONPATH": ROOT},
@@ -210,6 +311,7 @@ def measure(args) -> None:
     "cap_gib": args.cap,
     "eval": runs,
     "import_seconds": seconds,
+    "import_peaks": peaks,
   }
   write_page(args.out, record, "model_io.json", page(record), "README.md")
 
@@ -248,12 +350,41 @@ def page(r: dict) -> str:
   ]
   for what, s in r["import_seconds"].items():
     lines.append(f"| {what} | {s} | {gb / s:.2f} |")
+  lines += [
+    "",
+    "The import alone (`import_hf` of the whole model in bf16, in a capped process of its own;",
+    "peak RSS from getrusage, of the whole process, before and after the import):",
+    "",
+    "| mesh | seconds | peak RSS before (GiB) | peak RSS after (GiB) |",
+    "|---|---|---|---|",
+  ]
+  for p in r["import_peaks"]:
+    lines.append(
+      f"| {p['mesh']} | {p['seconds']} | {p['peak_rss_gib_before_import']} | {p['peak_rss_gib']} |"
+    )
+  if "weights_stage" in r:
+    lines += [
+      "",
+      f"`eval`'s weights alone (`python {r['weights_stage_command']}`): run/evaluate.py",
+      "`source_engine` up to the first batch (before: the training state it built and the",
+      "`params(state)` its score gathered to P; after: the weights at P), capped the same way:",
+      "",
+      "| code | mesh | rc | peak RSS (GiB) | seconds |",
+      "|---|---|---|---|---|",
+    ]
+    for w in r["weights_stage"]:
+      lines.append(
+        f"| {w['code']} | {w['mesh']} | {w['rc']} | {w['peak_rss_gib']} | {w.get('seconds', '-')} |"
+      )
   return "\n".join(lines) + "\n"
 
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("what", choices=["make", "measure", "time-import"])
+  p.add_argument(
+    "what", choices=["make", "measure", "weights-stages", "time-import", "import-peak"]
+  )
+  p.add_argument("--devices", type=int, default=8, help="import-peak: 1x1 or 1xN")
   p.add_argument("--dir", required=True)
   p.add_argument("--base", help="a tree of the code of before (git archive BASE)")
   p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "model_io"))
@@ -262,6 +393,10 @@ def main() -> None:
   args = p.parse_args()
   if args.what == "make":
     make(args.dir)
+  elif args.what == "weights-stages":
+    weights_stages(args)
+  elif args.what == "import-peak":
+    print(json.dumps(import_peak(args.dir, args.devices)))
   elif args.what == "time-import":
     print(json.dumps(time_import(args.dir)))
   else:

@@ -335,10 +335,6 @@ class Engine:
     master weights in the compute dtype at the P placement: `Forward.loss` of `params(state)`."""
     return self.forward.loss(self.params(state), batch_AxBxL1)
 
-  def eval_sums(self, state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """(the summed loss of the counted targets, how many) of a placed Batch: `Forward.sums`."""
-    return self.forward.sums(self.params(state), batch)
-
   def _train_step(self, state: TrainState, batch_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no
     # varying->invariant cast, so the replication of their outputs cannot be checked. The lax

@@ -3,7 +3,6 @@ devices' slices of the HF weights, and two processes of 2 devices train exactly 
 4 on the same mesh; so does a LoRA run, whose frozen base is placed at P."""
 
 import io
-import json
 import os
 import subprocess
 import sys
@@ -70,5 +69,7 @@ def test_two_processes_import_and_train_as_one(tmp_path, lora):
   assert "mesh 2x2 (4 cpu devices)" in out.getvalue()
   two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
   assert len(two) == 2
-  np.testing.assert_array_equal(two, one)
-  assert json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+  # Step 1's loss is the imported weights' alone: exactly one process's. Later steps went
+  # through the two processes' collectives, which sum in another order (as test_multiprocess).
+  assert two[0] == one[0]
+  np.testing.assert_allclose(two, one, rtol=1e-5)
