@@ -186,6 +186,8 @@ class Engine:
       self.trained_specs.opt if self.weights_copy else None,
     )
     self.state_shardings = named(mesh, self.state_specs)
+    # Every parameter at its P placement (what a forward holds: eval's weights).
+    self.param_shardings = named(mesh, self.specs.params)
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
     self.batch_sharding = NamedSharding(mesh, self.batch_spec)
     self.train_step = jax.jit(self._train_step, donate_argnums=0)
@@ -204,6 +206,23 @@ class Engine:
     the adapters' included)."""
     return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(params)
 
+  def state_from_master(self, master, frozen=None) -> TrainState:
+    """A fresh state around master weights already at their OS placement in fp32 and, with
+    LoRA, the frozen base already at P in the compute dtype (`paro_jax/hf/stream.py` places
+    them so, from an HF directory): both are donated, not copied; the rest (zero moments, the
+    step) is made in place, so no device ever holds a whole parameter tree."""
+    return jax.jit(self._around, out_shardings=self.state_shardings, donate_argnums=(0, 1))(
+      master, frozen
+    )
+
+  def fresh_adapters(self, rng):
+    """With LoRA: the adapters as `init_state(rng)` draws them, made at their OS placement (the
+    base weights the same init would draw are never computed: nothing uses them)."""
+    return jax.jit(
+      lambda rng: split_trainable(self.model.init(rng), self.mask),
+      out_shardings=self.state_shardings.master,
+    )(rng)
+
   def _fresh_state(self, params) -> TrainState:
     master = split_trainable(params, self.mask)
     frozen = None
@@ -211,6 +230,11 @@ class Engine:
       frozen = jax.tree.map(
         lambda w: w.astype(self.compute_dtype), split_trainable(params, self.mask, False)
       )
+    return self._around(master, frozen)
+
+  def _around(self, master, frozen) -> TrainState:
+    """Step 0's state around its master weights (and frozen base): zero moments and the buffers
+    this engine's options add."""
     residual = None
     if self.error_feedback:  # one vector per device, laid end to end
       residual = jnp.zeros((self.inter * self.intra * self.residual_size,), jnp.float32)
@@ -244,7 +268,11 @@ class Engine:
   def params(self, state: TrainState):
     """The compute-dtype parameters at their P placement (what the step holds while it runs)."""
     trained = self._sync_params(state.master)
-    return join_trainable(self.mask, trained, state.frozen) if self.lora else trained
+    if not self.lora:
+      return trained
+    # A frozen base read as a checkpoint wrote it (eval of a bf16 run in fp32) is cast here.
+    frozen = jax.tree.map(lambda w: w.astype(self.compute_dtype), state.frozen)
+    return join_trainable(self.mask, trained, frozen)
 
   @functools.cached_property
   def _sync_params(self):
@@ -306,10 +334,6 @@ class Engine:
     """Mean next-token loss over a placed batch (for a Batch, over its counted targets), with the
     master weights in the compute dtype at the P placement: `Forward.loss` of `params(state)`."""
     return self.forward.loss(self.params(state), batch_AxBxL1)
-
-  def eval_sums(self, state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """(the summed loss of the counted targets, how many) of a placed Batch: `Forward.sums`."""
-    return self.forward.sums(self.params(state), batch)
 
   def _train_step(self, state: TrainState, batch_AxBxL1):
     # Hand-written ppermute rings give replicated results typed "varying"; JAX has no

@@ -31,6 +31,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from paro_jax.hf.layout import hf_shape, our_shape, parse, to_hf, to_ours
 from models.config import (
   CONFIG,
   LAYERS,
@@ -53,89 +54,103 @@ HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry; recomputed here
 
 
+def axis_sizes(c: LlamaConfig) -> dict:
+  """The sizes of the names the layout patterns use (`hk`, `gk`: a projection's bias, flat)."""
+  return {
+    "v": c.vocab,
+    "d": c.dim,
+    "h": c.heads,
+    "g": c.kv_heads,
+    "k": c.head_dim,
+    "f": c.mlp,
+    "hk": c.heads * c.head_dim,
+    "gk": c.kv_heads * c.head_dim,
+  }
+
+
 def _layer_map(c: LlamaConfig) -> dict:
-  """Per-layer HF tensor suffix -> (our path, HF shape, HF -> ours, ours -> HF)."""
-  D, H, G, K, F = c.dim, c.heads, c.kv_heads, c.head_dim, c.mlp
-  split = lambda n: (lambda w: w.T.reshape(D, n, K), lambda w: w.reshape(D, n * K).T)
-  t = (lambda w: w.T, lambda w: w.T)
-  same = (lambda w: w, lambda w: w)
+  """Per-layer HF tensor suffix -> (our path, layout pattern: HF axes -> ours, hf/layout.py)."""
   family = {}
   if c.qkv_bias:  # Qwen2's: stored flat, as HF does
     family = {
-      f"self_attn.{x}_proj.bias": (("attn", f"b{x}"), (n * K,), *same)
-      for x, n in (("q", H), ("k", G), ("v", G))
+      f"self_attn.{x}_proj.bias": (("attn", f"b{x}"), f"{n} -> {n}")
+      for x, n in (("q", "hk"), ("k", "gk"), ("v", "gk"))
     }
   if c.qk_norm:  # Qwen3's: one scale over head_dim, shared by the heads
-    family = {
-      f"self_attn.{x}_norm.weight": (("attn", f"{x}_norm", "scale"), (K,), *same) for x in "qk"
-    }
+    family = {f"self_attn.{x}_norm.weight": (("attn", f"{x}_norm", "scale"), "k -> k") for x in "qk"}
   return {
     **family,
-    "self_attn.q_proj.weight": (("attn", "wq"), (H * K, D), *split(H)),
-    "self_attn.k_proj.weight": (("attn", "wk"), (G * K, D), *split(G)),
-    "self_attn.v_proj.weight": (("attn", "wv"), (G * K, D), *split(G)),
-    "self_attn.o_proj.weight": (
-      ("attn", "wo"),
-      (D, H * K),
-      lambda w: w.T.reshape(H, K, D),
-      lambda w: w.reshape(H * K, D).T,
-    ),
-    "mlp.gate_proj.weight": (("mlp", "w_gate"), (F, D), *t),
-    "mlp.up_proj.weight": (("mlp", "w_up"), (F, D), *t),
-    "mlp.down_proj.weight": (("mlp", "w_down"), (D, F), *t),
-    "input_layernorm.weight": (("attn_norm", "scale"), (D,), *same),
-    "post_attention_layernorm.weight": (("mlp_norm", "scale"), (D,), *same),
+    "self_attn.q_proj.weight": (("attn", "wq"), "(h k) d -> d h k"),
+    "self_attn.k_proj.weight": (("attn", "wk"), "(g k) d -> d g k"),
+    "self_attn.v_proj.weight": (("attn", "wv"), "(g k) d -> d g k"),
+    "self_attn.o_proj.weight": (("attn", "wo"), "d (h k) -> h k d"),
+    "mlp.gate_proj.weight": (("mlp", "w_gate"), "f d -> d f"),
+    "mlp.up_proj.weight": (("mlp", "w_up"), "f d -> d f"),
+    "mlp.down_proj.weight": (("mlp", "w_down"), "d f -> f d"),
+    "input_layernorm.weight": (("attn_norm", "scale"), "d -> d"),
+    "post_attention_layernorm.weight": (("mlp_norm", "scale"), "d -> d"),
   }
 
 
 def _global_map(c: LlamaConfig) -> dict:
-  """HF tensor name -> (our path, HF shape, HF -> ours, ours -> HF) outside the layer stack. A
-  tied model has no lm_head.weight: transformers saves the shared table once, as the embedding."""
+  """HF tensor name -> (our path, layout pattern) outside the layer stack. A tied model has no
+  lm_head.weight: transformers saves the shared table once, as the embedding."""
   tensors = {
-    EMBEDDING: (
-      ("embed", "embedding"),
-      (c.vocab, c.dim),
-      lambda w: w,
-      lambda w: w,
-    ),
-    "model.norm.weight": (("head", "norm", "scale"), (c.dim,), lambda w: w, lambda w: w),
+    EMBEDDING: (("embed", "embedding"), "v d -> v d"),
+    "model.norm.weight": (("head", "norm", "scale"), "d -> d"),
   }
   if not c.tie_embeddings:
-    tensors[HEAD] = (("head", "kernel"), (c.vocab, c.dim), lambda w: w.T, lambda w: w.T)
+    tensors[HEAD] = (("head", "kernel"), "v d -> d v")
   return tensors
 
 
+def tensor_table(c: LlamaConfig) -> dict:
+  """Our leaf path -> (HF name of layer i (`str.format`-ed with i; no `{}` outside the layer
+  stack), parsed layout): the one description of which HF tensor each leaf is, and how."""
+  table = {path: (name, parse(p)) for name, (path, p) in _global_map(c).items()}
+  for suffix, (path, p) in _layer_map(c).items():
+    table[(LAYERS, *path)] = (f"model.layers.{{}}.{suffix}", parse(p))
+  return table
+
+
 # --- weights ---------------------------------------------------------------------------------
+def unreadable(path: str, e: Exception) -> Exception:
+  """safetensors' error on a damaged file (SafetensorError, a bad header or a short file, is no
+  ValueError) as one clear ValueError; an OSError stays what it is."""
+  if isinstance(e, OSError):
+    return e
+  why = str(e).splitlines()[0] if str(e) else type(e).__name__
+  return ValueError(
+    f"{path} is not a readable safetensors file ({why}): it is damaged or incomplete; "
+    f"download or export it again"
+  )
+
+
 def _load_file(path: str) -> dict[str, np.ndarray]:
-  """safetensors' load_file, with a damaged file as one clear ValueError."""
   try:
     return load_file(path)
-  except Exception as e:  # SafetensorError (a bad header, a short file) is no ValueError
-    if isinstance(e, OSError):
-      raise
-    why = str(e).splitlines()[0] if str(e) else type(e).__name__
-    raise ValueError(
-      f"{path} is not a readable safetensors file ({why}): it is damaged or incomplete; "
-      f"download or export it again"
-    ) from None
+  except Exception as e:  # noqa: BLE001 - said by unreadable()
+    raise unreadable(path, e) from None
 
 
-def _read_tensors(directory: str) -> dict[str, np.ndarray]:
+def weight_files(directory: str) -> list[str]:
+  """The safetensors files of an HF directory: model.safetensors, or the shards its index lists
+  (each must be there)."""
   single, index = os.path.join(directory, WEIGHTS), os.path.join(directory, INDEX)
   if os.path.isfile(single):
-    return _load_file(single)
+    return [single]
   if os.path.isfile(index):
     with open(index) as f:
       weight_map = json.load(f).get("weight_map")
     if not isinstance(weight_map, dict):
       raise ValueError(f"{index} has no weight_map")
-    tensors = {}
+    files = []
     for shard in sorted(set(weight_map.values())):
       path = os.path.join(directory, shard)
       if not os.path.isfile(path):
         raise FileNotFoundError(f"{index} lists shard {shard}, which is missing from {directory}")
-      tensors.update(_load_file(path))
-    return tensors
+      files.append(path)
+    return files
   others = [n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth"))]
   hint = (
     f" (it holds {', '.join(sorted(others))}: convert them to safetensors first)" if others else ""
@@ -143,29 +158,55 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
   raise FileNotFoundError(f"{directory} has neither {WEIGHTS} nor {INDEX}{hint}")
 
 
-def _take(tensors: dict, name: str, shape: tuple, where: str) -> np.ndarray:
-  if name not in tensors:
-    raise ValueError(f"{where}: tensor {name} is missing")
-  w = tensors.pop(name)
-  if tuple(w.shape) != tuple(shape):
+def tied_head_differs(directory: str) -> ValueError:
+  # Some tied checkpoints store the shared table twice; it must then be the same table.
+  return ValueError(
+    f"{directory}: tie_word_embeddings is true but {HEAD} differs from {EMBEDDING}: set "
+    f"tie_word_embeddings to false in its config.json to load them as two tables"
+  )
+
+
+def check_tensors(cfg: LlamaConfig, shapes: dict, where: str) -> None:
+  """Every tensor the config implies is there (`shapes`: HF name -> shape, as stored), in its
+  shape, and no other (but a tied model's second copy of its table, and ignored buffers)."""
+  sizes, left = axis_sizes(cfg), dict(shapes)
+  if cfg.tie_embeddings:
+    left.pop(HEAD, None)
+  for name, axes in tensor_table(cfg).values():
+    want = hf_shape(axes, sizes)
+    for each in [name.format(i) for i in range(cfg.layers)] if "{}" in name else [name]:
+      if each not in left:
+        raise ValueError(f"{where}: tensor {each} is missing")
+      if tuple(left.pop(each)) != want:
+        raise ValueError(
+          f"{where}: tensor {each} has shape {tuple(shapes[each])}, but config.json implies {want}"
+        )
+  extra = sorted(n for n in left if not n.endswith(_IGNORED))
+  if extra:
     raise ValueError(
-      f"{where}: tensor {name} has shape {tuple(w.shape)}, but config.json implies {tuple(shape)}"
+      f"{where}: unexpected tensor(s) {', '.join(extra[:8])}"
+      f"{' ...' if len(extra) > 8 else ''} (is num_hidden_layers right?)"
     )
-  w = np.asarray(w, np.float32)
+
+
+def check_finite(w: np.ndarray, name: str, where: str, offset: tuple = ()) -> None:
+  """Refuse a block of tensor `name` holding NaN or Inf, naming the first by its index in the
+  tensor (`offset`: where the block starts; its counts are the block's)."""
   finite = np.isfinite(w)
-  if not finite.all():
-    # Checked as loaded: a NaN in a row the data rarely touches would train on unseen and
-    # make every checkpoint unsavable; one in a weight used every step would read as divergence.
-    nan, first = int(np.isnan(w).sum()), np.unravel_index(int(np.argmin(finite)), w.shape)
-    raise ValueError(
-      f"{where}: tensor {name} holds {nan} NaN and {w.size - int(finite.sum()) - nan} Inf "
-      f"values (the first at index {tuple(int(i) for i in first)}): these weights are damaged; "
-      f"download or export them again"
-    )
-  return w
+  if finite.all():
+    return
+  # Checked as loaded: a NaN in a row the data rarely touches would train on unseen and
+  # make every checkpoint unsavable; one in a weight used every step would read as divergence.
+  nan, first = int(np.isnan(w).sum()), np.unravel_index(int(np.argmin(finite)), w.shape)
+  first = tuple(int(i) + int(o) for i, o in zip(first, offset or (0,) * w.ndim))
+  raise ValueError(
+    f"{where}: tensor {name} holds {nan} NaN and {w.size - int(finite.sum()) - nan} Inf "
+    f"values (the first at index {first}): these weights are damaged; "
+    f"download or export them again"
+  )
 
 
-def _put(tree: dict, path: tuple, value) -> None:
+def put(tree: dict, path: tuple, value) -> None:
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
   tree[path[-1]] = value
@@ -178,42 +219,35 @@ def _get(tree: dict, path: tuple):
 
 
 def load_hf(directory: str) -> tuple[LlamaConfig, dict]:
-  """(config, fp32 parameter tree as numpy arrays) of a local HF LLaMA directory."""
+  """(config, fp32 parameter tree as numpy arrays) of a local HF LLaMA directory, read whole
+  (hf/stream.py `import_hf` places it on a mesh a slice at a time)."""
   cfg = read_config(directory)
-  tensors = _read_tensors(directory)
+  tensors: dict = {}
+  for path in weight_files(directory):
+    tensors.update(_load_file(path))
+  check_tensors(cfg, {n: w.shape for n, w in tensors.items()}, directory)
   if cfg.tie_embeddings and HEAD in tensors:
-    # Some tied checkpoints store the shared table twice; it must then be the same table.
-    head = tensors.pop(HEAD)
-    if EMBEDDING in tensors and not np.array_equal(head, tensors[EMBEDDING]):
-      raise ValueError(
-        f"{directory}: tie_word_embeddings is true but {HEAD} differs from {EMBEDDING}: set "
-        f"tie_word_embeddings to false in its config.json to load them as two tables"
-      )
+    if not np.array_equal(tensors.pop(HEAD), tensors[EMBEDDING]):
+      raise tied_head_differs(directory)
   params: dict = {}
-  for name, (path, shape, to_ours, _) in _global_map(cfg).items():
-    _put(params, path, to_ours(_take(tensors, name, shape, directory)))
-  for suffix, (path, shape, to_ours, _) in _layer_map(cfg).items():
-    stack = [
-      to_ours(_take(tensors, f"model.layers.{i}.{suffix}", shape, directory))
-      for i in range(cfg.layers)
-    ]
-    _put(params, (LAYERS, *path), np.stack(stack))
-  extra = sorted(n for n in tensors if not n.endswith(_IGNORED))
-  if extra:
-    raise ValueError(
-      f"{directory}: unexpected tensor(s) {', '.join(extra[:8])}"
-      f"{' ...' if len(extra) > 8 else ''} (is num_hidden_layers right?)"
-    )
+  sizes = axis_sizes(cfg)
+  for path, (name, axes) in tensor_table(cfg).items():
+    names = [name.format(i) for i in range(cfg.layers)] if path[0] == LAYERS else [name]
+    stack = []
+    for each in names:
+      w = np.asarray(tensors.pop(each), np.float32)
+      check_finite(w, each, directory)
+      stack.append(to_ours(w, axes, sizes))
+    put(params, path, np.stack(stack) if path[0] == LAYERS else stack[0])
   return cfg, params
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict:
   """Our parameter tree's shapes for `cfg`, as tuples."""
   shapes: dict = {}
-  for path, shape, to_ours, _ in _global_map(cfg).values():
-    _put(shapes, path, to_ours(np.empty(shape, np.float32)).shape)
-  for path, shape, to_ours, _ in _layer_map(cfg).values():
-    _put(shapes, (LAYERS, *path), (cfg.layers, *to_ours(np.empty(shape, np.float32)).shape))
+  for path, (_, axes) in tensor_table(cfg).items():
+    shape = our_shape(axes, axis_sizes(cfg))
+    put(shapes, path, (cfg.layers, *shape) if path[0] == LAYERS else shape)
   return shapes
 
 
@@ -265,12 +299,12 @@ def save_hf(
       )
     return w
 
-  for name, (path, _, _, to_hf) in _global_map(cfg).items():
-    tensors[name] = np.ascontiguousarray(to_hf(fetch(path)).astype(np_dtype))
-  for suffix, (path, _, _, to_hf) in _layer_map(cfg).items():
-    stack = fetch((LAYERS, *path))
-    for i in range(cfg.layers):
-      tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stack[i]).astype(np_dtype))
+  sizes = axis_sizes(cfg)
+  for path, (name, axes) in tensor_table(cfg).items():
+    w = fetch(path)
+    for i, layer in enumerate(w) if path[0] == LAYERS else [(None, w)]:
+      hf = to_hf(layer, axes, sizes).astype(np_dtype)
+      tensors[name.format(i) if i is not None else name] = np.ascontiguousarray(hf)
   try:
     split = split_state_dict_into_shards_factory(
       tensors,

@@ -206,9 +206,16 @@ class Checkpointer:
     return RunMeta.from_json(restored[META_ITEM])
 
   def restore(
-    self, engine: Engine, model_name: str | None = None, set_aside: bool = False
+    self,
+    engine: Engine,
+    model_name: str | None = None,
+    set_aside: bool = False,
+    weights_only: bool = False,
   ) -> tuple[TrainState, RunMeta]:
     """The newest intact checkpoint, placed with `engine`'s shardings, and its metadata.
+    `weights_only`: only its weights are read (the master and a LoRA run's frozen base, as
+    saved, at their placements; the other fields None): nothing of the optimizer is read or
+    allocated (eval).
 
     A checkpoint for another model config is an error. One that cannot be read or whose arrays
     do not match their checksums (a truncated or garbled file) is skipped with a warning, falling
@@ -254,11 +261,16 @@ class Checkpointer:
         # Read every array as it was written (a bf16 run's frozen LoRA base in bf16, even
         # when an fp32 engine reads it): the checksums are of the written bits. Only a verified
         # state is then converted to this engine's dtypes.
-        stored = stored_like(written, step_target)
-        restored = self._manager.restore(
-          step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(stored)})
-        )[STATE_ITEM]
-        verify(restored, meta)  # the checksums are global: the same verdict on every process
+        partial = weights_only and from_outer is None  # an outer loop's checkpoint: read whole
+        if partial:
+          restored = self._read_weights(step, written, target)
+        else:
+          stored = stored_like(written, step_target)
+          restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(stored)})
+          )[STATE_ITEM]
+        # the checksums are global: the same verdict on every process
+        verify(restored, meta, partial=partial)
       except OuterMismatch:
         raise
       except Exception as e:  # noqa: BLE001
@@ -266,11 +278,12 @@ class Checkpointer:
         continue
       if from_outer is not None:  # the outer weights of the outer loop's checkpoint
         restored = from_outer(restored)
-      if not carried:
-        restored = restart_residual(restored, engine, meta)
-      if reference is not None:
-        restored = restart_reference(restored, engine, meta, reference)
-      restored = engine.with_weights(to_target(restored))
+      if not partial:
+        if not carried:
+          restored = restart_residual(restored, engine, meta)
+        if reference is not None:
+          restored = restart_reference(restored, engine, meta, reference)
+        restored = engine.with_weights(to_target(restored))
       if failures:
         moved = self.set_aside([s for s, _ in failures], "damaged") if set_aside else ""
         warnings.warn(
@@ -283,6 +296,21 @@ class Checkpointer:
       f"no intact checkpoint in {self.directory}: {_describe(failures)}. Nothing was "
       f"changed there: restore its files from a copy, or start a new run with another --out"
     )
+
+  def _read_weights(self, step: int, written, target: TrainState) -> TrainState:
+    """The master and frozen subtrees of step `step`'s state alone (orbax's partial restore),
+    in the dtypes written, at `target`'s shardings."""
+    part = {"master": target.master, "frozen": target.frozen}
+    stored = stored_like(written, part)
+    args = ocp.args.PyTreeRestore(
+      item=stored,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(stored),
+      partial_restore=True,
+    )
+    path = os.path.join(self.directory, str(step), STATE_ITEM)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+      read = reader.restore(path, args=args)
+    return TrainState(None, read["master"], None, read["frozen"])
 
   def set_aside(self, steps: list[int], why: str) -> str:
     """Rename step directories to `<why>-<step>` (no longer steps; process 0, the others wait),

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from models.config import CONFIG, LlamaConfig, LoraConfig, read_config
-from paro_jax.hf.weights import load_hf
+from paro_jax.hf.stream import import_hf
 from paro_jax.core.batch import Batch
 from paro_jax.core.config import LoraOptions
 from paro_jax.core.engine import Engine
@@ -88,19 +88,22 @@ def open_source(source: str) -> Source:
 
 def source_engine(source: Source, cfg: EvalConfig):
   """The engine that scores the source's model (with its adapters) on cfg's step and mesh, and
-  the source's state placed for it."""
+  the source's weights for it: compute-dtype parameters at the strategy's P placement, what a
+  forward holds, and nothing of an optimizer. An HF directory is read straight into them, each
+  process reading its devices' slices (hf/stream.py); of a run's newest intact checkpoint only
+  the weights are read (checksums verified, any strategy or mesh), then cast and gathered."""
   mesh = make_mesh(*cfg.mesh) if cfg.mesh else make_mesh()
   engine = build_engine(cfg.step(LoraOptions.of(source.lora)), source.config, mesh)
   if source.kind == "hf":
-    _, params = load_hf(source.path)
-    return engine, engine.state_from_params(params)
+    return engine, import_hf(
+      source.path, source.config, engine.param_shardings, engine.compute_dtype
+    )
   ckpt = Checkpointer(os.path.join(source.path, CHECKPOINTS), read_only=True)
   try:
-    # the restore resume uses: checksums verified, any strategy or mesh
-    state, _ = ckpt.restore(engine, source.model_name)
+    state, _ = ckpt.restore(engine, source.model_name, weights_only=True)
   finally:
     ckpt.close()
-  return engine, state
+  return engine, engine.params(state)
 
 
 def window_batches(tokens, seq_len: int, batch_size: int):
@@ -129,12 +132,13 @@ def example_batches(batches: ExampleBatches):
     yield batches(step), min(B, rows - step * B)
 
 
-def score(engine: Engine, state, batches) -> dict:
+def score(engine: Engine, params, batches) -> dict:
   """The mean loss over the scored targets of `batches` ((Batch, rows) pairs), perplexity, the
   scored targets ("tokens") and the windows (examples) scored."""
   total, targets, windows = 0.0, 0, 0
   for batch, rows in batches:
-    loss_sum, count = engine.eval_sums(state, engine.shard_batch(batch, any_micro_batches=True))
+    placed = engine.shard_batch(batch, any_micro_batches=True)
+    loss_sum, count = engine.forward.sums(params, placed)
     total += float(jax.device_get(loss_sum))
     targets += int(jax.device_get(count))
     windows += rows
@@ -151,7 +155,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     data = dataclasses.replace(data, tokenizer=source.tokenizer)
   data = resolve_tokenizer(data, source.hf_dir, source.config.vocab, files)
   fmt = data_format(files, data.text_field, data.data_format)
-  engine, state = source_engine(source, cfg)
+  engine, params = source_engine(source, cfg)
   engine.check_batch_size(cfg.batch_size)
   vocab = source.config.vocab
   if fmt == TEXT:
@@ -174,7 +178,7 @@ def run_eval(cfg: EvalConfig) -> dict:
       what=f"the examples of {', '.join(files)}",
     )
     batches = example_batches(rows)
-  result = score(engine, state, batches)
+  result = score(engine, params, batches)
   if jax.process_index() == 0:
     if cfg.as_json:
       print(json.dumps(result), flush=True)

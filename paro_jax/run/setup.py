@@ -11,9 +11,10 @@ import os
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 from models.config import CONFIG, get_config, read_config, resolve_attention
-from paro_jax.hf.weights import load_hf
+from paro_jax.hf.stream import import_hf
 from paro_jax.analysis.planner.auto import auto_strategy
 from paro_jax.core.state import DTYPES, OptimConfig, TrainState
 from paro_jax.core.engine import Engine
@@ -208,6 +209,17 @@ def lr_schedule_inputs(cfg: RunConfig) -> dict:
   return dataclasses.asdict(cfg.optimizer)  # steps, lr, warmup
 
 
+def imported_state(engine: Engine, directory: str, rng) -> TrainState:
+  """Step 0 from HF weights, each process reading only its devices' slices (hf/stream.py):
+  the fp32 master straight at its OS placement; with LoRA, the HF weights are the frozen base,
+  straight at P in the compute dtype, and the adapters start fresh (B = 0)."""
+  shardings, cfg = engine.state_shardings, engine.model.cfg  # its config: build read it
+  if engine.lora:
+    frozen = import_hf(directory, cfg, shardings.frozen, engine.compute_dtype)
+    return engine.state_from_master(engine.fresh_adapters(rng), frozen)
+  return engine.state_from_master(import_hf(directory, cfg, shardings.master, jnp.float32))
+
+
 def start_state(
   cfg: RunConfig,
   engine: Engine,
@@ -226,10 +238,7 @@ def start_state(
         f"--resume to continue that run, or another --out to start a new one"
       )
     if cfg.init_from:
-      _, params = load_hf(cfg.init_from)  # its config is the engine's (build read it)
-      # With LoRA: the HF weights are the frozen base; the adapters start fresh (B = 0).
-      params = engine.model.with_adapters(params, jax.random.key(cfg.seed))
-      return engine.state_from_params(params)
+      return imported_state(engine, cfg.init_from, jax.random.key(cfg.seed))
     return engine.init_state(jax.random.key(cfg.seed))
   state, meta = ckpt.restore(engine, model_name(cfg), set_aside=True)
   was = {"seed": meta.seed, **meta.data}

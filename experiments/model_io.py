@@ -1,0 +1,407 @@
+"""Model I/O at real size: peak memory of `paro-jax eval` of an HF directory before and after the
+sharded, streaming import (paro_jax/hf/stream.py), and the import's time against safetensors'
+own read of the same bytes.
+
+  python experiments/model_io.py make --dir /tmp/llama1b            # random bf16, never committed
+  git archive BASE | tar -x -C /tmp/base                              # the code of before
+  python experiments/model_io.py measure --dir /tmp/llama1b --base /tmp/base \\
+      --out experiments/results/model_io
+
+`make` writes a random bf16 LlamaForCausalLM directory of the Llama-3.2-1B shape (vocab 128,256,
+hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, tied embeddings: 1.24B parameters,
+2.47 GB) in two safetensors shards with their index, one tensor in memory at a time. `measure`
+runs `paro-jax eval` of it on mesh 1x8 (GGG) and 1x1, each in a memory cgroup of --cap GiB
+(/work/shared/tools/capped: /usr/bin/time -v's peak RSS; killed at the cap), with the code of
+--base (before) and of this tree (after), one batch of 8 x 64 tokens; then times, in a child
+process of this tree, safetensors' read of every tensor against `import_hf` of the whole model
+(in bf16, at 1x1 and at G on 1x8), each after one untimed read (the files in the page cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
+
+CAPPED = "/work/shared/tools/capped"
+SHAPE = dict(
+  vocab_size=128256,
+  hidden_size=2048,
+  num_hidden_layers=16,
+  num_attention_heads=32,
+  num_key_value_heads=8,
+  head_dim=64,
+  intermediate_size=8192,
+)
+RUNS = [("1x8", "GGG"), ("1x1", "GGG")]
+
+
+def make(directory: str, seed: int = 0) -> None:
+  """The random bf16 directory, written a shard at a time."""
+  import ml_dtypes
+  import numpy as np
+  from safetensors.numpy import save_file
+
+  config = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    **SHAPE,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+  }
+  d, f, k = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
+  h, g = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+  layer = {
+    "self_attn.q_proj.weight": (h * k, d),
+    "self_attn.k_proj.weight": (g * k, d),
+    "self_attn.v_proj.weight": (g * k, d),
+    "self_attn.o_proj.weight": (d, h * k),
+    "mlp.gate_proj.weight": (f, d),
+    "mlp.up_proj.weight": (f, d),
+    "mlp.down_proj.weight": (d, f),
+    "input_layernorm.weight": (d,),
+    "post_attention_layernorm.weight": (d,),
+  }
+  L = SHAPE["num_hidden_layers"]
+  shards = [
+    {"model.embed_tokens.weight": (SHAPE["vocab_size"], d)}
+    | {f"model.layers.{i}.{n}": s for i in range(L // 2) for n, s in layer.items()},
+    {f"model.layers.{i}.{n}": s for i in range(L // 2, L) for n, s in layer.items()}
+    | {"model.norm.weight": (d,)},
+  ]
+  os.makedirs(directory, exist_ok=True)
+  rng, weight_map = np.random.default_rng(seed), {}
+  for n, names in enumerate(shards, 1):
+    file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+    tensors = {
+      name: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+      for name, shape in names.items()
+    }
+    save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+    weight_map |= {name: file for name in names}
+    del tensors
+  with open(os.path.join(directory, "model.safetensors.index.json"), "w") as out:
+    json.dump({"metadata": {}, "weight_map": weight_map}, out)
+  with open(os.path.join(directory, "config.json"), "w") as out:
+    json.dump(config, out, indent=2)
+
+
+def eval_run(tree: str, directory: str, mesh: str, strategy: str, cap: int, text: str) -> dict:
+  """`paro-jax eval` with the code of `tree`, capped: peak RSS, seconds, exit code, score."""
+  command = [
+    CAPPED,
+    str(cap),
+    sys.executable,
+    "-m",
+    "paro_jax",
+    "eval",
+    directory,
+    *("--data", text, "--tokenizer", "bytes", "--seq-len", "64", "--batch-size", "8"),
+    *("--mesh", mesh, "--strategy", strategy, "--dtype", "bf16", "--json"),
+  ]
+  env = {**os.environ, "PYTHONPATH": tree, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)
+  start = time.time()
+  done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+  rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
+  score = None
+  if done.returncode == 0:
+    score = json.loads(done.stdout.strip().splitlines()[-1])
+  return {
+    "mesh": mesh,
+    "strategy": strategy,
+    "rc": done.returncode,
+    "peak_rss_gib": round(int(rss.group(1)) / 2**20, 2) if rss else None,
+    "seconds": round(time.time() - start, 1),
+    "score": score,
+    "error": None if done.returncode == 0 else done.stderr.strip().splitlines()[-25:],
+  }
+
+
+def time_import(directory: str) -> dict:
+  """In this process (8 virtual devices): safetensors' read of every tensor, then import_hf
+  in bf16 at 1x1 and at G on 1x8; each once untimed first (the files in the page cache)."""
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+  import jax.numpy as jnp
+  from safetensors import safe_open
+
+  from models.config import read_config
+  from models.llama import Llama
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.sharding import named, shard_dims, tree_specs
+  from paro_jax.core.strategy import Placement
+  from paro_jax.hf.stream import import_hf
+  from paro_jax.hf.weights import expected_shapes, weight_files
+
+  cfg = read_config(directory)
+  shapes = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+    expected_shapes(cfg),
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+  dims = shard_dims(Llama(cfg).logical_axes())
+
+  def read_all():
+    for path in weight_files(directory):
+      with safe_open(path, framework="numpy") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
+          f.get_tensor(name)
+
+  def importer(mesh, placement):
+    target = named(mesh, tree_specs(shapes, dims, placement, mesh))
+    return lambda: jax.block_until_ready(import_hf(directory, cfg, target, jnp.bfloat16))
+
+  cases = {
+    "safetensors get_tensor, every tensor": read_all,
+    "import_hf bf16, 1x1": importer(make_mesh(1, 1, devices=jax.devices()[:1]), Placement.N),
+    "import_hf bf16, G on 1x8": importer(make_mesh(1, 8), Placement.G),
+  }
+  seconds = {}
+  for what, run in cases.items():
+    run()
+    start = time.perf_counter()
+    run()
+    seconds[what] = round(time.perf_counter() - start, 2)
+  return seconds
+
+
+def import_peak(directory: str, devices: int) -> dict:
+  """import_hf of the whole model in bf16 alone (at G on 1x`devices`, N on 1x1): seconds, and
+  this process's peak RSS before and after it (getrusage)."""
+  import resource
+
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+  import jax.numpy as jnp
+
+  from models.config import read_config
+  from models.llama import Llama
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.sharding import named, shard_dims, tree_specs
+  from paro_jax.core.strategy import Placement
+  from paro_jax.hf.stream import import_hf
+  from paro_jax.hf.weights import expected_shapes
+
+  cfg = read_config(directory)
+  shapes = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+    expected_shapes(cfg),
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+  mesh = make_mesh(1, devices)
+  placement = Placement.G if devices > 1 else Placement.N
+  target = named(mesh, tree_specs(shapes, shard_dims(Llama(cfg).logical_axes()), placement, mesh))
+  peak = lambda: round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # noqa: E731
+  before, start = peak(), time.perf_counter()
+  jax.block_until_ready(import_hf(directory, cfg, target, jnp.bfloat16))
+  return {
+    "mesh": f"1x{devices}",
+    "seconds": round(time.perf_counter() - start, 1),
+    "peak_rss_gib_before_import": before,
+    "peak_rss_gib": peak(),
+  }
+
+
+# `paro-jax eval`'s weights alone, up to its first batch, with the code on PYTHONPATH (before or
+# after): run/evaluate.py source_engine, and before, the params(state) its score gathered.
+WEIGHTS_STAGE = """
+import json, os, resource, sys, time
+n = int(sys.argv[2])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+from paro_jax.core.config import make_config
+from paro_jax.run.config import EvalConfig
+from paro_jax.run.evaluate import open_source, source_engine
+flags = {"source": sys.argv[1], "mesh": (1, n), "strategy": "GGG", "dtype": "bf16"}
+cfg = make_config(EvalConfig, {**flags, "batch_size": 8, "seq_len": 64})
+start = time.perf_counter()
+engine, held = source_engine(open_source(cfg.source), cfg)
+if hasattr(held, "master"):  # before: a training state, gathered to P by score()
+  held = (held, engine.params(held))
+jax.block_until_ready(held)
+seconds = round(time.perf_counter() - start, 1)
+print(json.dumps({"seconds": seconds, "peak_rss_gib": resource.getrusage(0).ru_maxrss / 2**20}))
+"""
+
+
+def weights_stages(args) -> None:
+  """Add the weights stage of before and after to the record in --out and write its page again."""
+  path = os.path.join(args.out, "model_io.json")
+  with open(path) as f:
+    record = json.load(f)
+  stages = []
+  for code, tree in (("before", args.base), ("after", ROOT)):
+    for devices in (8, 1):
+      done = subprocess.run(
+        [CAPPED, str(args.cap), sys.executable, "-c", WEIGHTS_STAGE, args.dir, str(devices)],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": tree},
+        capture_output=True,
+        text=True,
+      )
+      rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
+      row = {"code": code, "mesh": f"1x{devices}", "rc": done.returncode}
+      row["peak_rss_gib"] = round(int(rss.group(1)) / 2**20, 2) if rss else None
+      if done.returncode == 0:
+        row["seconds"] = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+      stages.append(row)
+      print(json.dumps(row), flush=True)
+  record["weights_stage"] = stages
+  record["weights_stage_command"] = " ".join(sys.argv)
+  write_page(args.out, record, "model_io.json", page(record), "README.md")
+
+
+def measure(args) -> None:
+  text = os.path.join(os.path.dirname(os.path.abspath(args.dir)), "model_io_text.txt")
+  with open(text, "w") as f:  # one batch: 8 windows of 64 + 1 tokens (bytes)
+    f.write(("The quick brown fox jumps over the lazy dog. " * 12)[: 8 * 65])
+  runs = []
+  for code, tree in (("before", args.base), ("after", ROOT)):
+    for mesh, strategy in RUNS:
+      runs.append({"code": code, **eval_run(tree, args.dir, mesh, strategy, args.cap, text)})
+      print(json.dumps(runs[-1]), flush=True)
+  peaks = []
+  for devices in (8, 1):
+    done = subprocess.run(
+      [CAPPED, str(args.cap), sys.executable, os.path.abspath(__file__), "import-peak"]
+      + ["--dir", args.dir, "--devices", str(devices)],
+      env={**os.environ, "PYTHONPATH": ROOT},
+      capture_output=True,
+      text=True,
+    )
+    if done.returncode:
+      raise SystemExit(done.stderr[-3000:])
+    peaks.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(json.dumps(peaks[-1]), flush=True)
+  child = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), "time-import", "--dir", args.dir],
+    env={**os.environ, "PYTHONPATH": ROOT},
+    capture_output=True,
+    text=True,
+  )
+  if child.returncode:
+    raise SystemExit(child.stderr[-3000:])
+  seconds = json.loads(child.stdout.strip().splitlines()[-1])
+  size = sum(os.path.getsize(os.path.join(args.dir, n)) for n in os.listdir(args.dir))
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+  record = {
+    "date": utc_now(),
+    "machine": machine_line(),
+    "command": " ".join(sys.argv),
+    "after_commit": commit.stdout.decode().strip(),
+    "before_commit": args.base_commit,
+    "directory_bytes": size,
+    "cap_gib": args.cap,
+    "eval": runs,
+    "import_seconds": seconds,
+    "import_peaks": peaks,
+  }
+  write_page(args.out, record, "model_io.json", page(record), "README.md")
+
+
+def page(r: dict) -> str:
+  gb = r["directory_bytes"] / 1e9
+  lines = [
+    "# Model I/O: `paro-jax eval` of a real-size HF directory, before and after",
+    "",
+    f"Command: `python {r['command']}`  ",
+    f"Date: {r['date']}  ",
+    f"Machine: {r['machine']}  ",
+    f"Code: before = {r['before_commit']}, after = {r['after_commit']} (+ the working tree)",
+    "",
+    f"A random bf16 HF directory of the Llama-3.2-1B shape ({gb:.2f} GB, two shards), scored on",
+    "one batch of 8 x 64 byte tokens in bf16, each run in a memory cgroup of "
+    f"{r['cap_gib']} GiB (`/work/shared/tools/capped`); peak RSS is /usr/bin/time -v's (the",
+    "whole process: on CPU the 8 virtual devices' buffers are host memory too). rc 137: killed",
+    "at the cap.",
+    "",
+    "| code | mesh | strategy | rc | peak RSS (GiB) | seconds | loss |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for run in r["eval"]:
+    loss = f"{run['score']['loss']:.6f}" if run["score"] else "-"
+    lines.append(
+      f"| {run['code']} | {run['mesh']} | {run['strategy']} | {run['rc']} | "
+      f"{run['peak_rss_gib']} | {run['seconds']} | {loss} |"
+    )
+  lines += [
+    "",
+    "Import time (one process, files in the page cache, each timed once after one untimed run):",
+    "",
+    "| what | seconds | GB/s |",
+    "|---|---|---|",
+  ]
+  for what, s in r["import_seconds"].items():
+    lines.append(f"| {what} | {s} | {gb / s:.2f} |")
+  lines += [
+    "",
+    "The import alone (`import_hf` of the whole model in bf16, in a capped process of its own;",
+    "peak RSS from getrusage, of the whole process, before and after the import):",
+    "",
+    "| mesh | seconds | peak RSS before (GiB) | peak RSS after (GiB) |",
+    "|---|---|---|---|",
+  ]
+  for p in r["import_peaks"]:
+    lines.append(
+      f"| {p['mesh']} | {p['seconds']} | {p['peak_rss_gib_before_import']} | {p['peak_rss_gib']} |"
+    )
+  if "weights_stage" in r:
+    lines += [
+      "",
+      f"`eval`'s weights alone (`python {r['weights_stage_command']}`): run/evaluate.py",
+      "`source_engine` up to the first batch (before: the training state it built and the",
+      "`params(state)` its score gathered to P; after: the weights at P), capped the same way:",
+      "",
+      "| code | mesh | rc | peak RSS (GiB) | seconds |",
+      "|---|---|---|---|---|",
+    ]
+    for w in r["weights_stage"]:
+      lines.append(
+        f"| {w['code']} | {w['mesh']} | {w['rc']} | {w['peak_rss_gib']} | {w.get('seconds', '-')} |"
+      )
+  return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument(
+    "what", choices=["make", "measure", "weights-stages", "time-import", "import-peak"]
+  )
+  p.add_argument("--devices", type=int, default=8, help="import-peak: 1x1 or 1xN")
+  p.add_argument("--dir", required=True)
+  p.add_argument("--base", help="a tree of the code of before (git archive BASE)")
+  p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "model_io"))
+  p.add_argument("--cap", type=int, default=12)
+  p.add_argument("--base-commit", default="", help="the commit --base was made from")
+  args = p.parse_args()
+  if args.what == "make":
+    make(args.dir)
+  elif args.what == "weights-stages":
+    weights_stages(args)
+  elif args.what == "import-peak":
+    print(json.dumps(import_peak(args.dir, args.devices)))
+  elif args.what == "time-import":
+    print(json.dumps(time_import(args.dir)))
+  else:
+    measure(args)
+
+
+if __name__ == "__main__":
+  main()

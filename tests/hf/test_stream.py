@@ -1,0 +1,173 @@
+"""The sharded, streaming import (paro_jax/hf/stream.py) against the whole-model read (load_hf):
+bit for bit, at every placement (N, I, G) on meshes 1x1, 2x4, 1x8 and 8x1, in fp32 and in bf16,
+for untied and tied heads, GQA and MHA, an odd vocabulary no mesh divides, bf16 files, and a
+directory sharded over several files (an index) in fp16; the arrays are at the sharding asked,
+each device holding only its block. Then the one-line errors, raised per block."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from models.llama import Llama
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.sharding import named, shard_dims, tree_specs
+from paro_jax.core.strategy import Placement
+from paro_jax.hf.layout import parse, slice_of, to_hf, to_ours
+from paro_jax.hf.stream import import_hf
+from paro_jax.hf.weights import expected_shapes, load_hf
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+VARIANTS = ["hf_tiny", *(f"hf_llama/{v}" for v in ("llama3_gqa", "llama32_tied", "odd_vocab"))]
+
+
+def shardings(cfg, placement, mesh):
+  shapes = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+    expected_shapes(cfg),
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+  dims = shard_dims(Llama(cfg).logical_axes())
+  return named(mesh, tree_specs(shapes, dims, placement, mesh))
+
+
+def fp16_shards(tmp_path):
+  """llama3_gqa as fp16 in two files with their index, as transformers writes a big model."""
+  source = os.path.join(FIXTURES, "hf_llama", "llama3_gqa")
+  out = tmp_path / "fp16"
+  shutil.copytree(source, out)
+  tensors = load_file(out / "model.safetensors")
+  os.remove(out / "model.safetensors")
+  names = sorted(tensors)
+  shards = {"model-00001-of-00002.safetensors": names[::2]}
+  shards["model-00002-of-00002.safetensors"] = names[1::2]
+  for shard, members in shards.items():
+    save_file({n: tensors[n].astype(np.float16) for n in members}, out / shard)
+  weight_map = {n: shard for shard, members in shards.items() for n in members}
+  (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  return str(out)
+
+
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory):
+  return [os.path.join(FIXTURES, v) for v in VARIANTS] + [fp16_shards(tmp_path_factory.mktemp("x"))]
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (2, 4), (1, 8), (8, 1)])
+def test_import_equals_the_whole_read_bit_for_bit(directories, mesh_shape):
+  mesh = make_mesh(*mesh_shape, devices=jax.devices()[: mesh_shape[0] * mesh_shape[1]])
+  for directory in directories:
+    cfg, want = load_hf(directory)
+    for placement in Placement:
+      target = shardings(cfg, placement, mesh)
+      for dtype in (jnp.float32, jnp.bfloat16):
+        got = import_hf(directory, cfg, target, dtype)
+        for keys, x in jax.tree_util.tree_leaves_with_path(got):
+          where = f"{directory} {placement.name} {mesh_shape} {dtype} {jax.tree_util.keystr(keys)}"
+          ref = np.asarray(jnp.asarray(_at(want, keys)).astype(dtype))  # XLA's cast, as before
+          assert x.dtype == dtype and x.sharding == _at(target, keys), where
+          assert np.asarray(jax.device_get(x)).tobytes() == ref.tobytes(), where
+          block = x.addressable_shards[0]
+          assert block.data.shape == x.sharding.shard_shape(x.shape), where
+
+
+def _at(tree, keys):
+  for k in keys:
+    tree = tree[k.key]
+  return tree
+
+
+def test_a_subtree_is_imported_alone():
+  """The leaves given None (a LoRA run's adapters, say) are neither read nor made."""
+  directory = os.path.join(FIXTURES, "hf_tiny")
+  cfg, want = load_hf(directory)
+  target = shardings(cfg, Placement.G, make_mesh(2, 4))
+  target["layers"]["mlp"] = jax.tree.map(lambda _: None, target["layers"]["mlp"])
+  got = import_hf(directory, cfg, target, jnp.float32)
+  assert got["layers"]["mlp"] == {"w_gate": None, "w_up": None, "w_down": None}
+  np.testing.assert_array_equal(got["layers"]["attn"]["wq"], want["layers"]["attn"]["wq"])
+
+
+def test_slice_of_reads_only_the_block():
+  """Every block of a pattern, read through the HF index slice_of asks for, equals the block of
+  the whole conversion; the HF block read is no larger than the block when only the outer name
+  is cut."""
+  sizes = {"h": 3, "k": 4, "d": 6}
+  for pattern in ("(h k) d -> d h k", "d (h k) -> h k d"):
+    axes = parse(pattern)
+    hf = np.arange(72, dtype=np.float32).reshape(12, 6) if pattern[0] == "(" else None
+    hf = np.arange(72, dtype=np.float32).reshape(6, 12) if hf is None else hf
+    ours = to_ours(hf, axes, sizes)
+    np.testing.assert_array_equal(to_hf(ours, axes, sizes), hf)
+    reads = []
+    read = lambda i: (reads.append(hf[i].size), hf[i])[1]  # noqa: E731
+    for index in [
+      (slice(2, 5), slice(None), slice(None)),
+      (slice(1, 2), slice(1, 3), slice(None)),
+      (slice(None), slice(0, 2), slice(1, 3)),
+    ]:
+      block = slice_of(read, axes, sizes, index)
+      np.testing.assert_array_equal(block, ours[index])
+    assert reads[0] == ours[(slice(2, 5),)].size
+
+
+# --- bad inputs, per block ------------------------------------------------------------------
+def test_non_finite_values_are_found_in_the_block_that_holds_them(tmp_path):
+  out = tmp_path / "hf"
+  shutil.copytree(os.path.join(FIXTURES, "hf_llama", "odd_vocab"), out)
+  tensors = load_file(out / "model.safetensors")
+  q = tensors["model.layers.1.self_attn.q_proj.weight"]
+  q[9, 13] = np.nan  # a column the last of 8 devices reads (16 columns, 2 each)
+  save_file(tensors, out / "model.safetensors")
+  cfg, _ = load_hf(os.path.join(FIXTURES, "hf_llama", "odd_vocab"))
+  target = shardings(cfg, Placement.G, make_mesh(1, 8))
+  with pytest.raises(
+    ValueError, match=r"q_proj.weight holds 1 NaN and 0 Inf values \(the first at index \(9, 13\)\)"
+  ):
+    import_hf(str(out), cfg, target, jnp.bfloat16)
+
+
+def test_a_tied_copy_that_differs_is_refused(tmp_path):
+  out = tmp_path / "tied"
+  shutil.copytree(os.path.join(FIXTURES, "hf_llama", "llama32_tied"), out)
+  tensors = load_file(out / "model.safetensors")
+  table = tensors["model.embed_tokens.weight"]
+  save_file({**tensors, "lm_head.weight": table}, out / "model.safetensors")
+  cfg, want = load_hf(out)
+  target = shardings(cfg, Placement.G, make_mesh(2, 4))
+  got = import_hf(str(out), cfg, target, jnp.float32)
+  np.testing.assert_array_equal(got["embed"]["embedding"], want["embed"]["embedding"])
+  head = table.copy()
+  head[-1, -1] = (
+    head[-1, -1] + ml_dtypes.bfloat16(1) if head.dtype != np.float32 else head[-1, -1] + 1
+  )
+  save_file({**tensors, "lm_head.weight": head}, out / "model.safetensors")
+  with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+    import_hf(str(out), cfg, target, jnp.float32)
+
+
+def test_shapes_names_and_files_are_checked_before_reading(tmp_path):
+  out = tmp_path / "hf"
+  shutil.copytree(os.path.join(FIXTURES, "hf_tiny"), out)
+  cfg, _ = load_hf(out)
+  target = shardings(cfg, Placement.I, make_mesh(2, 4))
+  tensors = load_file(out / "model.safetensors")
+  save_file(
+    {**tensors, "model.layers.2.mlp.up_proj.weight": tensors["model.norm.weight"]},
+    out / "model.safetensors",
+  )
+  with pytest.raises(ValueError, match="unexpected tensor.*model.layers.2.mlp.up_proj.weight"):
+    import_hf(str(out), cfg, target, jnp.float32)
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  save_file(tensors, out / "model.safetensors")
+  with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight is missing"):
+    import_hf(str(out), cfg, target, jnp.float32)
+  (out / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage" + bytes(99))
+  with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+    import_hf(str(out), cfg, target, jnp.float32)
