@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 
 import jax
@@ -55,13 +56,19 @@ from paro_jax.run.checkpoint_errors import (
   QUIET_ORBAX,
   CheckpointError,
   ErrorsAsCheckpointError,
+  describe_failures,
   quiet_closed_loop,
+  rotated_steps,
 )
 from paro_jax.run.config import refuse_unsafe_path
 
 # The two items of a checkpoint step (orbax): the arrays and the RunMeta beside them.
 STATE_ITEM, META_ITEM = "state", "meta"
 CHECKPOINTS = "checkpoints"  # the checkpoint directory inside a run directory (--out)
+# How long a reader keeps listing the steps again after one was superseded while it read it: a
+# run still saving there (--keep) rotates each checkpoint away once the next one is complete, and
+# a reader slower than its saves may lose several in a row.
+RELIST_SECONDS = 300.0
 
 
 class Checkpointer:
@@ -197,6 +204,38 @@ class Checkpointer:
     self._manager.reload()
     return sorted(self._manager.all_steps())
 
+  def newest_meta(self) -> RunMeta:
+    """The metadata of the newest checkpoint whose metadata reads. A step deleted while it is
+    read (rotated away by a run still saving there) is not damaged: the steps are listed again
+    and the newer one read."""
+    failed: dict[int, Exception] = {}
+    deadline = time.monotonic() + RELIST_SECONDS
+    while time.monotonic() < deadline:
+      steps = [s for s in self.steps() if s not in failed]
+      relist = False
+      for step in reversed(steps):
+        try:
+          return self.read_meta(step)
+        except Exception as e:  # noqa: BLE001 - any failure to read: the step is skipped
+          failed[step] = e
+          if self._gone(step):
+            relist = True
+            break
+      if not relist:
+        break
+    raise FileNotFoundError(
+      f"no checkpoint in {self.directory} has readable metadata"
+      + (f" ({describe_failures(sorted(failed.items()))})" if failed else "")
+    )
+
+  def _gone(self, step: int) -> bool:
+    """Whether step `step`, which failed to read, was superseded while it was read: it is no
+    longer there (set aside by the run writing), or a newer step is complete now (a run still
+    saving there rotates the older ones away, --keep: their files vanish as they are read)."""
+    if not os.path.isdir(os.path.join(self.directory, str(step))):
+      return True
+    return any(s > step for s in self.steps())
+
   def read_meta(self, step: int) -> RunMeta:
     restored = self._manager.restore(
       step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
@@ -226,17 +265,63 @@ class Checkpointer:
     to_target = jax.jit(
       cast_like(target), out_shardings=engine.state_shardings._replace(weights=None)
     )
-    failures = []
+    failures, gone = [], []  # (step, error) of the damaged ones; the steps deleted while read
+    deadline = time.monotonic() + RELIST_SECONDS
+    while True:
+      found = self._restore_newest(steps, agreement, engine, model_name, target, failures, gone)
+      if found is not None:
+        step, restored, meta = found
+        restored = engine.with_weights(to_target(restored))
+        if failures:
+          moved = self.set_aside([s for s, _ in failures], "damaged") if set_aside else ""
+          warnings.warn(
+            f"{describe_failures(failures)}; falling back to step {step}, the newest intact "
+            f"checkpoint{moved}",
+            stacklevel=2,
+          )
+        return restored, meta
+      # A step deleted while it was read (rotated away by a run still saving there, --keep):
+      # the steps are listed again, the newer ones first; a damaged one is not tried again.
+      tried = {s for s, _ in failures} | set(gone)
+      steps = [s for s in self.steps() if s not in tried]
+      if not agreement.all(bool(gone) and time.monotonic() < deadline):
+        break
+      if not agreement.max(len(steps)):
+        break
+    if gone:
+      raise ValueError(
+        f"no intact checkpoint in {self.directory} could be read: {rotated_steps(gone)} rotated "
+        f"away while being read (a run still saving there deletes its older checkpoints, "
+        f"--keep)"
+        + (f"; {describe_failures(failures)}" if failures else "")
+        + ". Nothing was changed there: run the same command again (or once that run has "
+        "saved its next checkpoint or finished)"
+      )
+    raise ValueError(
+      f"no intact checkpoint in {self.directory}: {describe_failures(failures)}. Nothing was "
+      f"changed there: restore its files from a copy, or start a new run with another --out"
+    )
+
+  def _restore_newest(self, steps, agreement, engine, model_name, target, failures, gone):
+    """(step, state as written, its metadata) of the newest of `steps` that reads and verifies;
+    None when none does, or when a step was deleted while it was read (added to `gone`: list
+    the steps again). Damaged steps are added to `failures`."""
     for step, listed in agreed_steps(steps, agreement):
       error = FileNotFoundError("not listed on this process")
       if listed:
         error = local_verdict(os.path.join(self.directory, str(step)), META_ITEM)
       if not agreement.all(error is None):
+        if agreement.all(self._gone(step)):
+          gone.append(step)
+          return None
         failures.append((step, error or _UnreadableElsewhere()))
         continue
       try:
         meta = self.read_meta(step)
       except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+        if agreement.all(self._gone(step)):
+          gone.append(step)
+          return None
         failures.append((step, e))
         continue
       check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
@@ -257,25 +342,17 @@ class Checkpointer:
         )[STATE_ITEM]
         verify(restored, meta)  # the checksums are global: the same verdict on every process
       except Exception as e:  # noqa: BLE001
+        if agreement.all(self._gone(step)):
+          gone.append(step)
+          return None
         failures.append((step, e))
         continue
       if not carried:
         restored = restart_residual(restored, engine, meta)
       if reference is not None:
         restored = restart_reference(restored, engine, meta, reference)
-      restored = engine.with_weights(to_target(restored))
-      if failures:
-        moved = self.set_aside([s for s, _ in failures], "damaged") if set_aside else ""
-        warnings.warn(
-          f"{_describe(failures)}; falling back to step {step}, the newest intact "
-          f"checkpoint{moved}",
-          stacklevel=2,
-        )
-      return restored, meta
-    raise ValueError(
-      f"no intact checkpoint in {self.directory}: {_describe(failures)}. Nothing was "
-      f"changed there: restore its files from a copy, or start a new run with another --out"
-    )
+      return step, restored, meta
+    return None
 
   def set_aside(self, steps: list[int], why: str) -> str:
     """Rename step directories to `<why>-<step>` (no longer steps; process 0, the others wait),
@@ -316,11 +393,3 @@ class _UnreadableElsewhere(OSError):
 
   def __init__(self):
     super().__init__("unreadable on another process of the run")
-
-
-def _describe(failures) -> str:
-  return "; ".join(
-    f"checkpoint step {step} is damaged ({type(e).__name__}: "
-    f"{str(e).splitlines()[0][:200] if str(e) else ''})"
-    for step, e in failures
-  )
