@@ -109,7 +109,8 @@ def rotated_steps(steps) -> str:
   count and range."""
   steps = sorted(set(steps))
   if len(steps) <= 3:
-    return f"checkpoint step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} were"
+    named = ", ".join(map(str, steps))
+    return f"checkpoint steps {named} were" if len(steps) > 1 else f"checkpoint step {named} was"
   return f"{len(steps)} checkpoints (steps {steps[0]} to {steps[-1]}) were"
 
 

@@ -70,7 +70,9 @@ from paro_jax.run.stops import GENERATION_CONFIG, end_of_turn_id, stop_at_end_of
 
 EXPORT_DTYPES = tuple(WEIGHT_DTYPES)  # bf16, fp16, fp32
 SCRATCH_DTYPE = "bf16"  # of a run trained from scratch: the dtype Llama checkpoints ship in
-PARTIAL = ".partial-"  # the hidden directory an export is written into, inside an existing --out
+EXPORT_PARTIAL = (
+  ".partial-"  # the hidden directory an export is written into, inside an existing --out
+)
 # The files of a tokenizer's HF directory that travel with its tokenizer.json.
 TOKENIZER_SIDE_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE)
 
@@ -96,7 +98,7 @@ def _check_out(out: str, overwrite: bool) -> None:
   if os.path.isfile(out):
     raise ValueError(f"--out {out} is a file: pass a directory to write the HF model into")
   if os.path.isdir(out):  # an export killed (-9) inside it left its partial directory
-    _remove_stale(os.path.join(os.path.abspath(out), PARTIAL))
+    _remove_stale(os.path.join(os.path.abspath(out), EXPORT_PARTIAL))
   if os.path.isdir(out) and os.listdir(out) and not overwrite:
     raise ValueError(
       f"--out {out} already exists and is not empty: pass another --out, or --overwrite to "
@@ -321,7 +323,9 @@ def _move(src: str, dst: str) -> None:
   except OSError as e:
     if e.errno != errno.EXDEV:
       raise
-    beside = os.path.join(os.path.dirname(dst), f"{PARTIAL}{os.getpid()}-{os.path.basename(dst)}")
+    beside = os.path.join(
+      os.path.dirname(dst), f"{EXPORT_PARTIAL}{os.getpid()}-{os.path.basename(dst)}"
+    )
     try:
       shutil.copyfile(src, beside)
       shutil.copymode(src, beside)
@@ -338,11 +342,11 @@ def _publish(write, out: str) -> list[str]:
   out = os.path.abspath(out)
   into = os.path.isdir(out)  # a mount point, or a link to another disk, is written in place
   if into:
-    stem = os.path.join(out, PARTIAL)
+    stem = os.path.join(out, EXPORT_PARTIAL)
   else:
     parent, name = os.path.split(out)
     os.makedirs(parent, exist_ok=True)
-    stem = os.path.join(parent, f".{name}{PARTIAL}")
+    stem = os.path.join(parent, f".{name}{EXPORT_PARTIAL}")
   _remove_stale(stem)
   partial = f"{stem}{os.getpid()}"
   try:

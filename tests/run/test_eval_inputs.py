@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 from paro_jax.cli import main
 from paro_jax.data.instruct import CHAT, Encoder
 from paro_jax.data.tokenizers import HFTokenizer
+from paro_jax.run.reporting import summary
 from tests.run.test_sft import CHAT_MODEL, FP32, chat_records, write_jsonl
 
 POSITIONS, SEQ, RECORDS = 160, 128, 16
@@ -155,3 +156,11 @@ def test_a_perplexity_past_a_float_is_null_in_strict_json(run, capsys):
   capsys.readouterr()
   main(["eval", source, "--data", data, "--seq-len", str(SEQ), *FLAGS])
   assert "perplexity inf" in capsys.readouterr().out
+
+
+def test_the_closing_line_names_eval_every_when_it_was_set():
+  rows = [{"step": s, "loss": 1.0, "tokens_per_s": 10.0} for s in (4, 5, 6)]
+  line = summary(rows, 0, "metrics.jsonl", 6, "ckpt", eval_every=10)
+  assert "no eval (--eval-every)" not in line
+  assert "no eval in steps 4-6 (--eval-every 10: the next at step 10)" in line
+  assert "no eval (--eval-every)" in summary(rows, 0, "metrics.jsonl", 6, "ckpt")

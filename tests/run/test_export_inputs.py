@@ -22,6 +22,7 @@ from paro_jax.cli import main
 from paro_jax.data.tokenizers import HFTokenizer
 from paro_jax.run import checkpoint
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
+from paro_jax.run.stops import GENERATION_CONFIG
 from tests.run.test_sft import CHAT_MODEL, FP32, chat_records, write_jsonl
 
 EOS, BOS = 296, 295
@@ -89,7 +90,7 @@ def test_an_export_whose_source_is_gone_still_stops_at_the_end_of_turn(run, tmp_
   finally:
     os.rename(base + ".moved", base)
   assert code == 0 and len(said) == 1 and not err, (said, err)
-  with open(tmp_path / "hf" / "generation_config.json") as f:
+  with open(tmp_path / "hf" / GENERATION_CONFIG) as f:
     assert json.load(f) == {"bos_token_id": BOS, "eos_token_id": [EOS, 299]}
   assert "generation_config.json: eos_token_id [296, 299]" in said[0]
   # what it could not copy, in its one line
