@@ -3,21 +3,19 @@ writes), with the one line that says what was written."""
 
 from __future__ import annotations
 
-import argparse
-
 from paro_jax.core.flags import Invocation, note_cpu_platform
 from paro_jax.core.units import parse_size
 
 
 def shard_size(text: str) -> int:
   """--max-shard-size: bytes, or a size with a unit (5GB, 500MB: decimal, as transformers'
-  max_shard_size; 2GiB), read when the flags are parsed, before any checkpoint is restored."""
+  max_shard_size; 2GiB), read before any checkpoint is restored (a ValueError: one line)."""
   try:
     size = parse_size(text, "--max-shard-size")
   except ValueError:
     size = None
   if size is None or size < 1:
-    raise argparse.ArgumentTypeError(
+    raise ValueError(
       f"--max-shard-size {text!r} is not a size: pass a number of bytes (e.g. 1000000) or one "
       f"with a unit (5GB, 500MB, 2GiB)"
     )
@@ -49,7 +47,6 @@ def add_parser(sub) -> None:
   export.add_argument(
     "--max-shard-size",
     default="5GB",
-    type=shard_size,
     metavar="SIZE",
     help="split the weights into safetensors shards of at most SIZE: a number of bytes, or with "
     "a unit (KB, MB, GB, TB: decimal, as transformers' max_shard_size; KiB, MiB, GiB: binary) "
@@ -88,6 +85,7 @@ def check_args(args, error) -> None:
 
 
 def main(args, inv: Invocation) -> None:
+  max_shard_size = shard_size(args.max_shard_size)  # before the restore, which takes a while
   note_cpu_platform(args)
   from paro_jax.run.export import export_run  # jax: after the CUDA plugin note
 
@@ -96,7 +94,7 @@ def main(args, inv: Invocation) -> None:
     args.out,
     overwrite=args.overwrite,
     dtype=args.dtype,
-    max_shard_size=args.max_shard_size,
+    max_shard_size=max_shard_size,
     adapter=args.adapter,
     base_model=args.base_model,
   )
