@@ -218,7 +218,7 @@ class Checkpointer:
           return self.read_meta(step)
         except Exception as e:  # noqa: BLE001 - any failure to read: the step is skipped
           failed[step] = e
-          if self._gone(step):
+          if self._gone(step, failed):
             relist = True
             break
       if not relist:
@@ -228,13 +228,14 @@ class Checkpointer:
       + (f" ({describe_failures(sorted(failed.items()))})" if failed else "")
     )
 
-  def _gone(self, step: int) -> bool:
+  def _gone(self, step: int, tried) -> bool:
     """Whether step `step`, which failed to read, was superseded while it was read: it is no
-    longer there (set aside by the run writing), or a newer step is complete now (a run still
-    saving there rotates the older ones away, --keep: their files vanish as they are read)."""
+    longer there (set aside by the run writing), or a newer step not `tried` yet is complete now
+    (a run still saving there rotates the older ones away, --keep: their files vanish as they
+    are read)."""
     if not os.path.isdir(os.path.join(self.directory, str(step))):
       return True
-    return any(s > step for s in self.steps())
+    return any(s > step and s not in tried for s in self.steps())
 
   def read_meta(self, step: int) -> RunMeta:
     restored = self._manager.restore(
@@ -311,7 +312,7 @@ class Checkpointer:
       if listed:
         error = local_verdict(os.path.join(self.directory, str(step)), META_ITEM)
       if not agreement.all(error is None):
-        if agreement.all(self._gone(step)):
+        if agreement.all(self._gone(step, {s for s, _ in failures} | set(gone))):
           gone.append(step)
           return None
         failures.append((step, error or _UnreadableElsewhere()))
@@ -319,7 +320,7 @@ class Checkpointer:
       try:
         meta = self.read_meta(step)
       except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
-        if agreement.all(self._gone(step)):
+        if agreement.all(self._gone(step, {s for s, _ in failures} | set(gone))):
           gone.append(step)
           return None
         failures.append((step, e))
@@ -342,7 +343,7 @@ class Checkpointer:
         )[STATE_ITEM]
         verify(restored, meta)  # the checksums are global: the same verdict on every process
       except Exception as e:  # noqa: BLE001
-        if agreement.all(self._gone(step)):
+        if agreement.all(self._gone(step, {s for s, _ in failures} | set(gone))):
           gone.append(step)
           return None
         failures.append((step, e))
