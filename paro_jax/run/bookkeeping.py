@@ -8,6 +8,7 @@ run.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -33,6 +34,7 @@ from paro_jax.run.metrics import METRICS, dump_row, read_rows
 from paro_jax.run.setup import run_meta
 from paro_jax.run.sinks import Sinks
 from paro_jax.run.stopping import Diverged, NonFiniteSteps
+from paro_jax.run.stops import end_of_turn_id
 
 
 class Bookkeeper:
@@ -56,6 +58,8 @@ class Bookkeeper:
     self.cfg, self.engine, self.ckpt, self.main = cfg, engine, ckpt, main
     self.data_files = data_files  # what the checkpoints record of the data (data/fingerprint.py)
     self.chat_template = chat_template  # the text the chat records were rendered with
+    # the token ending an answer in that template: recorded, export needs no source directory
+    self.end_of_turn = end_of_turn_id(chat_template, cfg.data.tokenizer)
     self.path = os.path.join(cfg.out, METRICS)
     self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
     self.flops_per_step = engine.model.cfg.flops_per_token(cfg.seq_len) * self.tokens_per_step
@@ -122,9 +126,8 @@ class Bookkeeper:
     if self.guard.streak and self.cfg.guard.mode == "stop":
       self._say(f"paro-jax: step {step} is out of its band: no checkpoint of it{why}")
       return
-    self.ckpt.save(
-      state, run_meta(self.cfg, self.engine, step, self.data_files, self.chat_template)
-    )
+    meta = run_meta(self.cfg, self.engine, step, self.data_files, self.chat_template)
+    self.ckpt.save(state, dataclasses.replace(meta, end_of_turn=self.end_of_turn))
     self.saved = self.candidate = step
 
   def record(self, step: int, metrics: dict) -> None:

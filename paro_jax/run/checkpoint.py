@@ -26,33 +26,20 @@ import json
 import logging
 import os
 import sys
-import warnings
 
 import jax
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
-from paro_jax.cluster.agree import Agreement, agreed_steps, local_verdict
+from paro_jax.cluster.agree import Agreement
 from paro_jax.core.state import TrainState
-from paro_jax.core.engine import Engine
 from paro_jax.run.checkpoint_content import (
   NonFiniteStateError,
   RunMeta,
-  abstract_state,
-  cast_like,
-  check_model,
-  OuterMismatch,
-  outer_target,
-  reference_target,
-  residual_target,
-  restart_reference,
-  restart_residual,
-  saved_field,
   state_checksums,
-  stored_like,
-  verify,
 )
+from paro_jax.run.checkpoint_restore import META_ITEM, STATE_ITEM, Restorer
 from paro_jax.run.checkpoint_errors import (
   QUIET_ORBAX,
   CheckpointError,
@@ -61,12 +48,10 @@ from paro_jax.run.checkpoint_errors import (
 )
 from paro_jax.run.config import refuse_unsafe_path
 
-# The two items of a checkpoint step (orbax): the arrays and the RunMeta beside them.
-STATE_ITEM, META_ITEM = "state", "meta"
 CHECKPOINTS = "checkpoints"  # the checkpoint directory inside a run directory (--out)
 
 
-class Checkpointer:
+class Checkpointer(Restorer):
   """Asynchronous, atomic checkpoints of a run in `directory`, keeping the newest `keep` and the
   one `protect` names (the newest known good one: a run that diverges later still has it)."""
 
@@ -199,119 +184,6 @@ class Checkpointer:
     self._manager.reload()
     return sorted(self._manager.all_steps())
 
-  def read_meta(self, step: int) -> RunMeta:
-    restored = self._manager.restore(
-      step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
-    )
-    return RunMeta.from_json(restored[META_ITEM])
-
-  def restore(
-    self,
-    engine: Engine,
-    model_name: str | None = None,
-    set_aside: bool = False,
-    weights_only: bool = False,
-  ) -> tuple[TrainState, RunMeta]:
-    """The newest intact checkpoint, placed with `engine`'s shardings, and its metadata.
-    `weights_only`: only its weights are read (the master and a LoRA run's frozen base, as
-    saved, at their placements; the other fields None): nothing of the optimizer is read or
-    allocated (eval).
-
-    A checkpoint for another model config is an error. One that cannot be read or whose arrays
-    do not match their checksums (a truncated or garbled file) is skipped with a warning, falling
-    back to the previous step; with `set_aside` the damaged steps are then renamed to
-    `damaged-<step>` (no longer steps), so that training can save those steps again.
-    """
-    # With several processes, each step is taken or skipped by all of them together
-    # (paro_jax/cluster/agree.py): one may fail to read a step that another can.
-    agreement = Agreement()
-    steps = self.steps()
-    if not agreement.max(len(steps)):
-      raise FileNotFoundError(
-        f"no checkpoint in {self.directory} to resume from: start the run "
-        f"without --resume first (it saves checkpoints there)"
-      )
-    target = abstract_state(engine)
-    to_target = jax.jit(
-      cast_like(target), out_shardings=engine.state_shardings._replace(weights=None)
-    )
-    failures = []
-    for step, listed in agreed_steps(steps, agreement):
-      error = FileNotFoundError("not listed on this process")
-      if listed:
-        error = local_verdict(os.path.join(self.directory, str(step)), META_ITEM)
-      if not agreement.all(error is None):
-        failures.append((step, error or _UnreadableElsewhere()))
-        continue
-      try:
-        meta = self.read_meta(step)
-      except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
-        failures.append((step, e))
-        continue
-      check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
-      try:
-        written = self._manager.item_metadata(step)[STATE_ITEM]  # shapes and dtypes as saved
-        step_target, carried = residual_target(
-          target, meta, engine, saved_field(written, "residual")
-        )
-        step_target, reference = reference_target(
-          step_target, saved_field(written, "reference") is not None
-        )
-        step_target, from_outer = outer_target(step_target, written, engine, meta)
-        # Read every array as it was written (a bf16 run's frozen LoRA base in bf16, even
-        # when an fp32 engine reads it): the checksums are of the written bits. Only a verified
-        # state is then converted to this engine's dtypes.
-        partial = weights_only and from_outer is None  # an outer loop's checkpoint: read whole
-        if partial:
-          restored = self._read_weights(step, written, target)
-        else:
-          stored = stored_like(written, step_target)
-          restored = self._manager.restore(
-            step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(stored)})
-          )[STATE_ITEM]
-        # the checksums are global: the same verdict on every process
-        verify(restored, meta, partial=partial)
-      except OuterMismatch:
-        raise
-      except Exception as e:  # noqa: BLE001
-        failures.append((step, e))
-        continue
-      if from_outer is not None:  # the outer weights of the outer loop's checkpoint
-        restored = from_outer(restored)
-      if not partial:
-        if not carried:
-          restored = restart_residual(restored, engine, meta)
-        if reference is not None:
-          restored = restart_reference(restored, engine, meta, reference)
-        restored = engine.with_weights(to_target(restored))
-      if failures:
-        moved = self.set_aside([s for s, _ in failures], "damaged") if set_aside else ""
-        warnings.warn(
-          f"{_describe(failures)}; falling back to step {step}, the newest intact "
-          f"checkpoint{moved}",
-          stacklevel=2,
-        )
-      return restored, meta
-    raise ValueError(
-      f"no intact checkpoint in {self.directory}: {_describe(failures)}. Nothing was "
-      f"changed there: restore its files from a copy, or start a new run with another --out"
-    )
-
-  def _read_weights(self, step: int, written, target: TrainState) -> TrainState:
-    """The master and frozen subtrees of step `step`'s state alone (orbax's partial restore),
-    in the dtypes written, at `target`'s shardings."""
-    part = {"master": target.master, "frozen": target.frozen}
-    stored = stored_like(written, part)
-    args = ocp.args.PyTreeRestore(
-      item=stored,
-      restore_args=ocp.checkpoint_utils.construct_restore_args(stored),
-      partial_restore=True,
-    )
-    path = os.path.join(self.directory, str(step), STATE_ITEM)
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-      read = reader.restore(path, args=args)
-    return TrainState(None, read["master"], None, read["frozen"])
-
   def set_aside(self, steps: list[int], why: str) -> str:
     """Rename step directories to `<why>-<step>` (no longer steps; process 0, the others wait),
     and say where they are."""
@@ -344,18 +216,3 @@ def _unreadable(step_dir: str, arrays: int) -> str | None:
   if listed != arrays:
     return f"its array index lists {listed} of its {arrays} arrays"
   return None
-
-
-class _UnreadableElsewhere(OSError):
-  """A step this process read but another process could not."""
-
-  def __init__(self):
-    super().__init__("unreadable on another process of the run")
-
-
-def _describe(failures) -> str:
-  return "; ".join(
-    f"checkpoint step {step} is damaged ({type(e).__name__}: "
-    f"{str(e).splitlines()[0][:200] if str(e) else ''})"
-    for step, e in failures
-  )

@@ -41,6 +41,9 @@ class RunMeta:
   # the chat template the run's chat records were rendered with (its text): eval renders with it,
   # export ships it; None for other data (and before it was recorded)
   chat_template: str | None = None
+  # the special token that template ends an assistant's turn with (run/stops.py): export adds it
+  # to generation_config.json's stops; None for other data (and before it was recorded)
+  end_of_turn: int | None = None
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)

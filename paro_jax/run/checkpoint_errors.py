@@ -1,5 +1,6 @@
-"""A checkpoint that could not be written, said once: `CheckpointError`, what a failed or full-disk
-write of orbax's becomes, and the filters that keep orbax's own logging of the same failure (once
+"""A checkpoint that could not be written or read, said once: `CheckpointError`, what a failed
+or full-disk write of orbax's becomes, the lines naming the checkpoints a restore could not read,
+and the filters that keep orbax's own logging of the same failure (once
 per thread, with tracebacks) to one line or none."""
 
 from __future__ import annotations
@@ -101,3 +102,22 @@ class ErrorsAsCheckpointError:
       raise CheckpointError(errno.ENOSPC, message) from error
     message = f"could not write checkpoint {where} ({error}); {kept}"
     raise CheckpointError(error.errno, message) from error
+
+
+def rotated_steps(steps) -> str:
+  """The checkpoint steps a reader lost to rotation, for its line: a few by number, many by
+  count and range."""
+  steps = sorted(set(steps))
+  if len(steps) <= 3:
+    named = ", ".join(map(str, steps))
+    return f"checkpoint steps {named} were" if len(steps) > 1 else f"checkpoint step {named} was"
+  return f"{len(steps)} checkpoints (steps {steps[0]} to {steps[-1]}) were"
+
+
+def describe_failures(failures) -> str:
+  """The damaged checkpoint steps and why, (step, error) pairs, for one line."""
+  return "; ".join(
+    f"checkpoint step {step} is damaged ({type(e).__name__}: "
+    f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+    for step, e in failures
+  )

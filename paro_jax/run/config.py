@@ -282,17 +282,28 @@ class EvalConfig:
   strategy: str = option_like(StepConfig, "strategy")
   mesh: tuple[int, int] | None = option_like(StepConfig, "mesh")
   batch_size: int = option_like(StepConfig, "batch_size")
-  seq_len: int = option_like(StepConfig, "seq_len")
+  seq_len: int | None = option(  # None: the run's own (run/evaluate.py scored_seq_len)
+    None,
+    "tokens per sequence (default: the --seq-len a run directory trained with; "
+    f"{StepConfig.seq_len} for an HF directory); at most the model's max_position_embeddings",
+    type=int,
+    metavar="SEQ_LEN",
+  )
   dtype: str = option_like(StepConfig, "dtype")
   collectives: str = option_like(StepConfig, "collectives")
   attention: str = option_like(StepConfig, "attention")
   data: DataConfig = group(DataConfig)  # as train reads it; all of it is scored
   as_json: bool = option(
     False,
-    "print one JSON object: loss, perplexity, tokens (the targets scored), windows (or "
-    "examples) scored",
+    "print one JSON object (strict JSON): loss, perplexity (null where exp(loss) overflows), "
+    "tokens (the targets scored), and windows scored (a token stream) or examples scored and "
+    "examples_left_out (instruction data)",
     flag="--json",
   )
+
+  def __post_init__(self):
+    if self.seq_len is not None and self.seq_len < 1:
+      raise ValueError(f"--seq-len must be >= 1, got {self.seq_len}")
 
   def step(self, lora: LoraOptions) -> StepConfig:
     """The step whose engine scores (core/factory.py), with the source's adapters."""

@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
     description="The mean next-token cross-entropy and perplexity of SOURCE over --data: a "
     "token stream in consecutive, non-overlapping windows of --seq-len + 1 tokens from token 0 "
     "(a trailing partial window dropped), instruction data over the target tokens training "
-    "counts; the same whatever --batch-size, --mesh and --strategy.",
+    "counts (examples longer than --seq-len are left out, and said, unless --long-examples "
+    "truncate); the same whatever --batch-size, --mesh, --strategy and --pack.",
   )
   fields = dict(options(EvalConfig))
   ev.add_argument("source", metavar="SOURCE", help=fields["source"].metadata["help"])
@@ -24,13 +25,12 @@ def add_parser(sub) -> None:
   data = ev.add_argument_group("data", "as train reads it (default: the built-in corpus)")
   add_options(data, EvalConfig, "data.paths", "data.text_field", "data.tokenizer")
   add_options(data, EvalConfig, "data.bin_dtype", "data.data_format", "data.chat_template")
-  add_options(data, EvalConfig, "data.long_examples")
+  add_options(data, EvalConfig, "data.long_examples", "data.pack")
   add_options(ev, EvalConfig, "as_json")
 
 
 def main(args, inv: Invocation) -> None:
   from paro_jax.run.evaluate import run_eval  # imports jax: after the device flag is set
 
-  # all of --data is scored, one example per row
-  unsplit = {"data.pack": False, "data.eval_fraction": 0.0}
-  run_eval(config_of(args, EvalConfig, mesh=inv.mesh, **unsplit))
+  # all of --data is scored (one example per row, or packed: the same sums, fewer rows)
+  run_eval(config_of(args, EvalConfig, mesh=inv.mesh, **{"data.eval_fraction": 0.0}))

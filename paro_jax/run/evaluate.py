@@ -10,6 +10,12 @@ batch size, the mesh or the strategy:
 - instruction data: every example (after --long-examples), one per row, its targets those
   training counts (the completion's, the assistant's).
 The loss is the sum of the scored targets' losses over their count, summed on the host in fp64.
+--seq-len defaults to the run's own (an HF directory: StepConfig's default) and is refused above
+the model's max_position_embeddings, as train refuses it; instruction examples left out (longer
+than --seq-len) are said in one line, as train says them. A loss that is not finite (weights that
+are finite but whose logits overflow) is refused in one line (exit 2): nothing is printed that a
+script could take for a score; a finite loss whose perplexity overflows a float prints it as
+null in --json (strict JSON), with a warning.
 The text is read with --tokenizer, else the run's tokenizer (as its checkpoints record it), else
 the HF directory's tokenizer.json (data/tokenizers.py resolve_tokenizer); chat records are rendered
 with --chat-template, else the template the run trained with (its checkpoints record it), else
@@ -22,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -32,15 +39,17 @@ from paro_jax.core.batch import Batch
 from paro_jax.core.config import LoraOptions
 from paro_jax.core.engine import Engine
 from paro_jax.core.factory import build_engine
+from paro_jax.core.config import StepConfig
 from paro_jax.core.mesh import make_mesh
 from paro_jax.data.chat import ChatTemplate, special_tokens
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.config import EvalConfig
 from paro_jax.data.streams import expand_paths, load_tokens
-from paro_jax.data.examples import ExampleBatches, select
+from paro_jax.data.examples import ExampleBatches, dropped_line, select
 from paro_jax.data.instruct import CHAT, TEXT
 from paro_jax.data.sources import data_format, hf_directory, instruction_examples
 from paro_jax.data.tokenizers import resolve_tokenizer
+from paro_jax.run.fit import position_limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +64,8 @@ class Source:
   model_name: str | None  # a run's, as its checkpoints record it
   tokenizer: str | None = None  # a run's, as its checkpoints record it (None: not recorded)
   chat_template: str | None = None  # the text a run's chat records were rendered with
+  seq_len: int | None = None  # a run's --seq-len, as its checkpoints record it
+  max_positions: int | None = None  # the model's max_position_embeddings (None: not known)
 
 
 def open_source(source: str) -> Source:
@@ -62,24 +73,31 @@ def open_source(source: str) -> Source:
   if os.path.isdir(os.path.join(source, CHECKPOINTS)):
     ckpt = Checkpointer(os.path.join(source, CHECKPOINTS), read_only=True)
     try:
-      meta = None
-      for step in reversed(ckpt.steps()):
-        try:
-          meta = ckpt.read_meta(step)
-          break
-        except Exception:  # noqa: BLE001, S112 - a damaged step: restore() skips it too
-          continue
+      meta = ckpt.newest_meta()  # a damaged step is skipped (restore() skips it too)
+    except FileNotFoundError as e:
+      raise FileNotFoundError(f"{source}/{CHECKPOINTS} holds no readable checkpoint to score: {e}")
     finally:
       ckpt.close()
-    if meta is None:
-      raise FileNotFoundError(f"{source}/{CHECKPOINTS} holds no readable checkpoint to score")
     hf_dir = meta.model_name[3:] if meta.model_name.startswith("hf:") else None
     lora = LoraConfig(**meta.lora) if meta.lora else None
     cfg = LlamaConfig(**meta.model_config)
     tokenizer = meta.data.get("tokenizer")
-    return Source("run", source, cfg, lora, hf_dir, meta.model_name, tokenizer, meta.chat_template)
+    positions = (meta.source_config or {}).get("max_position_embeddings") or position_limit(hf_dir)
+    return Source(
+      "run",
+      source,
+      cfg,
+      lora,
+      hf_dir,
+      meta.model_name,
+      tokenizer,
+      meta.chat_template,
+      meta.data.get("seq_len"),
+      positions,
+    )
   if os.path.isfile(os.path.join(source, CONFIG)):
-    return Source("hf", source, read_config(source), None, source, None)
+    positions = position_limit(source)
+    return Source("hf", source, read_config(source), None, source, None, max_positions=positions)
   raise FileNotFoundError(
     f"{source} is neither a run directory (train's --out, with {CHECKPOINTS}/) nor an HF model "
     f"directory (with {CONFIG}): pass one of them"
@@ -132,23 +150,77 @@ def example_batches(batches: ExampleBatches):
     yield batches(step), min(B, rows - step * B)
 
 
-def score(engine: Engine, params, batches) -> dict:
-  """The mean loss over the scored targets of `batches` ((Batch, rows) pairs), perplexity, the
-  scored targets ("tokens") and the windows (examples) scored."""
-  total, targets, windows = 0.0, 0, 0
-  for batch, rows in batches:
+def scored_seq_len(cfg: EvalConfig, source: Source) -> int:
+  """--seq-len, else the run's own (an HF directory: StepConfig's default); refused above the
+  model's max_position_embeddings, as train refuses it (run/fit.py check_fits)."""
+  seq_len = cfg.seq_len or source.seq_len or StepConfig.seq_len
+  limit = source.max_positions
+  if limit and seq_len > limit:
+    given = "--seq-len" if cfg.seq_len else "the --seq-len it trained with,"
+    raise ValueError(
+      f"{given} {seq_len} is longer than the {limit} positions of {source.path}'s model "
+      f"(max_position_embeddings in its config.json): pass --seq-len {limit} or less"
+    )
+  return seq_len
+
+
+def score(engine: Engine, params, batches) -> tuple[float, int]:
+  """(the sum of the losses of the scored targets of `batches`, (Batch, rows) pairs, with the
+  weights `params` at the P placement; their count)."""
+  total, targets = 0.0, 0
+  for batch, _ in batches:
     placed = engine.shard_batch(batch, any_micro_batches=True)
     loss_sum, count = engine.forward.sums(params, placed)
     total += float(jax.device_get(loss_sum))
     targets += int(jax.device_get(count))
-    windows += rows
+  return total, targets
+
+
+def mean_loss(total: float, targets: int, where: str, dtype: str) -> tuple[float, float | None]:
+  """(the mean loss, its perplexity: None where exp overflows a float, said in a warning). A
+  loss that is not finite is refused: the weights are finite (checkpoints and --init-from are
+  checked) but the model's activations overflow."""
   loss = total / max(targets, 1)
-  return {"loss": loss, "perplexity": math.exp(loss), "tokens": targets, "windows": windows}
+  if not math.isfinite(loss):
+    fix = "try --dtype fp32, or " if dtype != "fp32" else ""
+    raise ValueError(
+      f"{where}: the loss is {loss} over {targets} target tokens: the model's activations "
+      f"overflow in {dtype} (its weights are finite but too large); nothing scored: "
+      f"{fix}check the weights (a run that diverged?)"
+    )
+  try:
+    return loss, math.exp(loss)
+  except OverflowError:
+    warnings.warn(
+      f"{where}: the loss is {loss:.6g}: its perplexity exp(loss) overflows a float (null in "
+      f"--json); the model predicts the data far worse than chance: check the weights",
+      stacklevel=2,
+    )
+    return loss, None
+
+
+def left_out_line(examples, selection, cfg: EvalConfig, limit: int | None) -> str | None:
+  """The warning naming the examples left out (as train says them), with the --seq-len that
+  scores them all where the model's positions allow it."""
+  line = dropped_line(selection.dropped, examples.read_count())
+  if line is None:
+    return None
+  line = line.removeprefix("paro-jax: ")
+  longest = int(examples.lengths().max()) - 1 if len(examples) else 0
+  fixes = []
+  if longest > cfg.seq_len and (not limit or longest <= limit):
+    fixes.append(f"--seq-len {longest} to score them all")
+  if cfg.data.long_examples != "truncate":
+    fixes.append("--long-examples truncate")
+  if fixes:
+    line += f" (pass {', or '.join(fixes)})"
+  return line
 
 
 def run_eval(cfg: EvalConfig) -> dict:
   """`paro-jax eval`: score SOURCE on its data and print it."""
   source = open_source(cfg.source)
+  cfg = dataclasses.replace(cfg, seq_len=scored_seq_len(cfg, source))
   data = cfg.data
   files = expand_paths(data.paths) if data.paths else []
   if data.tokenizer is None and source.tokenizer:  # the run's own
@@ -159,7 +231,9 @@ def run_eval(cfg: EvalConfig) -> dict:
   engine.check_batch_size(cfg.batch_size)
   vocab = source.config.vocab
   if fmt == TEXT:
-    batches = window_batches(load_tokens(data, vocab), cfg.seq_len, cfg.batch_size)
+    tokens = load_tokens(data, vocab)
+    batches = window_batches(tokens, cfg.seq_len, cfg.batch_size)
+    counted = {"windows": len(tokens) // (cfg.seq_len + 1)}
   else:
     directory = hf_directory(data, source.hf_dir)
     template = None
@@ -167,27 +241,38 @@ def run_eval(cfg: EvalConfig) -> dict:
       where = f"{cfg.source} (the template its checkpoints record)"
       template = ChatTemplate(source.chat_template, special_tokens(directory), where)
     examples = instruction_examples(data, files, fmt, directory, vocab, template)
+    selection = select(examples, cfg.seq_len, data.long_examples)
     rows = ExampleBatches(
       examples,
-      select(examples, cfg.seq_len, data.long_examples),
+      selection,
       1,
       cfg.batch_size,
       cfg.seq_len,
       seed=0,
+      pack=data.pack,
       shuffle=False,
       what=f"the examples of {', '.join(files)}",
     )
+    left_out = left_out_line(examples, selection, cfg, source.max_positions)
+    if left_out and jax.process_index() == 0:
+      warnings.warn(left_out, stacklevel=2)
     batches = example_batches(rows)
-  result = score(engine, params, batches)
+    counted = {
+      "examples": len(selection),
+      "examples_left_out": examples.read_count() - len(selection),
+    }
+  total, targets = score(engine, params, batches)
+  loss, perplexity = mean_loss(total, targets, cfg.source, cfg.dtype)
+  result = {"loss": loss, "perplexity": perplexity, "tokens": targets, **counted}
   if jax.process_index() == 0:
     if cfg.as_json:
-      print(json.dumps(result), flush=True)
+      print(json.dumps(result, allow_nan=False), flush=True)
     else:
       what = "windows" if fmt == TEXT else "examples"
+      shown = "inf" if perplexity is None else f"{perplexity:.4f}"
       print(
-        f"paro-jax: {cfg.source}: loss {result['loss']:.6f}, perplexity "
-        f"{result['perplexity']:.4f} over {result['tokens']} target tokens in "
-        f"{result['windows']} {what} (strategy {engine.strategy} on mesh "
+        f"paro-jax: {cfg.source}: loss {loss:.6f}, perplexity {shown} over {targets} target "
+        f"tokens in {result[what]} {what} (strategy {engine.strategy} on mesh "
         f"{engine.inter}x{engine.intra}, {cfg.dtype})",
         flush=True,
       )

@@ -9,7 +9,9 @@ mesh 1x1) built for the model config the checkpoint records. What is written:
   shards of at most `--max-shard-size` with their index above it. A LoRA run's adapters are
   merged into its frozen base: the export is a plain LLaMA;
 - or, with `--adapter` (a LoRA run started from --init-from), the adapters alone as PEFT writes
-  them (paro_jax/hf/peft.py), for the HF directory the run started from;
+  them (paro_jax/hf/peft.py), for the HF directory the run started from: adapter_config.json's
+  base_model_name_or_path is `--base-model NAME` (its Hub id), by default that directory's
+  absolute path;
 - beside either, the tokenizer the run read its data with (tokenizer.json and the files of its
   directory: tokenizer_config.json, special_tokens_map.json, chat_template.jinja) and the source
   directory's generation_config.json, so that transformers' AutoTokenizer and
@@ -25,10 +27,17 @@ mesh 1x1) built for the model config the checkpoint records. What is written:
   and the special token that template ends an assistant's turn with (`<|eot_id|>`, `<|im_end|>`)
   added to generation_config.json's eos_token_id where it is not there (a base model's lists
   only its end of text), so that generation stops where the run's answers ended. Without a
-  generation_config.json to copy, one is written with config.json's bos and eos ids and it.
+  generation_config.json to copy, one is written with config.json's bos and eos ids and it. The
+  token is the one the checkpoints record (run/stops.py): the source directory may be gone.
+  A file that could not be copied (the source directory or the tokenizer moved or deleted) is
+  named in the export's line (`Exported.missing`).
 
-The files are written into a hidden directory beside --out (`.NAME.partial-PID`) and moved into
-place once complete: a failed export (a full disk, Ctrl-C) leaves --out as it was.
+The files are written into a hidden directory and moved into place once complete: a failed
+export (a full disk, Ctrl-C) leaves --out as it was. A new --out is that directory
+(`.NAME.partial-PID`, beside it) renamed; into an existing one (empty, or with --overwrite) the
+directory is made inside it (`.partial-PID`) and its files are moved in one by one, so that an
+--out that cannot be replaced by a rename (a mount point: EBUSY; the parent on another disk:
+EXDEV) is written on its own filesystem.
 """
 
 from __future__ import annotations
@@ -39,7 +48,6 @@ import glob
 import json
 import os
 import shutil
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -56,19 +64,15 @@ from paro_jax.core.config import LoraOptions, StepConfig
 from paro_jax.core.factory import build_engine
 from paro_jax.core.shards import join_trainable
 from paro_jax.core.mesh import make_mesh
-from paro_jax.data.chat import (
-  CHAT_TEMPLATE_FILE,
-  TOKENIZER_CONFIG,
-  ChatTemplate,
-  find_template,
-  special_tokens,
-)
-from paro_jax.data.instruct import end_of_turn, tokenizer_directory
-from paro_jax.data.tokenizers import BYTES, TOKENIZER_FILE, HFTokenizer
+from paro_jax.data.chat import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, find_template
+from paro_jax.data.tokenizers import BYTES, TOKENIZER_FILE
+from paro_jax.run.stops import GENERATION_CONFIG, end_of_turn_id, stop_at_end_of_turn
 
 EXPORT_DTYPES = tuple(WEIGHT_DTYPES)  # bf16, fp16, fp32
 SCRATCH_DTYPE = "bf16"  # of a run trained from scratch: the dtype Llama checkpoints ship in
-GENERATION_CONFIG = "generation_config.json"
+EXPORT_PARTIAL = (
+  ".partial-"  # the hidden directory an export is written into, inside an existing --out
+)
 # The files of a tokenizer's HF directory that travel with its tokenizer.json.
 TOKENIZER_SIDE_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE)
 
@@ -84,21 +88,17 @@ class Exported:
   copied: list[str]  # the tokenizer and generation files copied in
   chat_template: bool = False  # chat_template.jinja written: the template the run trained with
   stops: list[int] | None = None  # generation_config.json's eos_token_id, where it was extended
-
-
-def _newest_meta(ckpt: Checkpointer):
-  """The metadata of the newest checkpoint whose metadata reads."""
-  for step in reversed(ckpt.steps()):
-    try:
-      return ckpt.read_meta(step)
-    except Exception:  # noqa: BLE001, S112 - a damaged step: restore() below skips it too
-      continue
-  raise ValueError(f"no readable checkpoint in {ckpt.directory}")
+  missing: tuple[str, ...] = ()  # what could not be copied, and why
+  base_model: str | None = None  # an adapter's base_model_name_or_path
+  # a chat run's stops: the source config.json's eos ids and its chat template's end of turn
+  chat_stops: list[int] | None = None
 
 
 def _check_out(out: str, overwrite: bool) -> None:
   if os.path.isfile(out):
     raise ValueError(f"--out {out} is a file: pass a directory to write the HF model into")
+  if os.path.isdir(out):  # an export killed (-9) inside it left its partial directory
+    _remove_stale(os.path.join(os.path.abspath(out), EXPORT_PARTIAL))
   if os.path.isdir(out) and os.listdir(out) and not overwrite:
     raise ValueError(
       f"--out {out} already exists and is not empty: pass another --out, or --overwrite to "
@@ -152,10 +152,12 @@ def export_run(
   dtype: str | None = None,
   max_shard_size: str | int = MAX_SHARD_SIZE,
   adapter: bool = False,
+  base_model: str | None = None,
 ) -> Exported:
   """Write the newest intact checkpoint of `run_dir` (train's --out) to `out` (module
   docstring). An existing non-empty `out` needs `overwrite`; the HF directory the run started
-  from (its --init-from) is never overwritten."""
+  from (its --init-from) is never overwritten. `base_model`: an adapter's
+  base_model_name_or_path (default: the absolute path of that directory)."""
   _check_out(out, overwrite)
   directory = os.path.join(run_dir, CHECKPOINTS)
   if not os.path.isdir(directory):
@@ -166,7 +168,7 @@ def export_run(
   try:
     if not ckpt.steps():
       raise FileNotFoundError(f"no checkpoint in {directory} to export")
-    meta = _newest_meta(ckpt)
+    meta = ckpt.newest_meta()  # a step rotated away while read: the newer one
     source = _source_dir(meta)
     if source and os.path.isdir(source) and os.path.isdir(out) and os.path.samefile(source, out):
       raise ValueError(
@@ -205,17 +207,24 @@ def export_run(
   copied: list[str] = []
   written: list[str] = []  # besides the weights: chat_template.jinja, generation_config.json
   stops: list[int] = []  # generation_config.json's eos_token_id, where extended
+  missing: list[str] = []  # what could not be copied
+  tokenizer = meta.data.get("tokenizer")
+  # as the checkpoint records it; computed again for a checkpoint from before it was recorded
+  eot = meta.end_of_turn
+  if eot is None:
+    eot = end_of_turn_id(meta.chat_template, tokenizer)
+  if adapter and base_model is None:
+    base_model = os.path.abspath(source) if os.path.isdir(source) else source
 
   def write(partial: str) -> None:
     if adapter:
-      base_model = os.path.abspath(source) if os.path.isdir(source) else source
       save_adapter(cfg, lora, params, partial, base_model, np_dtype)
     else:
       save_hf(cfg, params, partial, base, written_dtype, max_shard_size)
-    copied.extend(_copy_side_files(partial, meta.data.get("tokenizer"), source))
+    copied.extend(_copy_side_files(partial, tokenizer, source, missing))
     if _ship_chat_template(partial, meta.chat_template):
       written.append(CHAT_TEMPLATE_FILE)
-    stops.extend(_stop_at_end_of_turn(partial, meta.chat_template, meta.data.get("tokenizer")))
+    stops.extend(stop_at_end_of_turn(partial, eot))
     if stops:
       written.append(GENERATION_CONFIG)
     copied[:] = [name for name in copied if name not in written]  # rewritten after the copy
@@ -223,40 +232,27 @@ def export_run(
   names = _publish(write, out)
   files = [name for name in names if name not in copied + written]
   chat = CHAT_TEMPLATE_FILE in written
-  return Exported(meta.step, written_dtype, why, files, copied, chat, stops or None)
+  return Exported(
+    meta.step,
+    written_dtype,
+    why,
+    files,
+    copied,
+    chat,
+    stops or None,
+    tuple(missing),
+    base_model if adapter else None,
+    _chat_stops(base, eot),
+  )
 
 
-def _stop_at_end_of_turn(partial: str, template: str | None, tokenizer: str | None) -> list[int]:
-  """Add the end-of-turn token of `template` (the run's chat template, read by its tokenizer) to
-  the eos_token_id of generation_config.json in `partial` (written from config.json's bos and
-  eos ids where none was copied); returns the new eos_token_id, [] where nothing changed."""
-  if template is None or tokenizer in (None, BYTES) or not os.path.exists(tokenizer):
-    return []
-  directory = tokenizer_directory(tokenizer)
-  chat = ChatTemplate(template, special_tokens(directory), "the run's chat template")
-  eot = end_of_turn(chat, HFTokenizer(tokenizer))
+def _chat_stops(base: dict | None, eot: int | None) -> list[int] | None:
+  """The eos ids of the config.json the run started from, and `eot` (None: not a chat run)."""
   if eot is None:
-    return []
-  path = os.path.join(partial, GENERATION_CONFIG)
-  if os.path.isfile(path):
-    with open(path) as f:
-      generation = json.load(f)
-  elif os.path.isfile(os.path.join(partial, CONFIG)):  # a model export without the source's
-    with open(os.path.join(partial, CONFIG)) as f:
-      model = json.load(f)
-    generation = {k: model[k] for k in ("bos_token_id", "eos_token_id") if model.get(k) is not None}
-  else:  # an adapter of a source without one: generation is the base model's
-    return []
-  eos = generation.get("eos_token_id")
+    return None
+  eos = (base or {}).get("eos_token_id")
   stops = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
-  if eot in stops:
-    return []
-  generation["eos_token_id"] = stops + [eot]
-  generation.pop("_from_model_config", None)  # no longer config.json's: transformers keeps it
-  with open(path, "w") as f:
-    json.dump(generation, f, indent=2)
-    f.write("\n")
-  return generation["eos_token_id"]
+  return stops + [eot] if eot not in stops else stops
 
 
 def _ship_chat_template(partial: str, template: str | None) -> bool:
@@ -274,18 +270,19 @@ def _ship_chat_template(partial: str, template: str | None) -> bool:
   return True
 
 
-def _copy_side_files(partial: str, tokenizer: str | None, source: str | None) -> list[str]:
+def _copy_side_files(
+  partial: str, tokenizer: str | None, source: str | None, missing: list[str]
+) -> list[str]:
   """Copy into `partial` the run's tokenizer (its tokenizer.json and the files beside it; a
-  minimal tokenizer_config.json if it has none) and the source's generation_config.json; a file
-  that is gone is said in a warning. Returns the names copied."""
+  minimal tokenizer_config.json if it has none) and the source's generation_config.json; what
+  is gone is added to `missing` (said in the export's line). Returns the names copied."""
   copied = []
   if tokenizer and tokenizer != BYTES:
     path = os.path.join(tokenizer, TOKENIZER_FILE) if os.path.isdir(tokenizer) else tokenizer
     if not os.path.isfile(path):
-      warnings.warn(
-        f"the run's tokenizer {path} is gone: the export has no tokenizer files (copy its "
-        f"tokenizer.json and tokenizer_config.json beside the export)",
-        stacklevel=3,
+      missing.append(
+        f"the tokenizer files ({path} is gone: copy its tokenizer.json and "
+        f"tokenizer_config.json beside the export)"
       )
     else:
       shutil.copyfile(path, os.path.join(partial, TOKENIZER_FILE))
@@ -305,35 +302,65 @@ def _copy_side_files(partial: str, tokenizer: str | None, source: str | None) ->
       os.path.join(source, GENERATION_CONFIG), os.path.join(partial, GENERATION_CONFIG)
     )
     copied.append(GENERATION_CONFIG)
+  elif source and not os.path.isdir(source):
+    missing.append(f"{source}/{GENERATION_CONFIG} ({source}, the run's --init-from, is gone)")
   return copied
 
 
-def _publish(write, out: str) -> list[str]:
-  """`write(directory)` into `.NAME.partial-PID` beside `out`, then into place: a new `out` is
-  that directory renamed; an existing one (--overwrite) gets each file replaced, its others
-  kept. Returns the names written."""
-  parent, name = os.path.split(os.path.abspath(out))
-  os.makedirs(parent, exist_ok=True)
-  stem = os.path.join(parent, f".{name}.partial-")
-  for stale in glob.glob(glob.escape(stem) + "*"):  # of an export that was killed (-9)
+def _remove_stale(stem: str) -> None:
+  """Remove the partial directories `STEM<pid>` of exports that were killed (-9)."""
+  for stale in glob.glob(glob.escape(stem) + "*"):
     pid = stale[len(stem) :]
     if pid.isdigit() and not pid_alive(int(pid)):
       shutil.rmtree(stale, ignore_errors=True)
+
+
+def _move(src: str, dst: str) -> None:
+  """Move the file `src` over `dst` atomically; across filesystems (EXDEV: a link in --out to
+  another disk) by a copy beside `dst` renamed over it."""
+  try:
+    os.replace(src, dst)
+  except OSError as e:
+    if e.errno != errno.EXDEV:
+      raise
+    beside = os.path.join(
+      os.path.dirname(dst), f"{EXPORT_PARTIAL}{os.getpid()}-{os.path.basename(dst)}"
+    )
+    try:
+      shutil.copyfile(src, beside)
+      shutil.copymode(src, beside)
+      os.replace(beside, dst)
+    finally:
+      if os.path.exists(beside):
+        os.remove(beside)
+
+
+def _publish(write, out: str) -> list[str]:
+  """`write(directory)` into a hidden directory, then into place (module docstring): a new `out`
+  is `.NAME.partial-PID` beside it renamed; an existing directory gets `.partial-PID` made inside
+  it and each file moved in (replaced), its other files kept. Returns the names written."""
+  out = os.path.abspath(out)
+  into = os.path.isdir(out)  # a mount point, or a link to another disk, is written in place
+  if into:
+    stem = os.path.join(out, EXPORT_PARTIAL)
+  else:
+    parent, name = os.path.split(out)
+    os.makedirs(parent, exist_ok=True)
+    stem = os.path.join(parent, f".{name}{EXPORT_PARTIAL}")
+  _remove_stale(stem)
   partial = f"{stem}{os.getpid()}"
   try:
     write(partial)
     names = sorted(os.listdir(partial))
-    if os.path.isdir(out) and os.listdir(out):
+    if into:
       for file in names:
-        os.replace(os.path.join(partial, file), os.path.join(out, file))
+        _move(os.path.join(partial, file), os.path.join(out, file))
       # The weights of an earlier export in another layout would be read instead of these
       # (a single model.safetensors before the shards' index): gone.
       for file in glob.glob(os.path.join(glob.escape(out), "*.safetensors*")):
         if os.path.basename(file) not in names:
           os.remove(file)
     else:
-      if os.path.isdir(out):
-        os.rmdir(out)  # empty: renamed over
       os.rename(partial, out)
   except (OSError, SafetensorError) as e:
     full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "os error 28" in str(e)

@@ -4,6 +4,22 @@ writes), with the one line that says what was written."""
 from __future__ import annotations
 
 from paro_jax.core.flags import Invocation, note_cpu_platform
+from paro_jax.core.units import parse_size
+
+
+def shard_size(text: str) -> int:
+  """--max-shard-size: bytes, or a size with a unit (5GB, 500MB: decimal, as transformers'
+  max_shard_size; 2GiB), read before any checkpoint is restored (a ValueError: one line)."""
+  try:
+    size = parse_size(text, "--max-shard-size")
+  except ValueError:
+    size = None
+  if size is None or size < 1:
+    raise ValueError(
+      f"--max-shard-size {text!r} is not a size: pass a number of bytes (e.g. 1000000) or one "
+      f"with a unit (5GB, 500MB, 2GiB)"
+    )
+  return int(size)
 
 
 def add_parser(sub) -> None:
@@ -32,14 +48,23 @@ def add_parser(sub) -> None:
     "--max-shard-size",
     default="5GB",
     metavar="SIZE",
-    help="split the weights into safetensors shards of at most SIZE (KB, MB, GB, TB: decimal "
-    "units, as transformers' max_shard_size) with model.safetensors.index.json",
+    help="split the weights into safetensors shards of at most SIZE: a number of bytes, or with "
+    "a unit (KB, MB, GB, TB: decimal, as transformers' max_shard_size; KiB, MiB, GiB: binary) "
+    "with model.safetensors.index.json",
   )
   export.add_argument(
     "--adapter",
     action="store_true",
     help="for a LoRA run started from --init-from: write the adapters alone as a PEFT adapter "
-    "(adapter_config.json, adapter_model.safetensors) instead of the merged model",
+    "(adapter_config.json, adapter_model.safetensors) instead of the merged model. peft "
+    "generates with the base model's generation_config.json: pass a chat fine-tune's stop "
+    "tokens to generate(), or ship the merged model",
+  )
+  export.add_argument(
+    "--base-model",
+    metavar="NAME",
+    help="with --adapter: the base model adapter_config.json names (base_model_name_or_path), "
+    "e.g. its Hub id (default: the absolute path of the HF directory the run started from)",
   )
 
 
@@ -50,9 +75,17 @@ def check_args(args, error) -> None:
   args.run = args.run or args.run_flag
   if not args.run:
     error("the run directory is required: paro-jax export RUN_DIR --out HF_DIR")
+  if args.base_model is not None and not args.adapter:
+    error(
+      f"--base-model {args.base_model} names the base model of a PEFT adapter: pass it with "
+      f"--adapter, or leave it out (the merged model needs no base)"
+    )
+  if args.base_model is not None and not args.base_model.strip():
+    error("--base-model is empty: pass the base model's Hub id or path, or leave it out")
 
 
 def main(args, inv: Invocation) -> None:
+  max_shard_size = shard_size(args.max_shard_size)  # before the restore, which takes a while
   note_cpu_platform(args)
   from paro_jax.run.export import export_run  # jax: after the CUDA plugin note
 
@@ -61,21 +94,38 @@ def main(args, inv: Invocation) -> None:
     args.out,
     overwrite=args.overwrite,
     dtype=args.dtype,
-    max_shard_size=args.max_shard_size,
+    max_shard_size=max_shard_size,
     adapter=args.adapter,
+    base_model=args.base_model,
   )
   what = "its LoRA adapters (PEFT)" if args.adapter else "the model"
   shards = [w for w in done.weights if w.startswith("model-")]
   weights = [w for w in done.weights if w not in shards]
   if shards:  # model-00001-of-0000N.safetensors ...: counted, not listed
     weights.insert(1, f"{len(shards)} shards ({shards[0]}, ...)")
-  copied = f"; copied {', '.join(done.copied)}" if done.copied else "; no tokenizer files"
+  copied = f"; copied {', '.join(done.copied)}" if done.copied else ""
+  if done.missing:
+    copied += f"; could not copy {', and '.join(done.missing)}"
+  elif not done.copied:
+    copied = "; no tokenizer files"
   if done.chat_template:
     copied += "; chat_template.jinja: the chat template the run trained with"
   if done.stops:
     copied += (
       f"; generation_config.json: eos_token_id {done.stops} (generation stops at the chat "
       f"template's end of turn, {done.stops[-1]})"
+    )
+  if args.adapter:
+    named = "--base-model" if args.base_model else "the local path; --base-model NAME for a Hub id"
+    copied += (
+      f"; base_model_name_or_path {done.base_model} ({named}); peft generates with the base "
+      f"model's generation_config.json, not this one: "
+      + (
+        f"pass eos_token_id={done.chat_stops} (its end of text and the chat template's end "
+        f"of turn) to generate(), or ship the merged export (without --adapter)"
+        if done.chat_stops
+        else "pass your stop tokens to generate(), or ship the merged export"
+      )
     )
   print(
     f"paro-jax: wrote checkpoint step {done.step} of {args.run} to {args.out}: {what} in "

@@ -69,8 +69,19 @@ def good_line(good: int | None, ckpt: Checkpointer) -> str:
   return f"the newest checkpoint before it is step {good} in {ckpt.directory}"
 
 
-def summary(rows, skipped, metrics_path, saved, directory) -> str:
-  """The last line of a run: final loss, eval loss, median tokens/s, where things are."""
+def no_eval(rows, eval_every: int) -> str:
+  """Why a run's last line has no eval loss: --eval-every was not set, or no step of this run
+  was one of its multiples."""
+  if not eval_every:
+    return "no eval (--eval-every)"
+  first, last = rows[0]["step"], rows[-1]["step"]
+  due = -(-first // eval_every) * eval_every  # the first multiple of it from this run's first step
+  return f"no eval in steps {first}-{last} (--eval-every {eval_every}: the next at step {due})"
+
+
+def summary(rows, skipped, metrics_path, saved, directory, eval_every: int = 0) -> str:
+  """The last line of a run: final loss, eval loss (`eval_every`: --eval-every), median
+  tokens/s, where things are."""
   if not rows:
     return f"paro-jax: nothing to do; checkpoint step {saved} is in {directory}"
   last = rows[-1]
@@ -78,7 +89,7 @@ def summary(rows, skipped, metrics_path, saved, directory) -> str:
   timed = [r["tokens_per_s"] for r in rows[1:]] or [last["tokens_per_s"]]  # the first: compile
   parts = [
     f"step {last['step']}: loss {last['loss']:.4f}",
-    f"eval loss {evals[-1]:.4f}" if evals else "no eval (--eval-every)",
+    f"eval loss {evals[-1]:.4f}" if evals else no_eval(rows, eval_every),
     f"median {statistics.median(timed):.0f} tokens/s",
   ]
   if skipped:

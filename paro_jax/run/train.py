@@ -76,7 +76,9 @@ def train(cfg: RunConfig) -> str:
         print(reporting.stop_line(book.saved, ckpt), flush=True)
       raise Interrupted(stop.signum)
     if main:
-      line = reporting.summary(book.rows, book.bad_total, book.path, book.saved, ckpt.directory)
+      line = reporting.summary(
+        book.rows, book.bad_total, book.path, book.saved, ckpt.directory, cfg.eval.every
+      )
       print(line, flush=True)
       if getattr(batches, "note", None):  # the examples left out, again at the end
         print(batches.note, flush=True)

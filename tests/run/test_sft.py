@@ -81,7 +81,7 @@ def test_eval_equals_a_hand_count_over_completion_tokens(trained, capsys):
   nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
   completion = nll[:, PROMPT_BYTES - 1 :]  # the predictions of the completion's bytes
   assert result["tokens"] == RECORDS * len(COMPLETION.encode()) == completion.size
-  assert result["windows"] == RECORDS
+  assert result["examples"] == RECORDS and result["examples_left_out"] == 0
   np.testing.assert_allclose(result["loss"], float(jnp.mean(completion)), rtol=2e-5)
   # the prompts' bytes were never targets: they stay near chance
   assert result["loss"] < 0.05
@@ -173,7 +173,7 @@ def test_lora_with_ing_on_chat_data_end_to_end(tmp_path, capsys):
   for source in (CHAT_MODEL, out):
     main(["eval", source, "--json", "--mesh", "2x4", *common])
     scores[source] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert scores[out]["tokens"] == scores[CHAT_MODEL]["tokens"] and scores[out]["windows"] == 64
+  assert scores[out]["tokens"] == scores[CHAT_MODEL]["tokens"] and scores[out]["examples"] == 64
   assert scores[out]["loss"] < scores[CHAT_MODEL]["loss"]  # the adapters learned
   main(["export", out, "--out", str(tmp_path / "hf")])
   # the directory's own template: the copied tokenizer_config.json gives it, no file is added;

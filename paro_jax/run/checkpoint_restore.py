@@ -1,0 +1,241 @@
+"""Reading a run's checkpoints back: the newest intact step, placed with an engine's shardings
+(whole, or its weights alone), its metadata; a step rotated away while it is read (a run still
+saving there, --keep) makes the reader list the steps again, a damaged one is skipped. Mixed into
+run/checkpoint.py's Checkpointer, which writes them."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import jax
+import orbax.checkpoint as ocp
+
+from paro_jax.cluster.agree import Agreement, agreed_steps, local_verdict
+from paro_jax.core.engine import Engine
+from paro_jax.core.state import TrainState
+from paro_jax.run.checkpoint_content import (
+  OuterMismatch,
+  RunMeta,
+  abstract_state,
+  cast_like,
+  check_model,
+  outer_target,
+  reference_target,
+  residual_target,
+  restart_reference,
+  restart_residual,
+  saved_field,
+  stored_like,
+  verify,
+)
+from paro_jax.run.checkpoint_errors import describe_failures, rotated_steps
+
+# The two items of a checkpoint step (orbax): the arrays and the RunMeta beside them.
+STATE_ITEM, META_ITEM = "state", "meta"
+# How long a reader keeps listing the steps again after one was superseded while it read it: a
+# run still saving there (--keep) rotates each checkpoint away once the next one is complete, and
+# a reader slower than its saves may lose several in a row.
+RELIST_SECONDS = 300.0
+
+
+class Restorer:
+  """The reading half of the Checkpointer (it holds `directory`, `_manager`, `steps()` and
+  `set_aside()`)."""
+
+  def newest_meta(self) -> RunMeta:
+    """The metadata of the newest checkpoint whose metadata reads. A step deleted while it is
+    read (rotated away by a run still saving there) is not damaged: the steps are listed again
+    and the newer one read."""
+    failed: dict[int, Exception] = {}
+    deadline = time.monotonic() + RELIST_SECONDS
+    while time.monotonic() < deadline:
+      steps = [s for s in self.steps() if s not in failed]
+      relist = False
+      for step in reversed(steps):
+        try:
+          return self.read_meta(step)
+        except Exception as e:  # noqa: BLE001 - any failure to read: the step is skipped
+          failed[step] = e
+          if self._gone(step, failed):
+            relist = True
+            break
+      if not relist:
+        break
+    raise FileNotFoundError(
+      f"no checkpoint in {self.directory} has readable metadata"
+      + (f" ({describe_failures(sorted(failed.items()))})" if failed else "")
+    )
+
+  def _gone(self, step: int, tried) -> bool:
+    """Whether step `step`, which failed to read, was superseded while it was read: it is no
+    longer there (set aside by the run writing), or a newer step not `tried` yet is complete now
+    (a run still saving there rotates the older ones away, --keep: their files vanish as they
+    are read)."""
+    if not os.path.isdir(os.path.join(self.directory, str(step))):
+      return True
+    return any(s > step and s not in tried for s in self.steps())
+
+  def read_meta(self, step: int) -> RunMeta:
+    restored = self._manager.restore(
+      step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
+    )
+    return RunMeta.from_json(restored[META_ITEM])
+
+  def restore(
+    self,
+    engine: Engine,
+    model_name: str | None = None,
+    set_aside: bool = False,
+    weights_only: bool = False,
+  ) -> tuple[TrainState, RunMeta]:
+    """The newest intact checkpoint, placed with `engine`'s shardings, and its metadata.
+    `weights_only`: only its weights are read (the master and a LoRA run's frozen base, as
+    saved, at their placements; the other fields None): nothing of the optimizer is read or
+    allocated (eval).
+
+    A checkpoint for another model config is an error. One that cannot be read or whose arrays
+    do not match their checksums (a truncated or garbled file) is skipped with a warning, falling
+    back to the previous step; with `set_aside` the damaged steps are then renamed to
+    `damaged-<step>` (no longer steps), so that training can save those steps again.
+    """
+    # With several processes, each step is taken or skipped by all of them together
+    # (paro_jax/cluster/agree.py): one may fail to read a step that another can.
+    agreement = Agreement()
+    steps = self.steps()
+    if not agreement.max(len(steps)):
+      raise FileNotFoundError(
+        f"no checkpoint in {self.directory} to resume from: start the run "
+        f"without --resume first (it saves checkpoints there)"
+      )
+    target = abstract_state(engine)
+    to_target = jax.jit(
+      cast_like(target), out_shardings=engine.state_shardings._replace(weights=None)
+    )
+    failures, gone = [], []  # (step, error) of the damaged ones; the steps deleted while read
+    deadline = time.monotonic() + RELIST_SECONDS
+    while True:
+      found = self._restore_newest(
+        steps, agreement, engine, model_name, target, failures, gone, weights_only
+      )
+      if found is not None:
+        step, restored, meta, partial = found
+        if not partial:  # a whole state: in the engine's dtypes, with its compute-dtype copy
+          restored = engine.with_weights(to_target(restored))
+        if failures:
+          moved = self.set_aside([s for s, _ in failures], "damaged") if set_aside else ""
+          warnings.warn(
+            f"{describe_failures(failures)}; falling back to step {step}, the newest intact "
+            f"checkpoint{moved}",
+            stacklevel=2,
+          )
+        return restored, meta
+      # A step deleted while it was read (rotated away by a run still saving there, --keep):
+      # the steps are listed again, the newer ones first; a damaged one is not tried again.
+      tried = {s for s, _ in failures} | set(gone)
+      steps = [s for s in self.steps() if s not in tried]
+      if not agreement.all(bool(gone) and time.monotonic() < deadline):
+        break
+      if not agreement.max(len(steps)):
+        break
+    if gone:
+      raise ValueError(
+        f"no intact checkpoint in {self.directory} could be read: {rotated_steps(gone)} rotated "
+        f"away while being read (a run still saving there deletes its older checkpoints, "
+        f"--keep)"
+        + (f"; {describe_failures(failures)}" if failures else "")
+        + ". Nothing was changed there: run the same command again (or once that run has "
+        "saved its next checkpoint or finished)"
+      )
+    raise ValueError(
+      f"no intact checkpoint in {self.directory}: {describe_failures(failures)}. Nothing was "
+      f"changed there: restore its files from a copy, or start a new run with another --out"
+    )
+
+  def _restore_newest(
+    self, steps, agreement, engine, model_name, target, failures, gone, weights_only
+  ):
+    """(step, state as written, its metadata, whether only its weights were read) of the newest
+    of `steps` that reads and verifies; None when none does, or when a step was deleted while it
+    was read (added to `gone`: list the steps again). Damaged steps are added to `failures`."""
+    for step, listed in agreed_steps(steps, agreement):
+      error = FileNotFoundError("not listed on this process")
+      if listed:
+        error = local_verdict(os.path.join(self.directory, str(step)), META_ITEM)
+      if not agreement.all(error is None):
+        if agreement.all(self._gone(step, {s for s, _ in failures} | set(gone))):
+          gone.append(step)
+          return None
+        failures.append((step, error or _UnreadableElsewhere()))
+        continue
+      try:
+        meta = self.read_meta(step)
+      except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+        if agreement.all(self._gone(step, {s for s, _ in failures} | set(gone))):
+          gone.append(step)
+          return None
+        failures.append((step, e))
+        continue
+      check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
+      try:
+        written = self._manager.item_metadata(step)[STATE_ITEM]  # shapes and dtypes as saved
+        step_target, carried = residual_target(
+          target, meta, engine, saved_field(written, "residual")
+        )
+        step_target, reference = reference_target(
+          step_target, saved_field(written, "reference") is not None
+        )
+        step_target, from_outer = outer_target(step_target, written, engine, meta)
+        # Read every array as it was written (a bf16 run's frozen LoRA base in bf16, even
+        # when an fp32 engine reads it): the checksums are of the written bits. Only a verified
+        # state is then converted to this engine's dtypes.
+        partial = weights_only and from_outer is None  # an outer loop's checkpoint: read whole
+        if partial:
+          restored = self._read_weights(step, written, target)
+        else:
+          stored = stored_like(written, step_target)
+          restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(stored)})
+          )[STATE_ITEM]
+        # the checksums are global: the same verdict on every process
+        verify(restored, meta, partial=partial)
+      except OuterMismatch:
+        raise
+      except Exception as e:  # noqa: BLE001
+        if agreement.all(self._gone(step, {s for s, _ in failures} | set(gone))):
+          gone.append(step)
+          return None
+        failures.append((step, e))
+        continue
+      if from_outer is not None:  # the outer weights of the outer loop's checkpoint
+        restored = from_outer(restored)
+      if not partial:
+        if not carried:
+          restored = restart_residual(restored, engine, meta)
+        if reference is not None:
+          restored = restart_reference(restored, engine, meta, reference)
+      return step, restored, meta, partial
+    return None
+
+  def _read_weights(self, step: int, written, target: TrainState) -> TrainState:
+    """The master and frozen subtrees of step `step`'s state alone (orbax's partial restore),
+    in the dtypes written, at `target`'s shardings."""
+    part = {"master": target.master, "frozen": target.frozen}
+    stored = stored_like(written, part)
+    args = ocp.args.PyTreeRestore(
+      item=stored,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(stored),
+      partial_restore=True,
+    )
+    path = os.path.join(self.directory, str(step), STATE_ITEM)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+      read = reader.restore(path, args=args)
+    return TrainState(None, read["master"], None, read["frozen"])
+
+
+class _UnreadableElsewhere(OSError):
+  """A step this process read but another process could not."""
+
+  def __init__(self):
+    super().__init__("unreadable on another process of the run")
