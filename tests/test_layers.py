@@ -215,7 +215,7 @@ DATA_SURFACE = {
   "paro_jax.data.streams": {"Batches", "expand_paths", "load_tokens", "split_eval"},
   "paro_jax.data.sources": {"data_format", "hf_directory", "instruction_batches"}
   | {"instruction_examples"},
-  "paro_jax.data.examples": {"ExampleBatches", "select"},
+  "paro_jax.data.examples": {"ExampleBatches", "select", "dropped_line"},
   "paro_jax.data.fingerprint": {"data_change", "data_fingerprint"},
   "paro_jax.data.bins": {"DataChanged"},
   "paro_jax.data.instruct": {"CHAT", "TEXT", "end_of_turn", "tokenizer_directory"},
