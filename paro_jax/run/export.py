@@ -195,11 +195,11 @@ def export_run(
     sharded = StepConfig(strategy=EXPORT_STRATEGY, dtype="fp32", lora=LoraOptions.of(lora))
     mesh = make_mesh(jax.process_count(), jax.local_device_count(), jax.devices())
     engine = build_engine(sharded, cfg, mesh)
-    state, meta = ckpt.restore(engine, meta.model_name, weights_only=True)
+    # --adapter: the adapters alone (the master of a LoRA run); the frozen base is not read
+    state, meta = ckpt.restore(engine, meta.model_name, weights_only=True, frozen=not adapter)
   finally:
     ckpt.close()
-  params = state.master if lora is None else join_trainable(engine.mask, state.master, state.frozen)
-  adapters = None
+  params, adapters = state.master, None
   if lora and adapter:  # the adapters alone, to host (they are small)
     adapters = {
       LAYERS: {
@@ -208,6 +208,8 @@ def export_run(
         if isinstance(module, dict)
       }
     }
+  elif lora:
+    params = join_trainable(engine.mask, state.master, state.frozen)
     _check_finite(adapters, meta.step, run_dir)
   np_dtype = WEIGHT_DTYPES[written_dtype][0]
   copied: list[str] = []

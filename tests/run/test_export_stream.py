@@ -103,10 +103,19 @@ def test_streaming_export_writes_the_whole_tree_files(runs, tmp_path, kind, dtyp
     assert (out / f).read_bytes() == (ref / f).read_bytes(), f
 
 
-def test_adapter_export_writes_the_whole_tree_files(runs, tmp_path):
-  """--adapter of a run trained from scratch is refused, so the adapters are compared by
-  save_adapter's own files against the streaming export's gathered leaves."""
+def test_adapter_export_reads_only_the_adapters(runs, tmp_path, monkeypatch):
+  """--adapter writes save_adapter's file of the whole-tree restore, reading the master alone
+  (the frozen base is not read). The run trained from scratch, where --adapter is refused: its
+  source directory is pretended."""
   from paro_jax.run import export
+
+  read, real = [], Checkpointer._read_weights
+
+  def spy(self, step, written, target, parts):
+    read.append(parts)
+    return real(self, step, written, target, parts)
+
+  monkeypatch.setattr(Checkpointer, "_read_weights", spy)
 
   run = runs["lora"]
   ckpt = Checkpointer(os.path.join(run, CHECKPOINTS), read_only=True)
@@ -114,13 +123,10 @@ def test_adapter_export_writes_the_whole_tree_files(runs, tmp_path):
   ckpt.close()
   # the run was trained from scratch: pretend it started from an HF directory
   reference(run, tmp_path / "ref", "bf16", "5GB", adapter=True)
-  original = export._source_dir
-  export._source_dir = lambda m: str(tmp_path / "base")
-  try:
-    export.export_run(str(run), str(tmp_path / "out"), dtype="bf16", adapter=True)
-  finally:
-    export._source_dir = original
-  for f in ("adapter_model.safetensors",):
-    assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes()
+  monkeypatch.setattr(export, "_source_dir", lambda m: str(tmp_path / "base"))
+  export.export_run(str(run), str(tmp_path / "out"), dtype="bf16", adapter=True)
+  assert read == [("master",)]
+  f = "adapter_model.safetensors"
+  assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes()
   assert meta.lora
   assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
