@@ -98,7 +98,7 @@ def _get(tree, path):
   return tree
 
 
-def plan(cfg: LlamaConfig, dtype: str, max_shard_size):
+def plan_shards(cfg: LlamaConfig, dtype: str, max_shard_size):
   """[(HF name, our path, layer or None, layout)] in save_hf's order, and huggingface_hub's
   split of their sizes in `dtype` into shards of at most `max_shard_size`."""
   sizes, itemsize = axis_sizes(cfg), np.dtype(WEIGHT_DTYPES[dtype][0]).itemsize
@@ -136,7 +136,7 @@ def stream_hf(
     raise ValueError(
       f"unknown dtype {dtype!r} for the HF weights; choose one of {list(WEIGHT_DTYPES)}"
     )
-  tensors, split = plan(cfg, dtype, max_shard_size)
+  tensors, split = plan_shards(cfg, dtype, max_shard_size)
   writer = jax.process_index() == 0
   if writer:
     write_config(cfg, directory, base_config, dtype)

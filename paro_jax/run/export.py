@@ -1,13 +1,15 @@
 """`paro-jax export`: the newest checkpoint of a training run as an HF directory a user can ship.
 
-The checkpoint is restored through paro_jax.run.checkpoint onto a one-device engine (strategy NNN,
-mesh 1x1) built for the model config the checkpoint records. What is written:
-- the model (paro_jax.hf.weights.save_hf): config.json with the fields of the config.json the run
-  started from (--init-from's or --model's, as the checkpoint records it: bos/eos ids,
-  max_position_embeddings, ...) and our shapes, RoPE and tying; the weights in `--dtype` (by
-  default the dtype the --init-from weights came in, bf16 for a run trained from scratch), in
-  shards of at most `--max-shard-size` with their index above it. A LoRA run's adapters are
-  merged into its frozen base: the export is a plain LLaMA;
+The checkpoint's weights alone are restored through paro_jax.run.checkpoint, sharded over every
+device (EXPORT_STRATEGY, mesh processes x local devices) for the model config the checkpoint
+records (--adapter: the adapters alone), and streamed out a tensor at a time
+(paro_jax/hf/stream_out.py: host memory one output shard plus one tensor). What is written:
+- the model (the files paro_jax.hf.weights.save_hf writes): config.json with the fields of the
+  config.json the run started from (--init-from's or --model's, as the checkpoint records it:
+  bos/eos ids, max_position_embeddings, ...) and our shapes, RoPE and tying; the weights in
+  `--dtype` (by default the dtype the --init-from weights came in, bf16 for a run trained from
+  scratch), in shards of at most `--max-shard-size` with their index above it. A LoRA run's
+  adapters are merged into its frozen base: the export is a plain LLaMA;
 - or, with `--adapter` (a LoRA run started from --init-from), the adapters alone as PEFT writes
   them (paro_jax/hf/peft.py), for the HF directory the run started from: adapter_config.json's
   base_model_name_or_path is `--base-model NAME` (its Hub id), by default that directory's
