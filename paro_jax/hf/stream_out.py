@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from models.config import LAYERS, LlamaConfig, LoraConfig
+from models.llama import LORA_SUFFIXES
 from paro_jax.hf.layout import hf_shape, to_hf
 from paro_jax.hf.weights import (
   INDEX,
@@ -87,9 +88,17 @@ def _gather(leaf, i, lora_of, scale) -> np.ndarray:
   return _host(jax.jit(_layer, out_shardings=out)(leaf, i))
 
 
-def gather_whole(leaf) -> np.ndarray:
-  """A whole leaf (any placement, any process count) as fp32 numpy, on every process."""
-  return _gather(leaf, None, None, 1.0)
+def gather_adapters(master: dict) -> dict:
+  """The LoRA leaves of `master` ({layers: {attn|mlp: {wq_lora_a: ...}}}, any placement, any
+  process count) as fp32 numpy on every process; NonFinite on NaN or Inf."""
+  adapters: dict = {}
+  for owner, module in master[LAYERS].items():
+    for key, w in module.items() if isinstance(module, dict) else ():
+      if key.endswith(LORA_SUFFIXES):
+        w = adapters.setdefault(owner, {})[key] = _gather(w, None, None, 1.0)
+        if not np.isfinite(w).all():
+          raise NonFinite(f"{LAYERS}/{owner}/{key} holds NaN or Inf")
+  return {LAYERS: adapters}
 
 
 def _get(tree, path):

@@ -52,16 +52,14 @@ import os
 import shutil
 
 import jax
-import numpy as np
 
 from safetensors import SafetensorError
 
-from models.config import CONFIG, LAYERS, LlamaConfig, LoraConfig
+from models.config import CONFIG, LlamaConfig, LoraConfig
 from paro_jax.hf.weights import MAX_SHARD_SIZE, WEIGHT_DTYPES, weights_dtype
-from paro_jax.hf.stream_out import NonFinite, gather_whole, stream_hf
+from paro_jax.hf.stream_out import NonFinite, gather_adapters, stream_hf
 from paro_jax.hf.peft import save_adapter
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
-from models.llama import LORA_SUFFIXES
 from paro_jax.data.prepare import pid_alive
 from paro_jax.core.config import LoraOptions, StepConfig
 from paro_jax.core.factory import build_engine
@@ -203,16 +201,12 @@ def export_run(
     ckpt.close()
   params, adapters = state.master, None
   if lora and adapter:  # the adapters alone, to host (they are small)
-    adapters = {
-      LAYERS: {
-        owner: {k: gather_whole(w) for k, w in module.items() if k.endswith(LORA_SUFFIXES)}
-        for owner, module in params[LAYERS].items()
-        if isinstance(module, dict)
-      }
-    }
+    try:
+      adapters = gather_adapters(state.master)
+    except NonFinite as e:
+      raise _nonfinite(meta.step, run_dir, e) from None
   elif lora:
     params = join_trainable(engine.mask, state.master, state.frozen)
-    _check_finite(adapters, meta.step, run_dir)
   np_dtype = WEIGHT_DTYPES[written_dtype][0]
   copied: list[str] = []
   written: list[str] = []  # besides the weights: chat_template.jinja, generation_config.json
@@ -263,12 +257,6 @@ def _nonfinite(step: int, run_dir: str, what) -> ValueError:
   return ValueError(
     f"checkpoint step {step} of {run_dir} holds NaN or Inf weights ({what}): not exported"
   )
-
-
-def _check_finite(tree, step: int, run_dir: str) -> None:
-  for path, w in jax.tree_util.tree_leaves_with_path(tree):
-    if not np.isfinite(w).all():
-      raise _nonfinite(step, run_dir, f"{jax.tree_util.keystr(path)} holds NaN or Inf")
 
 
 def _chat_stops(base: dict | None, eot: int | None) -> list[int] | None:
