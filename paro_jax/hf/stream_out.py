@@ -30,6 +30,7 @@ from models.llama import LORA_SUFFIXES
 from paro_jax.hf.layout import hf_shape, to_hf
 from paro_jax.hf.weights import (
   INDEX,
+  MAX_SHARD_SIZE,
   SHARDS,
   WEIGHT_DTYPES,
   axis_sizes,
@@ -133,7 +134,7 @@ def stream_hf(
   directory: str,
   base_config: dict | None = None,
   dtype: str = "fp32",
-  max_shard_size: int | str = "5GB",
+  max_shard_size: int | str = MAX_SHARD_SIZE,
   lora: LoraConfig | None = None,
   adapters: dict | None = None,
 ) -> list[str]:
