@@ -269,6 +269,19 @@ def weights_dtype(directory: str) -> str | None:
   return next((name for name, (_, _, header) in WEIGHT_DTYPES.items() if header == stored), None)
 
 
+def write_config(cfg: LlamaConfig, directory: str, base_config: dict | None, dtype: str) -> None:
+  """config.json of a model of `cfg` whose weights are in `dtype`: `base_config`'s fields (the
+  config.json the model came from) with ours over them."""
+  torch_name = WEIGHT_DTYPES[dtype][1]
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, CONFIG), "w") as f:
+    config = {**(base_config or {}), **config_to_hf(cfg), "torch_dtype": torch_name}
+    if "dtype" in config:  # newer transformers' name for torch_dtype
+      config["dtype"] = torch_name
+    json.dump(config, f, indent=2)
+    f.write("\n")
+
+
 def save_hf(
   cfg: LlamaConfig,
   params: dict,
@@ -286,7 +299,7 @@ def save_hf(
     raise ValueError(
       f"unknown dtype {dtype!r} for the HF weights; choose one of {list(WEIGHT_DTYPES)}"
     )
-  np_dtype, torch_name, _ = WEIGHT_DTYPES[dtype]
+  np_dtype = WEIGHT_DTYPES[dtype][0]
   tensors, shapes = {}, expected_shapes(cfg)
 
   def fetch(path):
@@ -318,13 +331,7 @@ def save_hf(
     raise ValueError(
       f"--max-shard-size {max_shard_size!r}: {e} (e.g. 5GB, 500MB, or a number of bytes)"
     ) from None
-  os.makedirs(directory, exist_ok=True)
-  with open(os.path.join(directory, CONFIG), "w") as f:
-    config = {**(base_config or {}), **config_to_hf(cfg), "torch_dtype": torch_name}
-    if "dtype" in config:  # newer transformers' name for torch_dtype
-      config["dtype"] = torch_name
-    json.dump(config, f, indent=2)
-    f.write("\n")
+  write_config(cfg, directory, base_config, dtype)
   # safetensors creates its files 0600; readable like config.json beside them (the umask applies).
   umask = os.umask(0)
   os.umask(umask)

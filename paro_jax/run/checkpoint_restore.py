@@ -89,11 +89,13 @@ class Restorer:
     model_name: str | None = None,
     set_aside: bool = False,
     weights_only: bool = False,
+    frozen: bool = True,
   ) -> tuple[TrainState, RunMeta]:
     """The newest intact checkpoint, placed with `engine`'s shardings, and its metadata.
     `weights_only`: only its weights are read (the master and a LoRA run's frozen base, as
     saved, at their placements; the other fields None): nothing of the optimizer is read or
-    allocated (eval).
+    allocated (eval); without `frozen`, the master alone (a LoRA run's adapters: export
+    --adapter).
 
     A checkpoint for another model config is an error. One that cannot be read or whose arrays
     do not match their checksums (a truncated or garbled file) is skipped with a warning, falling
@@ -113,11 +115,12 @@ class Restorer:
     to_target = jax.jit(
       cast_like(target), out_shardings=engine.state_shardings._replace(weights=None)
     )
+    parts = None if not weights_only else ("master", "frozen") if frozen else ("master",)
     failures, gone = [], []  # (step, error) of the damaged ones; the steps deleted while read
     deadline = time.monotonic() + RELIST_SECONDS
     while True:
       found = self._restore_newest(
-        steps, agreement, engine, model_name, target, failures, gone, weights_only
+        steps, agreement, engine, model_name, target, failures, gone, parts
       )
       if found is not None:
         step, restored, meta, partial = found
@@ -153,9 +156,7 @@ class Restorer:
       f"changed there: restore its files from a copy, or start a new run with another --out"
     )
 
-  def _restore_newest(
-    self, steps, agreement, engine, model_name, target, failures, gone, weights_only
-  ):
+  def _restore_newest(self, steps, agreement, engine, model_name, target, failures, gone, parts):
     """(step, state as written, its metadata, whether only its weights were read) of the newest
     of `steps` that reads and verifies; None when none does, or when a step was deleted while it
     was read (added to `gone`: list the steps again). Damaged steps are added to `failures`."""
@@ -190,9 +191,9 @@ class Restorer:
         # Read every array as it was written (a bf16 run's frozen LoRA base in bf16, even
         # when an fp32 engine reads it): the checksums are of the written bits. Only a verified
         # state is then converted to this engine's dtypes.
-        partial = weights_only and from_outer is None  # an outer loop's checkpoint: read whole
+        partial = parts is not None and from_outer is None  # an outer loop's: read whole
         if partial:
-          restored = self._read_weights(step, written, target)
+          restored = self._read_weights(step, written, target, parts)
         else:
           stored = stored_like(written, step_target)
           restored = self._manager.restore(
@@ -218,10 +219,10 @@ class Restorer:
       return step, restored, meta, partial
     return None
 
-  def _read_weights(self, step: int, written, target: TrainState) -> TrainState:
-    """The master and frozen subtrees of step `step`'s state alone (orbax's partial restore),
-    in the dtypes written, at `target`'s shardings."""
-    part = {"master": target.master, "frozen": target.frozen}
+  def _read_weights(self, step: int, written, target: TrainState, parts) -> TrainState:
+    """The `parts` ("master", "frozen") of step `step`'s state alone (orbax's partial restore),
+    in the dtypes written, at `target`'s shardings; the others None."""
+    part = {name: getattr(target, name) for name in parts}
     stored = stored_like(written, part)
     args = ocp.args.PyTreeRestore(
       item=stored,
@@ -231,7 +232,7 @@ class Restorer:
     path = os.path.join(self.directory, str(step), STATE_ITEM)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
       read = reader.restore(path, args=args)
-    return TrainState(None, read["master"], None, read["frozen"])
+    return TrainState(None, read["master"], None, read.get("frozen"))
 
 
 class _UnreadableElsewhere(OSError):

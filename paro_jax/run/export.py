@@ -1,13 +1,15 @@
 """`paro-jax export`: the newest checkpoint of a training run as an HF directory a user can ship.
 
-The checkpoint is restored through paro_jax.run.checkpoint onto a one-device engine (strategy NNN,
-mesh 1x1) built for the model config the checkpoint records. What is written:
-- the model (paro_jax.hf.weights.save_hf): config.json with the fields of the config.json the run
-  started from (--init-from's or --model's, as the checkpoint records it: bos/eos ids,
-  max_position_embeddings, ...) and our shapes, RoPE and tying; the weights in `--dtype` (by
-  default the dtype the --init-from weights came in, bf16 for a run trained from scratch), in
-  shards of at most `--max-shard-size` with their index above it. A LoRA run's adapters are
-  merged into its frozen base: the export is a plain LLaMA;
+The checkpoint's weights alone are restored through paro_jax.run.checkpoint, sharded over every
+device (EXPORT_STRATEGY, mesh processes x local devices) for the model config the checkpoint
+records (--adapter: the adapters alone), and streamed out a tensor at a time
+(paro_jax/hf/stream_out.py: host memory one output shard plus one tensor). What is written:
+- the model (the files paro_jax.hf.weights.save_hf writes): config.json with the fields of the
+  config.json the run started from (--init-from's or --model's, as the checkpoint records it:
+  bos/eos ids, max_position_embeddings, ...) and our shapes, RoPE and tying; the weights in
+  `--dtype` (by default the dtype the --init-from weights came in, bf16 for a run trained from
+  scratch), in shards of at most `--max-shard-size` with their index above it. A LoRA run's
+  adapters are merged into its frozen base: the export is a plain LLaMA;
 - or, with `--adapter` (a LoRA run started from --init-from), the adapters alone as PEFT writes
   them (paro_jax/hf/peft.py), for the HF directory the run started from: adapter_config.json's
   base_model_name_or_path is `--base-model NAME` (its Hub id), by default that directory's
@@ -50,13 +52,12 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from safetensors import SafetensorError
 
 from models.config import CONFIG, LlamaConfig, LoraConfig
-from paro_jax.hf.weights import MAX_SHARD_SIZE, WEIGHT_DTYPES, save_hf, weights_dtype
+from paro_jax.hf.weights import MAX_SHARD_SIZE, WEIGHT_DTYPES, weights_dtype
+from paro_jax.hf.stream_out import NonFinite, gather_adapters, stream_hf
 from paro_jax.hf.peft import save_adapter
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.data.prepare import pid_alive
@@ -69,6 +70,9 @@ from paro_jax.data.tokenizers import BYTES, TOKENIZER_FILE
 from paro_jax.run.stops import GENERATION_CONFIG, end_of_turn_id, stop_at_end_of_turn
 
 EXPORT_DTYPES = tuple(WEIGHT_DTYPES)  # bf16, fp16, fp32
+# The export's placement of the weights: sharded over every device of every process (ZeRO-3's
+# P), whatever strategy the run trained with, so that each device holds 1/n of them.
+EXPORT_STRATEGY = "GGG"
 SCRATCH_DTYPE = "bf16"  # of a run trained from scratch: the dtype Llama checkpoints ship in
 EXPORT_PARTIAL = (
   ".partial-"  # the hidden directory an export is written into, inside an existing --out
@@ -185,24 +189,24 @@ def export_run(
         f"{'has no LoRA adapters' if lora is None else 'trained its base from scratch'}: "
         f"export it without --adapter (a plain LLaMA)"
       )
-    one = StepConfig(strategy="NNN", dtype="fp32", lora=LoraOptions.of(lora))
-    engine = build_engine(one, cfg, make_mesh(1, 1, jax.devices()[:1]))
-    # The one restore path resume uses: it verifies the checksums of the arrays as written
-    # (whatever dtype the run trained in) and never returns NaN/Inf weights.
-    state, meta = ckpt.restore(engine, meta.model_name)
+    # The weights alone, sharded over every device (EXPORT_STRATEGY): no device or host holds
+    # the whole model. The one restore path resume uses: it verifies the checksums of the
+    # arrays as written (whatever dtype the run trained in).
+    sharded = StepConfig(strategy=EXPORT_STRATEGY, dtype="fp32", lora=LoraOptions.of(lora))
+    mesh = make_mesh(jax.process_count(), jax.local_device_count(), jax.devices())
+    engine = build_engine(sharded, cfg, mesh)
+    # --adapter: the adapters alone (the master of a LoRA run); the frozen base is not read
+    state, meta = ckpt.restore(engine, meta.model_name, weights_only=True, frozen=not adapter)
   finally:
     ckpt.close()
-  params = state.master
-  if lora:
-    full = join_trainable(
-      engine.mask, state.master, jax.tree.map(lambda w: w.astype(jnp.float32), state.frozen)
-    )
-    params = full if adapter else engine.model.merge_lora(full)
-  params = jax.tree.map(np.asarray, params)
-  if not all(np.isfinite(w).all() for w in jax.tree.leaves(params)):
-    raise ValueError(
-      f"checkpoint step {meta.step} of {run_dir} holds NaN or Inf weights: not exported"
-    )
+  params, adapters = state.master, None
+  if lora and adapter:  # the adapters alone, to host (they are small)
+    try:
+      adapters = gather_adapters(state.master)
+    except NonFinite as e:
+      raise _nonfinite(meta.step, run_dir, e) from None
+  elif lora:
+    params = join_trainable(engine.mask, state.master, state.frozen)
   np_dtype = WEIGHT_DTYPES[written_dtype][0]
   copied: list[str] = []
   written: list[str] = []  # besides the weights: chat_template.jinja, generation_config.json
@@ -218,9 +222,12 @@ def export_run(
 
   def write(partial: str) -> None:
     if adapter:
-      save_adapter(cfg, lora, params, partial, base_model, np_dtype)
+      save_adapter(cfg, lora, adapters, partial, base_model, np_dtype)
     else:
-      save_hf(cfg, params, partial, base, written_dtype, max_shard_size)
+      try:
+        stream_hf(cfg, params, partial, base, written_dtype, max_shard_size, lora, params)
+      except NonFinite as e:
+        raise _nonfinite(meta.step, run_dir, e) from None
     copied.extend(_copy_side_files(partial, tokenizer, source, missing))
     if _ship_chat_template(partial, meta.chat_template):
       written.append(CHAT_TEMPLATE_FILE)
@@ -243,6 +250,12 @@ def export_run(
     tuple(missing),
     base_model if adapter else None,
     _chat_stops(base, eot),
+  )
+
+
+def _nonfinite(step: int, run_dir: str, what) -> ValueError:
+  return ValueError(
+    f"checkpoint step {step} of {run_dir} holds NaN or Inf weights ({what}): not exported"
   )
 
 

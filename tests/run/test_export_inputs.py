@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from paro_jax.cli import main
 from paro_jax.data.tokenizers import HFTokenizer
-from paro_jax.run import checkpoint
+from paro_jax.run import checkpoint_restore
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.stops import GENERATION_CONFIG
 from tests.run.test_sft import CHAT_MODEL, FP32, chat_records, write_jsonl
@@ -223,7 +223,7 @@ def test_a_checkpoint_rotated_away_while_read_is_not_damaged(
   if when == "reading the metadata":
     calls = _rotate_on_first_call(monkeypatch, Checkpointer, "read_meta", directory, 2)
   else:
-    calls = _rotate_on_first_call(monkeypatch, checkpoint, "local_verdict", directory, 2)
+    calls = _rotate_on_first_call(monkeypatch, checkpoint_restore, "local_verdict", directory, 2)
   if command == "export":
     argv = ["export", str(copy), "--out", str(tmp_path / "hf")]
   else:

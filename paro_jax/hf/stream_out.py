@@ -1,0 +1,179 @@
+"""Our parameters, wherever they are placed, written as an HF directory a tensor at a time
+(`stream_hf`): the way out that hf/stream.py's import is the way in.
+
+Every output tensor's name, shape and dtype is known from the table (hf/weights.py
+`tensor_table`) before anything is read, so the shards are planned first, as `save_hf` plans them
+(huggingface_hub's `split_state_dict_into_shards_factory`, here over the tensors' sizes alone):
+the same files, names and index. Then each tensor (one layer of a stacked leaf) is gathered from
+the devices to every process (a jitted slice whose output is replicated: what a process reads is
+its own copy, with one process or several), converted (layout, dtype) and added to its shard;
+a shard is written the moment its last tensor arrives. Host memory holds at most the shard being
+filled and one tensor. A LoRA run's adapters are merged into their base layer by layer, as
+models/llama.py `merge_lora` merges the whole stack: W + (alpha / r) A @ B, in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from huggingface_hub import split_state_dict_into_shards_factory
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors.numpy import save_file
+
+from models.config import LAYERS, LlamaConfig, LoraConfig
+from models.llama import LORA_SUFFIXES
+from paro_jax.hf.layout import hf_shape, to_hf
+from paro_jax.hf.weights import (
+  INDEX,
+  MAX_SHARD_SIZE,
+  SHARDS,
+  WEIGHT_DTYPES,
+  axis_sizes,
+  tensor_table,
+  write_config,
+)
+
+
+class NonFinite(ValueError):
+  """A gathered tensor holds NaN or Inf: the export is refused (its caller names the step)."""
+
+
+def _replicated(x: jax.Array) -> NamedSharding:
+  return NamedSharding(x.sharding.mesh, PartitionSpec())
+
+
+def _one(x, rep):
+  """`x` whole on every device (the mesh's axes may be explicit: the product of two sharded
+  operands would be refused), in fp32."""
+  return jax.sharding.reshard(x, rep).astype(jnp.float32)
+
+
+def _merged(w, a, b, i, scale, rep):
+  """Layer `i` of the stacked `w` with its adapters folded in, as `merge_lora` computes it."""
+  w, a, b = (_one(jax.lax.dynamic_slice_in_dim(x, i, 1), rep) for x in (w, a, b))
+  delta = jnp.einsum("lir,lro->lio", a, b) * scale
+  return (w + delta.reshape(w.shape).astype(w.dtype))[0]
+
+
+def _whole(x):
+  return x.astype(jnp.float32)
+
+
+def _layer(x, i):
+  return jax.lax.dynamic_index_in_dim(x, i, keepdims=False).astype(jnp.float32)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+  """A replicated array as numpy: this process's copy."""
+  return np.asarray(x.addressable_data(0), np.float32)
+
+
+def _gather(leaf, i, lora_of, scale) -> np.ndarray:
+  """Layer `i` of a stacked leaf (the whole leaf when `i` is None), merged with `lora_of`'s
+  adapters (a, b) where it has them, replicated to every device and read to host."""
+  if not isinstance(leaf, jax.Array):
+    w = np.asarray(leaf, np.float32)
+    return w if i is None else w[i]
+  out = _replicated(leaf)
+  if lora_of is not None:
+    a, b = lora_of
+    merge = jax.jit(_merged, static_argnames=("scale", "rep"), out_shardings=out)
+    return _host(merge(leaf, a, b, i, scale=scale, rep=out))
+  if i is None:
+    return _host(jax.jit(_whole, out_shardings=out)(leaf))
+  return _host(jax.jit(_layer, out_shardings=out)(leaf, i))
+
+
+def gather_adapters(master: dict) -> dict:
+  """The LoRA leaves of `master` ({layers: {attn|mlp: {wq_lora_a: ...}}}, any placement, any
+  process count) as fp32 numpy on every process; NonFinite on NaN or Inf."""
+  adapters: dict = {}
+  for owner, module in master[LAYERS].items():
+    for key, w in module.items() if isinstance(module, dict) else ():
+      if key.endswith(LORA_SUFFIXES):
+        w = adapters.setdefault(owner, {})[key] = _gather(w, None, None, 1.0)
+        if not np.isfinite(w).all():
+          raise NonFinite(f"{LAYERS}/{owner}/{key} holds NaN or Inf")
+  return {LAYERS: adapters}
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def plan_shards(cfg: LlamaConfig, dtype: str, max_shard_size):
+  """[(HF name, our path, layer or None, layout)] in save_hf's order, and huggingface_hub's
+  split of their sizes in `dtype` into shards of at most `max_shard_size`."""
+  sizes, itemsize = axis_sizes(cfg), np.dtype(WEIGHT_DTYPES[dtype][0]).itemsize
+  tensors = []
+  for path, (name, axes) in tensor_table(cfg).items():
+    for i in range(cfg.layers) if path[0] == LAYERS else [None]:
+      tensors.append((name.format(i) if i is not None else name, path, i, axes))
+  nbytes = {name: math.prod(hf_shape(axes, sizes)) * itemsize for name, _, _, axes in tensors}
+  try:
+    split = split_state_dict_into_shards_factory(
+      nbytes, get_storage_size=lambda n: n, filename_pattern=SHARDS, max_shard_size=max_shard_size
+    )
+  except ValueError as e:  # huggingface_hub's parse of "5GB"
+    raise ValueError(
+      f"--max-shard-size {max_shard_size!r}: {e} (e.g. 5GB, 500MB, or a number of bytes)"
+    ) from None
+  return tensors, split
+
+
+def stream_hf(
+  cfg: LlamaConfig,
+  params: dict,
+  directory: str,
+  base_config: dict | None = None,
+  dtype: str = "fp32",
+  max_shard_size: int | str = MAX_SHARD_SIZE,
+  lora: LoraConfig | None = None,
+  adapters: dict | None = None,
+) -> list[str]:
+  """Write `params` (our tree of base weights, jax Arrays on any mesh or numpy) as `save_hf`
+  writes it, a tensor at a time (module docstring); with `lora`, `adapters` ({layers: {attn|mlp:
+  {wq_lora_a: ...}}}) merged in. Every process must call it (the gathers are collective); only
+  process 0 writes. Returns the weight files' names. Raises NonFinite on NaN or Inf."""
+  if dtype not in WEIGHT_DTYPES:
+    raise ValueError(
+      f"unknown dtype {dtype!r} for the HF weights; choose one of {list(WEIGHT_DTYPES)}"
+    )
+  tensors, split = plan_shards(cfg, dtype, max_shard_size)
+  writer = jax.process_index() == 0
+  if writer:
+    write_config(cfg, directory, base_config, dtype)
+  umask = os.umask(0)  # safetensors creates its files 0600: readable like config.json
+  os.umask(umask)
+  sizes, np_dtype = axis_sizes(cfg), WEIGHT_DTYPES[dtype][0]
+  open_shards: dict[str, dict] = {}
+  for name, path, i, axes in tensors:
+    lora_of = None
+    if lora is not None and path[0] == LAYERS and path[-1] in lora.targets:
+      owner = adapters[LAYERS][path[1]]
+      lora_of = owner[f"{path[-1]}_lora_a"], owner[f"{path[-1]}_lora_b"]
+    w = _gather(_get(params, path), i, lora_of, lora.scale if lora else 1.0)
+    if not np.isfinite(w).all():
+      raise NonFinite(f"{name} holds NaN or Inf")
+    if not writer:
+      continue
+    file = split.tensor_to_filename[name]
+    shard = open_shards.setdefault(file, {})
+    shard[name] = np.ascontiguousarray(to_hf(w, axes, sizes).astype(np_dtype))
+    del w
+    if len(shard) == len(split.filename_to_tensors[file]):  # complete: written, then freed
+      out = os.path.join(directory, file)
+      save_file(open_shards.pop(file), out, metadata={"format": "pt"})
+      os.chmod(out, 0o666 & ~umask)
+  if writer and split.is_sharded:
+    with open(os.path.join(directory, INDEX), "w") as f:
+      json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+      f.write("\n")
+  return sorted(split.filename_to_tensors)
