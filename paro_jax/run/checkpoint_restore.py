@@ -31,6 +31,7 @@ from paro_jax.run.checkpoint_content import (
   verify,
 )
 from paro_jax.run.checkpoint_errors import describe_failures, rotated_steps
+from paro_jax.run.frozen_base import reimport_base
 
 # The two items of a checkpoint step (orbax): the arrays and the RunMeta beside them.
 STATE_ITEM, META_ITEM = "state", "meta"
@@ -92,7 +93,9 @@ class Restorer:
   ) -> tuple[TrainState, RunMeta]:
     """The newest intact checkpoint, placed with `engine`'s shardings, and its metadata.
     `weights_only`: only its weights are read (the master and a LoRA run's frozen base, as
-    saved, at their placements; the other fields None): nothing of the optimizer is read or
+    saved, at their placements; the other fields None). A LoRA checkpoint without its frozen
+    base reads the base again from the directory it records (run/frozen_base.py; BaseChanged
+    if it is gone or changed): nothing of the optimizer is read or
     allocated (eval).
 
     A checkpoint for another model config is an error. One that cannot be read or whose arrays
@@ -177,12 +180,14 @@ class Restorer:
           return None
         failures.append((step, e))
         continue
-      check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
+      where = os.path.join(self.directory, str(step))
+      check_model(meta, engine, model_name, where)
       try:
         written = self._manager.item_metadata(step)[STATE_ITEM]  # shapes and dtypes as saved
-        step_target, carried = residual_target(
-          target, meta, engine, saved_field(written, "residual")
-        )
+        # a LoRA checkpoint without its frozen base: the base is read again from its directory
+        base_less = meta.base is not None and saved_field(written, "frozen") is None
+        held = target._replace(frozen=None) if base_less else target  # what the step holds
+        step_target, carried = residual_target(held, meta, engine, saved_field(written, "residual"))
         step_target, reference = reference_target(
           step_target, saved_field(written, "reference") is not None
         )
@@ -192,14 +197,14 @@ class Restorer:
         # state is then converted to this engine's dtypes.
         partial = weights_only and from_outer is None  # an outer loop's checkpoint: read whole
         if partial:
-          restored = self._read_weights(step, written, target)
+          restored = self._read_weights(step, written, held)
         else:
           stored = stored_like(written, step_target)
           restored = self._manager.restore(
             step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(stored)})
           )[STATE_ITEM]
         # the checksums are global: the same verdict on every process
-        verify(restored, meta, partial=partial)
+        verify(restored, meta, partial=partial or base_less)
       except OuterMismatch:
         raise
       except Exception as e:  # noqa: BLE001
@@ -208,6 +213,11 @@ class Restorer:
           return None
         failures.append((step, e))
         continue
+      if base_less:  # refused (BaseChanged), never skipped: an older step has the same base
+        frozen = reimport_base(
+          meta.base, engine, engine.state_shardings.frozen, meta.checksums, where
+        )
+        restored = restored._replace(frozen=frozen)
       if from_outer is not None:  # the outer weights of the outer loop's checkpoint
         restored = from_outer(restored)
       if not partial:
@@ -221,7 +231,9 @@ class Restorer:
   def _read_weights(self, step: int, written, target: TrainState) -> TrainState:
     """The master and frozen subtrees of step `step`'s state alone (orbax's partial restore),
     in the dtypes written, at `target`'s shardings."""
-    part = {"master": target.master, "frozen": target.frozen}
+    part = {"master": target.master}
+    if target.frozen is not None:  # a LoRA checkpoint holding its frozen base
+      part["frozen"] = target.frozen
     stored = stored_like(written, part)
     args = ocp.args.PyTreeRestore(
       item=stored,
@@ -231,7 +243,7 @@ class Restorer:
     path = os.path.join(self.directory, str(step), STATE_ITEM)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
       read = reader.restore(path, args=args)
-    return TrainState(None, read["master"], None, read["frozen"])
+    return TrainState(None, read["master"], None, read.get("frozen"))
 
 
 class _UnreadableElsewhere(OSError):
