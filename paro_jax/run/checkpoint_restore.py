@@ -31,7 +31,7 @@ from paro_jax.run.checkpoint_content import (
   verify,
 )
 from paro_jax.run.checkpoint_errors import describe_failures, rotated_steps
-from paro_jax.run.frozen_base import reimport_base
+from paro_jax.run.frozen_base import BaseChanged, check_base, reimport_base
 
 # The two items of a checkpoint step (orbax): the arrays and the RunMeta beside them.
 STATE_ITEM, META_ITEM = "state", "meta"
@@ -214,10 +214,7 @@ class Restorer:
         failures.append((step, e))
         continue
       if base_less:  # refused (BaseChanged), never skipped: an older step has the same base
-        frozen = reimport_base(
-          meta.base, engine, engine.state_shardings.frozen, meta.checksums, where
-        )
-        restored = restored._replace(frozen=frozen)
+        restored = restored._replace(frozen=self._reimport(meta, engine, where, agreement))
       if from_outer is not None:  # the outer weights of the outer loop's checkpoint
         restored = from_outer(restored)
       if not partial:
@@ -227,6 +224,23 @@ class Restorer:
           restored = restart_reference(restored, engine, meta, reference)
       return step, restored, meta, partial
     return None
+
+  @staticmethod
+  def _reimport(meta: RunMeta, engine: Engine, where: str, agreement: Agreement):
+    """The frozen base of checkpoint `where`, read again from the directory it records; its
+    fingerprint is checked on every process, and all of them refuse it if one does."""
+    try:
+      check_base(meta.base, where)
+      problem = None
+    except BaseChanged as e:
+      problem = e
+    if not agreement.all(problem is None):
+      raise problem or BaseChanged(
+        f"checkpoint {where} holds no frozen base: it is read from {meta.base['directory']}, "
+        f"which another process of the run finds gone or changed; restore the base it was "
+        f"trained on there on every node, or train with --keep-base"
+      )
+    return reimport_base(meta.base, engine, engine.state_shardings.frozen, meta.checksums, where)
 
   def _read_weights(self, step: int, written, target: TrainState) -> TrainState:
     """The master and frozen subtrees of step `step`'s state alone (orbax's partial restore),

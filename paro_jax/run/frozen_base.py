@@ -95,8 +95,8 @@ def check_base(recorded: dict, where: str) -> None:
 
 def reimport_base(recorded: dict, engine, shardings, checksums: dict | None, where: str):
   """The frozen base read again from `recorded`'s directory at `shardings` (the engine's frozen
-  placement), in the dtype it was saved in, checked against the checkpoint's `checksums` of it."""
-  check_base(recorded, where)
+  placement), in the dtype it was saved in, checked against the checkpoint's `checksums` of it
+  (its fingerprint is checked before, on every process: check_base)."""
   frozen = import_hf(
     recorded["directory"], engine.model.cfg, shardings, np.dtype(recorded["dtype"])
   )
