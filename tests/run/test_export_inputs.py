@@ -54,19 +54,8 @@ def run(tmp_path_factory):
   out = str(tmp / "run")
   main(  # --keep-base: its export is shown with the source directory gone
     ["train", "--init-from", base, "--lora-rank", "4", "--steps", "2", "--warmup", "0"]
-    + [
-      "--keep-base",
-      "--lr",
-      "1e-3",
-      "--checkpoint-every",
-      "1",
-      "--keep",
-      "2",
-      "--data",
-      data,
-      "--out",
-      out,
-    ]
+    + ["--keep-base", "--lr", "1e-3", "--checkpoint-every", "1", "--keep", "2"]
+    + ["--data", data, "--out", out]
     + FLAGS
   )
   return tmp, base, out, data
