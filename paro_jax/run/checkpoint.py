@@ -1,10 +1,11 @@
 """Checkpoints of a training run: orbax, asynchronous, atomic, in logical (unsharded) shapes.
 
 A checkpoint is one step directory holding two items: `state` (the TrainState: step, fp32 master
-weights and optimizer state) and `meta` (JSON: model config, strategy, mesh, dtype, seed, data
-position). Orbax stores every jax.Array by its global shape, so a checkpoint does not depend on
-the strategy or mesh that wrote it: restoring reads it straight into the shardings of whatever
-engine resumes it (another strategy, another mesh, fewer devices).
+weights and optimizer state; a LoRA run from --init-from leaves its frozen base out, recording
+where it is read again from: run/frozen_base.py) and `meta` (JSON: model config, strategy, mesh,
+dtype, seed, data position). Orbax stores every jax.Array by its global shape, so a checkpoint
+does not depend on the strategy or mesh that wrote it: restoring reads it straight into the
+shardings of whatever engine resumes it (another strategy, another mesh, fewer devices).
 
 Atomicity: orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it only once every
 item is complete; directories with that suffix are never listed as steps. A save killed halfway,
@@ -47,6 +48,7 @@ from paro_jax.run.checkpoint_errors import (
   quiet_closed_loop,
 )
 from paro_jax.run.config import refuse_unsafe_path
+from paro_jax.run.frozen_base import frozen_dtype
 
 CHECKPOINTS = "checkpoints"  # the checkpoint directory inside a run directory (--out)
 
@@ -94,7 +96,12 @@ class Checkpointer(Restorer):
     if int(state.step) != meta.step:
       raise ValueError(f"state is at step {int(state.step)} but the metadata says {meta.step}")
     state = state._replace(weights=None)  # the master's compute-dtype copy: written on restore
+    # the checksums cover the frozen base even when it is not written: the restore checks the
+    # base it reads again from its directory against them (run/frozen_base.py)
     sums, non_finite = state_checksums(state)
+    if meta.base is not None and state.frozen is not None:
+      meta = dataclasses.replace(meta, base={**meta.base, "dtype": frozen_dtype(state.frozen)})
+      state = state._replace(frozen=None)
     if non_finite:
       self.wait()  # the previous save, if one is in flight, is what the run keeps
       kept = self.steps()
@@ -120,7 +127,7 @@ class Checkpointer(Restorer):
       self._check_readable()  # before rotating: a save that cannot be read back replaces nothing
       self._saving = None  # the previous save is complete: an error from here on is this one's
       self._rotate()  # once the previous save is complete: it counts among the newest
-      self._saving, self._arrays = meta.step, len(sums)
+      self._saving, self._arrays = meta.step, len(jax.tree.leaves(state))
       self._manager.save(meta.step, args=args, force=True)
 
   def writing(self) -> int | None:

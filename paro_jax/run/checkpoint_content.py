@@ -44,6 +44,10 @@ class RunMeta:
   # the special token that template ends an assistant's turn with (run/stops.py): export adds it
   # to generation_config.json's stops; None for other data (and before it was recorded)
   end_of_turn: int | None = None
+  # a LoRA run's frozen base when the checkpoint does not hold it (run/frozen_base.py): its
+  # directory, its weight files' fingerprint and the dtype it trained in; None: the checkpoint
+  # holds its base (--keep-base, a random base, a checkpoint written before), or no LoRA
+  base: dict | None = None
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)

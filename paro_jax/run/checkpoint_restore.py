@@ -31,6 +31,7 @@ from paro_jax.run.checkpoint_content import (
   verify,
 )
 from paro_jax.run.checkpoint_errors import describe_failures, rotated_steps
+from paro_jax.run.frozen_base import BaseChanged, check_base, reimport_base
 
 # The two items of a checkpoint step (orbax): the arrays and the RunMeta beside them.
 STATE_ITEM, META_ITEM = "state", "meta"
@@ -95,7 +96,8 @@ class Restorer:
     `weights_only`: only its weights are read (the master and a LoRA run's frozen base, as
     saved, at their placements; the other fields None): nothing of the optimizer is read or
     allocated (eval); without `frozen`, the master alone (a LoRA run's adapters: export
-    --adapter).
+    --adapter). A LoRA checkpoint without its frozen base reads the base again from the directory
+    it records (run/frozen_base.py; BaseChanged if it is gone or changed).
 
     A checkpoint for another model config is an error. One that cannot be read or whose arrays
     do not match their checksums (a truncated or garbled file) is skipped with a warning, falling
@@ -178,12 +180,14 @@ class Restorer:
           return None
         failures.append((step, e))
         continue
-      check_model(meta, engine, model_name, os.path.join(self.directory, str(step)))
+      where = os.path.join(self.directory, str(step))
+      check_model(meta, engine, model_name, where)
       try:
         written = self._manager.item_metadata(step)[STATE_ITEM]  # shapes and dtypes as saved
-        step_target, carried = residual_target(
-          target, meta, engine, saved_field(written, "residual")
-        )
+        # a LoRA checkpoint without its frozen base: the base is read again from its directory
+        base_less = meta.base is not None and saved_field(written, "frozen") is None
+        held = target._replace(frozen=None) if base_less else target  # what the step holds
+        step_target, carried = residual_target(held, meta, engine, saved_field(written, "residual"))
         step_target, reference = reference_target(
           step_target, saved_field(written, "reference") is not None
         )
@@ -193,14 +197,14 @@ class Restorer:
         # state is then converted to this engine's dtypes.
         partial = parts is not None and from_outer is None  # an outer loop's: read whole
         if partial:
-          restored = self._read_weights(step, written, target, parts)
+          restored = self._read_weights(step, written, held, parts)
         else:
           stored = stored_like(written, step_target)
           restored = self._manager.restore(
             step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(stored)})
           )[STATE_ITEM]
         # the checksums are global: the same verdict on every process
-        verify(restored, meta, partial=partial)
+        verify(restored, meta, partial=partial or base_less)
       except OuterMismatch:
         raise
       except Exception as e:  # noqa: BLE001
@@ -209,6 +213,10 @@ class Restorer:
           return None
         failures.append((step, e))
         continue
+      # A base gone or changed is refused (BaseChanged), never skipped: an older step has the
+      # same base. Export --adapter reads no base at all.
+      if base_less and (parts is None or "frozen" in parts):
+        restored = restored._replace(frozen=self._reimport(meta, engine, where, agreement))
       if from_outer is not None:  # the outer weights of the outer loop's checkpoint
         restored = from_outer(restored)
       if not partial:
@@ -219,10 +227,28 @@ class Restorer:
       return step, restored, meta, partial
     return None
 
+  @staticmethod
+  def _reimport(meta: RunMeta, engine: Engine, where: str, agreement: Agreement):
+    """The frozen base of checkpoint `where`, read again from the directory it records; its
+    fingerprint is checked on every process, and all of them refuse it if one does."""
+    try:
+      check_base(meta.base, where)
+      problem = None
+    except BaseChanged as e:
+      problem = e
+    if not agreement.all(problem is None):
+      raise problem or BaseChanged(
+        f"checkpoint {where} holds no frozen base: it is read from {meta.base['directory']}, "
+        f"which another process of the run finds gone or changed; restore the base it was "
+        f"trained on there on every node, or train with --keep-base"
+      )
+    return reimport_base(meta.base, engine, engine.state_shardings.frozen, meta.checksums, where)
+
   def _read_weights(self, step: int, written, target: TrainState, parts) -> TrainState:
     """The `parts` ("master", "frozen") of step `step`'s state alone (orbax's partial restore),
-    in the dtypes written, at `target`'s shardings; the others None."""
-    part = {name: getattr(target, name) for name in parts}
+    in the dtypes written, at `target`'s shardings; the others None (and a frozen base the
+    checkpoint does not hold: `target.frozen` None)."""
+    part = {name: getattr(target, name) for name in parts if getattr(target, name) is not None}
     stored = stored_like(written, part)
     args = ocp.args.PyTreeRestore(
       item=stored,

@@ -97,6 +97,11 @@ class CheckpointOptions:
   )
   keep: int = option(3, "keep the newest K (default %(default)s)", metavar="K")
   resume: bool = option(False, "continue from the newest checkpoint in OUT (any strategy or mesh)")
+  keep_base: bool = option(
+    False,
+    "a LoRA run from --init-from: store the frozen base in each checkpoint (default: only its "
+    "directory and fingerprint, and resume and export read it from there again)",
+  )
 
   def __post_init__(self):
     if self.keep < 1:

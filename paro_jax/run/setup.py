@@ -24,6 +24,7 @@ from paro_jax.core.names import AUTO_COLLECTIVES, resolve_collectives
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import RunMeta
+from paro_jax.run.frozen_base import base_identity
 from paro_jax.run.config import RunConfig
 from paro_jax.data.streams import Batches, expand_paths, load_tokens, split_eval
 from paro_jax.data.instruct import TEXT
@@ -170,6 +171,9 @@ def run_meta(
     data_files=data_files,
     source_config=source_config(cfg.init_from or cfg.model),
     chat_template=chat_template,
+    base=base_identity(cfg.init_from)
+    if engine.lora and cfg.init_from and not cfg.checkpoints.keep_base
+    else None,
   )
 
 

@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
   add_options(ckpt, RunConfig, "checkpoints.every", "checkpoints.keep", "max_bad_steps")
   _divergence_args(train)
   add_options(train, RunConfig, "memory_check")
-  add_options(ckpt, RunConfig, "checkpoints.resume")
+  add_options(ckpt, RunConfig, "checkpoints.resume", "checkpoints.keep_base")
   add_options(train, RunConfig, "init_from")
   dist = train.add_argument_group(
     "multi-process",

@@ -52,9 +52,10 @@ def run(tmp_path_factory):
   base = _base_model(tmp / "base")
   data = write_jsonl(tmp / "chat.jsonl", chat_records(n=16))
   out = str(tmp / "run")
-  main(
+  main(  # --keep-base: its export is shown with the source directory gone
     ["train", "--init-from", base, "--lora-rank", "4", "--steps", "2", "--warmup", "0"]
-    + ["--lr", "1e-3", "--checkpoint-every", "1", "--keep", "2", "--data", data, "--out", out]
+    + ["--keep-base", "--lr", "1e-3", "--checkpoint-every", "1", "--keep", "2"]
+    + ["--data", data, "--out", out]
     + FLAGS
   )
   return tmp, base, out, data
