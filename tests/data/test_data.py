@@ -70,7 +70,7 @@ def test_missing_or_empty_data_is_a_clear_error(tmp_path, make, message):
 
 def test_hf_tokenizer(tmp_path):
   tokenizers = pytest.importorskip(
-    "tokenizers", reason="the HF tokenizer path needs `tokenizers` (pip install -e '.[hf]')"
+    "tokenizers", reason="tokenizers (a core dependency) is not installed"
   )
   from tokenizers import models, pre_tokenizers, trainers
 
