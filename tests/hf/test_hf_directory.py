@@ -31,7 +31,9 @@ from paro_jax.data.tokenizers import tokenizer_identity
 from paro_jax.run.train import train
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
-tokenizers = pytest.importorskip("tokenizers", reason="tokenizers (a core dependency) is not installed")
+tokenizers = pytest.importorskip(
+  "tokenizers", reason="tokenizers (a core dependency) is not installed"
+)
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 HF = os.path.join(FIXTURES, "hf_llama")
