@@ -146,13 +146,13 @@ def test_unpacked_with_weights_equals_single_device():
 
 
 def test_eval_sums_add_up_to_the_mean(setup):
-  """engine.eval_sums of a Batch: the summed loss of its counted targets and their count, on
-  any split into batches (`paro-jax eval`)."""
+  """The eval forward's sums of a Batch (core/forward.py, from the weights at P): the summed loss
+  of its counted targets and their count, on any split into batches (`paro-jax eval`)."""
   batches, params0, _, _ = setup
   engine = Engine(Llama(CFG), parse_strategy("IIG"), make_mesh(2, 4), OPTIM, micro_batches=A)
   state = engine.state_from_params(params0)
   b = batches[0]
-  total, count = engine.eval_sums(state, engine.shard_batch(b))
+  total, count = engine.forward.sums(engine.params(state), engine.shard_batch(b))
   rows = lambda x: jnp.asarray(x.reshape(A * B, -1))
   logits = Llama(CFG).apply(params0, rows(b.tokens)[:, :-1], segments_BxL=rows(b.segments))
   ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), rows(b.tokens)[:, 1:, None], -1)[..., 0]

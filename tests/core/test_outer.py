@@ -163,7 +163,9 @@ def test_plain_mean_with_outer_lr_one(full, apart):
   model, params0, batches, _ = full
   _, rounds, _, _ = run_groups(model, "NII", params0, batches[:H], outer=PLAIN)
   mean = jax.tree.map(lambda *w: sum(w) / GROUPS, *apart)
-  assert_trees_close(rounds[0], mean, atol=1e-6)
+  # Two compiled programs (with and without the round's end) order the float sums differently;
+  # AdamW's normalisation carries that to ~1e-6 in a few weights: the equivalence tests' bound.
+  assert_trees_close(rounds[0], mean, atol=2e-5)
 
 
 # Rounding to nearest: bf16 keeps 8 significant bits (relative error <= 2^-8, the unit
