@@ -77,7 +77,9 @@ def _layer_map(c: LlamaConfig) -> dict:
       for x, n in (("q", "hk"), ("k", "gk"), ("v", "gk"))
     }
   if c.qk_norm:  # Qwen3's: one scale over head_dim, shared by the heads
-    family = {f"self_attn.{x}_norm.weight": (("attn", f"{x}_norm", "scale"), "k -> k") for x in "qk"}
+    family = {
+      f"self_attn.{x}_norm.weight": (("attn", f"{x}_norm", "scale"), "k -> k") for x in "qk"
+    }
   return {
     **family,
     "self_attn.q_proj.weight": (("attn", "wq"), "(h k) d -> d h k"),
