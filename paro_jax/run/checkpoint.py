@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -51,6 +52,8 @@ from paro_jax.run.config import refuse_unsafe_path
 from paro_jax.run.frozen_base import frozen_dtype
 
 CHECKPOINTS = "checkpoints"  # the checkpoint directory inside a run directory (--out)
+# How many times the steps are listed when one vanishes while listed (rotated away, --keep).
+LIST_TRIES = 20
 
 
 class Checkpointer(Restorer):
@@ -72,7 +75,9 @@ class Checkpointer(Restorer):
       cleanup_tmp_directories=not read_only,
     )
     handlers = {STATE_ITEM: ocp.StandardCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
-    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    self._manager = _relisted(
+      lambda: ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    )
     self._read_only = read_only
     self.keep = keep
     self._protected: int | None = None
@@ -187,9 +192,13 @@ class Checkpointer(Restorer):
 
   # --- reading -----------------------------------------------------------------------------
   def steps(self) -> list[int]:
-    """Complete checkpoints, oldest first."""
-    self._manager.reload()
-    return sorted(self._manager.all_steps())
+    """Complete checkpoints, oldest first (listed again when one vanished while listed)."""
+
+    def listed():
+      self._manager.reload()
+      return sorted(self._manager.all_steps())
+
+    return _relisted(listed)
 
   def set_aside(self, steps: list[int], why: str) -> str:
     """Rename step directories to `<why>-<step>` (no longer steps; process 0, the others wait),
@@ -223,3 +232,14 @@ def _unreadable(step_dir: str, arrays: int) -> str | None:
   if listed != arrays:
     return f"its array index lists {listed} of its {arrays} arrays"
   return None
+
+
+def _relisted(list_steps):
+  """`list_steps()`, again when a step vanished while it was listed: orbax reads each step's
+  files as it lists them, and a run still saving there rotates the older ones away (--keep)."""
+  for _ in range(LIST_TRIES - 1):
+    try:
+      return list_steps()
+    except FileNotFoundError:
+      time.sleep(0.1)
+  return list_steps()

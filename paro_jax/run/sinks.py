@@ -40,18 +40,39 @@ def scalars(row: dict) -> dict[str, float]:
 
 
 class TensorBoardSink:
+  """tensorboardX's event-file writer, written in the step's own thread: its SummaryWriter
+  writes from a thread of its own, which, when the disk fills, dies with a traceback and leaves
+  the run's exit another (its queue closed under it); here a failed write is the sink's warning
+  line like any other."""
+
   name = "TensorBoard"
+  FLUSH_SECONDS = 10
 
   def __init__(self, out: str, start: int):
-    from tensorboardX import SummaryWriter  # a dependency, but a missing one is a warning
+    # dependencies, but a missing one is a warning
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.summary import scalar
 
-    # A SessionLog.START at step start + 1: TensorBoard's readers drop the earlier files' events
-    # from that step on (a resume's redone steps, or a whole earlier run when start is 0).
-    self.writer = SummaryWriter(os.path.join(out, TENSORBOARD), purge_step=start + 1, flush_secs=10)
+    self.event, self.scalar = Event, scalar
+    logdir = os.path.join(out, TENSORBOARD)
+    os.makedirs(logdir, exist_ok=True)
+    self.writer = EventsWriter(os.path.join(logdir, "events"))
+    # A SessionLog.START at step start + 1 (what SummaryWriter's purge_step writes):
+    # TensorBoard's readers drop the earlier files' events from that step on (a resume's redone
+    # steps, or a whole earlier run when start is 0).
+    self.writer.write_event(Event(step=start + 1, file_version="brain.Event:2"))
+    self.writer.write_event(Event(step=start + 1, session_log=SessionLog(status=SessionLog.START)))
+    self.writer.flush()
+    self.flushed = time.monotonic()
 
   def write(self, step: int, values: dict[str, float]) -> None:
+    now = time.time()
     for tag, value in values.items():
-      self.writer.add_scalar(tag, value, step)
+      self.writer.write_event(self.event(wall_time=now, step=step, summary=self.scalar(tag, value)))
+    if time.monotonic() - self.flushed >= self.FLUSH_SECONDS:
+      self.writer.flush()
+      self.flushed = time.monotonic()
 
   def close(self) -> None:
     self.writer.close()

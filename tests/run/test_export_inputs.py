@@ -14,7 +14,9 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 
+import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file
 
@@ -212,7 +214,9 @@ def _rotate_on_first_call(monkeypatch, target, name, directory, newer):
 
 
 @pytest.mark.parametrize("command", ["export", "eval"])
-@pytest.mark.parametrize("when", ["reading the metadata", "reading the arrays"])
+@pytest.mark.parametrize(
+  "when", ["listing the steps", "reading the metadata", "reading the arrays"]
+)
 def test_a_checkpoint_rotated_away_while_read_is_not_damaged(
   run, tmp_path, capsys, monkeypatch, command, when
 ):
@@ -221,7 +225,12 @@ def test_a_checkpoint_rotated_away_while_read_is_not_damaged(
   shutil.copytree(out, copy)
   directory = copy / CHECKPOINTS
   os.rename(directory / "2", directory / ".held-2")  # step 1 is the newest, until it is rotated
-  if when == "reading the metadata":
+  if when == "listing the steps":  # orbax reads each listed step's files as it lists them
+    # (a property: its getter is patched through a holder)
+    holder = types.SimpleNamespace(get=ocp.step.Metadata.commit_timestamp.fget)
+    calls = _rotate_on_first_call(monkeypatch, holder, "get", directory, 2)
+    monkeypatch.setattr(ocp.step.Metadata, "commit_timestamp", property(lambda m: holder.get(m)))
+  elif when == "reading the metadata":
     calls = _rotate_on_first_call(monkeypatch, Checkpointer, "read_meta", directory, 2)
   else:
     calls = _rotate_on_first_call(monkeypatch, checkpoint_restore, "local_verdict", directory, 2)

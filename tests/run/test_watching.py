@@ -199,7 +199,8 @@ def _tensorboard(out):
 
 
 def test_a_missing_library_is_one_warning_naming_the_install(tmp_path, monkeypatch):
-  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX: ImportError
+  for name in [n for n in sys.modules if n.split(".")[0] == "tensorboardX"] + ["tensorboardX"]:
+    monkeypatch.setitem(sys.modules, name, None)  # import tensorboardX(.x): ImportError
   with pytest.warns(UserWarning, match="TensorBoard is off: .*pip install tensorboardX"):
     opened = sinks.Sinks(SinkOptions(), str(tmp_path), 0, [], None, {})
   assert opened.sinks == []
