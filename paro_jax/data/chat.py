@@ -374,7 +374,7 @@ def token_mask(offsets, spans) -> np.ndarray:
   """1 for each token (its character span `offsets[i]`, an (n, 2) array) overlapping an
   assistant span, else 0: transformers' rule (`apply_chat_template(return_assistant_tokens_mask=
   True)`): the first span ending after the token's start, if the token ends after it starts."""
-  offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+  offsets = np.asarray(offsets).reshape(-1, 2)  # int32 spans stay int32 (8 bytes a token)
   if not spans:
     return np.zeros(len(offsets), np.uint8)
   starts, ends = np.asarray(spans, dtype=np.int64).T

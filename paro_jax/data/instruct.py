@@ -134,7 +134,7 @@ class Encoder:
       check_surrogates(where, f"the {field!r} field", record[field])
       texts.append(record[field])
     prompt = self.tokenizer.encode(texts[0])
-    completion = self.tokenizer.encode_offsets(texts[1])[0]
+    completion = self.tokenizer.encode_pieces(texts[1], lambda ids, _: (ids,))[0]
     end = [] if self.eos is None else [self.eos]
     tokens = np.concatenate([prompt, completion, end]).astype(np.uint32)
     mask = np.zeros(tokens.size, np.uint8)
@@ -163,8 +163,10 @@ class Encoder:
         f"{where}: the chat template of {self.template.where} refused the record: {e}"
       ) from None
     check_surrogates(where, "the chat", text)  # roles, reasoning: any field a template renders
-    tokens, offsets = self.tokenizer.encode_offsets(text)
-    return tokens.astype(np.uint32), token_mask(offsets, spans)
+    # the assistant mask of each piece of the tokens: their spans are not held for the whole text
+    return self.tokenizer.encode_pieces(
+      text, lambda ids, offsets: (ids, token_mask(offsets, spans))
+    )
 
 
 def _missing(where: str, record: dict, field: str, fmt: str) -> ValueError:

@@ -331,9 +331,7 @@ def _prepare_locked(job: _Job, block: int, progress: bool | None) -> dict:
             if k == 0:
               writer.write(first)
             writer.write(
-              np.frombuffer(raw, np.uint8)
-              if isinstance(tok, ByteTokenizer)
-              else tok.encode_offsets(text)[0]
+              np.frombuffer(raw, np.uint8) if isinstance(tok, ByteTokenizer) else tok.ids(text)
             )
             bar.update(len(raw))
           if writer.total > before:

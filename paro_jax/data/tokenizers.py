@@ -51,6 +51,11 @@ class ByteTokenizer:
     char = np.cumsum((raw & 0xC0) != 0x80, dtype=dtype) - 1  # UTF-8's first bytes start one
     return raw, np.stack([char, char + 1], axis=1)
 
+  def encode_pieces(self, text: str, per_piece) -> tuple[np.ndarray, ...]:
+    """`per_piece(ids, spans)` of the whole text (one piece: HFTokenizer.encode_pieces)."""
+    raw, spans = self.encode_offsets(text)
+    return per_piece(raw.astype(np.uint32), spans)
+
   def token_id(self, token: str) -> int | None:
     return None  # no special tokens in 256 bytes
 
@@ -102,13 +107,18 @@ class HFTokenizer:
   def encode(self, text: str) -> np.ndarray:
     """`text`'s ids with the special tokens the post-processor adds."""
     before, after = self._post_processed()
-    return np.concatenate([before, self.encode_offsets(text)[0], after]).astype(np.uint32)
+    return _joined(before, self.ids(text), after)
 
   def document(self, text: str) -> np.ndarray:
     """A document's tokens: `text` through the tokenizer's post-processor (which adds the
     beginning-of-sequence token where the tokenizer does), then the end-of-sequence token."""
     before, end = self.document_ends()
-    return np.concatenate([before, self.encode_offsets(text)[0], end]).astype(np.uint32)
+    return _joined(before, self.ids(text), end)
+
+  def ids(self, text: str) -> np.ndarray:
+    """`text`'s ids (uint32) without the special tokens the post-processor adds; its spans are
+    not kept (4 bytes a token)."""
+    return self.encode_pieces(text, lambda ids, _: (ids,))[0]
 
   def _post_processed(self) -> tuple[list[int], list[int]]:
     """(the ids the post-processor adds before a text, those after it)."""
@@ -138,32 +148,41 @@ class HFTokenizer:
 
   def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
     """(the ids without the special tokens the post-processor adds, each one's character span
-    in `text`, (n, 2) int32): as transformers tokenizes a rendered chat.
+    in `text`, (n, 2) int32): as transformers tokenizes a rendered chat."""
+    return self.encode_pieces(text, lambda ids, spans: (ids, spans))
 
-    A long text is tokenized a window of `WINDOW` characters at a time, in bounded memory (the
-    tokenizer's own encoding holds a few hundred bytes per token): each window is cut at a token
-    that starts half-way in, and the next window starts there; the two windows' tokens must be
-    the same (ids and spans) from the cut to near the first one's end, which shows that the
-    tokens do not depend on the text beyond (as a pre-tokenizer's pieces do not). Where they
-    differ (a tokenizer that prepends to each text it is given, a piece longer than a window),
-    the text is tokenized whole, as before: the same tokens, in more memory."""
+  def encode_pieces(self, text: str, per_piece) -> tuple[np.ndarray, ...]:
+    """The arrays `per_piece(ids, spans)` gives for each piece of `text`'s tokens (ids without
+    the special tokens the post-processor adds, uint32; their character spans in `text`, (n, 2)
+    int32), each joined over the pieces: what a caller keeps of the tokens (their ids alone, or
+    with their assistant mask), in memory bounded by a window, not the whole text's spans.
+
+    A long text is tokenized a window of `WINDOW` characters at a time (the tokenizer's own
+    encoding holds a few hundred bytes per token): each window is cut at a token that starts
+    half-way in, and the next window starts there; the two windows' tokens must be the same
+    (ids and spans) from the cut to near the first one's end, which shows that the tokens do not
+    depend on the text beyond (as a pre-tokenizer's pieces do not). Where they differ (a
+    tokenizer that prepends to each text it is given, a piece longer than a window), the text is
+    tokenized whole, as before: the same tokens, in more memory."""
     if len(text) <= 2 * WINDOW:
-      return self._window(text, 0, len(text))
-    ids, spans, pos = [], [], 0
+      return per_piece(*self._window(text, 0, len(text)))
+    kept, pos = [], 0
     here = self._window(text, 0, WINDOW)
     while pos + WINDOW < len(text):
       k = int(np.searchsorted(here[1][:, 0], pos + WINDOW // 2))
       if not 0 < k < len(here[0]):
-        return self._window(text, 0, len(text))
+        return per_piece(*self._window(text, 0, len(text)))
       cut = int(here[1][k, 0])
       after = self._window(text, cut, min(len(text), cut + WINDOW))
       m = int(np.searchsorted(here[1][k:, 1], pos + WINDOW - MARGIN, side="right"))
       if m == 0 or not all(np.array_equal(a[k : k + m], b[:m]) for a, b in zip(here, after)):
-        return self._window(text, 0, len(text))
-      ids.append(here[0][:k])
-      spans.append(here[1][:k])
+        return per_piece(*self._window(text, 0, len(text)))
+      kept.append(per_piece(here[0][:k].copy(), here[1][:k].copy()))  # not views of `here`
       pos, here = cut, after
-    return np.concatenate([*ids, here[0]]), np.concatenate([*spans, here[1]])
+    kept.append(per_piece(*here))
+    columns = [list(column) for column in zip(*kept)]
+    del kept, here
+    return tuple(_concatenated(column) for column in columns)
 
   def _window(self, text: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
     encoding = self._tok.encode(text[start:stop], add_special_tokens=False)
@@ -278,3 +297,20 @@ def check_vocab(vocab_size: int, model_vocab: int, what: str) -> None:
       f"{what} has a vocabulary of {vocab_size}, more than the model's {model_vocab}:"
       f" use a model with vocab >= {vocab_size}, or a smaller tokenizer"
     )
+
+
+def _concatenated(arrays: list[np.ndarray]) -> np.ndarray:
+  """np.concatenate of `arrays`, emptying the list as it copies (a long text's pieces are not
+  held twice)."""
+  out = np.empty((sum(len(a) for a in arrays), *arrays[0].shape[1:]), arrays[0].dtype)
+  at = 0
+  while arrays:
+    piece = arrays.pop(0)
+    out[at : at + len(piece)] = piece
+    at += len(piece)
+  return out
+
+
+def _joined(before, ids: np.ndarray, after) -> np.ndarray:
+  """`ids` between the special tokens `before` and `after` (lists of ids), uint32."""
+  return np.concatenate([np.asarray(before, np.uint32), ids, np.asarray(after, np.uint32)])

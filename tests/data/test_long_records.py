@@ -104,3 +104,27 @@ def test_byte_spans_are_characters():
   ids, spans = tok.encode_offsets(text)
   want = [(i, i + 1) for i, c in enumerate(text) for _ in range(len(c.encode("utf-8")))]
   assert ids.tolist() == list(text.encode()) and spans.tolist() == [list(s) for s in want]
+
+
+def test_a_long_chat_keeps_its_ids_and_mask_not_its_spans():
+  """The assistant mask is taken a piece at a time (data/instruct.py): each piece is at most a
+  window's tokens, and the ids and mask are those of the whole text (the reference: `tokenizers`
+  on the whole rendered text, and the mask rule on its spans)."""
+  from paro_jax.data.chat import token_mask
+
+  tok = HFTokenizer(TOKENIZER)
+  text = _long_text(4 * WINDOW + 77, seed=2)
+  spans = [(10, WINDOW + 5), (2 * WINDOW - 3, 2 * WINDOW + 9), (3 * WINDOW, len(text))]
+  want_ids, want_spans = _whole(tok, text)
+  sizes = []
+
+  def per_piece(ids, offsets):
+    sizes.append(len(ids))
+    return ids, token_mask(offsets, spans)
+
+  ids, mask = tok.encode_pieces(text, per_piece)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_array_equal(mask, token_mask(want_spans, spans))
+  assert ids.dtype == np.uint32 and 0 < mask.sum() < len(mask)
+  # pieces of at most a window's characters, a quarter of the text: never the whole text's spans
+  assert len(sizes) > 2 and max(sizes) <= len(want_ids) // 3
