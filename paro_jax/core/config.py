@@ -213,6 +213,14 @@ class OuterOptions:
     flag="--outer-momentum",
     metavar="MU",
   )
+  fragments: int = option(
+    1,
+    "Streaming DiLoCo: sync the weights in F fragments of the layer stack, each every H steps, "
+    "H/F steps apart (F must divide H; default %(default)s: all at once)",
+    flag="--outer-fragments",
+    metavar="F",
+    type=int,
+  )
 
   def __post_init__(self):
     if self.sync is not None and self.sync < 1:
@@ -224,6 +232,16 @@ class OuterOptions:
       raise ValueError(f"--outer-lr must be a positive finite number, got {self.lr}")
     if not 0 <= self.momentum < 1:
       raise ValueError(f"--outer-momentum must be in [0, 1), got {self.momentum}")
+    if self.fragments != 1 and self.sync is None:
+      raise ValueError(
+        f"--outer-fragments {self.fragments} splits the outer loop's syncs, and there is none: "
+        f"pass --outer-sync H too, or drop --outer-fragments"
+      )
+    if self.fragments < 1 or (self.sync is not None and self.sync % self.fragments):
+      raise ValueError(
+        f"--outer-fragments {self.fragments} must divide --outer-sync {self.sync} (the "
+        f"fragments are synced H/F steps apart): pass a divisor of {self.sync}"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,7 @@ from paro_jax.core import feedback_rules, step
 from paro_jax.core.batch import Batch
 from paro_jax.core.config import OuterOptions
 from paro_jax.core.engine import Engine
+from paro_jax.core.fragments import Fragments, put
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import INTER, MESH_AXES
 from paro_jax.core.sharding import local_shape, named, state_specs
@@ -73,6 +74,7 @@ class GroupEngine(Engine):
       raise ValueError("GroupEngine needs the outer loop's H (--outer-sync)")
     self.outer = outer
     self.outer_tx = outer_loop.outer_tx(outer)
+    self.fragments = Fragments(outer.fragments, outer.sync, model.cfg.layers)
     self.pseudo_grad_wire = pseudo_grad_wire
     # The group's step has no collective across nodes: its wire formats and int8 corrections
     # do not apply (the pseudo-gradient's wire is `pseudo_grad_wire`).
@@ -104,16 +106,11 @@ class GroupEngine(Engine):
     self.feedback_note = "on" if self.outer_feedback else "off"
     if not compresses:
       self.feedback_note = "off (the pseudo-gradient is sent in fp32)"
-    self.outer_residual_size = 0
-    if self.outer_feedback:
-      ways = s.opt.shard_count(self.inter, self.intra)
-      local = sum(
-        math.prod(local_shape(t.shape, d, ways))
-        for t, d in zip(jax.tree.leaves(self.trained_shapes), jax.tree.leaves(self.trained_dims))
-      )
-      self.outer_residual_size = feedback_rules.outer_residual_size(
-        s, local, self.inter, self.intra
-      )
+    # Each fragment quantizes its own pseudo-gradient: its span of the flat residual.
+    sizes = [self._fragment_residual_size(f) for f in range(self.fragments.count)]
+    starts = [sum(sizes[:f]) for f in range(len(sizes))]
+    self.outer_residual_spans = [(a, a + n) for a, n in zip(starts, sizes)]
+    self.outer_residual_size = sum(sizes)
     self.outer_state_specs = outer_loop.OuterState(
       self.outer_specs,
       self.outer_opt_specs,
@@ -132,6 +129,21 @@ class GroupEngine(Engine):
       self.outer_state_specs,
     )
     self.state_shardings = named(mesh, self.state_specs)
+
+  def _fragment_residual_size(self, f: int) -> int:
+    """Elements of one device's residual for fragment f's pseudo-gradient (0 without it)."""
+    if not self.outer_feedback:
+      return 0
+    s, ways = self.strategy, self.strategy.opt.shard_count(self.inter, self.intra)
+    roles = self.fragments.roles(self.trained_shapes, f)
+    local = 0
+    for t, d, r in zip(
+      *(jax.tree.leaves(x) for x in (self.trained_shapes, self.trained_dims, roles))
+    ):
+      if not isinstance(r, str):  # a slice of the layer axis (never sharded), or the whole leaf
+        shape = (len(range(*r.indices(t.shape[0]))), *t.shape[1:])
+        local += math.prod(local_shape(shape, d, ways))
+    return feedback_rules.outer_residual_size(s, local, self.inter, self.intra)
 
   # --- state -------------------------------------------------------------------------------
   def _fresh_state(self, params) -> TrainState:
@@ -228,29 +240,38 @@ class GroupEngine(Engine):
     )
     count = state.step + 1
     new = TrainState(count, master, opt_state, state.frozen, None, None, weights, state.outer)
-    new = lax.cond(outer_loop.due(count, self.outer.sync), self._sync, lambda s: s, new)
+    # At most one fragment ends its round at this step (core/fragments.py): its branch.
+    syncs = [functools.partial(self._sync, fragment=f) for f in range(self.fragments.count)]
+    new = lax.switch(self.fragments.due(count), [*syncs, lambda s: s], new)
     # The metrics are the groups' means (a few floats across nodes, not the step's tensors).
     total = jnp.sum(targets) if extra else targets * g
     metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms), "targets": total}
     return new, metrics
 
-  def _sync(self, state: TrainState) -> TrainState:
-    """The round's end (core/outer.py `sync`) on the whole state."""
-    codec = self.pseudo_grad_wire
+  def _sync(self, state: TrainState, fragment: int = 0) -> TrainState:
+    """Fragment `fragment`'s round end (core/outer.py `sync_fragment`) on the whole state: the
+    fragment's part of every group's weights restarts from the new outer weights; the rest of
+    them train on."""
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    again = lambda tree: jax.tree.map(lambda x: x[None], tree)
 
     def body(master, outer, weights):
-      restart, outer = outer_loop.sync(
-        jax.tree.map(lambda x: x[0], master),
+      restart, roles, outer = outer_loop.sync_fragment(
+        first(master),
         outer,
         self.trained_dims,
         self.strategy,
         self.outer_tx,
         self.collectives,
-        codec,
+        self.pseudo_grad_wire,
+        self.fragments,
+        fragment,
+        self.outer_residual_spans[fragment],
       )
       if weights is not None:
-        weights = jax.tree.map(lambda w: w.astype(self.compute_dtype)[None], restart)
-      return jax.tree.map(lambda x: x[None], restart), outer, weights
+        copy = jax.tree.map(lambda w: w.astype(self.compute_dtype), restart)
+        weights = again(put(first(weights), copy, roles))
+      return again(put(first(master), restart, roles)), outer, weights
 
     specs = self.state_specs
     master, outer, weights = jax.shard_map(
