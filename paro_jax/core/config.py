@@ -26,6 +26,7 @@ from paro_jax.core.names import (
   COLLECTIVE_IMPLS,
   DEFAULT_INT8_BLOCK,
   GRAD_DTYPES,
+  OUTER_ONLY_FORMATS,
   WIRE_FORMATS,
 )
 from paro_jax.core.strategy import ALIASES, GROUP_NAMES, GroupStrategy, parse_strategy
@@ -128,12 +129,14 @@ class WireOptions:
   inter_grads: str = option(
     "same",
     "gradient reductions across nodes: same (the accumulation dtype), bf16, or int8 sent "
-    "once to each chunk's owner and summed in fp32 (default %(default)s)",
+    "once to each chunk's owner and summed in fp32; with --outer-sync the pseudo-gradient's, "
+    "where int4 (two values a byte) is also allowed (default %(default)s)",
     type=str.lower,
     choices=WIRE_FORMATS,
   )
   int8_block: int = option(
-    DEFAULT_INT8_BLOCK, "elements per fp32 scale of the int8 format (default %(default)s)"
+    DEFAULT_INT8_BLOCK,
+    "elements per fp32 scale of the int8 and int4 formats (default %(default)s)",
   )
   grad_dtype: str = option(
     "compute",
@@ -310,6 +313,15 @@ class StepConfig:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if self.outer.sync is not None:
       self._check_outer()
+    for flag, fmt in (
+      ("--inter-params", self.wire.inter_params),
+      ("--inter-grads", self.wire.inter_grads),
+    ):
+      if fmt in OUTER_ONLY_FORMATS and self.outer.sync is None:
+        raise ValueError(
+          f"{flag} {fmt} is the outer loop's pseudo-gradient format (--outer-sync H "
+          f"--inter-grads {fmt}); for the step's traffic across nodes pass int8"
+        )
 
   def _check_outer(self):
     """One line for what --outer-sync cannot run with (known before jax starts; one node is
