@@ -42,8 +42,8 @@ def _split_blocks(flat, block: int):
   return flat[: nb * block].reshape(nb, block), flat[nb * block :]
 
 
-# The largest magnitude of each integer format: values in [-LEVELS, LEVELS], symmetric about 0.
-LEVELS = {"int8": 127, "int4": 7}
+# The largest magnitude of each integer format: its values lie in [-levels, levels].
+INT_LEVELS = {"int8": 127, "int4": 7}
 
 
 def quantize(x, codec: Codec):
@@ -51,9 +51,9 @@ def quantize(x, codec: Codec):
   fp32 scales; or one bf16)."""
   if codec.fmt == "bf16":
     return (x.astype(jnp.bfloat16),)
-  if codec.fmt not in LEVELS:
+  if codec.fmt not in INT_LEVELS:
     return (x,)
-  levels = LEVELS[codec.fmt]
+  levels = INT_LEVELS[codec.fmt]
   flat = x.reshape(-1).astype(jnp.float32)
   main, tail = _split_blocks(flat, codec.block)
   parts, scales = [], []
@@ -87,7 +87,7 @@ def unpack_int4(packed, n: int):
 
 def dequantize(payload, codec: Codec, shape, dtype):
   """`x` back from `quantize(x, codec)`, in `dtype` (int8 and int4 dequantize in fp32 first)."""
-  if codec.fmt not in LEVELS:
+  if codec.fmt not in INT_LEVELS:
     return payload[0].reshape(shape).astype(dtype)
   q, scales = payload
   if codec.fmt == "int4":

@@ -98,7 +98,7 @@ def _none(x) -> bool:
   return x is None
 
 
-def take(tree, roles):
+def fragment_part(tree, roles):
   """The fragment's part of `tree` (None in place of other fragments' leaves). Integer leaves
   (a leaf's sharded dimension, counted from the end) are the part's as they are."""
 
@@ -110,8 +110,8 @@ def take(tree, roles):
   return jax.tree.map(part, tree, roles, is_leaf=_none)
 
 
-def put(tree, part, roles):
-  """`tree` with the fragment's part replaced by `part` (as `take` cut it)."""
+def with_fragment_part(tree, part, roles):
+  """`tree` with the fragment's part replaced by `part` (as `fragment_part` cut it)."""
 
   def one(x, p, r):
     if x is None or isinstance(r, str):

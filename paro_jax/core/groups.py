@@ -30,7 +30,7 @@ from paro_jax.core import feedback_rules, step
 from paro_jax.core.batch import Batch
 from paro_jax.core.config import OuterOptions
 from paro_jax.core.engine import Engine
-from paro_jax.core.fragments import Fragments, put
+from paro_jax.core.fragments import Fragments, with_fragment_part
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import INTER, MESH_AXES
 from paro_jax.core.sharding import local_shape, named, state_specs
@@ -93,12 +93,12 @@ class GroupEngine(Engine):
       transform_non_params=lambda _: PartitionSpec(),
       is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
-    # Error feedback of the pseudo-gradient's wire: on where it compresses fp32 (bf16, int8).
+    # Error feedback of the pseudo-gradient's wire: on where it compresses fp32 (bf16, int8, int4).
     compresses = pseudo_grad_wire.active_for(jnp.float32)
     if error_feedback and not compresses:
       raise ValueError(
         f"error feedback corrects a compressed pseudo-gradient, but --inter-grads "
-        f"{pseudo_grad_wire.fmt} sends it in fp32: pass --inter-grads bf16 or int8, or drop "
+        f"{pseudo_grad_wire.fmt} sends it in fp32: pass --inter-grads bf16, int8 or int4, or drop "
         f"--error-feedback"
       )
     self.outer_feedback = compresses and error_feedback is not False
@@ -270,8 +270,8 @@ class GroupEngine(Engine):
       )
       if weights is not None:
         copy = jax.tree.map(lambda w: w.astype(self.compute_dtype), restart)
-        weights = again(put(first(weights), copy, roles))
-      return again(put(first(master), restart, roles)), outer, weights
+        weights = again(with_fragment_part(first(weights), copy, roles))
+      return again(with_fragment_part(first(master), restart, roles)), outer, weights
 
     specs = self.state_specs
     master, outer, weights = jax.shard_map(

@@ -30,7 +30,7 @@ import optax
 
 from paro_jax.core import buckets
 from paro_jax.core.config import OuterOptions
-from paro_jax.core.fragments import put, take
+from paro_jax.core.fragments import fragment_part, with_fragment_part
 from paro_jax.core.shards import gather_invariant
 from paro_jax.core.strategy import Placement, Strategy
 from paro_jax.core.wire import Codec
@@ -94,23 +94,25 @@ def sync_fragment(
   """Fragment f's sync (core/fragments.py): `sync` on the fragment's part of the weights, the
   outer state and the residual (its `span` of the flat residual: each fragment quantizes its own
   pseudo-gradient). Returns (the fragment's restart weights at OS, the fragment's roles for
-  `fragments.put`, the new outer state, whole)."""
+  `fragments.with_fragment_part`, the new outer state, whole)."""
   roles = fragments.roles(outer.params, f)
   state_roles = fragments.state_roles(tx, outer.opt_state, roles)
   residual = outer.residual
   whole = residual is None or span == (0, residual.shape[0])
   part = OuterState(
-    take(outer.params, roles),
-    take(outer.opt_state, state_roles),
+    fragment_part(outer.params, roles),
+    fragment_part(outer.opt_state, state_roles),
     residual if whole else residual[span[0] : span[1]],
   )
   with jax.named_scope(f"fragment_{f}"):
-    restart, part = sync(take(inner, roles), part, take(dims, roles), strategy, tx, impl, codec)
+    restart, part = sync(
+      fragment_part(inner, roles), part, fragment_part(dims, roles), strategy, tx, impl, codec
+    )
   if not whole:
     residual = jax.lax.dynamic_update_slice_in_dim(residual, part.residual, span[0], 0)
   new = OuterState(
-    put(outer.params, part.params, roles),
-    put(outer.opt_state, part.opt_state, state_roles),
+    with_fragment_part(outer.params, part.params, roles),
+    with_fragment_part(outer.opt_state, part.opt_state, state_roles),
     part.residual if whole else residual,
   )
   return restart, roles, new

@@ -1,6 +1,7 @@
 """The outer loop across checkpoints: a checkpoint holds the outer weights, their momentum and
 the pseudo-gradient's error-feedback residual, and the step count is the round's position, so a
-run resumed mid-round continues exactly as the uninterrupted run."""
+run resumed mid-round continues exactly as the uninterrupted run (streaming too: each
+fragment's outer state and residual span)."""
 
 import json
 import shutil
@@ -41,6 +42,21 @@ def test_resume_mid_round_equals_uninterrupted(straight, tmp_path):
   assert steps == [1, 2, 3, 4, 5, 6]
   assert resumed == losses(straight)[1]  # bit for bit
   # the eval losses (of the outer weights) too
+  assert eval_losses(out) == eval_losses(straight)
+
+
+# Streaming (two fragments, each every 2 steps: fragment 0 after odd steps, 1 after even ones),
+# the pseudo-gradient in int4: each fragment's span of the residual and its momentum resumed.
+STREAM = {**RUN, "outer.fragments": 2, "wire.inter_grads": "int4"}
+
+
+def test_streaming_resume_equals_uninterrupted(tmp_path):
+  straight, out = tmp_path / "straight", tmp_path / "run"
+  train(make_config(RunConfig, {**STREAM, "out": str(straight)}))
+  shutil.copytree(straight, out)
+  shutil.rmtree(out / "checkpoints" / "6")
+  train(make_config(RunConfig, {**STREAM, "out": str(out), "checkpoints.resume": True}))
+  assert losses(out) == losses(straight)  # bit for bit, steps 4-6 from step 3's checkpoint
   assert eval_losses(out) == eval_losses(straight)
 
 
