@@ -20,10 +20,10 @@ from paro_jax.core.config import OuterOptions
 from paro_jax.core.fragments import Fragments
 from paro_jax.core.groups import GroupEngine
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.shards import split_trainable
+from paro_jax.core.shards import join_trainable, split_trainable
 from paro_jax.core.state import decay_mask
 from paro_jax.core.strategy import parse_strategy
-from tests.core.test_outer import CFG, GROUPS, OPTIM, REMAT, assert_trees_close
+from tests.core.test_outer import CFG, GROUPS, LORA, OPTIM, REMAT, assert_trees_close
 from tests.core import test_outer
 
 H, F, A, B, L, STEPS = 4, 2, 2, 8, 8, 8  # each fragment synced twice: steps 2, 6 and 4, 8
@@ -63,9 +63,11 @@ def streaming_reference(model, params0, batches, every, fragments, lr, momentum)
   """(per step the groups' mean loss, per step the outer weights) on one device."""
   mask = model.trainable_mask()
   tx = OPTIM.reference_tx(decay_mask(split_trainable(model.logical_axes(), mask)))
+  frozen = jax.tree.map(lambda w: w.astype(model.dtype), split_trainable(params0, mask, False))
 
   def loss_fn(trained, tokens_AxBxL1):
-    one = lambda t: next_token_loss(model.apply(trained, t[:, :-1]), t[:, 1:])
+    full = join_trainable(mask, trained, frozen)
+    one = lambda t: next_token_loss(model.apply(full, t[:, :-1]), t[:, 1:])
     return jnp.mean(jnp.stack([one(t) for t in tokens_AxBxL1]))
 
   @jax.jit
@@ -74,10 +76,10 @@ def streaming_reference(model, params0, batches, every, fragments, lr, momentum)
     updates, opt_state = tx.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss
 
-  outer = params0
+  outer = split_trainable(params0, mask)
   velocity = jax.tree.map(jnp.zeros_like, outer)
   inner, opt = [outer] * GROUPS, [tx.init(outer)] * GROUPS
-  masks = fragment_masks(params0, fragments)
+  masks = fragment_masks(outer, fragments)
   rows = B // GROUPS
   losses, outers = [], []
   for t, tokens in enumerate(batches):
@@ -130,6 +132,26 @@ def streamed():
     losses.append(float(metrics["loss"]))
     outers.append(jax.device_get(state.outer.params))
   return reference, (losses, outers, state), engine, hlo
+
+
+def test_lora_fragments_equal_single_device_streaming_diloco():
+  """The adapters of each fragment's layers synced at its steps (the frozen base is no part of
+  any fragment); INI, the pseudo-gradient in fp32."""
+  model = Llama(CFG, remat=REMAT, lora=LORA)
+  params0 = model.init(jax.random.key(1))
+  params0 = jax.tree_util.tree_map_with_path(  # adapters' B away from zero: both factors move
+    lambda p, x: x + 0.05 if str(p[-1].key).endswith("_lora_b") else x, params0
+  )
+  batches = make_batches(STEPS)
+  ref_losses, ref_outers = streaming_reference(model, params0, batches, H, F, 0.7, 0.9)
+  engine = GroupEngine(
+    model, parse_strategy("INI"), make_mesh(GROUPS, 4), OPTIM, STREAM, micro_batches=A
+  )
+  state = engine.state_from_params(params0)
+  for t, tokens in enumerate(batches):
+    state, metrics = engine.train_step(state, engine.shard_batch(tokens))
+    np.testing.assert_allclose(float(metrics["loss"]), ref_losses[t], rtol=2e-6)
+    assert_trees_close(jax.device_get(state.outer.params), ref_outers[t], atol=2e-5)
 
 
 def test_fragments_equal_single_device_streaming_diloco(streamed):
