@@ -224,6 +224,15 @@ class OuterOptions:
     metavar="F",
     type=int,
   )
+  delay: int = option(
+    0,
+    "Streaming DiLoCo's overlap: a fragment's exchange runs during the TAU-th step after its "
+    "sync step, beside that step's compute, and is applied after it (TAU below H/F; default "
+    "%(default)s: at once)",
+    flag="--outer-delay",
+    metavar="TAU",
+    type=int,
+  )
 
   def __post_init__(self):
     if self.sync is not None and self.sync < 1:
@@ -244,6 +253,17 @@ class OuterOptions:
       raise ValueError(
         f"--outer-fragments {self.fragments} must divide --outer-sync {self.sync} (the "
         f"fragments are synced H/F steps apart): pass a divisor of {self.sync}"
+      )
+    if self.delay and self.sync is None:
+      raise ValueError(
+        f"--outer-delay {self.delay} delays the outer loop's syncs, and there is none: pass "
+        f"--outer-sync H too, or drop --outer-delay"
+      )
+    apart = self.sync // self.fragments if self.sync else 1
+    if not 0 <= self.delay < apart:
+      raise ValueError(
+        f"--outer-delay must be in [0, H/F) = [0, {apart}) (one fragment's exchange in flight "
+        f"at a time), got {self.delay}: pass a smaller delay or fewer --outer-fragments"
       )
 
 

@@ -60,11 +60,13 @@ class Fragments:
     """Fragment f is synced after steps t with t mod H == offset(f)."""
     return (f + 1) * (self.every // self.count) % self.every
 
-  def due(self, step):
-    """The fragment synced after the step count `step` (traced), or `count` for none."""
+  def due(self, step, late: int = 0):
+    """The fragment synced after the step count `step` (traced), or `count` for none; with
+    `late`, the fragment whose sync step was `late` steps before (none before step `late`+1)."""
     apart = self.every // self.count
-    r = step % self.every
-    return jnp.where(r % apart == 0, (r // apart - 1) % self.count, self.count)
+    r = (step - late) % self.every
+    fragment = jnp.where(r % apart == 0, (r // apart - 1) % self.count, self.count)
+    return jnp.where(step > late, fragment, self.count)
 
   def roles(self, tree, f: int):
     """A tree like `tree` whose leaves say what fragment f holds of each: a slice of the layer

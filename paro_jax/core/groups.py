@@ -30,7 +30,7 @@ from paro_jax.core import feedback_rules, step
 from paro_jax.core.batch import Batch
 from paro_jax.core.config import OuterOptions
 from paro_jax.core.engine import Engine
-from paro_jax.core.fragments import Fragments, with_fragment_part
+from paro_jax.core.fragments import Fragments, fragment_part, with_fragment_part
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import INTER, MESH_AXES
 from paro_jax.core.sharding import local_shape, named, state_specs
@@ -115,6 +115,7 @@ class GroupEngine(Engine):
       self.outer_specs,
       self.outer_opt_specs,
       PartitionSpec(MESH_AXES) if self.outer_feedback else None,
+      _stack_specs(self.state_specs.master) if outer.delay else None,
     )
     # The groups' own leaves, one entry per group; the step count and the frozen base shared.
     self.group_specs = self.state_specs
@@ -152,7 +153,12 @@ class GroupEngine(Engine):
     residual = None
     if self.outer_feedback:
       residual = jnp.zeros((self.inter * self.intra * self.outer_residual_size,), jnp.float32)
-    outer = outer_loop.OuterState(one.master, self.outer_tx.init(one.master), residual)
+    outer = outer_loop.OuterState(
+      one.master,
+      self.outer_tx.init(one.master),
+      residual,
+      stack(one.master) if self.outer.delay else None,
+    )
     return TrainState(
       one.step,
       stack(one.master),
@@ -235,14 +241,36 @@ class GroupEngine(Engine):
       out_specs=(specs.master, specs.opt_state, specs.weights, groups, groups),
       check_vma=check_vma,
     )
-    master, opt_state, weights, losses, norms = step_fn(
-      state.master, state.opt_state, state.frozen, state.weights, batch_AxBxL1, *extra
-    )
     count = state.step + 1
-    new = TrainState(count, master, opt_state, state.frozen, None, None, weights, state.outer)
+
+    def inner(state):
+      master, opt_state, weights, losses, norms = step_fn(
+        state.master, state.opt_state, state.frozen, state.weights, batch_AxBxL1, *extra
+      )
+      new = TrainState(count, master, opt_state, state.frozen, None, None, weights, state.outer)
+      return new, losses, norms
+
     # At most one fragment ends its round at this step (core/fragments.py): its branch.
-    syncs = [functools.partial(self._sync, fragment=f) for f in range(self.fragments.count)]
-    new = lax.switch(self.fragments.due(count), [*syncs, lambda s: s], new)
+    frags, delay = self.fragments, self.outer.delay
+    syncs = [functools.partial(self._sync, fragment=f) for f in range(frags.count)]
+    if not delay:
+      new, losses, norms = inner(state)
+      new = lax.switch(frags.due(count), [*syncs, lambda s: s], new)
+    else:
+      # The fragment whose sync step was `delay` steps ago: its exchange (of the weights kept
+      # then, `pending`) in the same branch as this step's compute, which it does not depend
+      # on (so a scheduler can run the two side by side), and applied after it.
+      def exchange(sync):
+        def branch(state):
+          new, losses, norms = inner(state)
+          return sync(new), losses, norms
+
+        return branch
+
+      branches = [*(exchange(sync) for sync in syncs), inner]
+      new, losses, norms = lax.switch(frags.due(count, delay), branches, state)
+      keeps = [functools.partial(self._keep, fragment=f) for f in range(frags.count)]
+      new = lax.switch(frags.due(count), [*keeps, lambda s: s], new)
     # The metrics are the groups' means (a few floats across nodes, not the step's tensors).
     total = jnp.sum(targets) if extra else targets * g
     metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms), "targets": total}
@@ -257,7 +285,7 @@ class GroupEngine(Engine):
 
     def body(master, outer, weights):
       restart, roles, outer = outer_loop.sync_fragment(
-        first(master),
+        first(outer.pending if self.outer.delay else master),
         outer,
         self.trained_dims,
         self.strategy,
@@ -282,3 +310,23 @@ class GroupEngine(Engine):
       check_vma=self.collectives == "xla",
     )(state.master, state.outer, state.weights)
     return state._replace(master=master, outer=outer, weights=weights)
+
+  def _keep(self, state: TrainState, fragment: int) -> TrainState:
+    """At fragment `fragment`'s sync step with --outer-delay: every group's weights of it kept
+    in `pending` for the exchange `delay` steps later (a copy on each device: no collective)."""
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+
+    def body(master, pending):
+      roles = self.fragments.roles(first(master), fragment)
+      kept = with_fragment_part(first(pending), fragment_part(first(master), roles), roles)
+      return jax.tree.map(lambda x: x[None], kept)
+
+    spec = self.state_specs.outer.pending
+    pending = jax.shard_map(
+      body,
+      mesh=self.mesh,
+      in_specs=(self.state_specs.master, spec),
+      out_specs=spec,
+      check_vma=self.collectives == "xla",
+    )(state.master, state.outer.pending)
+    return state._replace(outer=state.outer._replace(pending=pending))

@@ -40,6 +40,8 @@ class OuterState(NamedTuple):
   params: Any  # fp32 outer weights of the trained leaves, G placement
   opt_state: Any  # the outer optimizer's state (momentum at G)
   residual: Any = None  # error feedback of the pseudo-gradient's wire: fp32, one vector a device
+  # --outer-delay: each group's weights of a fragment as of its sync step (stacked like master)
+  pending: Any = None
 
 
 def outer_tx(outer: OuterOptions) -> optax.GradientTransformation:
@@ -110,9 +112,9 @@ def sync_fragment(
     )
   if not whole:
     residual = jax.lax.dynamic_update_slice_in_dim(residual, part.residual, span[0], 0)
-  new = OuterState(
-    with_fragment_part(outer.params, part.params, roles),
-    with_fragment_part(outer.opt_state, part.opt_state, state_roles),
-    part.residual if whole else residual,
+  new = outer._replace(
+    params=with_fragment_part(outer.params, part.params, roles),
+    opt_state=with_fragment_part(outer.opt_state, part.opt_state, state_roles),
+    residual=part.residual if whole else residual,
   )
   return restart, roles, new

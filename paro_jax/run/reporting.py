@@ -44,6 +44,8 @@ def _wire(cfg: RunConfig, engine: Engine) -> str:
     stagger = ""
     if o.fragments > 1:
       stagger = f" in {o.fragments} fragments, one every {o.sync // o.fragments} steps"
+    if o.delay:
+      stagger += f", each applied {o.delay} step(s) late"
     return (
       f"outer sync every {o.sync} steps{stagger} (outer lr {o.lr:g}, Nesterov momentum "
       f"{o.momentum:g}; "

@@ -8,6 +8,8 @@ Nesterov momentum every H steps at its own offset, (f+1) H/F, selected by masks 
 slices); every group restarts that fragment only.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,12 @@ import optax
 import pytest
 
 from models.llama import Llama, next_token_loss
-from paro_jax.analysis.hlo.collectives import crosses_groups, device_bytes, parse_collectives
+from paro_jax.analysis.hlo.collectives import (
+  crosses_groups,
+  device_bytes,
+  parse_collectives,
+  phase_of,
+)
 from paro_jax.core.config import OuterOptions
 from paro_jax.core.fragments import Fragments
 from paro_jax.core.groups import GroupEngine
@@ -25,6 +32,7 @@ from paro_jax.core.state import decay_mask
 from paro_jax.core.strategy import parse_strategy
 from tests.core.test_outer import CFG, GROUPS, LORA, OPTIM, REMAT, assert_trees_close
 from tests.core import test_outer
+from tests.core.test_collectives import hlo_graph
 
 H, F, A, B, L, STEPS = 4, 2, 2, 8, 8, 8  # each fragment synced twice: steps 2, 6 and 4, 8
 STREAM = OuterOptions(sync=H, lr=0.7, momentum=0.9, fragments=F)
@@ -59,8 +67,10 @@ def fragment_masks(params, fragments):
   return masks
 
 
-def streaming_reference(model, params0, batches, every, fragments, lr, momentum):
-  """(per step the groups' mean loss, per step the outer weights) on one device."""
+def streaming_reference(model, params0, batches, every, fragments, lr, momentum, delay=0):
+  """(per step the groups' mean loss, per step the outer weights) on one device. With `delay`,
+  a fragment's pseudo-gradient is of the groups' weights at its sync step, and the outer step
+  and the groups' restart happen `delay` steps later."""
   mask = model.trainable_mask()
   tx = OPTIM.reference_tx(decay_mask(split_trainable(model.logical_axes(), mask)))
   frozen = jax.tree.map(lambda w: w.astype(model.dtype), split_trainable(params0, mask, False))
@@ -80,6 +90,7 @@ def streaming_reference(model, params0, batches, every, fragments, lr, momentum)
   velocity = jax.tree.map(jnp.zeros_like, outer)
   inner, opt = [outer] * GROUPS, [tx.init(outer)] * GROUPS
   masks = fragment_masks(outer, fragments)
+  kept = {}  # fragment -> the groups' weights at its last sync step
   rows = B // GROUPS
   losses, outers = [], []
   for t, tokens in enumerate(batches):
@@ -88,11 +99,15 @@ def streaming_reference(model, params0, batches, every, fragments, lr, momentum)
       inner[k], opt[k], loss = inner_step(inner[k], opt[k], tokens[:, k * rows : (k + 1) * rows])
       step_losses.append(float(loss))
     losses.append(np.mean(step_losses))
+    offset = lambda f: (f + 1) * (every // fragments) % every
+    for f in range(fragments):
+      if (t + 1) % every == offset(f):
+        kept[f] = list(inner)
     for f, m in enumerate(masks):
-      if (t + 1) % every != (f + 1) * (every // fragments) % every:
+      if t + 1 <= delay or (t + 1 - delay) % every != offset(f):
         continue
       sel = lambda new, old: jax.tree.map(jnp.where, m, new, old)
-      delta = jax.tree.map(lambda o, *w: sum(o - x for x in w) / GROUPS, outer, *inner)
+      delta = jax.tree.map(lambda o, *w: sum(o - x for x in w) / GROUPS, outer, *kept[f])
       velocity = sel(jax.tree.map(lambda v, g: momentum * v + g, velocity, delta), velocity)
       step = jax.tree.map(lambda o, g, v: o - lr * (g + momentum * v), outer, delta, velocity)
       outer = sel(step, outer)
@@ -205,16 +220,92 @@ def test_a_fragments_sync_moves_only_its_bytes_across_nodes(streamed):
   assert elsewhere <= 64  # the groups' mean loss and gradient norm
 
 
+@pytest.fixture(scope="module")
+def delayed():
+  """III with each fragment's exchange one step late: the engine's losses and outer weights per
+  step, the reference's, and the compiled step."""
+  model = Llama(CFG, remat=REMAT)
+  params0 = model.init(jax.random.key(1))
+  batches = make_batches(STEPS)
+  late = OuterOptions(sync=H, lr=0.7, momentum=0.9, fragments=F, delay=1)
+  reference = streaming_reference(model, params0, batches, H, F, 0.7, 0.9, delay=1)
+  engine = GroupEngine(
+    model, parse_strategy("III"), make_mesh(GROUPS, 4), OPTIM, late, micro_batches=A
+  )
+  state = engine.state_from_params(params0)
+  hlo = engine.train_step.lower(state, engine.shard_batch(batches[0])).compile().as_text()
+  losses, outers = [], []
+  for tokens in batches:
+    state, metrics = engine.train_step(state, engine.shard_batch(tokens))
+    losses.append(float(metrics["loss"]))
+    outers.append(jax.device_get(state.outer.params))
+  return reference, (losses, outers), hlo
+
+
+def test_delayed_exchange_equals_the_reference(delayed):
+  """Fragment 0 kept after steps 2 and 6, exchanged and applied after 3 and 7; fragment 1 kept
+  after 4 (applied after 5) and 8 (its exchange would come after step 9)."""
+  (ref_losses, ref_outers), (losses, outers), _ = delayed
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  for got, want in zip(outers, ref_outers):
+    assert_trees_close(got, want, atol=2e-5)
+  # Not the undelayed run: the outer weights first move after step 3, not 2.
+  assert_trees_close(outers[1], outers[0], atol=0)
+  assert not np.allclose(outers[2]["embed"]["embedding"], outers[1]["embed"]["embedding"])
+
+
+def test_delayed_exchange_does_not_wait_for_the_step(delayed, streamed):
+  """In the compiled step, each fragment's exchange across nodes sits in the branch that runs
+  the step's compute and depends on none of it (its operands are the weights kept steps
+  before and the outer state): a scheduler is free to run the two side by side. Without the
+  delay the exchange needs the step's result, and the check says so."""
+  assert exchange_beside_the_step(delayed[2])
+  assert not exchange_beside_the_step(streamed[3])
+
+
+def exchange_beside_the_step(hlo) -> bool:
+  nodes = hlo_graph(hlo)
+  step_ops = {
+    n
+    for n, (_, _, attrs) in nodes.items()
+    if re.search(r'op_name="[^"]*(micro_batches|grad_sync|optimizer)', attrs)
+  }
+  collectives = parse_collectives(hlo)
+  exchange = [c for c in collectives if "fragment_" in c.op_name and crosses_groups(c, 0, 4)]
+  assert {c.op_name.split("fragment_")[1][0] for c in exchange} == {"0", "1"}
+  memo = {}
+
+  def ancestors(n):
+    if n not in memo:
+      memo[n] = set()
+      for o in nodes.get(n, (None, (), ""))[1]:
+        memo[n] |= {o} | ancestors(o)
+    return memo[n]
+
+  step_computations = {
+    c.computation for c in collectives if phase_of(c.op_name) in ("gradient sync", "optimizer")
+  }
+  assert step_ops and step_computations
+  return all(
+    not ancestors(c.name) & step_ops and c.computation in step_computations for c in exchange
+  )
+
+
 def test_schedule_and_split():
   frags = Fragments(2, 4, 2)
   assert [int(frags.due(t)) for t in range(1, 9)] == [2, 0, 2, 1, 2, 0, 2, 1]  # 2: none
   assert [int(Fragments(1, 3, 2).due(t)) for t in range(1, 7)] == [1, 1, 0, 1, 1, 0]
+  assert [int(frags.due(t, 1)) for t in range(1, 9)] == [2, 2, 0, 2, 1, 2, 0, 2]  # a step late
   five = Fragments(2, 2, 5)
   assert [five.layer_range(f) for f in range(2)] == [(0, 3), (3, 5)]
   assert [five.offset(f) for f in range(2)] == [1, 0]
 
 
 def test_bad_fragments_refused():
+  with pytest.raises(ValueError, match=r"--outer-delay must be in \[0, H/F\) = \[0, 2\)"):
+    OuterOptions(sync=4, fragments=2, delay=2)
+  with pytest.raises(ValueError, match="--outer-delay 1 delays the outer loop's syncs"):
+    OuterOptions(delay=1)
   with pytest.raises(ValueError, match="--outer-fragments 3 must divide --outer-sync 4"):
     OuterOptions(sync=4, fragments=3)
   with pytest.raises(ValueError, match="pass --outer-sync H too"):
