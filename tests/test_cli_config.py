@@ -91,7 +91,7 @@ def test_step_flags_parse_back_to_the_step(errfb):
     if path != "error_feedback" and not path.startswith("outer."):
       assert value_at(step, path) != field.default, path
   outer = RunConfig(
-    strategy="nii", outer=OuterOptions(sync=8, lr=0.5, momentum=0.8, fragments=2, delay=3)
+    strategy="nii", outer=OuterOptions(sync=8, lr=0.5, momentum=0.8, fragments=2, delay=3, mix=0.5)
   )
   for path, field in options(OuterOptions, "outer."):
     assert value_at(outer, path) != field.default, path

@@ -233,6 +233,14 @@ class OuterOptions:
     metavar="TAU",
     type=int,
   )
+  mix: float = option(
+    0.0,
+    "Streaming DiLoCo's merge: a synced fragment restarts from ALPHA x the group's own weights "
+    "+ (1 - ALPHA) x the new outer weights (the paper's 0.5 with --outer-delay; default "
+    "%(default)g: the outer weights)",
+    flag="--outer-mix",
+    metavar="ALPHA",
+  )
 
   def __post_init__(self):
     if self.sync is not None and self.sync < 1:
@@ -258,6 +266,11 @@ class OuterOptions:
       raise ValueError(
         f"--outer-delay {self.delay} delays the outer loop's syncs, and there is none: pass "
         f"--outer-sync H too, or drop --outer-delay"
+      )
+    if not 0 <= self.mix < 1:
+      raise ValueError(
+        f"--outer-mix must be in [0, 1) (the share of the group's own weights in a restart), "
+        f"got {self.mix}"
       )
     apart = self.sync // self.fragments if self.sync else 1
     if not 0 <= self.delay < apart:

@@ -296,6 +296,9 @@ class GroupEngine(Engine):
         fragment,
         self.outer_residual_spans[fragment],
       )
+      if mix := self.outer.mix:  # Streaming DiLoCo's merge: some of the group's own weights
+        own = fragment_part(first(master), roles)
+        restart = jax.tree.map(lambda w, o: mix * w + (1 - mix) * o, own, restart)
       if weights is not None:
         copy = jax.tree.map(lambda w: w.astype(self.compute_dtype), restart)
         weights = again(with_fragment_part(first(weights), copy, roles))

@@ -46,6 +46,8 @@ def _wire(cfg: RunConfig, engine: Engine) -> str:
       stagger = f" in {o.fragments} fragments, one every {o.sync // o.fragments} steps"
     if o.delay:
       stagger += f", each applied {o.delay} step(s) late"
+    if o.mix:
+      stagger += f", restarts mixing {o.mix:g} of the groups' own weights"
     return (
       f"outer sync every {o.sync} steps{stagger} (outer lr {o.lr:g}, Nesterov momentum "
       f"{o.momentum:g}; "

@@ -67,10 +67,11 @@ def fragment_masks(params, fragments):
   return masks
 
 
-def streaming_reference(model, params0, batches, every, fragments, lr, momentum, delay=0):
+def streaming_reference(model, params0, batches, every, fragments, lr, momentum, delay=0, mix=0.0):
   """(per step the groups' mean loss, per step the outer weights) on one device. With `delay`,
   a fragment's pseudo-gradient is of the groups' weights at its sync step, and the outer step
-  and the groups' restart happen `delay` steps later."""
+  and the groups' restart happen `delay` steps later; with `mix`, a group restarts from
+  mix x its own weights + (1 - mix) x the outer weights."""
   mask = model.trainable_mask()
   tx = OPTIM.reference_tx(decay_mask(split_trainable(model.logical_axes(), mask)))
   frozen = jax.tree.map(lambda w: w.astype(model.dtype), split_trainable(params0, mask, False))
@@ -111,7 +112,7 @@ def streaming_reference(model, params0, batches, every, fragments, lr, momentum,
       velocity = sel(jax.tree.map(lambda v, g: momentum * v + g, velocity, delta), velocity)
       step = jax.tree.map(lambda o, g, v: o - lr * (g + momentum * v), outer, delta, velocity)
       outer = sel(step, outer)
-      inner = [sel(outer, w) for w in inner]
+      inner = [sel(jax.tree.map(lambda o, x: mix * x + (1 - mix) * o, outer, w), w) for w in inner]
     outers.append(outer)
   return losses, outers
 
@@ -222,13 +223,14 @@ def test_a_fragments_sync_moves_only_its_bytes_across_nodes(streamed):
 
 @pytest.fixture(scope="module")
 def delayed():
-  """III with each fragment's exchange one step late: the engine's losses and outer weights per
+  """III with each fragment's exchange one step late, merged half and half with the groups'
+  own weights (the paper's): the engine's losses and outer weights per
   step, the reference's, and the compiled step."""
   model = Llama(CFG, remat=REMAT)
   params0 = model.init(jax.random.key(1))
   batches = make_batches(STEPS)
-  late = OuterOptions(sync=H, lr=0.7, momentum=0.9, fragments=F, delay=1)
-  reference = streaming_reference(model, params0, batches, H, F, 0.7, 0.9, delay=1)
+  late = OuterOptions(sync=H, lr=0.7, momentum=0.9, fragments=F, delay=1, mix=0.5)
+  reference = streaming_reference(model, params0, batches, H, F, 0.7, 0.9, delay=1, mix=0.5)
   engine = GroupEngine(
     model, parse_strategy("III"), make_mesh(GROUPS, 4), OPTIM, late, micro_batches=A
   )
@@ -306,6 +308,8 @@ def test_bad_fragments_refused():
     OuterOptions(sync=4, fragments=2, delay=2)
   with pytest.raises(ValueError, match="--outer-delay 1 delays the outer loop's syncs"):
     OuterOptions(delay=1)
+  with pytest.raises(ValueError, match=r"--outer-mix must be in \[0, 1\)"):
+    OuterOptions(sync=4, mix=1.0)
   with pytest.raises(ValueError, match="--outer-fragments 3 must divide --outer-sync 4"):
     OuterOptions(sync=4, fragments=3)
   with pytest.raises(ValueError, match="pass --outer-sync H too"):
