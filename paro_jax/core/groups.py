@@ -8,10 +8,13 @@ axis of one entry per group, sharded over `inter`; inside the `shard_map` each d
 group's entry and runs core/step.py's `local_step` unchanged. The frozen LoRA base is the same in
 every group and is held as the Engine holds it.
 
-Every H steps (`due`) the same compiled step ends the round (core/outer.py `sync`): the groups'
+Every H steps the same compiled step ends the round (core/outer.py `sync`): the groups'
 pseudo-gradients averaged over `inter`, the outer Nesterov step on the outer weights at G, the
-groups restarted from them. The step count in the state is the round's position, so a restored
-state continues the round exactly. Eval and export read the outer weights (`params`).
+groups restarted from them. With `--outer-fragments F` (core/fragments.py) each of F fragments
+ends its round at its own step, H/F apart, a branch of the step each; with `--outer-delay` a
+fragment's exchange runs beside the compute of a later step. The step count in the state is the
+round's position, so a restored state continues the round exactly. Eval and export read the
+outer weights (`params`).
 """
 
 from __future__ import annotations

@@ -54,11 +54,6 @@ def sync_axes(strategy: Strategy) -> tuple[str, ...]:
   return tuple(a for a in Placement.G.axes if a not in strategy.opt.axes)
 
 
-def due(step, every: int):
-  """Whether the step count `step` (after the step) ends a round of `every` steps."""
-  return step % every == 0
-
-
 def sync(
   inner, outer: OuterState, dims, strategy: Strategy, tx, impl: str, codec: Codec | None
 ) -> tuple[Any, OuterState]:
