@@ -90,7 +90,9 @@ def test_step_flags_parse_back_to_the_step(errfb):
   for path, field in options(StepConfig):  # every option away from its default
     if path != "error_feedback" and not path.startswith("outer."):
       assert value_at(step, path) != field.default, path
-  outer = RunConfig(strategy="nii", outer=OuterOptions(sync=7, lr=0.5, momentum=0.8))
+  outer = RunConfig(
+    strategy="nii", outer=OuterOptions(sync=8, lr=0.5, momentum=0.8, fragments=2, delay=3, mix=0.5)
+  )
   for path, field in options(OuterOptions, "outer."):
     assert value_at(outer, path) != field.default, path
   for cfg in (step, outer):

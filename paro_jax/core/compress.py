@@ -1,9 +1,10 @@
 """Compressed inter-node communication: the wire precision of the collectives' `inter` level.
 
 A `Codec` says what one collective carries over the `inter` axis: `same` (the operand's dtype),
-`bf16`, or `int8` with one fp32 scale per block of `block` consecutive elements (the last block
-of a chunk may be shorter: nothing is padded onto the wire). Intra-node traffic is never
-compressed. Where it is used (docs/collectives.md, "Compressed inter-node traffic"):
+`bf16`, or `int8` (or `int4`) with one fp32 scale per block of `block` consecutive elements (the
+last block of a chunk may be shorter: nothing is padded onto the wire but int4's odd nibble).
+Intra-node traffic is never compressed. Where it is used (docs/collectives.md, "Compressed
+inter-node traffic"):
 
 * all-gather: each chunk is quantized once, by its owner; the compressed payload crosses `inter`
   (forwarded unchanged by a ring), and every device, the owner included, dequantizes it into the
@@ -13,13 +14,19 @@ compressed. Where it is used (docs/collectives.md, "Compressed inter-node traffi
   partial sum is ever re-quantized, so the error does not compound with the number of nodes;
 * all-reduce: that reduce-scatter, then that all-gather of the reduced chunk.
 
+`int4` is int8's scheme with 15 levels (scale = max|block| / 7), two values packed per byte, as
+Streaming DiLoCo sends its pseudo-gradients: half int8's value bytes, the same scales.
+
 Error bound of int8 (round to nearest, scale = max|block| / 127): each element is off by at most
-scale / 2 = max|block| / 254; a sum of g quantized terms is off by at most the sum of the g
-terms' bounds, and for independent errors its root-mean-square error grows like sqrt(g), as the
-exact sum itself does: the relative error does not depend on g (tests/core/test_compress.py).
+scale / 2 = max|block| / 254 (int4: max|block| / 14); a sum of g quantized terms is off by at
+most the sum of the g terms' bounds, and for independent errors its root-mean-square error grows
+like sqrt(g), as the exact sum itself does: the relative error does not depend on g
+(tests/core/test_compress.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -35,31 +42,56 @@ def _split_blocks(flat, block: int):
   return flat[: nb * block].reshape(nb, block), flat[nb * block :]
 
 
+# The largest magnitude of each integer format: its values lie in [-levels, levels].
+INT_LEVELS = {"int8": 127, "int4": 7}
+
+
 def quantize(x, codec: Codec):
-  """The wire payload of `x`: a tuple of arrays (int8 values and fp32 scales, or one bf16)."""
+  """The wire payload of `x`: a tuple of arrays (int8 values or int4 pairs packed in bytes, and
+  fp32 scales; or one bf16)."""
   if codec.fmt == "bf16":
     return (x.astype(jnp.bfloat16),)
-  if codec.fmt != "int8":
+  if codec.fmt not in INT_LEVELS:
     return (x,)
+  levels = INT_LEVELS[codec.fmt]
   flat = x.reshape(-1).astype(jnp.float32)
   main, tail = _split_blocks(flat, codec.block)
   parts, scales = [], []
   for blocks in (main, tail[None] if tail.shape[0] else None):
     if blocks is None or blocks.shape[0] == 0:
       continue
-    scale = jnp.max(jnp.abs(blocks), axis=1) / 127.0
+    scale = jnp.max(jnp.abs(blocks), axis=1) / levels
     safe = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(blocks / safe[:, None]), -127, 127).astype(jnp.int8)
+    q = jnp.clip(jnp.round(blocks / safe[:, None]), -levels, levels).astype(jnp.int8)
     parts.append(q.reshape(-1))
     scales.append(scale)
-  return (jnp.concatenate(parts), jnp.concatenate(scales))
+  values = jnp.concatenate(parts)
+  return (pack_int4(values) if codec.fmt == "int4" else values, jnp.concatenate(scales))
+
+
+def pack_int4(q):
+  """int8 values in [-7, 7] -> uint8, two per byte (element 2i in the low nibble, 2i+1 in the
+  high one, each offset by 8 to [1, 15]); an odd count gets one zero nibble."""
+  nibbles = (q.astype(jnp.int32) + 8).astype(jnp.uint8)
+  if nibbles.shape[0] % 2:
+    nibbles = jnp.concatenate([nibbles, jnp.full((1,), 8, jnp.uint8)])
+  pairs = nibbles.reshape(-1, 2)
+  return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_int4(packed, n: int):
+  """The first `n` values `pack_int4` packed, as int8 in [-7, 7]."""
+  pairs = jnp.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)[:n]
+  return (pairs.astype(jnp.int32) - 8).astype(jnp.int8)
 
 
 def dequantize(payload, codec: Codec, shape, dtype):
-  """`x` back from `quantize(x, codec)`, in `dtype` (int8 dequantizes in fp32 first)."""
-  if codec.fmt != "int8":
+  """`x` back from `quantize(x, codec)`, in `dtype` (int8 and int4 dequantize in fp32 first)."""
+  if codec.fmt not in INT_LEVELS:
     return payload[0].reshape(shape).astype(dtype)
   q, scales = payload
+  if codec.fmt == "int4":
+    q = unpack_int4(q, math.prod(shape))
   main, tail = _split_blocks(q.astype(jnp.float32), codec.block)
   nb = main.shape[0]
   out = [(main * scales[:nb, None]).reshape(-1)]

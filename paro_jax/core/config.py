@@ -26,6 +26,7 @@ from paro_jax.core.names import (
   COLLECTIVE_IMPLS,
   DEFAULT_INT8_BLOCK,
   GRAD_DTYPES,
+  OUTER_ONLY_FORMATS,
   WIRE_FORMATS,
 )
 from paro_jax.core.strategy import ALIASES, GROUP_NAMES, GroupStrategy, parse_strategy
@@ -128,12 +129,14 @@ class WireOptions:
   inter_grads: str = option(
     "same",
     "gradient reductions across nodes: same (the accumulation dtype), bf16, or int8 sent "
-    "once to each chunk's owner and summed in fp32 (default %(default)s)",
+    "once to each chunk's owner and summed in fp32; with --outer-sync the pseudo-gradient's, "
+    "where int4 (two values a byte) is also allowed (default %(default)s)",
     type=str.lower,
     choices=WIRE_FORMATS,
   )
   int8_block: int = option(
-    DEFAULT_INT8_BLOCK, "elements per fp32 scale of the int8 format (default %(default)s)"
+    DEFAULT_INT8_BLOCK,
+    "elements per fp32 scale of the int8 and int4 formats (default %(default)s)",
   )
   grad_dtype: str = option(
     "compute",
@@ -213,6 +216,31 @@ class OuterOptions:
     flag="--outer-momentum",
     metavar="MU",
   )
+  fragments: int = option(
+    1,
+    "Streaming DiLoCo: sync the weights in F fragments of the layer stack, each every H steps, "
+    "H/F steps apart (F must divide H; default %(default)s: all at once)",
+    flag="--outer-fragments",
+    metavar="F",
+    type=int,
+  )
+  delay: int = option(
+    0,
+    "Streaming DiLoCo's overlap: a fragment's exchange runs during the TAU-th step after its "
+    "sync step, beside that step's compute, and is applied after it (TAU below H/F; default "
+    "%(default)s: at once)",
+    flag="--outer-delay",
+    metavar="TAU",
+    type=int,
+  )
+  mix: float = option(
+    0.0,
+    "Streaming DiLoCo's merge: a synced fragment restarts from ALPHA x the group's own weights "
+    "+ (1 - ALPHA) x the new outer weights (the paper's 0.5 with --outer-delay; default "
+    "%(default)g: the outer weights)",
+    flag="--outer-mix",
+    metavar="ALPHA",
+  )
 
   def __post_init__(self):
     if self.sync is not None and self.sync < 1:
@@ -224,6 +252,32 @@ class OuterOptions:
       raise ValueError(f"--outer-lr must be a positive finite number, got {self.lr}")
     if not 0 <= self.momentum < 1:
       raise ValueError(f"--outer-momentum must be in [0, 1), got {self.momentum}")
+    if self.fragments != 1 and self.sync is None:
+      raise ValueError(
+        f"--outer-fragments {self.fragments} splits the outer loop's syncs, and there is none: "
+        f"pass --outer-sync H too, or drop --outer-fragments"
+      )
+    if self.fragments < 1 or (self.sync is not None and self.sync % self.fragments):
+      raise ValueError(
+        f"--outer-fragments {self.fragments} must divide --outer-sync {self.sync} (the "
+        f"fragments are synced H/F steps apart): pass a divisor of {self.sync}"
+      )
+    if self.delay and self.sync is None:
+      raise ValueError(
+        f"--outer-delay {self.delay} delays the outer loop's syncs, and there is none: pass "
+        f"--outer-sync H too, or drop --outer-delay"
+      )
+    if not 0 <= self.mix < 1:
+      raise ValueError(
+        f"--outer-mix must be in [0, 1) (the share of the group's own weights in a restart), "
+        f"got {self.mix}"
+      )
+    apart = self.sync // self.fragments if self.sync else 1
+    if not 0 <= self.delay < apart:
+      raise ValueError(
+        f"--outer-delay must be in [0, H/F) = [0, {apart}) (one fragment's exchange in flight "
+        f"at a time), got {self.delay}: pass a smaller delay or fewer --outer-fragments"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -292,6 +346,15 @@ class StepConfig:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if self.outer.sync is not None:
       self._check_outer()
+    for flag, fmt in (
+      ("--inter-params", self.wire.inter_params),
+      ("--inter-grads", self.wire.inter_grads),
+    ):
+      if fmt in OUTER_ONLY_FORMATS and self.outer.sync is None:
+        raise ValueError(
+          f"{flag} {fmt} is the outer loop's pseudo-gradient format (--outer-sync H "
+          f"--inter-grads {fmt}); for the step's traffic across nodes pass int8"
+        )
 
   def _check_outer(self):
     """One line for what --outer-sync cannot run with (known before jax starts; one node is

@@ -8,10 +8,13 @@ axis of one entry per group, sharded over `inter`; inside the `shard_map` each d
 group's entry and runs core/step.py's `local_step` unchanged. The frozen LoRA base is the same in
 every group and is held as the Engine holds it.
 
-Every H steps (`due`) the same compiled step ends the round (core/outer.py `sync`): the groups'
+Every H steps the same compiled step ends the round (core/outer.py `sync`): the groups'
 pseudo-gradients averaged over `inter`, the outer Nesterov step on the outer weights at G, the
-groups restarted from them. The step count in the state is the round's position, so a restored
-state continues the round exactly. Eval and export read the outer weights (`params`).
+groups restarted from them. With `--outer-fragments F` (core/fragments.py) each of F fragments
+ends its round at its own step, H/F apart, a branch of the step each; with `--outer-delay` a
+fragment's exchange runs beside the compute of a later step. The step count in the state is the
+round's position, so a restored state continues the round exactly. Eval and export read the
+outer weights (`params`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from paro_jax.core import feedback_rules, step
 from paro_jax.core.batch import Batch
 from paro_jax.core.config import OuterOptions
 from paro_jax.core.engine import Engine
+from paro_jax.core.fragments import Fragments, fragment_part, with_fragment_part
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import INTER, MESH_AXES
 from paro_jax.core.sharding import local_shape, named, state_specs
@@ -73,6 +77,7 @@ class GroupEngine(Engine):
       raise ValueError("GroupEngine needs the outer loop's H (--outer-sync)")
     self.outer = outer
     self.outer_tx = outer_loop.outer_tx(outer)
+    self.fragments = Fragments(outer.fragments, outer.sync, model.cfg.layers)
     self.pseudo_grad_wire = pseudo_grad_wire
     # The group's step has no collective across nodes: its wire formats and int8 corrections
     # do not apply (the pseudo-gradient's wire is `pseudo_grad_wire`).
@@ -91,12 +96,12 @@ class GroupEngine(Engine):
       transform_non_params=lambda _: PartitionSpec(),
       is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
-    # Error feedback of the pseudo-gradient's wire: on where it compresses fp32 (bf16, int8).
+    # Error feedback of the pseudo-gradient's wire: on where it compresses fp32 (bf16, int8, int4).
     compresses = pseudo_grad_wire.active_for(jnp.float32)
     if error_feedback and not compresses:
       raise ValueError(
         f"error feedback corrects a compressed pseudo-gradient, but --inter-grads "
-        f"{pseudo_grad_wire.fmt} sends it in fp32: pass --inter-grads bf16 or int8, or drop "
+        f"{pseudo_grad_wire.fmt} sends it in fp32: pass --inter-grads bf16, int8 or int4, or drop "
         f"--error-feedback"
       )
     self.outer_feedback = compresses and error_feedback is not False
@@ -104,20 +109,16 @@ class GroupEngine(Engine):
     self.feedback_note = "on" if self.outer_feedback else "off"
     if not compresses:
       self.feedback_note = "off (the pseudo-gradient is sent in fp32)"
-    self.outer_residual_size = 0
-    if self.outer_feedback:
-      ways = s.opt.shard_count(self.inter, self.intra)
-      local = sum(
-        math.prod(local_shape(t.shape, d, ways))
-        for t, d in zip(jax.tree.leaves(self.trained_shapes), jax.tree.leaves(self.trained_dims))
-      )
-      self.outer_residual_size = feedback_rules.outer_residual_size(
-        s, local, self.inter, self.intra
-      )
+    # Each fragment quantizes its own pseudo-gradient: its span of the flat residual.
+    sizes = [self._fragment_residual_size(f) for f in range(self.fragments.count)]
+    starts = [sum(sizes[:f]) for f in range(len(sizes))]
+    self.outer_residual_spans = [(a, a + n) for a, n in zip(starts, sizes)]
+    self.outer_residual_size = sum(sizes)
     self.outer_state_specs = outer_loop.OuterState(
       self.outer_specs,
       self.outer_opt_specs,
       PartitionSpec(MESH_AXES) if self.outer_feedback else None,
+      _stack_specs(self.state_specs.master) if outer.delay else None,
     )
     # The groups' own leaves, one entry per group; the step count and the frozen base shared.
     self.group_specs = self.state_specs
@@ -133,6 +134,21 @@ class GroupEngine(Engine):
     )
     self.state_shardings = named(mesh, self.state_specs)
 
+  def _fragment_residual_size(self, f: int) -> int:
+    """Elements of one device's residual for fragment f's pseudo-gradient (0 without it)."""
+    if not self.outer_feedback:
+      return 0
+    s, ways = self.strategy, self.strategy.opt.shard_count(self.inter, self.intra)
+    roles = self.fragments.roles(self.trained_shapes, f)
+    local = 0
+    for t, d, r in zip(
+      *(jax.tree.leaves(x) for x in (self.trained_shapes, self.trained_dims, roles))
+    ):
+      if not isinstance(r, str):  # a slice of the layer axis (never sharded), or the whole leaf
+        shape = (len(range(*r.indices(t.shape[0]))), *t.shape[1:])
+        local += math.prod(local_shape(shape, d, ways))
+    return feedback_rules.outer_residual_size(s, local, self.inter, self.intra)
+
   # --- state -------------------------------------------------------------------------------
   def _fresh_state(self, params) -> TrainState:
     one = super()._fresh_state(params)
@@ -140,7 +156,12 @@ class GroupEngine(Engine):
     residual = None
     if self.outer_feedback:
       residual = jnp.zeros((self.inter * self.intra * self.outer_residual_size,), jnp.float32)
-    outer = outer_loop.OuterState(one.master, self.outer_tx.init(one.master), residual)
+    outer = outer_loop.OuterState(
+      one.master,
+      self.outer_tx.init(one.master),
+      residual,
+      stack(one.master) if self.outer.delay else None,
+    )
     return TrainState(
       one.step,
       stack(one.master),
@@ -223,34 +244,68 @@ class GroupEngine(Engine):
       out_specs=(specs.master, specs.opt_state, specs.weights, groups, groups),
       check_vma=check_vma,
     )
-    master, opt_state, weights, losses, norms = step_fn(
-      state.master, state.opt_state, state.frozen, state.weights, batch_AxBxL1, *extra
-    )
     count = state.step + 1
-    new = TrainState(count, master, opt_state, state.frozen, None, None, weights, state.outer)
-    new = lax.cond(outer_loop.due(count, self.outer.sync), self._sync, lambda s: s, new)
+
+    def inner(state):
+      master, opt_state, weights, losses, norms = step_fn(
+        state.master, state.opt_state, state.frozen, state.weights, batch_AxBxL1, *extra
+      )
+      new = TrainState(count, master, opt_state, state.frozen, None, None, weights, state.outer)
+      return new, losses, norms
+
+    # At most one fragment ends its round at this step (core/fragments.py): its branch.
+    frags, delay = self.fragments, self.outer.delay
+    syncs = [functools.partial(self._sync, fragment=f) for f in range(frags.count)]
+    if not delay:
+      new, losses, norms = inner(state)
+      new = lax.switch(frags.due(count), [*syncs, lambda s: s], new)
+    else:
+      # The fragment whose sync step was `delay` steps ago: its exchange (of the weights kept
+      # then, `pending`) in the same branch as this step's compute, which it does not depend
+      # on (so a scheduler can run the two side by side), and applied after it.
+      def exchange(sync):
+        def branch(state):
+          new, losses, norms = inner(state)
+          return sync(new), losses, norms
+
+        return branch
+
+      branches = [*(exchange(sync) for sync in syncs), inner]
+      new, losses, norms = lax.switch(frags.due(count, delay), branches, state)
+      keeps = [functools.partial(self._keep, fragment=f) for f in range(frags.count)]
+      new = lax.switch(frags.due(count), [*keeps, lambda s: s], new)
     # The metrics are the groups' means (a few floats across nodes, not the step's tensors).
     total = jnp.sum(targets) if extra else targets * g
     metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms), "targets": total}
     return new, metrics
 
-  def _sync(self, state: TrainState) -> TrainState:
-    """The round's end (core/outer.py `sync`) on the whole state."""
-    codec = self.pseudo_grad_wire
+  def _sync(self, state: TrainState, fragment: int = 0) -> TrainState:
+    """Fragment `fragment`'s round end (core/outer.py `sync_fragment`) on the whole state: the
+    fragment's part of every group's weights restarts from the new outer weights; the rest of
+    them train on."""
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    again = lambda tree: jax.tree.map(lambda x: x[None], tree)
 
     def body(master, outer, weights):
-      restart, outer = outer_loop.sync(
-        jax.tree.map(lambda x: x[0], master),
+      restart, roles, outer = outer_loop.sync_fragment(
+        first(outer.pending if self.outer.delay else master),
         outer,
         self.trained_dims,
         self.strategy,
         self.outer_tx,
         self.collectives,
-        codec,
+        self.pseudo_grad_wire,
+        self.fragments,
+        fragment,
+        self.outer_residual_spans[fragment],
       )
+      if mix := self.outer.mix:  # Streaming DiLoCo's merge: some of the group's own weights
+        own = fragment_part(first(master), roles)
+        restart = jax.tree.map(lambda w, o: mix * w + (1 - mix) * o, own, restart)
       if weights is not None:
-        weights = jax.tree.map(lambda w: w.astype(self.compute_dtype)[None], restart)
-      return jax.tree.map(lambda x: x[None], restart), outer, weights
+        copy = jax.tree.map(lambda w: w.astype(self.compute_dtype), restart)
+        weights = again(with_fragment_part(first(weights), copy, roles))
+      return again(with_fragment_part(first(master), restart, roles)), outer, weights
 
     specs = self.state_specs
     master, outer, weights = jax.shard_map(
@@ -261,3 +316,23 @@ class GroupEngine(Engine):
       check_vma=self.collectives == "xla",
     )(state.master, state.outer, state.weights)
     return state._replace(master=master, outer=outer, weights=weights)
+
+  def _keep(self, state: TrainState, fragment: int) -> TrainState:
+    """At fragment `fragment`'s sync step with --outer-delay: every group's weights of it kept
+    in `pending` for the exchange `delay` steps later (a copy on each device: no collective)."""
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+
+    def body(master, pending):
+      roles = self.fragments.roles(first(master), fragment)
+      kept = with_fragment_part(first(pending), fragment_part(first(master), roles), roles)
+      return jax.tree.map(lambda x: x[None], kept)
+
+    spec = self.state_specs.outer.pending
+    pending = jax.shard_map(
+      body,
+      mesh=self.mesh,
+      in_specs=(self.state_specs.master, spec),
+      out_specs=spec,
+      check_vma=self.collectives == "xla",
+    )(state.master, state.outer.pending)
+    return state._replace(outer=state.outer._replace(pending=pending))

@@ -30,6 +30,7 @@ import optax
 
 from paro_jax.core import buckets
 from paro_jax.core.config import OuterOptions
+from paro_jax.core.fragments import fragment_part, with_fragment_part
 from paro_jax.core.shards import gather_invariant
 from paro_jax.core.strategy import Placement, Strategy
 from paro_jax.core.wire import Codec
@@ -39,6 +40,8 @@ class OuterState(NamedTuple):
   params: Any  # fp32 outer weights of the trained leaves, G placement
   opt_state: Any  # the outer optimizer's state (momentum at G)
   residual: Any = None  # error feedback of the pseudo-gradient's wire: fp32, one vector a device
+  # --outer-delay: each group's weights of a fragment as of its sync step (stacked like master)
+  pending: Any = None
 
 
 def outer_tx(outer: OuterOptions) -> optax.GradientTransformation:
@@ -49,11 +52,6 @@ def outer_tx(outer: OuterOptions) -> optax.GradientTransformation:
 def sync_axes(strategy: Strategy) -> tuple[str, ...]:
   """The axes between the groups' master placement and G (major first): S(G) minus S(OS)."""
   return tuple(a for a in Placement.G.axes if a not in strategy.opt.axes)
-
-
-def due(step, every: int):
-  """Whether the step count `step` (after the step) ends a round of `every` steps."""
-  return step % every == 0
 
 
 def sync(
@@ -85,3 +83,33 @@ def sync(
     else:
       restart = buckets.tree_all_gather(params, dims, axes, impl)
   return restart, OuterState(params, opt_state, residual)
+
+
+def sync_fragment(
+  inner, outer: OuterState, dims, strategy: Strategy, tx, impl: str, codec, fragments, f, span
+):
+  """Fragment f's sync (core/fragments.py): `sync` on the fragment's part of the weights, the
+  outer state and the residual (its `span` of the flat residual: each fragment quantizes its own
+  pseudo-gradient). Returns (the fragment's restart weights at OS, the fragment's roles for
+  `fragments.with_fragment_part`, the new outer state, whole)."""
+  roles = fragments.roles(outer.params, f)
+  state_roles = fragments.state_roles(tx, outer.opt_state, roles)
+  residual = outer.residual
+  whole = residual is None or span == (0, residual.shape[0])
+  part = OuterState(
+    fragment_part(outer.params, roles),
+    fragment_part(outer.opt_state, state_roles),
+    residual if whole else residual[span[0] : span[1]],
+  )
+  with jax.named_scope(f"fragment_{f}"):
+    restart, part = sync(
+      fragment_part(inner, roles), part, fragment_part(dims, roles), strategy, tx, impl, codec
+    )
+  if not whole:
+    residual = jax.lax.dynamic_update_slice_in_dim(residual, part.residual, span[0], 0)
+  new = outer._replace(
+    params=with_fragment_part(outer.params, part.params, roles),
+    opt_state=with_fragment_part(outer.opt_state, part.opt_state, state_roles),
+    residual=part.residual if whole else residual,
+  )
+  return restart, roles, new

@@ -1,4 +1,5 @@
-"""The wire formats of the inter-node level (`--inter-params`, `--inter-grads`, `--int8-block`).
+"""The wire formats of the inter-node level (`--inter-params`, `--inter-grads`, `--int8-block`;
+`int4`, two values a byte, is the outer loop's pseudo-gradient format).
 
 What each format puts on the wire and how many bytes that is; core/compress.py does the
 quantizing. No jax at import: `paro-jax plan` prices the formats without it.
@@ -15,6 +16,7 @@ FORMATS = WIRE_FORMATS
 # in scales; the relative error is set by each block's largest element, so smaller blocks are
 # more accurate and cost more bytes (the default's measurement is beside it in names.py).
 SCALE_BYTES = 4  # one fp32 scale per block
+VALUE_BYTES = {"int8": 1.0, "int4": 0.5}  # int4: two values packed in a byte
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Codec:
 
   def compresses(self, itemsize: int) -> bool:
     """Whether this codec changes what a floating operand of `itemsize` bytes sends."""
-    return self.fmt == "int8" or (self.fmt == "bf16" and itemsize > 2)
+    return self.fmt in ("int8", "int4") or (self.fmt == "bf16" and itemsize > 2)
 
   def active_for(self, dtype) -> bool:
     """Whether this codec changes what a `dtype` operand sends (bf16 on bf16 does not)."""
@@ -42,12 +44,12 @@ class Codec:
 
   def bytes_per_element(self, itemsize: int) -> float:
     """Bytes on the wire per element of an `itemsize`-byte dtype, for large chunks (the
-    formulas' rate: int8 adds one fp32 scale per block)."""
+    formulas' rate: int8 and int4 add one fp32 scale per block)."""
     if self.fmt == "same":
       return float(itemsize)
     if self.fmt == "bf16":
       return float(min(itemsize, 2))
-    return 1.0 + SCALE_BYTES / self.block
+    return VALUE_BYTES[self.fmt] + SCALE_BYTES / self.block
 
 
 @dataclasses.dataclass(frozen=True)

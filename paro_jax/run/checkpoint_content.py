@@ -239,6 +239,7 @@ def outer_target(target: TrainState, written, engine: Engine, meta: RunMeta):
     lambda s: jax.ShapeDtypeStruct((groups, *s.shape), s.dtype, sharding=replicated), tree
   )
   residual = saved_field(written["outer"], "residual")
+  pending = saved_field(written["outer"], "pending")  # --outer-delay's kept weights
   momentum = jax.eval_shape(outer_loop.outer_tx(OuterOptions()).init, target.master)
   read = target._replace(
     master=stacked(target.master),
@@ -251,6 +252,7 @@ def outer_target(target: TrainState, written, engine: Engine, meta: RunMeta):
       None
       if residual is None
       else jax.ShapeDtypeStruct(residual.shape, jnp.float32, sharding=replicated),
+      None if pending is None else stacked(target.master),
     ),
   )
 

@@ -41,8 +41,16 @@ def _wire(cfg: RunConfig, engine: Engine) -> str:
   """What crosses nodes: the step's wire formats, or with the outer loop its syncs."""
   o = cfg.outer
   if o.sync is not None:
+    stagger = ""
+    if o.fragments > 1:
+      stagger = f" in {o.fragments} fragments, one every {o.sync // o.fragments} steps"
+    if o.delay:
+      stagger += f", each applied {o.delay} step(s) late"
+    if o.mix:
+      stagger += f", restarts mixing {o.mix:g} of the groups' own weights"
     return (
-      f"outer sync every {o.sync} steps (outer lr {o.lr:g}, Nesterov momentum {o.momentum:g}; "
+      f"outer sync every {o.sync} steps{stagger} (outer lr {o.lr:g}, Nesterov momentum "
+      f"{o.momentum:g}; "
       f"no collective across nodes inside a step), pseudo-gradient on the wire "
       f"{cfg.wire.inter_grads} (error feedback {engine.feedback_note})"
     )

@@ -67,7 +67,7 @@ def test_bf16_roundtrip_and_dtype():
 
 def test_codec_refuses_bad_settings():
   with pytest.raises(ValueError, match="wire precision"):
-    Codec("int4")
+    Codec("int2")
   with pytest.raises(ValueError, match="int8-block"):
     Codec("int8", 0)
   with pytest.raises(ValueError, match="int8-block"):
@@ -75,6 +75,7 @@ def test_codec_refuses_bad_settings():
   assert not Codec("bf16").active_for(jnp.bfloat16) and Codec("bf16").active_for(jnp.float32)
   assert Codec("int8").active_for(jnp.bfloat16) and not Codec("int8").active_for(jnp.int32)
   assert Codec("int8", 256).bytes_per_element(2) == 1 + 4 / 256
+  assert Codec("int4", 256).bytes_per_element(4) == 0.5 + 4 / 256  # two values a byte
 
 
 # --------------------------------------------------------------------------

@@ -169,11 +169,11 @@ def test_plain_mean_with_outer_lr_one(full, apart):
 
 
 # Rounding to nearest: bf16 keeps 8 significant bits (relative error <= 2^-8, the unit
-# roundoff); int8 rounds each element to a 1/127 step of its block's largest magnitude (error <=
-# half a step).
-@pytest.mark.parametrize("fmt,bound", [("bf16", 2.0**-8), ("int8", 0.5 / 127)])
+# roundoff); int8 (int4) rounds each element to a 1/127 (1/7) step of its block's largest
+# magnitude (error <= half a step).
+@pytest.mark.parametrize("fmt,bound", [("bf16", 2.0**-8), ("int8", 0.5 / 127), ("int4", 0.5 / 7)])
 def test_compressed_pseudo_gradient_within_the_format(full, apart, fmt, bound):
-  """The pseudo-gradient on the wire in bf16 / int8 (error feedback on): one round's outer
+  """The pseudo-gradient on the wire in bf16 / int8 / int4 (error feedback on): one round's outer
   weights against the exact mean of the groups' weights (outer lr 1, no momentum), within the
   format's rounding of the groups' pseudo-gradients, and not equal to it (the format rounds)."""
   model, params0, batches, _ = full

@@ -1,10 +1,13 @@
 """The outer loop across checkpoints: a checkpoint holds the outer weights, their momentum and
 the pseudo-gradient's error-feedback residual, and the step count is the round's position, so a
-run resumed mid-round continues exactly as the uninterrupted run."""
+run resumed mid-round continues exactly as the uninterrupted run (streaming too: each
+fragment's outer state and residual span)."""
 
 import json
 import shutil
 
+import jax
+import numpy as np
 import pytest
 
 from paro_jax.core.config import make_config
@@ -44,6 +47,45 @@ def test_resume_mid_round_equals_uninterrupted(straight, tmp_path):
   assert eval_losses(out) == eval_losses(straight)
 
 
+# Streaming: two fragments, each every 4 steps (fragment 0 kept after step 2, 1 after step 4),
+# each exchanged a step late (--outer-delay 1), the pseudo-gradient in int4; a checkpoint every
+# 2 steps: step 2's holds fragment 0's kept weights, whose exchange comes after step 3.
+STREAM = {
+  **RUN,
+  "outer.sync": 4,
+  "outer.fragments": 2,
+  "outer.delay": 1,
+  "wire.inter_grads": "int4",
+  "checkpoints.every": 2,
+}
+
+
+def test_streaming_resume_equals_uninterrupted(tmp_path):
+  """Each fragment's outer state, residual span and kept weights resumed exactly."""
+  import warnings
+
+  from paro_jax.run.checkpoint import Checkpointer
+
+  straight, out = tmp_path / "straight", tmp_path / "run"
+  train(make_config(RunConfig, {**STREAM, "out": str(straight)}))
+  shutil.copytree(straight, out)
+  for step in ("4", "6"):
+    shutil.rmtree(out / "checkpoints" / step)
+  train(make_config(RunConfig, {**STREAM, "out": str(out), "checkpoints.resume": True}))
+  assert losses(out) == losses(straight)  # bit for bit, steps 3-6 from step 2's checkpoint
+  assert eval_losses(out) == eval_losses(straight)
+  # Eval and export read it as its outer weights, kept weights and all.
+  ckpt = Checkpointer(str(straight / "checkpoints"), read_only=True)
+  plain = {"outer.sync": None, "outer.fragments": 1, "outer.delay": 0, "wire.inter_grads": "same"}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    state, _ = ckpt.restore(engine_of((1, 8), **plain))
+  own, _ = ckpt.restore(engine_of((2, 4), **{k: STREAM[k] for k in plain}))
+  for a, b in zip(jax.tree.leaves(state.master), jax.tree.leaves(own.outer.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ckpt.close()
+
+
 def eval_losses(run_dir):
   rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
   return [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
@@ -61,9 +103,6 @@ def engine_of(mesh, **step):
 def test_without_the_outer_loop_its_checkpoint_gives_the_outer_weights(straight):
   """Eval, export and a run without --outer-sync read the outer loop's checkpoint as its outer
   weights (said in one line); with another number of groups the outer loop refuses it."""
-  import jax
-  import numpy as np
-
   from paro_jax.run.checkpoint import Checkpointer
   from paro_jax.run.checkpoint_content import OuterMismatch
 
