@@ -3,7 +3,7 @@
 SOURCE is read as `paro-jax eval` reads it (run/source.py): a run directory's newest intact
 checkpoint, weights only, or an HF directory streamed in; the weights sit at the strategy's P
 placement on --mesh, each layer's gathered before use (core/decode.py). The prompts
-(run/prompts.py) are decoded together, left-padded to the longest: a prefill of the prompts,
+(data/prompts.py) are decoded together, left-padded to the longest: a prefill of the prompts,
 then one token per step from the KV cache; greedy unless --temperature is above 0. A completion
 ends at a stop token (the run's end of turn, the eos_token_id of the model's
 generation_config.json: run/stops.py), which it keeps, or after --max-new-tokens;
@@ -18,7 +18,7 @@ import jax
 
 from paro_jax.core.decode import Decoder, Sampling, generate_ids
 from paro_jax.run.generate_config import GenerateConfig
-from paro_jax.run.prompts import chat_template, prompt_ids, prompt_tokenizer, read_prompts
+from paro_jax.data.prompts import chat_template, prompt_ids, prompt_tokenizer, read_prompts
 from paro_jax.run.source import Source, open_source, source_engine
 from paro_jax.run.stops import end_of_turn_id, generation_stops
 

@@ -25,7 +25,7 @@ from paro_jax.core.decode import Decoder, Sampling, generate_ids
 from paro_jax.run.config import RunConfig
 from paro_jax.run.generate import run_generate, stop_ids
 from paro_jax.run.generate_config import GenerateConfig
-from paro_jax.run.prompts import chat_template, prompt_ids, prompt_tokenizer
+from paro_jax.data.prompts import chat_template, prompt_ids, prompt_tokenizer
 from paro_jax.run.source import open_source, source_engine
 from paro_jax.run.train import train
 from tests.run.test_sft import chat_records, write_jsonl
