@@ -3,7 +3,8 @@ without one (`Llama.apply`, itself checked against transformers in tests/models/
 and tests/hf/test_families.py): each step's logits are those of the whole sequence so far
 recomputed from scratch, for left-padded rows of different lengths, in every family's shape
 (tied head and llama3 RoPE scaling, Qwen2's biases, Qwen3's q/k norms, Mistral's sliding
-window shorter than the sequence, grouped-query attention throughout)."""
+window shorter than the sequence, LoRA adapters on every weight, grouped-query attention
+throughout)."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import LlamaConfig, RopeScaling
+from models.config import LlamaConfig, LoraConfig, RopeScaling
 from models.llama import KVCache, Llama
 
 BASE = LlamaConfig(vocab=61, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
@@ -25,7 +26,9 @@ CONFIGS = {
   "qwen2_biases": dataclasses.replace(BASE, family="qwen2"),
   "qwen3_qk_norm": dataclasses.replace(BASE, family="qwen3"),
   "mistral_window": dataclasses.replace(BASE, family="mistral", sliding_window=3),
+  "lora": BASE,  # with adapters on every weight (LORA)
 }
+LORA = LoraConfig(rank=2, targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
 PROMPTS = (5, 2, 7)  # tokens per row: the shorter rows are left-padded to 7
 STEPS = 4
 
@@ -44,8 +47,8 @@ def randomized(model, seed):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_cached_decode_equals_the_full_forward_recomputed(name):
   cfg = CONFIGS[name]
-  model = Llama(cfg)
-  params = randomized(model, 0)
+  model = Llama(cfg, lora=LORA if name == "lora" else None)
+  params = randomized(model, 0)  # B of each adapter too: not zero
   rng = np.random.default_rng(1)
   rows = [rng.integers(0, cfg.vocab, n) for n in PROMPTS]
   longest, total = max(PROMPTS), max(PROMPTS) + STEPS
