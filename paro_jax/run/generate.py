@@ -53,6 +53,11 @@ def check_lengths(prompts, ids, cfg: GenerateConfig, source: Source) -> None:
 
 def run_generate(cfg: GenerateConfig) -> list[dict]:
   """`paro-jax generate`: each prompt's completion, printed; returned as the --json objects."""
+  if jax.process_count() > 1:  # the host reads every row's tokens each step (core/decode.py)
+    raise ValueError(
+      f"paro-jax generate runs in one process, and this is process {jax.process_index()} of "
+      f"{jax.process_count()}: run it outside a multi-process job, on one host's devices"
+    )
   source = open_source(cfg.source)
   prompts = read_prompts(cfg.prompt, cfg.prompts)
   tokenizer = prompt_tokenizer(cfg.tokenizer, source.tokenizer, source.hf_dir, source.config.vocab)
