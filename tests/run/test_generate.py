@@ -5,7 +5,8 @@ together in one left-padded batch on a 2x4 mesh, each compared with transformers
 alone (tests/fixtures/make_generate.py wrote them into generate_expected.json; where torch is
 installed they are made live instead). Then: a batch gives each prompt's tokens alone, a stop
 token stops and --ignore-eos does not, a seed's samples repeat, top-k 1 is greedy, and a run
-directory on 2x4 decodes what a single-device loop recomputing the whole sequence does."""
+directory (a LoRA fine-tune) on 2x4 decodes what a single-device loop recomputing the whole
+sequence does."""
 
 import importlib.util
 import json
@@ -147,8 +148,8 @@ def test_the_models_eos_stops_and_ignore_eos_goes_on(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory):
-  """A chat fine-tune of the chat fixture: three steps (the first's learning rate is 0, the
-  warmup's start), IIG on 2x4, fp32."""
+  """A LoRA chat fine-tune of the chat fixture: three steps (the first's learning rate is 0, the
+  warmup's start), IIG on 2x4, fp32; its frozen base read from the fixture."""
   tmp = tmp_path_factory.mktemp("generate_run")
   cfg = {
     "init_from": os.path.join(FIXTURES, "chat_llama"),
@@ -157,6 +158,7 @@ def chat_run(tmp_path_factory):
     "batch_size": 8,
     "seq_len": 64,
     "dtype": "fp32",
+    "lora.rank": 4,
     "optimizer.lr": 3e-2,
     "optimizer.steps": 3,
     "optimizer.warmup": 1,
@@ -188,12 +190,13 @@ def test_a_run_directory_decodes_as_one_device_recomputing(chat_run):
   path = write_jsonl(tmp / "prompts.jsonl", [{"messages": m} for m in chats])
   got = run_generate(config(run, prompts=path, ignore_eos=True))
   source = open_source(run)
+  assert source.lora is not None and source.lora.rank == 4
   engine, params = source_engine(source, config(run, ["x"]))
   tok = prompt_tokenizer(None, source.tokenizer, source.hf_dir, source.config.vocab)
   assert 299 in stop_ids(source, tok)  # the run's end of turn, <|eot_id|>
   ids = prompt_ids(chats, tok, lambda: chat_template(None, source.chat_template, tok))
   host = jax.device_get(params)
-  model = Llama(source.config)
+  model = Llama(source.config, lora=source.lora)  # the adapters beside their base weights
   assert [r["ids"] for r in got] == [recomputed_greedy(model, host, p, N) for p in ids]
   base = run_generate(config(os.path.join(FIXTURES, "chat_llama"), prompts=path, ignore_eos=True))
   assert [r["ids"] for r in base] != [r["ids"] for r in got]  # the run's weights, not the base's
