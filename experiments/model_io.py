@@ -219,7 +219,7 @@ def import_peak(directory: str, devices: int) -> dict:
 
 
 # `paro-jax eval`'s weights alone, up to its first batch, with the code on PYTHONPATH (before or
-# after): run/evaluate.py source_engine, and before, the params(state) its score gathered.
+# after): run/source.py source_engine, and before, the params(state) its score gathered.
 WEIGHTS_STAGE = """
 import json, os, resource, sys, time
 n = int(sys.argv[2])
@@ -228,7 +228,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 from paro_jax.core.config import make_config
 from paro_jax.run.config import EvalConfig
-from paro_jax.run.evaluate import open_source, source_engine
+from paro_jax.run.source import open_source, source_engine
 flags = {"source": sys.argv[1], "mesh": (1, n), "strategy": "GGG", "dtype": "bf16"}
 cfg = make_config(EvalConfig, {**flags, "batch_size": 8, "seq_len": 64})
 start = time.perf_counter()

@@ -18,6 +18,7 @@ import math
 from typing import Any, Callable
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -239,15 +240,48 @@ def packed_fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segments_BxL):
   )
 
 
+def written_attention(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, visible):
+  """Grouped-query attention written out (R = H/G query heads share each key/value head):
+  softmax in fp32 over the keys each query sees, `visible` broadcasting to B x G x R x L x M."""
+  B, L, H, K = q_BxLxHxK.shape
+  G = k_BxMxGxK.shape[2]
+  q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
+  scores_BxGxRxLxM = jnp.einsum(
+    "blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxMxGxK, preferred_element_type=jnp.float32
+  ) / jnp.sqrt(K).astype(jnp.float32)
+  scores_BxGxRxLxM = jnp.where(visible, scores_BxGxRxLxM, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(q_BxLxHxK.dtype)
+  out_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxMxGxK)
+  return out_BxLxGxRxK.reshape(B, L, H, K)
+
+
+def cache_visible(start_B, length, L: int, T: int, sliding_window: int | None):
+  """B x L x T: whether the query in cache slot length+l sees the key in slot t: causal, not
+  in its row's left padding (slots before start_B), and with a window one of the W latest. A
+  row's tokens fill consecutive slots, so slot distances are position distances."""
+  query_L = length + jnp.arange(L)
+  key_T = jnp.arange(T)
+  visible_BxLxT = (key_T[None, None, :] <= query_L[None, :, None]) & (
+    key_T[None, None, :] >= start_B[:, None, None]
+  )
+  if sliding_window is not None:
+    visible_BxLxT &= (query_L[:, None] - key_T[None, :] < sliding_window)[None]
+  return visible_BxLxT
+
+
 class Attention(nn.Module):
   cfg: LlamaConfig
   lora: LoraConfig | None = None
   impl: str = "xla"  # "xla" or "cudnn" (resolve_attention)
 
   @nn.compact
-  def __call__(self, x_BxLxD, sin, cos, segments_BxL=None):
+  def __call__(self, x_BxLxD, sin, cos, segments_BxL=None, cache=None):
     """`segments_BxL`: the example each token belongs to (0: padding); a token attends to the
-    earlier tokens of its own example only. None: one sequence per row (plain causal)."""
+    earlier tokens of its own example only. None: one sequence per row (plain causal).
+
+    `cache` (decoding, `Llama.decode`): this layer's (keys, values, start_B, length) of a
+    `KVCache`; the tokens are its slots length.. length+L-1 and see the cache's earlier slots.
+    Then returns (output, (keys, values)) with theirs written in."""
     c = self.cfg
     D, H, G, K = c.dim, c.heads, c.kv_heads, c.head_dim
     dt = x_BxLxD.dtype
@@ -277,6 +311,13 @@ class Attention(nn.Module):
     q_BxLxHxK = apply_rope(q_BxLxHxK, sin, cos)
     k_BxLxGxK = apply_rope(k_BxLxGxK, sin, cos)
     B, L = x_BxLxD.shape[:2]
+    if cache is not None:  # decoding: a few queries over the cache, always written out
+      k_BxTxGxK, v_BxTxGxK, start_B, length = cache
+      k_BxTxGxK = lax.dynamic_update_slice_in_dim(k_BxTxGxK, k_BxLxGxK, length, axis=1)
+      v_BxTxGxK = lax.dynamic_update_slice_in_dim(v_BxTxGxK, v_BxLxGxK, length, axis=1)
+      visible = cache_visible(start_B, length, L, k_BxTxGxK.shape[1], c.sliding_window)
+      out_BxLxHxK = written_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, visible[:, None, None])
+      return self._out(out_BxLxHxK.reshape(B, L, H * K), wo_HxKxD, lora), (k_BxTxGxK, v_BxTxGxK)
     if self.impl == "cudnn":
       if segments_BxL is None:
         out_BxLxHxK = fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, "cudnn", c.sliding_window)
@@ -284,21 +325,14 @@ class Attention(nn.Module):
         check_window_fits_kernel(c.sliding_window, L, packed=True)
         out_BxLxHxK = packed_fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segments_BxL)
       return self._out(out_BxLxHxK.reshape(B, L, H * K), wo_HxKxD, lora)
-    # Grouped-query attention: R = H/G query heads share each key/value head.
-    q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
-    scores_BxGxRxLxL = jnp.einsum(
-      "blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK, preferred_element_type=jnp.float32
-    ) / jnp.sqrt(K).astype(jnp.float32)
     causal_LxL = visible_mask(L, c.sliding_window)
     if segments_BxL is None:
       visible = causal_LxL
     else:  # causal and inside the token's own example: B x 1 x 1 x L x L
       same_BxLxL = segments_BxL[:, :, None] == segments_BxL[:, None, :]
       visible = (causal_LxL & same_BxLxL)[:, None, None]
-    scores_BxGxRxLxL = jnp.where(visible, scores_BxGxRxLxL, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(dt)
-    out_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxLxGxK)
-    return self._out(out_BxLxGxRxK.reshape(B, L, H * K), wo_HxKxD, lora)
+    out_BxLxHxK = written_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, visible)
+    return self._out(out_BxLxHxK.reshape(B, L, H * K), wo_HxKxD, lora)
 
   def _bias(self, name: str, heads: int, K: int, dt):
     """A projection's bias, heads x K. Stored flat (heads * K, HF's layout), on the logical
@@ -345,14 +379,20 @@ class Block(nn.Module):
   attention: str = "xla"
 
   @nn.compact
-  def __call__(self, x_BxLxD, sin, cos, segments_BxL=None):
+  def __call__(self, x_BxLxD, sin, cos, segments_BxL=None, cache=None):
+    """The layer's output; with a `cache` (Attention's), (output, the layer's new keys and
+    values)."""
     with jax.named_scope("attention"):
       h = RMSNorm(self.cfg.norm_eps, name="attn_norm")(x_BxLxD)
       attention = Attention(self.cfg, self.lora, self.attention, name="attn")
-      x_BxLxD = x_BxLxD + attention(h, sin, cos, segments_BxL)
+      attended = attention(h, sin, cos, segments_BxL, cache)
+      if cache is not None:
+        attended, kv = attended
+      x_BxLxD = x_BxLxD + attended
     with jax.named_scope("mlp"):
       h = RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x_BxLxD)
-      return x_BxLxD + MLP(self.cfg, self.lora, name="mlp")(h)
+      out_BxLxD = x_BxLxD + MLP(self.cfg, self.lora, name="mlp")(h)
+    return out_BxLxD if cache is None else (out_BxLxD, kv)
 
 
 class Embed(nn.Module):
@@ -592,6 +632,54 @@ class Llama:
       x_BxLxD = run_layers(block_fn, x_BxLxD, params[LAYERS])
     table_VxD = embed_weights["embedding"] if self.cfg.tie_embeddings else None
     return self.head.apply({"params": materialize(params["head"])}, x_BxLxD, table_VxD)
+
+  def decode(self, params, tokens_BxL, cache: KVCache, materialize: Callable = _identity):
+    """(the fp32 logits of each row's last token, B x V; the cache with the tokens' keys and
+    values written in): the tokens fill slots length.. length+L-1 of each row and attend to
+    its earlier slots (a prompt's prefill, then one token per step). A row's positions count
+    from its `start_B`, so a left-padded row is rotated as it would be alone; the logits equal
+    `apply`'s at the same tokens. The layers run in a scan without remat (no backward)."""
+    L = tokens_BxL.shape[1]
+    positions_BxL = cache.length + jnp.arange(L)[None, :] - cache.start_B[:, None]
+    angles_BxLxK2 = jnp.maximum(positions_BxL, 0).astype(jnp.float32)[..., None]
+    angles_BxLxK2 = angles_BxLxK2 * inverse_frequencies(self.cfg)
+    sin, cos = jnp.sin(angles_BxLxK2), jnp.cos(angles_BxLxK2)
+
+    def layer(x_BxLxD, inputs):
+      layer_params, k_BxTxGxK, v_BxTxGxK = inputs
+      with jax.named_scope("layer"):
+        weights = {"params": materialize(layer_params)}
+        layer_cache = (k_BxTxGxK, v_BxTxGxK, cache.start_B, cache.length)
+        return self.block.apply(weights, x_BxLxD, sin, cos, None, layer_cache)
+
+    embed_weights = materialize(params["embed"])
+    x_BxLxD = self.embed.apply({"params": embed_weights}, tokens_BxL)
+    x_BxLxD, (k, v) = lax.scan(
+      layer, x_BxLxD, (params[LAYERS], cache.k_NxBxTxGxK, cache.v_NxBxTxGxK)
+    )
+    table_VxD = embed_weights["embedding"] if self.cfg.tie_embeddings else None
+    head = {"params": materialize(params["head"])}
+    logits_Bx1xV = self.head.apply(head, x_BxLxD[:, -1:], table_VxD)
+    return logits_Bx1xV[:, 0], KVCache(k, v, cache.start_B, cache.length + L)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """What decoding keeps between steps: each layer's keys and values (N x B x T x G x K, after
+  RoPE) in T slots per row, each row's tokens in consecutive slots from `start_B` (the slots
+  before it are the row's left padding, seen by no query), and `length`, the slots written."""
+
+  k_NxBxTxGxK: jax.Array
+  v_NxBxTxGxK: jax.Array
+  start_B: jax.Array  # int32
+  length: jax.Array  # int32, a scalar
+
+  @classmethod
+  def empty(cls, cfg: LlamaConfig, start_B, slots: int, dtype) -> KVCache:
+    """A cache of `slots` slots per row, nothing written; `start_B`: each row's padding."""
+    shape = (cfg.layers, start_B.shape[0], slots, cfg.kv_heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, dtype)
+    return cls(zeros, zeros, jnp.asarray(start_B, jnp.int32), jnp.zeros((), jnp.int32))
 
 
 def token_cross_entropy(logits_BxLxV, targets_BxL):

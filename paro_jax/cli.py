@@ -17,7 +17,7 @@ from paro_jax.core.flags import HelpFormatter, Invocation, check_shape, note_cpu
 from paro_jax.core.names import parse_mesh_shape
 from paro_jax.core.xla_flags import add_xla_flags, provide_cpu_devices
 from paro_jax.data import prepare_command
-from paro_jax.run import eval_command, export_command, plot, train_command
+from paro_jax.run import eval_command, export_command, generate_command, plot, train_command
 
 # The modules that import jax (or numpy) are imported inside the commands, once the device flags
 # are set: `import paro_jax`, the parser and `plan` start no jax (tests/test_layers.py).
@@ -35,6 +35,7 @@ PARSERS = (
   export_command.add_parser,
   launch_command.add_parser,
   eval_command.add_parser,
+  generate_command.add_parser,
   prepare_command.add_parser,
   planner_command.add_plan_parser,
   planner_command.add_probe_parser,
@@ -51,6 +52,7 @@ ON_DEVICES = {
   "probe": planner_command.probe_main,
   "inspect": inspect_command.main,
   "eval": eval_command.main,
+  "generate": generate_command.main,
   "train": train_command.main,
 }
 MAX_CPU_DEVICES = 1024  # virtual CPU devices per process: beyond, XLA's start-up eats memory

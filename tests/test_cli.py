@@ -188,6 +188,7 @@ def test_help_shows_every_default_and_no_internal_remarks():
   assert set(subs) == {
     "train",
     "eval",
+    "generate",
     "inspect",
     "plot",
     "export",

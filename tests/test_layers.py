@@ -131,6 +131,8 @@ CLI_START = (
   "paro_jax/run/divergence.py",
   "paro_jax/run/eval_command.py",
   "paro_jax/run/export_command.py",
+  "paro_jax/run/generate_command.py",
+  "paro_jax/run/generate_config.py",
   "paro_jax/run/metrics.py",
   "paro_jax/run/plot.py",
   "paro_jax/run/train_command.py",
@@ -224,6 +226,7 @@ DATA_SURFACE = {
   "paro_jax.data.tokenizers": {"BYTES", "TOKENIZER_FILE", "HFTokenizer", "resolve_tokenizer"}
   | {"check_resumed_tokenizer", "tokenizer_identity"},
   "paro_jax.data.prepare": {"pid_alive"},
+  "paro_jax.data.prompts": {"read_prompts", "prompt_tokenizer", "chat_template", "prompt_ids"},
   "paro_jax.data": {"prepare_command"},
 }
 

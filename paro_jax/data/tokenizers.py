@@ -62,6 +62,10 @@ class ByteTokenizer:
   def special_ids(self) -> set[int]:
     return set()
 
+  def decode(self, ids) -> str:
+    """The text of `ids` (bytes that are no UTF-8 shown as U+FFFD)."""
+    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
   """An HF `tokenizer.json` through the `tokenizers` package."""
@@ -196,6 +200,10 @@ class HFTokenizer:
   def special_ids(self) -> set[int]:
     """The ids of the tokenizer's added special tokens (`<|eot_id|>`, `<|im_end|>`, ...)."""
     return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+  def decode(self, ids) -> str:
+    """The text of `ids` without the special tokens (a stop token, the template's markers)."""
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
 def make_tokenizer(cfg: DataConfig):

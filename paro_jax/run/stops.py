@@ -54,3 +54,16 @@ def stop_at_end_of_turn(directory: str, eot: int | None) -> list[int]:
     json.dump(generation, f, indent=2)
     f.write("\n")
   return generation["eos_token_id"]
+
+
+def generation_stops(directory: str | None) -> list[int]:
+  """The ids generation stops at in an HF directory (None: none): the eos_token_id of its
+  generation_config.json, else of its config.json, as transformers' generate reads them."""
+  for name in (GENERATION_CONFIG, CONFIG):
+    path = os.path.join(directory, name) if directory else ""
+    if os.path.isfile(path):
+      with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+      if eos is not None:
+        return list(eos) if isinstance(eos, list) else [eos]
+  return []

@@ -1,4 +1,4 @@
-"""`paro-jax eval` holds weights, not a training state (run/evaluate.py `source_engine`): its
+"""`paro-jax eval` holds weights, not a training state (run/source.py `source_engine`): its
 scores equal, exactly, those of the whole training state it built before (fp32 master and moments
 from load_hf, or a full checkpoint restore, then the forward of `engine.params(state)`), for an
 HF directory and for a LoRA run's checkpoint, in bf16; and what it holds is the parameters at P
@@ -14,7 +14,8 @@ from paro_jax.core.config import make_config
 from paro_jax.hf.weights import load_hf
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.config import EvalConfig, RunConfig
-from paro_jax.run.evaluate import open_source, score, source_engine, window_batches
+from paro_jax.run.evaluate import score, window_batches
+from paro_jax.run.source import open_source, source_engine
 from paro_jax.run.setup import build
 from paro_jax.run.train import train
 

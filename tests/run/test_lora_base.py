@@ -13,7 +13,7 @@ from paro_jax.core.config import make_config
 from paro_jax.data.streams import Batches
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.config import EvalConfig, RunConfig
-from paro_jax.run.evaluate import open_source, source_engine
+from paro_jax.run.source import open_source, source_engine
 from paro_jax.run.export import export_run
 from paro_jax.run.frozen_base import BaseChanged, base_identity, reimport_base
 from paro_jax.run.setup import build

@@ -18,7 +18,7 @@ import pytest
 
 from paro_jax.cli import main
 from paro_jax.data.chat import CHAT_TEMPLATE_FILE, ChatTemplate, find_template, special_tokens
-from paro_jax.run.evaluate import open_source
+from paro_jax.run.source import open_source
 from paro_jax.data.example_shards import read_examples
 from paro_jax.data.instruct import end_of_turn
 from paro_jax.data.tokenizers import HFTokenizer
