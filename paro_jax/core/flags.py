@@ -7,6 +7,7 @@ groups several commands share, and the checks made before jax starts. No jax, no
 from __future__ import annotations
 
 import argparse
+import textwrap
 import dataclasses
 import sys
 
@@ -47,6 +48,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     ):
       return help
     return f"{help} (default: %(default)s)" if help else "(default: %(default)s)"
+
+  def _split_lines(self, text, width):
+    # a flag named in a help text (--outer-delay) is never cut at its hyphen
+    text = self._whitespace_matcher.sub(" ", text).strip()
+    return textwrap.wrap(text, width, break_on_hyphens=False)
 
 
 def check_shape(args, mesh) -> None:
