@@ -28,7 +28,7 @@ from paro_jax.core.names import (
   GRAD_DTYPES,
   WIRE_FORMATS,
 )
-from paro_jax.core.strategy import ALIASES, GROUP_NAMES, GroupStrategy, parse_strategy
+from paro_jax.core.strategy import ALIASES, GroupStrategy, parse_strategy
 from paro_jax.core.units import COMPUTE_DTYPE_BYTES
 from paro_jax.core.wire import WireConfig
 
@@ -296,11 +296,8 @@ class StepConfig:
   def _check_outer(self):
     """One line for what --outer-sync cannot run with (known before jax starts; one node is
     refused where the mesh is known, core/groups.py)."""
-    if self.strategy.strip().lower() == "auto":
-      raise ValueError(
-        f"--strategy auto does not consider --outer-sync: pass one of {', '.join(GROUP_NAMES)}"
-      )
-    GroupStrategy.of(parse_strategy(self.strategy))  # its check: no G placement
+    if self.strategy.strip().lower() != "auto":  # auto picks among N and I letters
+      GroupStrategy.of(parse_strategy(self.strategy))  # its check: no G placement
     if self.param_delta:
       raise ValueError(
         "--param-delta applies to the step's parameter sync across nodes, and with "

@@ -4,6 +4,11 @@ The inputs (cluster, links, workload) are in inputs.py, the model of one strateg
 in step_model.py (its docstring states the model) and of its memory in memory.py, probe profiles
 in profile.py, the check of the ranking by XLA's estimate (`--target`) in rerank.py.
 
+With the outer loop (`--outer-sync H`, DiLoCo: core/outer.py) the candidates are the strategies
+of N and I letters as each group's step (step_model.predict_outer: the round's bytes and time
+once every H steps); the 14 synchronous strategies are predicted beside them (`synchronous`), for
+comparison only: they train another way, and the planner knows speed, not loss.
+
 The pick is the fastest strategy that fits. Predictions within `TIE` (1%) of the fastest are a tie
 the model cannot resolve (e.g. ING, INI and IIG with few trainable parameters); among those it
 takes the one with the fewest collectives per step (per-collective overhead is the least certain
@@ -30,7 +35,7 @@ from paro_jax.analysis.planner.inputs import (
 )
 from paro_jax.analysis.planner.profile import load_profile, measured_links
 from paro_jax.analysis.planner.step_model import Prediction, predict
-from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, parse_strategy
+from paro_jax.core.strategy import GROUP_NAMES, KNOWN_NAMES, VALID_NAMES, parse_strategy
 from paro_jax.core.wire import WireConfig  # no jax
 from paro_jax.core.units import (
   COMPUTE_DTYPE_BYTES,
@@ -56,6 +61,8 @@ class Plan:
   ]  # the pick first, then the other fitting ones by step time, then the rest
   inputs: dict
   xla: dict | None = None  # --compile-top: the candidates' XLA estimates (rerank.py)
+  # with the outer loop: the 14 synchronous strategies, fitting ones first by step time
+  synchronous: list[Prediction] | None = None
 
   def get(self, name: str) -> Prediction:
     return next(e for e in self.ranking if e.strategy == name)
@@ -67,6 +74,11 @@ class Plan:
       "inputs": self.inputs,
       "ranking": [e.as_dict() for e in self.ranking],
       **({"xla": self.xla} if self.xla is not None else {}),
+      **(
+        {"synchronous": [e.as_dict() for e in self.synchronous]}
+        if self.synchronous is not None
+        else {}
+      ),
     }
 
   # (header, width): each numeric column right-aligned, widened where a value needs it
@@ -84,25 +96,43 @@ class Plan:
   )
 
   def format(self) -> str:
-    rows = []
-    for e in self.ranking:
-      t = e.times
-      fits = "yes" if e.fits else ("n/a" if not e.feasible else "no")
-      rows.append(
-        [fits, human_bytes(e.memory_bytes), human_bytes(e.memory["model_states"]["total"])]
-        + [f"{v:.3f}" for v in (e.step_time_s, t["compute"], t["param_gathers"])]
-        + [f"{v:.3f}" for v in (t["grad_traffic"], t["grad_sync"], t["param_sync"])]
-        + [f"{e.tokens_per_s:,.0f}"]
-      )
-    widths = [max([w] + [len(r[k]) + 1 for r in rows]) for k, (_, w) in enumerate(self.COLUMNS)]
-    cells = lambda values: "".join(f"{v:>{w}s}" for v, w in zip(values, widths))  # noqa: E731
-    lines = [f"{'#':>3s} {'strategy':9s}{'known as':13s}" + cells(h for h, _ in self.COLUMNS)]
-    for i, (e, row) in enumerate(zip(self.ranking, rows), 1):
-      lines.append(f"{i:3d} {e.strategy:9s}{KNOWN_NAMES.get(e.strategy, ''):13s}" + cells(row))
-    notes = sorted({e.note for e in self.ranking if not e.feasible})
-    if notes:  # what n/a means, once per reason
-      lines.append(f"fits n/a: {'; '.join(notes)}: the strategy cannot run on this mesh")
-    return "\n".join(lines + ["", self.explain])
+    if self.synchronous is None:
+      return "\n".join(_table(self.ranking, self.COLUMNS) + ["", self.explain])
+    h = self.ranking[0].outer_sync if self.ranking else None
+    columns = self.COLUMNS[:-1] + (("outer sync", 11), self.COLUMNS[-1])
+    return "\n".join(
+      [f"DiLoCo: each group's step, the outer sync every {h} steps (its share per step)"]
+      + _table(self.ranking, columns)
+      + ["", "beside it, the synchronous strategies (a step syncs every step)"]
+      + _table(self.synchronous, self.COLUMNS)
+      + ["", self.explain]
+    )
+
+
+def _table(predictions: list[Prediction], columns) -> list[str]:
+  """The plan's table of `predictions`, one row each, in `columns` (Plan.COLUMNS; with the outer
+  loop its `outer sync` column too)."""
+  rows = []
+  for e in predictions:
+    t = e.times
+    fits = "yes" if e.fits else ("n/a" if not e.feasible else "no")
+    outer = [f"{t['outer_sync']:.3f}"] if len(columns) > len(Plan.COLUMNS) else []
+    rows.append(
+      [fits, human_bytes(e.memory_bytes), human_bytes(e.memory["model_states"]["total"])]
+      + [f"{v:.3f}" for v in (e.step_time_s, t["compute"], t["param_gathers"])]
+      + [f"{v:.3f}" for v in (t["grad_traffic"], t["grad_sync"], t["param_sync"])]
+      + outer
+      + [f"{e.tokens_per_s:,.0f}"]
+    )
+  widths = [max([w] + [len(r[k]) + 1 for r in rows]) for k, (_, w) in enumerate(columns)]
+  cells = lambda values: "".join(f"{v:>{w}s}" for v, w in zip(values, widths))  # noqa: E731
+  lines = [f"{'#':>3s} {'strategy':9s}{'known as':13s}" + cells(h for h, _ in columns)]
+  for i, (e, row) in enumerate(zip(predictions, rows), 1):
+    lines.append(f"{i:3d} {e.strategy:9s}{KNOWN_NAMES.get(e.strategy, ''):13s}" + cells(row))
+  notes = sorted({e.note for e in predictions if not e.feasible})
+  if notes:  # what n/a means, once per reason
+    lines.append(f"fits n/a: {'; '.join(notes)}: the strategy cannot run on this mesh")
+  return lines
 
 
 def _explain(
@@ -155,8 +185,8 @@ def _explain(
   if rest:
     tail.append(f"next {rest[0].strategy} {rest[0].step_time_s / pick.step_time_s - 1:+.1%}")
   for ref in ("GGG", "NGG"):
-    e = next(x for x in all_ if x.strategy == ref)
-    if e is not pick and e.fits:
+    e = next((x for x in all_ if x.strategy == ref), None)  # none with the outer loop
+    if e is not None and e is not pick and e.fits:
       tail.append(f"{e.step_time_s / pick.step_time_s:.2f}x the speed of {_named(ref)}")
   costs = {k: v for k, v in pick.times.items() if k != "compute"}
   top = max(costs, key=costs.get)
@@ -172,21 +202,49 @@ def tie_break(candidates: list[Prediction]) -> Prediction:
   return min(near, key=lambda e: (e.collectives, e.memory_bytes, e.step_time_s))
 
 
-def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
-  """Predict all 14 strategies and pick one (see the module docstring)."""
-  all_ = [predict(parse_strategy(name), w, cluster) for name in VALID_NAMES]
+def _rank(all_: list[Prediction]) -> tuple[Prediction | None, Prediction | None, list, list]:
+  """(pick, fastest, fitting, ranking): the pick first, then the other fitting ones by step
+  time, then the rest."""
   fitting = sorted((e for e in all_ if e.fits), key=lambda e: e.step_time_s)
   fastest = fitting[0] if fitting else None
-  pick = None
-  if fastest:
-    pick = tie_break(fitting)
+  pick = tie_break(fitting) if fastest else None
   others = sorted((e for e in all_ if not e.fits), key=lambda e: (not e.feasible, e.step_time_s))
-  ranking = ([pick] if pick else []) + [e for e in fitting if e is not pick] + others
+  return (
+    pick,
+    fastest,
+    fitting,
+    ([pick] if pick else []) + [e for e in fitting if e is not pick] + others,
+  )
+
+
+def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
+  """Predict all 14 strategies and pick one (see the module docstring); with `w.outer_sync`
+  the strategies of N and I letters in the outer loop, the 14 synchronous ones beside them."""
+  names = GROUP_NAMES if w.outer_sync else VALID_NAMES
+  all_ = [predict(parse_strategy(name), w, cluster) for name in names]
+  pick, fastest, fitting, ranking = _rank(all_)
+  explain = _explain(pick, fastest, fitting, all_, cluster)
+  if not w.outer_sync:
+    return Plan(pick.strategy if pick else None, explain, ranking, inputs or {})
+  sync = [
+    predict(parse_strategy(n), dataclasses.replace(w, outer_sync=None), cluster)
+    for n in VALID_NAMES
+  ]
+  best, _, _, synchronous = _rank(sync)
+  explain = f"DiLoCo (--outer-sync {w.outer_sync}), {explain}"
+  if pick is None:  # more nodes do not help: each node holds a whole replica
+    explain += (
+      "; in the outer loop each node holds a whole replica (N and I placements only): use "
+      "more devices per node, or drop --outer-sync for a strategy that shards over all devices"
+    )
+  if pick is not None and best is not None:
+    explain += (
+      f"; the fastest synchronous strategy, {_named(best.strategy)}, "
+      f"{best.step_time_s:.3f} s/step: DiLoCo's pick is {best.step_time_s / pick.step_time_s:.2f}x "
+      f"its speed (at what loss is not the planner's to say: measure it)"
+    )
   return Plan(
-    pick.strategy if pick else None,
-    _explain(pick, fastest, fitting, all_, cluster),
-    ranking,
-    inputs or {},
+    pick.strategy if pick else None, explain, ranking, inputs or {}, synchronous=synchronous
   )
 
 
@@ -207,8 +265,10 @@ def plan_for_profile(
   fused_attention: bool = False,
   wire: WireConfig | None = None,
   grad_itemsize: int | None = None,
+  outer_sync: int | None = None,
 ) -> Plan:
-  """`train --strategy auto`: the plan for this run, from a probe of its own mesh.
+  """`train --strategy auto`: the plan for this run, from a probe of its own mesh (with
+  `outer_sync`, among the strategies each group can run in the outer loop).
 
   Everything the profile measured on this mesh is used; what it lacks (a level of size 1 moves
   nothing) takes the defaults. `inputs` holds what plan_compile needs to hold compiled programs
@@ -241,6 +301,7 @@ def plan_for_profile(
     fused_attention=fused_attention,
     wire=wire or WireConfig(),
     grad_itemsize=grad_itemsize,
+    outer_sync=outer_sync,
   )
   inputs = {
     "nodes": inter,
@@ -306,6 +367,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
     itemsize,
     wire=cfg.wire.formats(),
     grad_itemsize=cfg.wire.grad_itemsize(itemsize),
+    outer_sync=cfg.outer_sync,
     # the plan is for GPUs: --attention as a run on them resolves it
     fused_attention=resolve_attention(
       cfg.attention, "cuda", "bfloat16" if itemsize == 2 else "float32", model_cfg.head_dim
@@ -338,6 +400,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
     "int8_block": cfg.wire.int8_block,
     "grad_dtype": cfg.wire.grad_dtype,
     "overlap": cfg.overlap,
+    "outer_sync": cfg.outer_sync,
     "profile": cfg.profile,
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),
   }
@@ -362,6 +425,12 @@ def run_plan(cfg: PlanConfig) -> Plan:
       + (
         f"; measured links from {cfg.profile}: {', '.join(inputs['measured'])}"
         if cfg.profile
+        else ""
+      )
+      + (
+        f"; DiLoCo: the groups sync every {cfg.outer_sync} steps, the pseudo-gradient on the "
+        f"wire as --inter-grads {cfg.wire.inter_grads}"
+        if cfg.outer_sync
         else ""
       )
     )
