@@ -1,9 +1,10 @@
-"""`plan --outer-sync H` and `train --strategy auto --outer-sync H`: the outer loop (DiLoCo,
-core/outer.py) ranked beside the 14 strategies (analysis/planner/step_model.py predict_outer).
+"""`plan --outer-sync H` and `train --strategy auto --outer-sync H`
+(paro_jax/analysis/planner/auto.py): the outer loop (DiLoCo, core/outer.py) ranked beside the 14
+strategies (analysis/planner/step_model.py predict_outer).
 
 The round's bytes are derived here from docs/outer.md's description of the round (three
 collectives, fp32 but for the pseudo-gradient's wire, ring factors written out), not from
-costs.py."""
+paro_jax/analysis/planner/costs.py's outer_round_traffic, which the plan's figures come from."""
 
 import json
 

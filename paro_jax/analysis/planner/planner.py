@@ -35,7 +35,8 @@ from paro_jax.analysis.planner.inputs import (
 )
 from paro_jax.analysis.planner.profile import load_profile, measured_links
 from paro_jax.analysis.planner.step_model import Prediction, predict
-from paro_jax.core.strategy import GROUP_NAMES, KNOWN_NAMES, VALID_NAMES, parse_strategy
+from paro_jax.analysis.planner.wording import explain_pick, format_plan, strategy_named
+from paro_jax.core.strategy import GROUP_NAMES, VALID_NAMES, parse_strategy
 from paro_jax.core.wire import WireConfig  # no jax
 from paro_jax.core.units import (
   COMPUTE_DTYPE_BYTES,
@@ -48,10 +49,6 @@ from paro_jax.core.units import (
 
 
 # --- the plan ----------------------------------------------------------------------------------
-def _named(name: str) -> str:
-  return f"{name} ({KNOWN_NAMES[name]})" if name in KNOWN_NAMES else name
-
-
 @dataclasses.dataclass
 class Plan:
   pick: str | None
@@ -81,118 +78,8 @@ class Plan:
       ),
     }
 
-  # (header, width): each numeric column right-aligned, widened where a value needs it
-  COLUMNS = (
-    ("fits", 5),
-    ("memory", 11),
-    ("states", 11),
-    ("step s", 9),
-    ("compute", 9),
-    ("gathers", 9),
-    ("grads", 9),
-    ("grad sync", 10),
-    ("par sync", 9),
-    ("tokens/s", 11),
-  )
-
   def format(self) -> str:
-    if self.synchronous is None:
-      return "\n".join(_table(self.ranking, self.COLUMNS) + ["", self.explain])
-    h = self.ranking[0].outer_sync if self.ranking else None
-    columns = self.COLUMNS[:-1] + (("outer sync", 11), self.COLUMNS[-1])
-    return "\n".join(
-      [f"DiLoCo: each group's step, the outer sync every {h} steps (its share per step)"]
-      + _table(self.ranking, columns)
-      + ["", "beside it, the synchronous strategies (a step syncs every step)"]
-      + _table(self.synchronous, self.COLUMNS)
-      + ["", self.explain]
-    )
-
-
-def _table(predictions: list[Prediction], columns) -> list[str]:
-  """The plan's table of `predictions`, one row each, in `columns` (Plan.COLUMNS; with the outer
-  loop its `outer sync` column too)."""
-  rows = []
-  for e in predictions:
-    t = e.times
-    fits = "yes" if e.fits else ("n/a" if not e.feasible else "no")
-    outer = [f"{t['outer_sync']:.3f}"] if len(columns) > len(Plan.COLUMNS) else []
-    rows.append(
-      [fits, human_bytes(e.memory_bytes), human_bytes(e.memory["model_states"]["total"])]
-      + [f"{v:.3f}" for v in (e.step_time_s, t["compute"], t["param_gathers"])]
-      + [f"{v:.3f}" for v in (t["grad_traffic"], t["grad_sync"], t["param_sync"])]
-      + outer
-      + [f"{e.tokens_per_s:,.0f}"]
-    )
-  widths = [max([w] + [len(r[k]) + 1 for r in rows]) for k, (_, w) in enumerate(columns)]
-  cells = lambda values: "".join(f"{v:>{w}s}" for v, w in zip(values, widths))  # noqa: E731
-  lines = [f"{'#':>3s} {'strategy':9s}{'known as':13s}" + cells(h for h, _ in columns)]
-  for i, (e, row) in enumerate(zip(predictions, rows), 1):
-    lines.append(f"{i:3d} {e.strategy:9s}{KNOWN_NAMES.get(e.strategy, ''):13s}" + cells(row))
-  notes = sorted({e.note for e in predictions if not e.feasible})
-  if notes:  # what n/a means, once per reason
-    lines.append(f"fits n/a: {'; '.join(notes)}: the strategy cannot run on this mesh")
-  return lines
-
-
-def _explain(
-  pick: Prediction | None,
-  fastest: Prediction | None,
-  fitting: list[Prediction],
-  all_: list[Prediction],
-  cluster: Cluster,
-) -> str:
-  usable = cluster.usable_bytes
-  room = (
-    ""
-    if usable is None
-    else f" in {human_bytes(usable)} usable per device "
-    f"({cluster.usable_memory:.0%} of {human_bytes(cluster.device_memory)})"
-  )
-  if pick is None:
-    lean = min((e for e in all_ if e.feasible), key=lambda e: e.memory_bytes, default=None)
-    if lean is None:
-      return "nothing fits: no strategy can shard this model on this mesh"
-    return (
-      f"nothing fits{room}: the leanest, {_named(lean.strategy)}, needs "
-      f"{human_bytes(lean.memory_bytes)} per device; use more devices, a smaller "
-      f"micro-batch or sequence, or train fewer parameters (LoRA)"
-    )
-  if len(fitting) == len(all_):
-    head = f"all {len(all_)} strategies fit{room}"
-  elif all("N" not in e.strategy for e in fitting):
-    head = (
-      f"memory is tight: only fully sharded strategies (no replicated state) fit{room}: "
-      f"{', '.join(e.strategy for e in fitting)}"
-    )
-  else:
-    out = [e.strategy for e in all_ if not e.fits and e.feasible]
-    cannot = [e.strategy for e in all_ if not e.feasible]
-    said = [f"{', '.join(out)} {'does' if len(out) == 1 else 'do'} not"] if out else []
-    said += [f"{', '.join(cannot)} cannot shard the model that many ways"] if cannot else []
-    head = f"{len(fitting)} of {len(all_)} strategies fit{room} ({'; '.join(said)})"
-  why = (
-    f"pick {_named(pick.strategy)}: {pick.step_time_s:.3f} s/step, "
-    f"{pick.tokens_per_s:,.0f} tokens/s, {human_bytes(pick.memory_bytes)} per device"
-  )
-  if fastest is not pick:
-    fewer = fastest.collectives - pick.collectives
-    why += f" (within {TIE:.0%} of {fastest.strategy}'s {fastest.step_time_s:.3f} s, with " + (
-      f"{fewer:,} fewer collectives per step)" if fewer > 0 else "less memory)"
-    )
-  tail = []
-  rest = [e for e in fitting if e is not pick and e is not fastest]
-  if rest:
-    tail.append(f"next {rest[0].strategy} {rest[0].step_time_s / pick.step_time_s - 1:+.1%}")
-  for ref in ("GGG", "NGG"):
-    e = next((x for x in all_ if x.strategy == ref), None)  # none with the outer loop
-    if e is not None and e is not pick and e.fits:
-      tail.append(f"{e.step_time_s / pick.step_time_s:.2f}x the speed of {_named(ref)}")
-  costs = {k: v for k, v in pick.times.items() if k != "compute"}
-  top = max(costs, key=costs.get)
-  if costs[top] > 0:
-    tail.append(f"its largest cost after compute is {top.replace('_', ' ')} ({costs[top]:.3f} s)")
-  return f"{head}; {why}" + ("; " + "; ".join(tail) if tail else "")
+    return format_plan(self.ranking, self.synchronous, self.explain)
 
 
 def tie_break(candidates: list[Prediction]) -> Prediction:
@@ -223,7 +110,7 @@ def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
   names = GROUP_NAMES if w.outer_sync else VALID_NAMES
   all_ = [predict(parse_strategy(name), w, cluster) for name in names]
   pick, fastest, fitting, ranking = _rank(all_)
-  explain = _explain(pick, fastest, fitting, all_, cluster)
+  explain = explain_pick(pick, fastest, fitting, all_, cluster)
   if not w.outer_sync:
     return Plan(pick.strategy if pick else None, explain, ranking, inputs or {})
   sync = [
@@ -239,7 +126,7 @@ def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
     )
   if pick is not None and best is not None:
     explain += (
-      f"; the fastest synchronous strategy, {_named(best.strategy)}, "
+      f"; the fastest synchronous strategy, {strategy_named(best.strategy)}, "
       f"{best.step_time_s:.3f} s/step: DiLoCo's pick is {best.step_time_s / pick.step_time_s:.2f}x "
       f"its speed (at what loss is not the planner's to say: measure it)"
     )
