@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -220,14 +221,16 @@ def table(rows: list[dict]) -> list[str]:
   return lines
 
 
-CUT = (
-  "What the measurement leaves out of the full comparison, for the time two shared cores allow "
-  "(a run takes 3-4 minutes here, 8 runs about half an hour): `tiny` (1.05M parameters) "
-  "instead of `small` "
-  "(25M: about 25x the compute per step); 2 seeds for IIG and one for every other run; H = 100, "
-  "the 4-bit pseudo-gradient, Streaming DiLoCo, the 4 x 2 mesh and torch's configurations are "
-  "not run; 101 steps, so H = 50 is two rounds."
-)
+def cut(args) -> str:
+  """What the measurement leaves out of the full comparison."""
+  runs = f"only {args.only.replace(',', ', ')}" if args.only else "every configuration"
+  return (
+    "What the measurement leaves out of the full comparison, for the time two shared cores "
+    "allow (a run takes 3-4 minutes here): `tiny` (1.05M parameters) instead of `small` (25M: "
+    f"about 25x the compute per step); {runs}; {args.seeds} seed(s) for IIG and one for every "
+    "other run; H = 100, the 4-bit pseudo-gradient, Streaming DiLoCo, the 4 x 2 mesh and "
+    "torch's configurations are not run; 101 steps, so H = 50 is two rounds."
+  )
 
 
 READING = (
@@ -240,7 +243,8 @@ READING = (
   "after the last round (step 100), each group having trained on half of every batch; the "
   "bound's is of the initial weights (no round ended) and is no result. The speed: the two IIG "
   "seeds do the same work, so their tokens/s apart is how much the machine's other load moves "
-  "a run; differences within it are not resolved."
+  "a run; differences within it are not resolved (between rounds DiLoCo's step is the bound's, "
+  "so a DiLoCo run above the bound is such a difference)."
 )
 
 
@@ -300,7 +304,7 @@ def page(args, record: dict) -> str:
       f"(`analysis/planner/step_model.py`). Every run's row, with each step's time and bytes, "
       f"is in `outer_vs_paro.json` (the logs under `runs/` are not kept in git).",
       "",
-      CUT,
+      cut(args),
       "",
       *table(rows),
       "",
@@ -345,7 +349,7 @@ def main(argv=None) -> None:
     print(json.dumps({k: row.get(k) for k in ("label", "tokens_per_s", "inter_bytes_per_step",
                                                "eval_loss", "error")}), flush=True)  # fmt: skip
   record = {
-    "command": "python -m experiments.outer_vs_paro " + " ".join(argv or sys.argv[1:]),
+    "command": shlex.join(["python", "-m", "experiments.outer_vs_paro", *(argv or sys.argv[1:])]),
     "date": utc_now(),
     "machine": machine_line(),
     "settings": {k: v for k, v in vars(args).items() if k not in ("out", "resume")},

@@ -12,7 +12,7 @@ from experiments import outer_vs_paro
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(REPO, "experiments", "results")
 # the 100 Mbit/s link (every configuration) and the 1 Gbit/s link (a selection)
-PAGES = ["outer_vs_paro"]
+PAGES = ["outer_vs_paro", "outer_vs_paro_1gbit"]
 pages = pytest.mark.parametrize("page", PAGES)
 
 
