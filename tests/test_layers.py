@@ -76,6 +76,7 @@ JAX_FREE = (
   "paro_jax/analysis/planner/memory.py",
   "paro_jax/analysis/planner/profile.py",
   "paro_jax/analysis/planner/step_model.py",
+  "paro_jax/analysis/planner/wording.py",
   "paro_jax/data/config.py",
   "models/config.py",
 )
@@ -102,6 +103,7 @@ CLI_START = (
   "paro_jax/analysis/planner/profile.py",
   "paro_jax/analysis/planner/rerank.py",
   "paro_jax/analysis/planner/step_model.py",
+  "paro_jax/analysis/planner/wording.py",
   "paro_jax/cli.py",
   "paro_jax/cluster/__init__.py",
   "paro_jax/cluster/distributed.py",

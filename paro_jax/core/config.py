@@ -29,7 +29,7 @@ from paro_jax.core.names import (
   OUTER_ONLY_FORMATS,
   WIRE_FORMATS,
 )
-from paro_jax.core.strategy import ALIASES, GROUP_NAMES, GroupStrategy, parse_strategy
+from paro_jax.core.strategy import ALIASES, GroupStrategy, parse_strategy
 from paro_jax.core.units import COMPUTE_DTYPE_BYTES
 from paro_jax.core.wire import WireConfig
 
@@ -112,6 +112,16 @@ COMPUTE_DTYPES = tuple(COMPUTE_DTYPE_BYTES)  # bf16, fp32
 def parse_model(value: str) -> str:
   """--model: preset names in any case; a path as given."""
   return value if os.sep in value or value.endswith(".json") else value.lower()
+
+
+def check_outer_formats(wire, outer_sync: int | None) -> None:
+  """A wire format only the outer loop's pseudo-gradient takes (int4), refused without it."""
+  for flag, fmt in (("--inter-params", wire.inter_params), ("--inter-grads", wire.inter_grads)):
+    if fmt in OUTER_ONLY_FORMATS and outer_sync is None:
+      raise ValueError(
+        f"{flag} {fmt} is the outer loop's pseudo-gradient format (--outer-sync H "
+        f"--inter-grads {fmt}); for the step's traffic across nodes pass int8"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -346,24 +356,13 @@ class StepConfig:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     if self.outer.sync is not None:
       self._check_outer()
-    for flag, fmt in (
-      ("--inter-params", self.wire.inter_params),
-      ("--inter-grads", self.wire.inter_grads),
-    ):
-      if fmt in OUTER_ONLY_FORMATS and self.outer.sync is None:
-        raise ValueError(
-          f"{flag} {fmt} is the outer loop's pseudo-gradient format (--outer-sync H "
-          f"--inter-grads {fmt}); for the step's traffic across nodes pass int8"
-        )
+    check_outer_formats(self.wire, self.outer.sync)
 
   def _check_outer(self):
     """One line for what --outer-sync cannot run with (known before jax starts; one node is
     refused where the mesh is known, core/groups.py)."""
-    if self.strategy.strip().lower() == "auto":
-      raise ValueError(
-        f"--strategy auto does not consider --outer-sync: pass one of {', '.join(GROUP_NAMES)}"
-      )
-    GroupStrategy.of(parse_strategy(self.strategy))  # its check: no G placement
+    if self.strategy.strip().lower() != "auto":  # auto picks among N and I letters
+      GroupStrategy.of(parse_strategy(self.strategy))  # its check: no G placement
     if self.param_delta:
       raise ValueError(
         "--param-delta applies to the step's parameter sync across nodes, and with "

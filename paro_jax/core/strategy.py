@@ -149,6 +149,12 @@ class GroupStrategy(Strategy):
   def data_axes(self) -> tuple[str, ...]:
     return (INTRA,)
 
+  @property
+  def outer_sync_axes(self) -> tuple[str, ...]:
+    """The axes the outer loop's round runs its collectives over (core/outer.py sync_axes): from
+    the groups' master placement (OS) to G, S(G) minus S(OS), major first."""
+    return _rest(Placement.G.axes, self.opt.axes)
+
 
 def _all_strategies() -> tuple[str, ...]:
   names = []

@@ -231,7 +231,6 @@ def test_memory_model_counts_the_outer_state(strategy, fmt):
   "args,message",
   [
     (dict(strategy="IIG"), "shards a state over all devices"),
-    (dict(strategy="auto"), "does not consider --outer-sync"),
     (dict(strategy="III", wire=dict(inter_params="int8")), "drop --inter-params"),
   ],
 )

@@ -132,3 +132,41 @@ def test_plan_and_trains_refusal_print_the_same_memory(tmp_path, capsys):
     planned["NNI"]["model_states"]
   )
   assert not {"residual", "reference"} & set(planned["GGG"]["model_states"])
+
+
+def test_plan_and_trains_refusal_agree_for_the_outer_loop(tmp_path, capsys):
+  """The same for the outer loop (`--outer-sync 10`, an int8 pseudo-gradient): `plan`'s figure
+  for each candidate, with the outer weights, momentum and residual in its model states, is the
+  one train's refusal prints (III: OS = I, its residual over `inter`; NNI: the same, its
+  parameters replicated)."""
+  strategies = ("III", "NNI")
+  step = ["--model", "7b", "--micro-batches", "8", "--seq-len", "2048", "--attention", "xla"]
+  step += ["--outer-sync", "10", "--inter-grads", "int8"]
+  cli.main(
+    ["plan", *step, "--nodes", "4", "--devices-per-node", "8", "--micro-batch", "1", "--json"]
+  )
+  planned = {e["strategy"]: e["memory"] for e in json.loads(capsys.readouterr().out)["ranking"]}
+  runs = [
+    ["train", *step, "--strategy", s, "--mesh", "4x8", "--batch-size", "32"]
+    + ["--out", str(tmp_path / s)]
+    for s in strategies
+  ]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run(
+    [sys.executable, "-c", REFUSE_ALL, json.dumps(runs)],
+    cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    env={**env, "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  refusals = [x for x in done.stderr.splitlines() if "this run needs about" in x]
+  assert len(refusals) == len(strategies), done.stderr
+  for s, line in zip(strategies, refusals):
+    plan, states = planned[s], planned[s]["model_states"]
+    assert f"needs about {plan['total'] / GIB:.1f} GiB per device" in line, (s, plan, line)
+    assert f"model states {states['total'] / GIB:.1f} GiB with strategy {s}" in line, line
+    # the outer state (docs/outer.md): fp32 outer weights and momentum over all 32 devices, and
+    # the int8 wire's fp32 residual, each device's share of its node's pseudo-gradient (1/8)
+    psi = 6738415616  # 7b, a multiple of 32
+    assert states["outer"] == 8 * psi // 32 + 4 * psi // 8

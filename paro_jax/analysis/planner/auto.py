@@ -13,6 +13,10 @@ link's floor) whose compiled memory fits (docs/planner.md). On CPUs, on GPUs wit
 model (A100), with `--compile-top 0`, or where no compiled candidate fits, the analytic pick
 stands and the run says why.
 
+With `--outer-sync H` the candidates are the strategies of N and I letters as each group's step
+in the outer loop (planner.py), and the analytic pick stands (XLA's estimate of the compiled
+step would count the round's end, which runs once every H steps, in every step).
+
 Every process probes and plans alike (the probe's numbers are process 0's) and compiles the same
 candidates; process 0's pick is broadcast, so all processes run one strategy.
 """
@@ -134,11 +138,15 @@ def auto_strategy(
     fused_attention=attention == "cudnn",
     wire=cfg.wire.formats(),
     grad_itemsize=cfg.wire.grad_itemsize(itemsize),
+    outer_sync=cfg.outer.sync,
   )
   if plan.pick is None:
     raise ValueError(f"--strategy auto: {plan.explain}")
   if not gpu:
     return plan.pick, plan.explain, None
+  if cfg.outer.sync:  # a compiled step holds the round's end, which runs once every H steps
+    why = "the analytic pick: XLA's estimate of the step would count the outer sync every step"
+    return plan.pick, f"{why}; {plan.explain}", None
   flags = run_step_flags(cfg, (inter, intra), collectives, attention)
   rate = inter_node_bits_per_s(profile, intra)
   pick, why, table = check_by_xla(plan, flags, device.device_kind, rate, compile_top)

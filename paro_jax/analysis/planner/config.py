@@ -15,6 +15,7 @@ from paro_jax.core.config import (
   COMPUTE_DTYPES,
   MODEL_HELP,
   WireOptions,
+  check_outer_formats,
   group,
   option,
   parse_model,
@@ -94,6 +95,15 @@ class PlanConfig:
     "a `paro-jax probe` JSON: its measured links (and FLOP/s) override",
     metavar="FILE",
   )
+  outer_sync: int | None = option(
+    None,
+    "H: rank the outer loop (DiLoCo, `train --outer-sync H`): the strategies of N and I letters "
+    "as each node's step, the pseudo-gradient on the wire as --inter-grads says once every H "
+    "steps, beside the 14 synchronous strategies",
+    flag="--outer-sync",
+    metavar="H",
+    type=int,
+  )
   as_json: bool = option(False, "print one JSON object", flag="--json")
 
   def __post_init__(self):
@@ -113,5 +123,16 @@ class PlanConfig:
       )
     if self.dtype not in COMPUTE_DTYPE_BYTES:
       raise ValueError(f"unknown --dtype {self.dtype!r}; choose bf16 or fp32")
+    if self.outer_sync is not None and self.outer_sync < 1:
+      raise ValueError(
+        f"--outer-sync must be >= 1 (steps between the nodes' syncs), got {self.outer_sync}; "
+        f"omit it to rank the synchronous strategies alone"
+      )
+    check_outer_formats(self.wire, self.outer_sync)
+    if self.outer_sync is not None and self.target is not None:
+      raise ValueError(
+        "--target compiles a step and XLA's estimate would count the outer loop's round in "
+        "every step, where it runs once every H: drop --target with --outer-sync"
+      )
     if self.peak_tflops is not None and self.peak_tflops <= 0:
       raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}")

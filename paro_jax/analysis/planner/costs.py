@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.core.names import INTER, INTRA, LEVEL_INTER, LEVEL_INTRA
+from paro_jax.core.names import (
+  ALL_GATHER,
+  INTER,
+  INTRA,
+  LEVEL_INTER,
+  LEVEL_INTRA,
+  REDUCE_SCATTER,
+)
 from paro_jax.core.strategy import Strategy
 
 
@@ -142,4 +149,43 @@ def step_traffic(
   # Parameter sync: all-gather the updated OS shard to the P placement (trained parameters only:
   # frozen ones never change and are held at P already).
   add("param sync", s.param_sync_axes, trainable / k(s.params.axes), param_bytes, pc)
+  return t
+
+
+# fp32: the outer weights (core/outer.py OuterState) and the pseudo-gradient before its wire
+OUTER_ITEMSIZE = 4
+# The round's three collectives (core/outer.py sync): phase, collective, whether it carries the
+# pseudo-gradient (the one `--inter-grads` compresses).
+OUTER_PHASES = (
+  ("outer start", ALL_GATHER, False),
+  ("outer pseudo-gradient", REDUCE_SCATTER, True),
+  ("outer restart", ALL_GATHER, False),
+)
+
+
+def outer_round_traffic(
+  strategy, trainable: int, inter: int, intra: int, wire=None, two_level: bool = False
+) -> Traffic:
+  """Per-device bytes of one round's end of the outer loop (core/outer.py sync) for a
+  GroupStrategy: the fp32 outer weights all-gathered from G to the groups' master placement
+  (OS), the pseudo-gradient reduce-scattered back to G (the inter level at `wire.grads`, as
+  step_traffic's gradient syncs), the new outer weights all-gathered to OS. Each over
+  `strategy.outer_sync_axes` on the OS shard's `trainable / f(OS)` elements. Once every H steps:
+  divide by H for a step's share."""
+  t = Traffic()
+  axes = strategy.outer_sync_axes
+  elements = trainable / strategy.opt.shard_count(inter, intra)
+  codec = wire.grads_codec if wire is not None else None
+  for phase, _, compressed in OUTER_PHASES:
+    _add_collective(
+      t,
+      phase,
+      axes,
+      elements,
+      OUTER_ITEMSIZE,
+      codec if compressed else None,
+      inter,
+      intra,
+      two_level=two_level,
+    )
   return t

@@ -4,6 +4,11 @@ The inputs (cluster, links, workload) are in inputs.py, the model of one strateg
 in step_model.py (its docstring states the model) and of its memory in memory.py, probe profiles
 in profile.py, the check of the ranking by XLA's estimate (`--target`) in rerank.py.
 
+With the outer loop (`--outer-sync H`, DiLoCo: core/outer.py) the candidates are the strategies
+of N and I letters as each group's step (step_model.predict_outer: the round's bytes and time
+once every H steps); the 14 synchronous strategies are predicted beside them (`synchronous`), for
+comparison only: they train another way, and the planner knows speed, not loss.
+
 The pick is the fastest strategy that fits. Predictions within `TIE` (1%) of the fastest are a tie
 the model cannot resolve (e.g. ING, INI and IIG with few trainable parameters); among those it
 takes the one with the fewest collectives per step (per-collective overhead is the least certain
@@ -30,7 +35,9 @@ from paro_jax.analysis.planner.inputs import (
 )
 from paro_jax.analysis.planner.profile import load_profile, measured_links
 from paro_jax.analysis.planner.step_model import Prediction, predict
-from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, parse_strategy
+from paro_jax.analysis.planner.wording import explain_pick, format_plan, strategy_named
+from paro_jax.core.names import OUTER_ONLY_FORMATS
+from paro_jax.core.strategy import GROUP_NAMES, VALID_NAMES, parse_strategy
 from paro_jax.core.wire import WireConfig  # no jax
 from paro_jax.core.units import (
   COMPUTE_DTYPE_BYTES,
@@ -43,10 +50,6 @@ from paro_jax.core.units import (
 
 
 # --- the plan ----------------------------------------------------------------------------------
-def _named(name: str) -> str:
-  return f"{name} ({KNOWN_NAMES[name]})" if name in KNOWN_NAMES else name
-
-
 @dataclasses.dataclass
 class Plan:
   pick: str | None
@@ -56,6 +59,8 @@ class Plan:
   ]  # the pick first, then the other fitting ones by step time, then the rest
   inputs: dict
   xla: dict | None = None  # --compile-top: the candidates' XLA estimates (rerank.py)
+  # with the outer loop: the 14 synchronous strategies, fitting ones first by step time
+  synchronous: list[Prediction] | None = None
 
   def get(self, name: str) -> Prediction:
     return next(e for e in self.ranking if e.strategy == name)
@@ -67,102 +72,15 @@ class Plan:
       "inputs": self.inputs,
       "ranking": [e.as_dict() for e in self.ranking],
       **({"xla": self.xla} if self.xla is not None else {}),
+      **(
+        {"synchronous": [e.as_dict() for e in self.synchronous]}
+        if self.synchronous is not None
+        else {}
+      ),
     }
 
-  # (header, width): each numeric column right-aligned, widened where a value needs it
-  COLUMNS = (
-    ("fits", 5),
-    ("memory", 11),
-    ("states", 11),
-    ("step s", 9),
-    ("compute", 9),
-    ("gathers", 9),
-    ("grads", 9),
-    ("grad sync", 10),
-    ("par sync", 9),
-    ("tokens/s", 11),
-  )
-
   def format(self) -> str:
-    rows = []
-    for e in self.ranking:
-      t = e.times
-      fits = "yes" if e.fits else ("n/a" if not e.feasible else "no")
-      rows.append(
-        [fits, human_bytes(e.memory_bytes), human_bytes(e.memory["model_states"]["total"])]
-        + [f"{v:.3f}" for v in (e.step_time_s, t["compute"], t["param_gathers"])]
-        + [f"{v:.3f}" for v in (t["grad_traffic"], t["grad_sync"], t["param_sync"])]
-        + [f"{e.tokens_per_s:,.0f}"]
-      )
-    widths = [max([w] + [len(r[k]) + 1 for r in rows]) for k, (_, w) in enumerate(self.COLUMNS)]
-    cells = lambda values: "".join(f"{v:>{w}s}" for v, w in zip(values, widths))  # noqa: E731
-    lines = [f"{'#':>3s} {'strategy':9s}{'known as':13s}" + cells(h for h, _ in self.COLUMNS)]
-    for i, (e, row) in enumerate(zip(self.ranking, rows), 1):
-      lines.append(f"{i:3d} {e.strategy:9s}{KNOWN_NAMES.get(e.strategy, ''):13s}" + cells(row))
-    notes = sorted({e.note for e in self.ranking if not e.feasible})
-    if notes:  # what n/a means, once per reason
-      lines.append(f"fits n/a: {'; '.join(notes)}: the strategy cannot run on this mesh")
-    return "\n".join(lines + ["", self.explain])
-
-
-def _explain(
-  pick: Prediction | None,
-  fastest: Prediction | None,
-  fitting: list[Prediction],
-  all_: list[Prediction],
-  cluster: Cluster,
-) -> str:
-  usable = cluster.usable_bytes
-  room = (
-    ""
-    if usable is None
-    else f" in {human_bytes(usable)} usable per device "
-    f"({cluster.usable_memory:.0%} of {human_bytes(cluster.device_memory)})"
-  )
-  if pick is None:
-    lean = min((e for e in all_ if e.feasible), key=lambda e: e.memory_bytes, default=None)
-    if lean is None:
-      return "nothing fits: no strategy can shard this model on this mesh"
-    return (
-      f"nothing fits{room}: the leanest, {_named(lean.strategy)}, needs "
-      f"{human_bytes(lean.memory_bytes)} per device; use more devices, a smaller "
-      f"micro-batch or sequence, or train fewer parameters (LoRA)"
-    )
-  if len(fitting) == len(all_):
-    head = f"all {len(all_)} strategies fit{room}"
-  elif all("N" not in e.strategy for e in fitting):
-    head = (
-      f"memory is tight: only fully sharded strategies (no replicated state) fit{room}: "
-      f"{', '.join(e.strategy for e in fitting)}"
-    )
-  else:
-    out = [e.strategy for e in all_ if not e.fits and e.feasible]
-    cannot = [e.strategy for e in all_ if not e.feasible]
-    said = [f"{', '.join(out)} {'does' if len(out) == 1 else 'do'} not"] if out else []
-    said += [f"{', '.join(cannot)} cannot shard the model that many ways"] if cannot else []
-    head = f"{len(fitting)} of {len(all_)} strategies fit{room} ({'; '.join(said)})"
-  why = (
-    f"pick {_named(pick.strategy)}: {pick.step_time_s:.3f} s/step, "
-    f"{pick.tokens_per_s:,.0f} tokens/s, {human_bytes(pick.memory_bytes)} per device"
-  )
-  if fastest is not pick:
-    fewer = fastest.collectives - pick.collectives
-    why += f" (within {TIE:.0%} of {fastest.strategy}'s {fastest.step_time_s:.3f} s, with " + (
-      f"{fewer:,} fewer collectives per step)" if fewer > 0 else "less memory)"
-    )
-  tail = []
-  rest = [e for e in fitting if e is not pick and e is not fastest]
-  if rest:
-    tail.append(f"next {rest[0].strategy} {rest[0].step_time_s / pick.step_time_s - 1:+.1%}")
-  for ref in ("GGG", "NGG"):
-    e = next(x for x in all_ if x.strategy == ref)
-    if e is not pick and e.fits:
-      tail.append(f"{e.step_time_s / pick.step_time_s:.2f}x the speed of {_named(ref)}")
-  costs = {k: v for k, v in pick.times.items() if k != "compute"}
-  top = max(costs, key=costs.get)
-  if costs[top] > 0:
-    tail.append(f"its largest cost after compute is {top.replace('_', ' ')} ({costs[top]:.3f} s)")
-  return f"{head}; {why}" + ("; " + "; ".join(tail) if tail else "")
+    return format_plan(self.ranking, self.synchronous, self.explain)
 
 
 def tie_break(candidates: list[Prediction]) -> Prediction:
@@ -172,21 +90,55 @@ def tie_break(candidates: list[Prediction]) -> Prediction:
   return min(near, key=lambda e: (e.collectives, e.memory_bytes, e.step_time_s))
 
 
-def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
-  """Predict all 14 strategies and pick one (see the module docstring)."""
-  all_ = [predict(parse_strategy(name), w, cluster) for name in VALID_NAMES]
+def _rank(all_: list[Prediction]) -> tuple[Prediction | None, Prediction | None, list, list]:
+  """(pick, fastest, fitting, ranking): the pick first, then the other fitting ones by step
+  time, then the rest."""
   fitting = sorted((e for e in all_ if e.fits), key=lambda e: e.step_time_s)
   fastest = fitting[0] if fitting else None
-  pick = None
-  if fastest:
-    pick = tie_break(fitting)
+  pick = tie_break(fitting) if fastest else None
   others = sorted((e for e in all_ if not e.fits), key=lambda e: (not e.feasible, e.step_time_s))
-  ranking = ([pick] if pick else []) + [e for e in fitting if e is not pick] + others
+  return (
+    pick,
+    fastest,
+    fitting,
+    ([pick] if pick else []) + [e for e in fitting if e is not pick] + others,
+  )
+
+
+def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
+  """Predict all 14 strategies and pick one (see the module docstring); with `w.outer_sync`
+  the strategies of N and I letters in the outer loop, the 14 synchronous ones beside them."""
+  names = GROUP_NAMES if w.outer_sync else VALID_NAMES
+  all_ = [predict(parse_strategy(name), w, cluster) for name in names]
+  pick, fastest, fitting, ranking = _rank(all_)
+  explain = explain_pick(pick, fastest, fitting, all_, cluster)
+  if not w.outer_sync:
+    return Plan(pick.strategy if pick else None, explain, ranking, inputs or {})
+  # The synchronous steps' gradients take int8 where the pseudo-gradient's format is the outer
+  # loop's own (int4): what train would run them with.
+  grads = "int8" if w.wire.grads in OUTER_ONLY_FORMATS else w.wire.grads
+  params = "int8" if w.wire.params in OUTER_ONLY_FORMATS else w.wire.params
+  wire = dataclasses.replace(w.wire, grads=grads, params=params)
+  sync = [
+    predict(parse_strategy(n), dataclasses.replace(w, outer_sync=None, wire=wire), cluster)
+    for n in VALID_NAMES
+  ]
+  best, _, _, synchronous = _rank(sync)
+  explain = f"DiLoCo (--outer-sync {w.outer_sync}), {explain}"
+  if pick is None:  # more nodes do not help: each node holds a whole replica
+    explain += (
+      "; in the outer loop each node holds a whole replica (N and I placements only): use "
+      "more devices per node, or drop --outer-sync for a strategy that shards over all devices"
+    )
+  if pick is not None and best is not None:
+    explain += (
+      f"; the fastest synchronous strategy{' (int8 on its wire)' if wire != w.wire else ''}, "
+      f"{strategy_named(best.strategy)}, "
+      f"{best.step_time_s:.3f} s/step: DiLoCo's pick is {best.step_time_s / pick.step_time_s:.2f}x "
+      f"its speed (at what loss is not the planner's to say: measure it)"
+    )
   return Plan(
-    pick.strategy if pick else None,
-    _explain(pick, fastest, fitting, all_, cluster),
-    ranking,
-    inputs or {},
+    pick.strategy if pick else None, explain, ranking, inputs or {}, synchronous=synchronous
   )
 
 
@@ -207,8 +159,10 @@ def plan_for_profile(
   fused_attention: bool = False,
   wire: WireConfig | None = None,
   grad_itemsize: int | None = None,
+  outer_sync: int | None = None,
 ) -> Plan:
-  """`train --strategy auto`: the plan for this run, from a probe of its own mesh.
+  """`train --strategy auto`: the plan for this run, from a probe of its own mesh (with
+  `outer_sync`, among the strategies each group can run in the outer loop).
 
   Everything the profile measured on this mesh is used; what it lacks (a level of size 1 moves
   nothing) takes the defaults. `inputs` holds what plan_compile needs to hold compiled programs
@@ -241,6 +195,7 @@ def plan_for_profile(
     fused_attention=fused_attention,
     wire=wire or WireConfig(),
     grad_itemsize=grad_itemsize,
+    outer_sync=outer_sync,
   )
   inputs = {
     "nodes": inter,
@@ -306,6 +261,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
     itemsize,
     wire=cfg.wire.formats(),
     grad_itemsize=cfg.wire.grad_itemsize(itemsize),
+    outer_sync=cfg.outer_sync,
     # the plan is for GPUs: --attention as a run on them resolves it
     fused_attention=resolve_attention(
       cfg.attention, "cuda", "bfloat16" if itemsize == 2 else "float32", model_cfg.head_dim
@@ -338,6 +294,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
     "int8_block": cfg.wire.int8_block,
     "grad_dtype": cfg.wire.grad_dtype,
     "overlap": cfg.overlap,
+    "outer_sync": cfg.outer_sync,
     "profile": cfg.profile,
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),
   }
@@ -362,6 +319,12 @@ def run_plan(cfg: PlanConfig) -> Plan:
       + (
         f"; measured links from {cfg.profile}: {', '.join(inputs['measured'])}"
         if cfg.profile
+        else ""
+      )
+      + (
+        f"; DiLoCo: the groups sync every {cfg.outer_sync} steps, the pseudo-gradient on the "
+        f"wire as --inter-grads {cfg.wire.inter_grads}"
+        if cfg.outer_sync
         else ""
       )
     )

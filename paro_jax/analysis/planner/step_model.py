@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from paro_jax.analysis.planner.costs import step_traffic
+from paro_jax.analysis.planner.costs import OUTER_PHASES, outer_round_traffic, step_traffic
 from paro_jax.analysis.planner.memory import step_memory
 from paro_jax.analysis.planner.inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
 from paro_jax.core.names import (
@@ -46,7 +46,8 @@ from paro_jax.core.names import (
   LEVEL_INTRA,
   REDUCE_SCATTER,
 )
-from paro_jax.core.strategy import KNOWN_NAMES, Strategy
+from paro_jax.core.strategy import KNOWN_NAMES, GroupStrategy, Strategy
+from paro_jax.core.wire import WireConfig
 
 
 def _level(axes: tuple[str, ...]) -> str:
@@ -146,6 +147,7 @@ class Prediction:
   traffic: dict  # bytes per device and step: inter, intra, phases (costs.step_traffic)
   collectives: int = 0  # collectives per step
   note: str = ""
+  outer_sync: int | None = None  # H of the outer loop (DiLoCo) the step runs in; None: off
 
   @property
   def memory_bytes(self) -> float:
@@ -165,6 +167,7 @@ class Prediction:
       "traffic": self.traffic,
       "collectives": self.collectives,
       "note": self.note,
+      **({"outer_sync": self.outer_sync} if self.outer_sync else {}),
     }
 
 
@@ -197,6 +200,10 @@ def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster, two_level: boo
 
 
 def predict(strategy: Strategy, w: Workload, cluster: Cluster) -> Prediction:
+  """The step of `strategy`; with `w.outer_sync` (H) the step of each group in the outer loop
+  (`predict_outer`)."""
+  if w.outer_sync:
+    return predict_outer(strategy, w, cluster)
   traffic = traffic_of(strategy, w, cluster)
   sched = phase_collectives(strategy, w)
   times = {
@@ -239,4 +246,66 @@ def predict(strategy: Strategy, w: Workload, cluster: Cluster) -> Prediction:
     {"inter_bytes": traffic.inter, "intra_bytes": traffic.intra, "phases": dict(traffic.phases)},
     collectives,
     note,
+  )
+
+
+def outer_round(strategy: GroupStrategy, w: Workload, cluster: Cluster):
+  """(traffic, seconds, collectives) of one round's end of the outer loop (costs.
+  outer_round_traffic), each of its three collectives priced by `collective_seconds` as the
+  step's are: one collective per stacked leaf (the round syncs the 12 leaves, core/outer.py).
+  A compressed collective over both axes runs as two levels (costs._add_collective), each priced
+  at its own level, as phase_collectives does for the step."""
+  traffic = outer_round_traffic(
+    strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire
+  )
+  count, kinds = LEAVES_PER_LAYER + OTHER_LEAVES, {p: kind for p, kind, _ in OUTER_PHASES}
+  phases = [key.split("/")[0] for key in traffic.phases]
+  seconds, collectives = 0.0, 0
+  for key, nbytes in traffic.phases.items():
+    phase, level = key.split("/")
+    split = phases.count(phase) == 2
+    axes = (level,) if split else strategy.outer_sync_axes
+    seconds += collective_seconds(kinds[phase], axes, nbytes, count, cluster)
+    collectives += count
+  return traffic, seconds, collectives
+
+
+def predict_outer(strategy: Strategy, w: Workload, cluster: Cluster) -> Prediction:
+  """A step of the outer loop (DiLoCo, core/outer.py) with `strategy` (N and I letters) as each
+  group's step, every H = `w.outer_sync` steps a round's end: the group's step has no
+  collective across nodes (its traffic is `step_traffic` of the GroupStrategy, inside the node),
+  and the round's three collectives (`outer_round`) cost 1/H of their bytes and time per step
+  (`times["outer_sync"]`, never overlapped). The groups' few metrics floats summed across
+  nodes each step are left out, as the synchronous steps' loss sums are. Memory: step_memory
+  with the outer state."""
+  inner = GroupStrategy.of(strategy)  # refuses a G placement
+  h = w.outer_sync
+  step_w = dataclasses.replace(
+    w, wire=WireConfig(), error_feedback=None, param_delta=None, outer_sync=None
+  )
+  base = predict(inner, step_w, cluster)
+  traffic, seconds, collectives = outer_round(inner, w, cluster)
+  times = {**base.times, "outer_sync": seconds / h}
+  step = base.step_time_s + times["outer_sync"]
+  phases = dict(base.traffic["phases"])
+  for key, nbytes in traffic.phases.items():
+    phases[key] = nbytes / h
+  memory = step_memory(inner, w, cluster.nodes, cluster.devices_per_node)
+  usable = cluster.usable_bytes
+  tokens = w.tokens_per_device * cluster.devices
+  return dataclasses.replace(
+    base,
+    memory=memory,
+    fits=base.feasible and (usable is None or memory["total"] <= usable),
+    times=times,
+    step_time_s=step,
+    tokens_per_s=tokens / step if step > 0 else 0.0,
+    traffic={
+      "inter_bytes": base.traffic["inter_bytes"] + traffic.inter / h,
+      "intra_bytes": base.traffic["intra_bytes"] + traffic.intra / h,
+      "phases": phases,
+      "outer_round": {"inter_bytes": traffic.inter, "intra_bytes": traffic.intra},
+    },
+    collectives=base.collectives + collectives / h,
+    outer_sync=h,
   )

@@ -1,0 +1,185 @@
+"""`plan --outer-sync H` and `train --strategy auto --outer-sync H`
+(paro_jax/analysis/planner/auto.py): the outer loop (DiLoCo, core/outer.py) ranked beside the 14
+strategies (analysis/planner/step_model.py predict_outer).
+
+The round's bytes are derived here from docs/outer.md's description of the round (three
+collectives, fp32 but for the pseudo-gradient's wire, ring factors written out), not from
+paro_jax/analysis/planner/costs.py's outer_round_traffic, which the plan's figures come from."""
+
+import json
+
+import pytest
+
+from models.config import get_config
+from paro_jax.analysis.planner import inputs, planner
+from paro_jax.cli import main
+from paro_jax.core.strategy import GROUP_NAMES, VALID_NAMES, GroupStrategy, parse_strategy
+from paro_jax.core.wire import WireConfig
+
+G, M, H = 4, 8, 50
+BANDWIDTH, LATENCY = 125e6, 1e-3  # 1 Gbit/s per node; 1 ms per collective between nodes
+LEAVES = 12  # the round syncs the 12 stacked leaves, one collective each (9 per layer + 3)
+
+
+def outer_plan(model="7b", grads="same", h=H, global_collectives="flat"):
+  cfg = get_config(model)
+  w = inputs.Workload(
+    cfg, micro_batch=1, micro_batches=8, seq_len=2048, wire=WireConfig(grads=grads), outer_sync=h
+  )
+  net = inputs.Links(BANDWIDTH, 300e9, LATENCY, 10e-6, global_collectives=global_collectives)
+  return planner.plan(w, inputs.Cluster(G, M, net, 312e12, device_memory=80e9)), cfg.param_count()
+
+
+def wire_bytes(fmt: str) -> float:
+  """Bytes per pseudo-gradient element on the wire: fp32, bf16, or int8 with one fp32 scale per
+  block of 32 (the default --int8-block), or int4: two values a byte, the same scales."""
+  return {"same": 4.0, "bf16": 2.0, "int8": 1 + 4 / 32, "int4": 0.5 + 4 / 32}[fmt]
+
+
+@pytest.mark.parametrize("grads", ["same", "bf16", "int8", "int4"])
+def test_round_of_an_intra_sharded_master_is_three_rings_over_inter(grads):
+  """OS = I (III, NNI, ...): the outer weights out (4 bytes), the pseudo-gradient back (its
+  wire's bytes) and the new outer weights out (4 bytes), each a ring over the g nodes on the
+  node's 1/m share: (g-1)/g x psi/m per device and round, 1/H of it per step; its time is the
+  bytes at each device's share of the node's link plus the latency of 3 x 12 collectives,
+  over H."""
+  p, psi = outer_plan(grads=grads)
+  for name in ("III", "NNI", "NII", "INI"):
+    e = p.get(name)
+    per_round = (G - 1) / G * psi / M * (4 + wire_bytes(grads) + 4)
+    assert e.traffic["inter_bytes"] == pytest.approx(per_round / H, rel=1e-9)
+    assert e.traffic["outer_round"]["inter_bytes"] == pytest.approx(per_round, rel=1e-9)
+    seconds = (3 * LEAVES * LATENCY + per_round / (BANDWIDTH / M)) / H
+    assert e.times["outer_sync"] == pytest.approx(seconds, rel=1e-9)
+    # the rest of the step is the group's own step, which crosses no node
+    inner = next(x for x in p.synchronous if x.strategy == name)
+    assert e.step_time_s == pytest.approx(
+      e.times["compute"] + sum(v for k, v in e.times.items() if k != "compute"), rel=1e-12
+    )
+    assert e.times["grad_sync"] < inner.times["grad_sync"]  # no gradient sync across nodes
+
+
+def test_round_of_a_replicated_master_spans_both_axes():
+  """OS = N (NNN): the collectives run over all n devices; uncompressed, a flat ring moves
+  (n-1)/n x 4 psi per gather and per reduce-scatter; with int8 the reduce-scatter's intra level
+  carries fp32 ((m-1)/m x 4 psi, inside the node) and its inter level int8 on 1/m."""
+  n = G * M
+  p, psi = outer_plan(grads="same")
+  assert p.get("NNN").traffic["outer_round"]["inter_bytes"] == pytest.approx(
+    3 * (n - 1) / n * 4 * psi, rel=1e-9
+  )
+  p, psi = outer_plan(grads="int8")
+  round_ = p.get("NNN").traffic["outer_round"]
+  assert round_["inter_bytes"] == pytest.approx(
+    2 * (n - 1) / n * 4 * psi + (G - 1) / G * wire_bytes("int8") * psi / M, rel=1e-9
+  )
+  assert round_["intra_bytes"] == pytest.approx((M - 1) / M * 4 * psi, rel=1e-9)
+
+
+def test_h_divides_the_bytes_and_the_sync_time():
+  one, _ = outer_plan(h=1)
+  fifty, _ = outer_plan(h=50)
+  for name in GROUP_NAMES:
+    a, b = one.get(name), fifty.get(name)
+    assert a.traffic["inter_bytes"] == pytest.approx(50 * b.traffic["inter_bytes"], rel=1e-12)
+    assert a.times["outer_sync"] == pytest.approx(50 * b.times["outer_sync"], rel=1e-12)
+    assert a.memory == b.memory  # H changes no buffer
+
+
+def test_g_strategies_are_not_offered():
+  """The candidates are the strategies of N and I letters; the 14 stand beside them, not in the
+  ranking the pick comes from."""
+  p, _ = outer_plan()
+  assert sorted(e.strategy for e in p.ranking) == sorted(GROUP_NAMES)
+  assert all("G" not in e.strategy and e.outer_sync == H for e in p.ranking)
+  assert sorted(e.strategy for e in p.synchronous) == sorted(VALID_NAMES)
+  assert all(e.outer_sync is None for e in p.synchronous)
+  assert p.pick in GROUP_NAMES and p.ranking[0].strategy == p.pick
+
+
+def test_slow_link_diloco_beats_every_synchronous_strategy():
+  """At 1 Gbit/s per node a 7b step that syncs every step spends most of it on the link; once
+  every 50 steps it does not."""
+  p, _ = outer_plan()
+  best_sync = min(e.step_time_s for e in p.synchronous if e.fits)
+  assert p.get(p.pick).step_time_s * 2 < best_sync
+  assert "DiLoCo (--outer-sync 50)" in p.explain and "the fastest synchronous strategy" in p.explain
+
+
+def test_outer_axes_are_the_rounds():
+  """The planner's axes of the round are core/outer.py's (which imports jax; the planner may
+  not)."""
+  from paro_jax.core import outer
+
+  for name in GROUP_NAMES:
+    s = GroupStrategy.of(parse_strategy(name))
+    assert s.outer_sync_axes == outer.sync_axes(s)
+
+
+PLAN = ["plan", "--model", "7b", "--nodes", "4", "--inter-bandwidth", "1gbit"]
+
+
+def test_plan_outer_json_and_table(capsys):
+  main([*PLAN, "--outer-sync", "10", "--inter-grads", "int8", "--json"])
+  out = json.loads(capsys.readouterr().out)
+  assert out["inputs"]["outer_sync"] == 10 and out["pick"] in GROUP_NAMES
+  assert [r["strategy"] for r in out["ranking"]][0] == out["pick"]
+  assert all(r["outer_sync"] == 10 and "outer_sync" in r["times"] for r in out["ranking"])
+  assert len(out["synchronous"]) == 14
+  main([*PLAN, "--outer-sync", "10"])
+  text = capsys.readouterr().out
+  assert "outer sync every 10 steps" in text and "beside it, the synchronous strategies" in text
+
+
+@pytest.mark.parametrize(
+  "argv,message",
+  [
+    (["--outer-sync", "0"], "--outer-sync must be >= 1"),
+    (["--outer-sync", "5", "--target", "h100"], "drop --target with --outer-sync"),
+  ],
+)
+def test_plan_outer_bad_input(capsys, argv, message):
+  with pytest.raises(SystemExit) as e:
+    main([*PLAN, *argv])
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_strategy_auto_with_the_outer_loop(tmp_path, capsys):
+  """`--strategy auto --outer-sync H` runs the planner's pick among the N and I strategies."""
+  out = tmp_path / "run"
+  main(
+    ["train", "--strategy", "auto", "--outer-sync", "2", "--model", "test", "--mesh", "2x4"]
+    + ["--steps", "2", "--batch-size", "8", "--seq-len", "16", "--dtype", "fp32"]
+    + ["--out", str(out)]
+  )
+  text = capsys.readouterr().out
+  line = next(x for x in text.splitlines() if "--strategy auto picked" in x)
+  pick = line.split("picked ")[1][:3]
+  assert pick in GROUP_NAMES and "DiLoCo (--outer-sync 2)" in line
+  assert f"strategy {pick} on mesh 2x4" in text and "outer sync every 2 steps" in text
+  rows = (out / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(r)["step"] for r in rows] == [1, 2]
+
+
+def test_a_model_no_node_can_hold_is_not_planned_with_the_outer_loop():
+  """65b on nodes of 8 x 80 GB: a group's replica (16 bytes per parameter over 8 devices at
+  best, III) does not fit; the synchronous strategies that shard over all devices do."""
+  p, _ = outer_plan(model="65b")
+  assert p.pick is None and not any(e.fits for e in p.ranking)
+  assert any(e.fits for e in p.synchronous)
+  assert "each node holds a whole replica" in p.explain
+
+
+def test_int4_is_the_rounds_format_only(capsys):
+  """int4 is the pseudo-gradient's format: without --outer-sync it is refused as train refuses
+  it, and beside the outer loop the synchronous strategies are priced with int8 (what train
+  would run them with), the explanation saying so."""
+  p, _ = outer_plan(grads="int4")
+  int8, _ = outer_plan(grads="int8")
+  for a, b in zip(p.synchronous, int8.synchronous):
+    assert (a.strategy, a.step_time_s) == (b.strategy, b.step_time_s)
+  assert "the fastest synchronous strategy (int8 on its wire)" in p.explain
+  with pytest.raises(SystemExit) as e:
+    main(["plan", "--model", "7b", "--nodes", "4", "--inter-grads", "int4"])
+  assert e.value.code == 2
+  assert "--inter-grads int4 is the outer loop's pseudo-gradient format" in capsys.readouterr().err
