@@ -26,11 +26,24 @@ add_xla_flags(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+_CACHE_DIR = []  # this worker's persistent compilation cache, made on first use
+
+
 @pytest.fixture(scope="module")
 def compilation_cache():
   """Each train() builds a new engine whose programs jax would compile again from scratch; a
-  persistent compilation cache turns those repeats into cache hits (seconds, not tens). A module
-  that trains repeatedly asks for it with `pytestmark = pytest.mark.usefixtures(...)`."""
+  persistent compilation cache turns those repeats into cache hits (seconds, not tens), within a
+  module and across the modules of a worker that ask for it (the same tiny runs recur: a run to
+  resume, export or score). A module that trains repeatedly asks for it with
+  `pytestmark = pytest.mark.usefixtures(...)`; the others compile as a user's run does (their
+  XLA dumps and compile counts are what some of them check)."""
   import jax  # after the flags above
+  from jax.experimental.compilation_cache import compilation_cache as cache
 
-  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="paro-jax-jit-"))
+  if not _CACHE_DIR:  # one per worker: jax writes an entry without a lock
+    _CACHE_DIR.append(tempfile.mkdtemp(prefix="paro-jax-jit-"))
+  jax.config.update("jax_compilation_cache_dir", _CACHE_DIR[0])
+  cache.reset_cache()  # (jax reads the directory once, when it first compiles with one)
+  yield
+  jax.config.update("jax_compilation_cache_dir", None)
+  cache.reset_cache()

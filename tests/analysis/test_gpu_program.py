@@ -72,8 +72,14 @@ def gpu_report(
   return _CACHE[key]
 
 
-@pytest.mark.parametrize("impl", ["xla", "horing"])
-@pytest.mark.parametrize("strategy", VALID_NAMES)
+# Every strategy with XLA's collectives (its compiled traffic is the formula); with HO-Ring the
+# strategies whose two-level rings the tests below read (compiled once for both). Every strategy
+# with HO-Ring, at 7b, is the page experiments/results/gpu_program_7b_2x4/
+# (tests/experiments/test_gpu_program_pages.py).
+EVERY = [(s, "xla") for s in VALID_NAMES] + [(s, "horing") for s in ("GGG", "IGG", "NGG")]
+
+
+@pytest.mark.parametrize("strategy,impl", EVERY)
 def test_every_strategy_compiles_for_h100(strategy, impl):
   r = gpu_report(strategy, impl)
   assert r["target"] == "h100" and r["overlap"]["streams"], "no async collective on a stream"
