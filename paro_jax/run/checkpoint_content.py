@@ -48,6 +48,9 @@ class RunMeta:
   # directory, its weight files' fingerprint and the dtype it trained in; None: the checkpoint
   # holds its base (--keep-base, a random base, a checkpoint written before), or no LoRA
   base: dict | None = None
+  # an --outer-sync run's outer loop: {"sync": H, "fragments": F, "delay": TAU, "mix": ALPHA};
+  # None without one, and before it was recorded (read as F = 1, TAU = 0, H unknown)
+  outer: dict | None = None
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -209,17 +212,48 @@ class OuterMismatch(ValueError):
   """A checkpoint whose outer loop (core/outer.py) the engine cannot continue: one line."""
 
 
+# The outer loop's options that fix which step each fragment syncs, and the flags that set them.
+OUTER_SCHEDULE = {
+  "sync": "--outer-sync",
+  "fragments": "--outer-fragments",
+  "delay": "--outer-delay",
+}
+
+
+def check_outer_schedule(meta: RunMeta, outer, where: str) -> None:
+  """Refuse to continue the outer loop of checkpoint `where` on another schedule: the step count
+  gives each fragment's position in its round (and which kept weights are in flight) only for
+  the H, F and TAU it ran with. `outer`: the engine's OuterOptions. --outer-mix, --outer-lr and
+  --outer-momentum hold no state: they may change (a changed mix is said in one line)."""
+  was = meta.outer or {"fragments": 1, "delay": 0}  # written before they were recorded
+  changed = [k for k in OUTER_SCHEDULE if k in was and was[k] != getattr(outer, k)]
+  flags = lambda values: " ".join(f"{OUTER_SCHEDULE[k]} {values[k]}" for k in changed)  # noqa: E731
+  if changed:
+    raise OuterMismatch(
+      f"{where} was written with {flags(was)}, this run has "
+      f"{flags({k: getattr(outer, k) for k in changed})}: each fragment's place in its round "
+      f"would change mid-run; resume with {flags(was)} (or export it and start a new run with "
+      f"--init-from)"
+    )
+  if "mix" in was and was["mix"] != outer.mix:
+    warnings.warn(
+      f"resuming with --outer-mix {outer.mix:g}, but step {meta.step}'s checkpoint was trained "
+      f"with {was['mix']:g}: the restarts merge otherwise from step {meta.step} on",
+      stacklevel=4,
+    )
+
+
 def outer_target(target: TrainState, written, engine: Engine, meta: RunMeta):
   """(what to read, None or the conversion of what was read to the engine's state). A checkpoint
   of the outer loop read by an engine without it (eval, export, a run without --outer-sync) is
   read whole, its groups' states replicated, and gives the engine its outer weights, with a
   fresh optimizer state (said in one line); the other way round, or with another number of
-  groups, it is refused (OuterMismatch)."""
+  groups or on another schedule (check_outer_schedule), it is refused (OuterMismatch)."""
   saved = saved_field(written, "outer") is not None
   if target.outer is not None:
     groups = jax.tree.leaves(saved_field(written, "master"))[0].shape[0] if saved else None
+    where = f"step {meta.step}'s checkpoint ({meta.strategy} on {meta.mesh[0]}x{meta.mesh[1]})"
     if groups != engine.inter:
-      where = f"step {meta.step}'s checkpoint ({meta.strategy} on {meta.mesh[0]}x{meta.mesh[1]})"
       raise OuterMismatch(
         f"{where} was written without --outer-sync: the outer loop cannot continue it; resume "
         f"it without --outer-sync (or export it and start a run with --init-from)"
@@ -227,6 +261,7 @@ def outer_target(target: TrainState, written, engine: Engine, meta: RunMeta):
         else f"{where} holds the states of {groups} groups and --mesh has {engine.inter}: "
         f"resume the outer loop on {groups} groups"
       )
+    check_outer_schedule(meta, engine.outer, where)
     return target, None
   if not saved:
     return target, None

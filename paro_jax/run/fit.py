@@ -57,6 +57,8 @@ def run_memory(cfg, model, strategy, inter: int, intra: int, gpu: bool) -> dict:
     error_feedback=cfg.error_feedback,
     param_delta=cfg.param_delta,
     outer_sync=cfg.outer.sync,
+    outer_fragments=cfg.outer.fragments,
+    outer_delay=cfg.outer.delay,
   )
   return step_memory(strategy, work, inter, intra, gpu=gpu)
 

@@ -174,6 +174,9 @@ def run_meta(
     base=base_identity(cfg.init_from)
     if engine.lora and cfg.init_from and not cfg.checkpoints.keep_base
     else None,
+    outer=None
+    if cfg.outer.sync is None
+    else {k: getattr(cfg.outer, k) for k in ("sync", "fragments", "delay", "mix")},
   )
 
 

@@ -21,10 +21,17 @@ BANDWIDTH, LATENCY = 125e6, 1e-3  # 1 Gbit/s per node; 1 ms per collective betwe
 LEAVES = 12  # the round syncs the 12 stacked leaves, one collective each (9 per layer + 3)
 
 
-def outer_plan(model="7b", grads="same", h=H, global_collectives="flat"):
+def outer_plan(model="7b", grads="same", h=H, global_collectives="flat", fragments=1, delay=0):
   cfg = get_config(model)
   w = inputs.Workload(
-    cfg, micro_batch=1, micro_batches=8, seq_len=2048, wire=WireConfig(grads=grads), outer_sync=h
+    cfg,
+    micro_batch=1,
+    micro_batches=8,
+    seq_len=2048,
+    wire=WireConfig(grads=grads),
+    outer_sync=h,
+    outer_fragments=fragments,
+    outer_delay=delay,
   )
   net = inputs.Links(BANDWIDTH, 300e9, LATENCY, 10e-6, global_collectives=global_collectives)
   return planner.plan(w, inputs.Cluster(G, M, net, 312e12, device_memory=80e9)), cfg.param_count()
@@ -136,6 +143,10 @@ def test_plan_outer_json_and_table(capsys):
   [
     (["--outer-sync", "0"], "--outer-sync must be >= 1"),
     (["--outer-sync", "5", "--target", "h100"], "drop --target with --outer-sync"),
+    (["--outer-sync", "4", "--outer-fragments", "3"], "--outer-fragments 3 must divide --outer-"),
+    (["--outer-fragments", "2"], "--outer-fragments 2 splits the outer loop's syncs, and there"),
+    (["--outer-sync", "4", "--outer-delay", "4"], "--outer-delay must be in [0, H/F) = [0, 4)"),
+    (["--outer-sync", "64", "--outer-fragments", "64"], "and the model has 32 layers: pass at"),
   ],
 )
 def test_plan_outer_bad_input(capsys, argv, message):
@@ -183,3 +194,55 @@ def test_int4_is_the_rounds_format_only(capsys):
     main(["plan", "--model", "7b", "--nodes", "4", "--inter-grads", "int4"])
   assert e.value.code == 2
   assert "--inter-grads int4 is the outer loop's pseudo-gradient format" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grads", ["same", "int8"])
+def test_fragments_split_the_round_over_f_sync_steps(grads):
+  """--outer-fragments F: the round's bytes are the same, a sync step moves 1/F of them; each
+  fragment's step runs the three collectives on its slice of the 9 leaves of the layer stack,
+  the embedding with the first fragment, the final norm and the head with the last (3 x 11
+  collectives at the busiest step, 3 x (9 F + 3) in a round)."""
+  f = 5
+  plain, psi = outer_plan(grads=grads)
+  p, _ = outer_plan(grads=grads, fragments=f)
+  for name in ("III", "NNI", "NII", "INI"):
+    e = p.get(name)
+    per_round = (G - 1) / G * psi / M * (4 + wire_bytes(grads) + 4)
+    link = BANDWIDTH / M  # each device's share of the node's link
+    assert e.traffic["inter_bytes"] == pytest.approx(per_round / H, rel=1e-9)
+    busiest = e.traffic["outer_round"]["busiest_step"]
+    assert busiest["inter_bytes"] == pytest.approx(per_round / f, rel=1e-9)
+    assert busiest["seconds"] == pytest.approx(3 * 11 * LATENCY + per_round / f / link, rel=1e-9)
+    sync = (3 * (9 * f + 3) * LATENCY + per_round / link) / H
+    assert e.times["outer_sync"] == pytest.approx(sync, rel=1e-9)
+    assert e.memory == plain.get(name).memory  # fragments partition the same outer state
+    one = plain.get(name).traffic["outer_round"]["busiest_step"]
+    assert one["inter_bytes"] == pytest.approx(per_round, rel=1e-9)  # F = 1: the whole round
+
+
+def test_delay_keeps_one_copy_of_the_master_weights():
+  """--outer-delay: each device keeps its fp32 master weights at OS for the delayed exchange:
+  4 psi / m bytes for OS = I, 4 psi for OS = N; nothing else changes."""
+  plain, psi = outer_plan(fragments=2)
+  p, _ = outer_plan(fragments=2, delay=1)
+  for name in GROUP_NAMES:
+    kept = 4 * psi // (M if name[2] == "I" else 1)
+    a, b = plain.get(name), p.get(name)
+    assert b.memory["model_states"]["kept"] == kept and "kept" not in a.memory["model_states"]
+    assert b.memory["total"] == a.memory["total"] + kept
+    assert b.step_time_s == a.step_time_s
+
+
+def test_plan_fragments_json_and_text(capsys):
+  main([*PLAN, "--outer-sync", "10", "--outer-fragments", "2", "--outer-delay", "1", "--json"])
+  out = json.loads(capsys.readouterr().out)
+  assert (out["inputs"]["outer_fragments"], out["inputs"]["outer_delay"]) == (2, 1)
+  for r in out["ranking"]:
+    round_ = r["traffic"]["outer_round"]
+    assert round_["fragments"] == 2
+    assert round_["busiest_step"]["inter_bytes"] == pytest.approx(round_["inter_bytes"] / 2)
+    assert "kept" in r["memory"]["model_states"]
+  main([*PLAN, "--outer-sync", "10", "--outer-fragments", "2"])
+  text = capsys.readouterr().out
+  assert "in 2 fragments (a sync step moves 1/2 of the round)" in text
+  assert "in 2 fragments its busiest sync step moves" in text

@@ -201,26 +201,35 @@ def bytes_per_device(tree):
   return next(iter(held.values()))
 
 
-@pytest.mark.parametrize("strategy,fmt", [("NNN", "int8"), ("III", "same"), ("NII", "bf16")])
-def test_memory_model_counts_the_outer_state(strategy, fmt):
+@pytest.mark.parametrize(
+  "strategy,fmt,delay",
+  [("NNN", "int8", 0), ("III", "same", 0), ("NII", "bf16", 0), ("III", "int8", 1)],
+)
+def test_memory_model_counts_the_outer_state(strategy, fmt, delay):
   """The memory model's outer state (8 bytes per parameter over all devices, and the
-  pseudo-gradient's residual where its wire compresses) is what each device holds; the groups'
-  own states are the strategy's, as without the outer loop."""
+  pseudo-gradient's residual where its wire compresses) is what each device holds, and so is
+  --outer-delay's `kept` (the weights kept for the delayed exchange, in 2 fragments of a round of
+  4 steps); the groups' own states are the strategy's, as without the outer loop."""
   from paro_jax.analysis.planner.inputs import Workload
   from paro_jax.analysis.planner.memory import step_memory
   from paro_jax.core.wire import WireConfig
 
+  outer_options = OuterOptions(sync=4, fragments=2, delay=delay) if delay else PAPER
   model = Llama(CFG, remat=REMAT)
   engine = GroupEngine(
-    model, parse_strategy(strategy), make_mesh(GROUPS, 4), OPTIM, PAPER, Codec(fmt)
+    model, parse_strategy(strategy), make_mesh(GROUPS, 4), OPTIM, outer_options, Codec(fmt)
   )
   state = engine.state_from_params(model.init(jax.random.key(1)))
   work = Workload(CFG, micro_batch=1, micro_batches=A, seq_len=L, itemsize=4, remat=False)
   plain = step_memory(parse_strategy(strategy), work, GROUPS, 4, gpu=False)["model_states"]
-  outer = Workload(**{**work.__dict__, "wire": WireConfig(grads=fmt), "outer_sync": H})
+  outer = Workload(
+    **{**work.__dict__, "wire": WireConfig(grads=fmt), "outer_sync": H, "outer_delay": delay}
+  )
   need = step_memory(parse_strategy(strategy), outer, GROUPS, 4, gpu=False)["model_states"]
-  assert need["outer"] == bytes_per_device(state.outer) > 0
-  assert need["total"] == plain["total"] + need["outer"]
+  assert need["outer"] == bytes_per_device(state.outer._replace(pending=None)) > 0
+  if delay:
+    assert need["kept"] == bytes_per_device(state.outer.pending) > 0
+  assert need["total"] == plain["total"] + need["outer"] + need.get("kept", 0)
   # Each device holds its group's entry of the master and the moments: the strategy's 12 bytes
   # per parameter at OS (the step count, one per group, aside).
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 1]

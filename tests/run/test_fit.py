@@ -135,13 +135,15 @@ def test_plan_and_trains_refusal_print_the_same_memory(tmp_path, capsys):
 
 
 def test_plan_and_trains_refusal_agree_for_the_outer_loop(tmp_path, capsys):
-  """The same for the outer loop (`--outer-sync 10`, an int8 pseudo-gradient): `plan`'s figure
-  for each candidate, with the outer weights, momentum and residual in its model states, is the
+  """The same for the outer loop (`--outer-sync 10` in 2 fragments, each exchanged a step late,
+  an int8 pseudo-gradient): `plan`'s figure for each candidate, with the outer weights, momentum,
+  residual and --outer-delay's kept weights in its model states, is the
   one train's refusal prints (III: OS = I, its residual over `inter`; NNI: the same, its
   parameters replicated)."""
   strategies = ("III", "NNI")
   step = ["--model", "7b", "--micro-batches", "8", "--seq-len", "2048", "--attention", "xla"]
-  step += ["--outer-sync", "10", "--inter-grads", "int8"]
+  step += ["--outer-sync", "10", "--outer-fragments", "2", "--outer-delay", "1"]
+  step += ["--inter-grads", "int8"]
   cli.main(
     ["plan", *step, "--nodes", "4", "--devices-per-node", "8", "--micro-batch", "1", "--json"]
   )
@@ -170,3 +172,5 @@ def test_plan_and_trains_refusal_agree_for_the_outer_loop(tmp_path, capsys):
     # the int8 wire's fp32 residual, each device's share of its node's pseudo-gradient (1/8)
     psi = 6738415616  # 7b, a multiple of 32
     assert states["outer"] == 8 * psi // 32 + 4 * psi // 8
+    # --outer-delay's kept weights: one fp32 copy of the master weights at OS = I (1/8)
+    assert states["kept"] == 4 * psi // 8

@@ -115,3 +115,53 @@ def test_without_the_outer_loop_its_checkpoint_gives_the_outer_weights(straight)
   with pytest.raises(OuterMismatch, match="holds the states of 2 groups and --mesh has 4"):
     ckpt.restore(engine_of((4, 2)))
   ckpt.close()
+
+
+def test_another_schedule_is_refused_in_one_line(straight, tmp_path, capsys):
+  """A resume with another --outer-fragments exits 2 with one line naming both values and the
+  fix, before anything is read or set aside: the checkpoints stay as they were."""
+  from paro_jax import cli
+
+  out = tmp_path / "run"
+  shutil.copytree(straight, out)
+  before = sorted(p.name for p in (out / "checkpoints").iterdir())
+  argv = "--model test --strategy III --mesh 2x4 --micro-batches 2 --batch-size 8 --seq-len 16"
+  argv += " --dtype fp32 --steps 6 --warmup 2 --outer-sync 2 --inter-grads int8 --resume"
+  with pytest.raises(SystemExit) as e:
+    cli.main(["train", *argv.split(), "--outer-fragments", "2", "--out", str(out)])
+  err = capsys.readouterr().err
+  lines = [x for x in err.splitlines() if x.startswith("paro-jax: error:")]
+  assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in err
+  assert "was written with --outer-fragments 1, this run has --outer-fragments 2" in lines[0]
+  assert "resume with --outer-fragments 1" in lines[0]
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+  assert losses(out) == losses(straight)  # nothing trained, nothing written
+
+
+def test_the_checkpoint_records_the_schedule_and_old_ones_read_as_one_fragment(straight, tmp_path):
+  """The metadata holds H, F, TAU and ALPHA; a checkpoint written before (no `outer`) reads as
+  F = 1, TAU = 0 (H unchecked); another H or TAU is refused, another ALPHA said."""
+  from paro_jax.run.checkpoint import Checkpointer
+  from paro_jax.run.checkpoint_content import OuterMismatch
+
+  ckpt = Checkpointer(str(straight / "checkpoints"), read_only=True)
+  assert ckpt.newest_meta().outer == {"sync": 2, "fragments": 1, "delay": 0, "mix": 0.0}
+  with pytest.raises(OuterMismatch, match="--outer-sync 2, this run has --outer-sync 4: "):
+    ckpt.restore(engine_of((2, 4), **{"outer.sync": 4}))
+  with pytest.raises(OuterMismatch, match="--outer-sync 2 --outer-delay 0, this run has --o"):
+    ckpt.restore(engine_of((2, 4), **{"outer.sync": 4, "outer.delay": 1}))
+  with pytest.warns(UserWarning, match="resuming with --outer-mix 0.5, but step 6's"):
+    ckpt.restore(engine_of((2, 4), **{"outer.mix": 0.5}))
+  ckpt.close()
+  old = tmp_path / "old"
+  shutil.copytree(straight / "checkpoints" / "6", old / "6")
+  meta = old / "6" / "meta" / "metadata"  # the RunMeta's JSON, as written before `outer`
+  written = json.loads(meta.read_text())
+  del written["outer"]
+  meta.write_text(json.dumps(written))
+  ckpt = Checkpointer(str(old), read_only=True)
+  assert ckpt.newest_meta().outer is None
+  with pytest.raises(OuterMismatch, match="with --outer-fragments 1, this run has --outer-fr"):
+    ckpt.restore(engine_of((2, 4), **{"outer.fragments": 2}))
+  ckpt.restore(engine_of((2, 4), **{"outer.sync": 4}))  # H was not recorded: not checked
+  ckpt.close()

@@ -139,6 +139,8 @@ def auto_strategy(
     wire=cfg.wire.formats(),
     grad_itemsize=cfg.wire.grad_itemsize(itemsize),
     outer_sync=cfg.outer.sync,
+    outer_fragments=cfg.outer.fragments,
+    outer_delay=cfg.outer.delay,
   )
   if plan.pick is None:
     raise ValueError(f"--strategy auto: {plan.explain}")

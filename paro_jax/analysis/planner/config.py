@@ -15,6 +15,7 @@ from paro_jax.core.config import (
   COMPUTE_DTYPES,
   MODEL_HELP,
   WireOptions,
+  OuterOptions,
   check_outer_formats,
   group,
   option,
@@ -104,6 +105,22 @@ class PlanConfig:
     metavar="H",
     type=int,
   )
+  outer_fragments: int = option(
+    1,
+    "F: with --outer-sync, Streaming DiLoCo's fragments (`train --outer-fragments F`): a sync "
+    "step moves 1/F of the round's bytes (default %(default)s)",
+    flag="--outer-fragments",
+    metavar="F",
+    type=int,
+  )
+  outer_delay: int = option(
+    0,
+    "TAU: with --outer-sync, `train --outer-delay TAU`: its kept copy of the master weights "
+    "counted in memory (default %(default)s)",
+    flag="--outer-delay",
+    metavar="TAU",
+    type=int,
+  )
   as_json: bool = option(False, "print one JSON object", flag="--json")
 
   def __post_init__(self):
@@ -129,6 +146,8 @@ class PlanConfig:
         f"omit it to rank the synchronous strategies alone"
       )
     check_outer_formats(self.wire, self.outer_sync)
+    # train's checks of --outer-fragments and --outer-delay, in train's words
+    OuterOptions(sync=self.outer_sync, fragments=self.outer_fragments, delay=self.outer_delay)
     if self.outer_sync is not None and self.target is not None:
       raise ValueError(
         "--target compiles a step and XLA's estimate would count the outer loop's round in "

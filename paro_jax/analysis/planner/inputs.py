@@ -111,6 +111,8 @@ class Workload:
   error_feedback: bool | None = None
   param_delta: bool | None = None
   outer_sync: int | None = None  # --outer-sync H (core/outer.py); None: off
+  outer_fragments: int = 1  # --outer-fragments F (core/fragments.py): each sync step moves 1/F
+  outer_delay: int = 0  # --outer-delay TAU: the master weights kept for the delayed exchange
 
   def __post_init__(self):
     for name in ("micro_batch", "micro_batches", "seq_len"):

@@ -27,7 +27,8 @@ def step_memory(strategy: Strategy, w: Workload, inter: int, intra: int, gpu: bo
   of GPUs (the planner plans for them; a run on CPUs passes False). With the outer loop
   (`w.outer_sync`) the step's own wire formats do not apply (it has no collective across nodes),
   and the outer weights and momentum add OUTER_STATE_BYTES per trained parameter over all
-  devices, with the pseudo-gradient's residual where its wire compresses."""
+  devices, with the pseudo-gradient's residual where its wire compresses, and with
+  `w.outer_delay` the weights kept for the delayed exchange (`kept`)."""
   if w.outer_sync:
     return _with_outer(strategy, dataclasses.replace(w, outer_sync=None), inter, intra, gpu)
   states = model_state_bytes(
@@ -64,6 +65,7 @@ def step_memory(strategy: Strategy, w: Workload, inter: int, intra: int, gpu: bo
 # Bytes per trained parameter the outer loop adds, divided by all devices: the fp32 outer weights
 # and their fp32 Nesterov momentum (core/outer.py OuterState, sharded over all devices).
 OUTER_STATE_BYTES = 8
+KEPT_BYTES = 4  # --outer-delay's kept weights: fp32, per trained parameter at OS
 
 
 def _with_outer(strategy: Strategy, inner: Workload, inter: int, intra: int, gpu: bool) -> dict:
@@ -75,9 +77,14 @@ def _with_outer(strategy: Strategy, inner: Workload, inter: int, intra: int, gpu
   outer = OUTER_STATE_BYTES * -(-inner.psi_trained // n) + feedback_rules.outer_residual_bytes(
     strategy, inner.psi_trained, inter, intra, inner.wire, inner.error_feedback
   )
-  states = need["model_states"]
-  states = {**states, "outer": outer, "total": states["total"] + outer}
-  return {**need, "model_states": states, "total": need["total"] + outer}
+  states = {**need["model_states"], "outer": outer}
+  if inner.outer_delay:
+    # --outer-delay: each group's fp32 master weights as of a fragment's sync step, a whole copy
+    # at OS (core/groups.py `_keep`: OuterState.pending, stacked like the master)
+    states["kept"] = KEPT_BYTES * inner.psi_trained // strategy.opt.shard_count(inter, intra)
+  added = sum(v for k, v in states.items() if k in ("outer", "kept"))
+  states["total"] += added
+  return {**need, "model_states": states, "total": need["total"] + added}
 
 
 def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int = 1) -> dict:

@@ -130,6 +130,13 @@ def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
       "; in the outer loop each node holds a whole replica (N and I placements only): use "
       "more devices per node, or drop --outer-sync for a strategy that shards over all devices"
     )
+  if pick is not None and w.outer_fragments > 1:
+    busiest = pick.traffic["outer_round"]["busiest_step"]
+    explain += (
+      f"; in {w.outer_fragments} fragments its busiest sync step moves "
+      f"{human_bytes(busiest['inter_bytes'])} per device across nodes in "
+      f"{busiest['seconds']:.3f} s (1/{w.outer_fragments} of the round)"
+    )
   if pick is not None and best is not None:
     explain += (
       f"; the fastest synchronous strategy{' (int8 on its wire)' if wire != w.wire else ''}, "
@@ -160,6 +167,8 @@ def plan_for_profile(
   wire: WireConfig | None = None,
   grad_itemsize: int | None = None,
   outer_sync: int | None = None,
+  outer_fragments: int = 1,
+  outer_delay: int = 0,
 ) -> Plan:
   """`train --strategy auto`: the plan for this run, from a probe of its own mesh (with
   `outer_sync`, among the strategies each group can run in the outer loop).
@@ -196,6 +205,8 @@ def plan_for_profile(
     wire=wire or WireConfig(),
     grad_itemsize=grad_itemsize,
     outer_sync=outer_sync,
+    outer_fragments=outer_fragments,
+    outer_delay=outer_delay,
   )
   inputs = {
     "nodes": inter,
@@ -251,6 +262,11 @@ def run_plan(cfg: PlanConfig) -> Plan:
     cfg.overlap,
   )
   psi = model_cfg.param_count()
+  if cfg.outer_fragments > model_cfg.layers:  # train's check (core/fragments.py), its words
+    raise ValueError(
+      f"--outer-fragments {cfg.outer_fragments} splits the layer stack into fragments, and the "
+      f"model has {model_cfg.layers} layers: pass at most {model_cfg.layers}"
+    )
   w = Workload(
     model_cfg,
     cfg.micro_batch,
@@ -262,6 +278,8 @@ def run_plan(cfg: PlanConfig) -> Plan:
     wire=cfg.wire.formats(),
     grad_itemsize=cfg.wire.grad_itemsize(itemsize),
     outer_sync=cfg.outer_sync,
+    outer_fragments=cfg.outer_fragments,
+    outer_delay=cfg.outer_delay,
     # the plan is for GPUs: --attention as a run on them resolves it
     fused_attention=resolve_attention(
       cfg.attention, "cuda", "bfloat16" if itemsize == 2 else "float32", model_cfg.head_dim
@@ -295,6 +313,8 @@ def run_plan(cfg: PlanConfig) -> Plan:
     "grad_dtype": cfg.wire.grad_dtype,
     "overlap": cfg.overlap,
     "outer_sync": cfg.outer_sync,
+    "outer_fragments": cfg.outer_fragments,
+    "outer_delay": cfg.outer_delay,
     "profile": cfg.profile,
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),
   }
@@ -324,6 +344,13 @@ def run_plan(cfg: PlanConfig) -> Plan:
       + (
         f"; DiLoCo: the groups sync every {cfg.outer_sync} steps, the pseudo-gradient on the "
         f"wire as --inter-grads {cfg.wire.inter_grads}"
+        + (
+          f", in {cfg.outer_fragments} fragments (a sync step moves 1/{cfg.outer_fragments} "
+          f"of the round)"
+          if cfg.outer_fragments > 1
+          else ""
+        )
+        + (f", --outer-delay {cfg.outer_delay}'s kept weights in memory" if cfg.outer_delay else "")
         if cfg.outer_sync
         else ""
       )

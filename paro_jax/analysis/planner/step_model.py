@@ -250,41 +250,55 @@ def predict(strategy: Strategy, w: Workload, cluster: Cluster) -> Prediction:
 
 
 def outer_round(strategy: GroupStrategy, w: Workload, cluster: Cluster):
-  """(traffic, seconds, collectives) of one round's end of the outer loop (costs.
-  outer_round_traffic), each of its three collectives priced by `collective_seconds` as the
-  step's are: one collective per stacked leaf (the round syncs the 12 leaves, core/outer.py).
-  A compressed collective over both axes runs as two levels (costs._add_collective), each priced
-  at its own level, as phase_collectives does for the step."""
+  """(traffic, seconds, collectives, the busiest sync step's seconds) of one round of the outer
+  loop (costs.outer_round_traffic), each of its three collectives priced by `collective_seconds`
+  as the step's are: one collective per stacked leaf (the round syncs the 12 leaves, core/
+  outer.py). A compressed collective over both axes runs as two levels (costs._add_collective),
+  each priced at its own level, as phase_collectives does for the step. With F =
+  `w.outer_fragments` (core/fragments.py) each fragment's sync step moves 1/F of the bytes (the
+  planner splits them evenly) on a slice of the 9 leaves of the layer stack, the embedding with
+  the first fragment, the final norm and the head with the last: the round is F such steps."""
   traffic = outer_round_traffic(
     strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire
   )
-  count, kinds = LEAVES_PER_LAYER + OTHER_LEAVES, {p: kind for p, kind, _ in OUTER_PHASES}
+  kinds = {p: kind for p, kind, _ in OUTER_PHASES}
   phases = [key.split("/")[0] for key in traffic.phases]
-  seconds, collectives = 0.0, 0
-  for key, nbytes in traffic.phases.items():
-    phase, level = key.split("/")
-    split = phases.count(phase) == 2
-    axes = (level,) if split else strategy.outer_sync_axes
-    seconds += collective_seconds(kinds[phase], axes, nbytes, count, cluster)
-    collectives += count
-  return traffic, seconds, collectives
+  frags = w.outer_fragments
+  seconds, collectives, busiest = 0.0, 0, 0.0
+  for f in range(frags):
+    count = LEAVES_PER_LAYER + (f == 0) + (OTHER_LEAVES - 1) * (f == frags - 1)
+    step = 0.0
+    for key, nbytes in traffic.phases.items():
+      phase, level = key.split("/")
+      axes = (level,) if phases.count(phase) == 2 else strategy.outer_sync_axes
+      step += collective_seconds(kinds[phase], axes, nbytes / frags, count, cluster)
+      collectives += count
+    seconds, busiest = seconds + step, max(busiest, step)
+  return traffic, seconds, collectives, busiest
 
 
 def predict_outer(strategy: Strategy, w: Workload, cluster: Cluster) -> Prediction:
   """A step of the outer loop (DiLoCo, core/outer.py) with `strategy` (N and I letters) as each
   group's step, every H = `w.outer_sync` steps a round's end: the group's step has no
   collective across nodes (its traffic is `step_traffic` of the GroupStrategy, inside the node),
-  and the round's three collectives (`outer_round`) cost 1/H of their bytes and time per step
+  and the round's three collectives (`outer_round`, in F fragments' sync steps with
+  `w.outer_fragments`) cost 1/H of their bytes and time per step
   (`times["outer_sync"]`, never overlapped). The groups' few metrics floats summed across
   nodes each step are left out, as the synchronous steps' loss sums are. Memory: step_memory
   with the outer state."""
   inner = GroupStrategy.of(strategy)  # refuses a G placement
   h = w.outer_sync
   step_w = dataclasses.replace(
-    w, wire=WireConfig(), error_feedback=None, param_delta=None, outer_sync=None
+    w,
+    wire=WireConfig(),
+    error_feedback=None,
+    param_delta=None,
+    outer_sync=None,
+    outer_fragments=1,
+    outer_delay=0,
   )
   base = predict(inner, step_w, cluster)
-  traffic, seconds, collectives = outer_round(inner, w, cluster)
+  traffic, seconds, collectives, busiest = outer_round(inner, w, cluster)
   times = {**base.times, "outer_sync": seconds / h}
   step = base.step_time_s + times["outer_sync"]
   phases = dict(base.traffic["phases"])
@@ -304,7 +318,18 @@ def predict_outer(strategy: Strategy, w: Workload, cluster: Cluster) -> Predicti
       "inter_bytes": base.traffic["inter_bytes"] + traffic.inter / h,
       "intra_bytes": base.traffic["intra_bytes"] + traffic.intra / h,
       "phases": phases,
-      "outer_round": {"inter_bytes": traffic.inter, "intra_bytes": traffic.intra},
+      "outer_round": {
+        "inter_bytes": traffic.inter,
+        "intra_bytes": traffic.intra,
+        "seconds": seconds,
+        # --outer-fragments F: a sync step moves one fragment's share (all of it for F = 1)
+        "fragments": w.outer_fragments,
+        "busiest_step": {
+          "inter_bytes": traffic.inter / w.outer_fragments,
+          "intra_bytes": traffic.intra / w.outer_fragments,
+          "seconds": busiest,
+        },
+      },
     },
     collectives=base.collectives + collectives / h,
     outer_sync=h,
