@@ -88,8 +88,8 @@ def evaluate_tasks(lm, cfg: EvalConfig, log_samples: bool = False) -> dict:
   if unknown:
     where = f" or in {cfg.include_path}" if cfg.include_path else ""
     raise ValueError(
-      f"--tasks {','.join(unknown)}: no such lm-eval task{where}: see `lm-eval ls tasks`, or "
-      f"pass --include-path with the directory of your task YAMLs"
+      f"--tasks {','.join(unknown)}: no such lm-eval task{where}: check the name (lm-eval ls "
+      f"tasks lists them), or pass --include-path with the directory of your task YAMLs"
     )
   return lm_eval.simple_evaluate(
     model=lm,
