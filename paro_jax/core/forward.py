@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec
 from models.llama import next_token_loss, weighted_token_loss
 from paro_jax.core import step
 from paro_jax.core.batch import Batch, inputs_of
-from paro_jax.core.names import GLOBAL_AXES
+from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES
 from paro_jax.core.shards import Shard
 from paro_jax.core.wire import WireConfig
 
@@ -25,6 +25,7 @@ class Forward:
     self.engine = engine
     self._loss = jax.jit(self._loss_fn)
     self._sums = jax.jit(self._sums_fn)
+    self._row_scores = jax.jit(self._row_scores_fn)
 
   def loss(self, params, batch_AxBxL1) -> jax.Array:
     """Mean next-token loss over a placed batch of any number of micro-batches (for a Batch,
@@ -38,6 +39,12 @@ class Forward:
     """(the summed loss of the counted targets, how many) of a placed Batch: sums of several
     batches add up to the mean of all of them (`paro-jax eval`)."""
     return self._sums(params, batch)
+
+  def row_scores(self, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Each row's (summed log-probability of its counted targets, fp32; whether each of them is
+    the row's argmax there) of a placed Batch, (A, B) each: lm-eval's loglikelihood
+    (run/lm_eval_model.py)."""
+    return self._row_scores(params, batch)
 
   def _forward(self, params, batch_AxBxL1, micro_fn, reduce_fn, out_specs):
     """`micro_fn(logits, batch_BxL1)` of each micro-batch on each device, then `reduce_fn` of
@@ -84,3 +91,18 @@ class Forward:
 
     total = lambda per_micro: jax.tree.map(lambda x: lax.psum(jnp.sum(x), GLOBAL_AXES), per_micro)
     return self._forward(params, batch, sums, total, (PartitionSpec(), PartitionSpec()))
+
+  def _row_scores_fn(self, params, batch: Batch):
+    def per_row(logits_BxLxV, batch_BxL1):
+      _, targets_BxL, weights_BxL, _ = inputs_of(batch_BxL1)
+      logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+      target_BxL = jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+      counted_BxL = weights_BxL > 0
+      greedy_BxL = jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL
+      return (
+        jnp.sum(jnp.where(counted_BxL, target_BxL, 0.0), axis=-1),
+        jnp.all(greedy_BxL | ~counted_BxL, axis=-1),
+      )
+
+    rows = PartitionSpec(None, BATCH_AXES)  # each device's rows, stacked over the micro-batches
+    return self._forward(params, batch, per_row, lambda x: x, (rows, rows))

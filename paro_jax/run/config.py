@@ -275,6 +275,19 @@ class RunConfig(StepConfig):
     }
 
 
+TASK_FLAGS = ("num_fewshot", "limit", "include_path")  # options of --tasks alone
+# --data's options that --tasks refuses (its tasks read their own data; --tokenizer still counts)
+DATA_FLAGS = (
+  "paths",
+  "text_field",
+  "bin_dtype",
+  "data_format",
+  "chat_template",
+  "pack",
+  "long_examples",
+)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
   """What `paro-jax eval` scores (run/evaluate.py): SOURCE on --data, with a step's strategy,
@@ -298,17 +311,59 @@ class EvalConfig:
   collectives: str = option_like(StepConfig, "collectives")
   attention: str = option_like(StepConfig, "attention")
   data: DataConfig = group(DataConfig)  # as train reads it; all of it is scored
+  tasks: str | None = option(  # None: --data's loss and perplexity (run/evaluate.py)
+    None,
+    "lm-eval-harness tasks, comma-separated (e.g. hellaswag,arc_easy): run them through "
+    "lm_eval.simple_evaluate instead of scoring --data (pip install 'paro-jax[lm-eval]'); "
+    "--seq-len is then the longest row (default: the model's max_position_embeddings)",
+    metavar="NAMES",
+  )
+  num_fewshot: int | None = option(
+    None, "--tasks: few-shot examples per prompt (default: each task's own)", type=int
+  )
+  limit: int | None = option(
+    None, "--tasks: score only the first N documents of each task (for a quick look)", type=int
+  )
+  include_path: str | None = option(
+    None, "--tasks: a directory of task YAMLs of your own, beside lm-eval's", metavar="DIR"
+  )
   as_json: bool = option(
     False,
     "print one JSON object (strict JSON): loss, perplexity (null where exp(loss) overflows), "
     "tokens (the targets scored), and windows scored (a token stream) or examples scored and "
-    "examples_left_out (instruction data)",
+    "examples_left_out (instruction data); with --tasks, lm-eval's results",
     flag="--json",
   )
 
   def __post_init__(self):
     if self.seq_len is not None and self.seq_len < 1:
       raise ValueError(f"--seq-len must be >= 1, got {self.seq_len}")
+    if self.tasks is None:
+      given = [f for f in TASK_FLAGS if getattr(self, f) is not None]
+      if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"{flag} is an option of --tasks: pass --tasks NAMES, or drop {flag}")
+      return
+    if not [name for name in self.tasks.split(",") if name.strip()]:
+      raise ValueError("--tasks names no task: pass lm-eval task names, comma-separated")
+    if self.num_fewshot is not None and self.num_fewshot < 0:
+      raise ValueError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
+    if self.limit is not None and self.limit < 1:
+      raise ValueError(f"--limit must be >= 1 (documents per task), got {self.limit}")
+    default = DataConfig()
+    for name in DATA_FLAGS:
+      if getattr(self.data, name) != getattr(default, name):
+        flag = DataConfig.__dataclass_fields__[name].metadata["flag"] or "--" + name.replace(
+          "_", "-"
+        )
+        raise ValueError(
+          f"{flag} is for scoring --data, and --tasks reads each task's own dataset: drop "
+          f"{flag}, or drop --tasks"
+        )
+
+  def task_names(self) -> list[str]:
+    """--tasks as a list of names."""
+    return [name.strip() for name in (self.tasks or "").split(",") if name.strip()]
 
   def step(self, lora: LoraOptions) -> StepConfig:
     """The step whose engine scores (core/factory.py), with the source's adapters."""

@@ -26,11 +26,19 @@ def add_parser(sub) -> None:
   add_options(data, EvalConfig, "data.paths", "data.text_field", "data.tokenizer")
   add_options(data, EvalConfig, "data.bin_dtype", "data.data_format", "data.chat_template")
   add_options(data, EvalConfig, "data.long_examples", "data.pack")
+  tasks = ev.add_argument_group("benchmark tasks", "lm-eval-harness's, instead of --data")
+  add_options(tasks, EvalConfig, "tasks", "num_fewshot", "limit", "include_path")
   add_options(ev, EvalConfig, "as_json")
 
 
 def main(args, inv: Invocation) -> None:
+  # all of --data is scored (one example per row, or packed: the same sums, fewer rows)
+  cfg = config_of(args, EvalConfig, mesh=inv.mesh, **{"data.eval_fraction": 0.0})
+  if cfg.tasks is not None:
+    from paro_jax.run.benchmarks import run_benchmarks  # imports jax: after the device flag
+
+    run_benchmarks(cfg)
+    return
   from paro_jax.run.evaluate import run_eval  # imports jax: after the device flag is set
 
-  # all of --data is scored (one example per row, or packed: the same sums, fewer rows)
-  run_eval(config_of(args, EvalConfig, mesh=inv.mesh, **{"data.eval_fraction": 0.0}))
+  run_eval(cfg)
