@@ -96,7 +96,7 @@ def main(args, inv: Invocation) -> None:
   max_shard_size = shard_size(args.max_shard_size)  # before the restore, which takes a while
   import jax  # once the devices are set up and the processes joined (cli.py)
 
-  from paro_jax.run.export import export_run
+  from paro_jax.run.export import export_run  # jax: the CLI's start and its parser stay free of it
 
   done = export_run(
     args.run,

@@ -7,6 +7,7 @@ import errno
 import os
 
 import pytest
+from safetensors.numpy import save_file
 
 from paro_jax.hf import stream_out
 from paro_jax.hf.stream_out import plan_shards, stream_hf
@@ -29,21 +30,21 @@ def test_each_write_is_checked_before_the_next_gather(tmp_path, monkeypatch):
   stream_hf(cfg, params, str(tmp_path / "ok"), None, "fp32", SMALL, check=seen.append)
   assert seen == [None] * (1 + len(tensors))  # config.json, then each tensor
 
-  real_save, real_gather = stream_out.save_file, stream_out._gather
+  real_gather = stream_out._gather
   saved, gathered, seen = [], [], []
 
   def full_disk(tensors, path, metadata):  # the second shard finds the disk full
     if saved:
       raise OSError(errno.ENOSPC, "No space left on device", path)
     saved.append(path)
-    real_save(tensors, path, metadata=metadata)
+    save_file(tensors, path, metadata=metadata)
 
   def check(error):
     seen.append(error)
     if error is not None:
       raise error
 
-  monkeypatch.setattr(stream_out, "save_file", full_disk)
+  monkeypatch.setattr("paro_jax.hf.stream_out.save_file", full_disk)
   monkeypatch.setattr(stream_out, "_gather", lambda *a: gathered.append(a) or real_gather(*a))
   os.makedirs(tmp_path / "full")
   with pytest.raises(OSError, match="No space left"):
