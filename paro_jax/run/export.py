@@ -163,11 +163,12 @@ def export_run(
   from (its --init-from) is never overwritten. `base_model`: an adapter's
   base_model_name_or_path (default: the absolute path of that directory)."""
   together = OneWriter("export")  # process 0 writes; an error anywhere stops every process
+  with together.step():  # --out, which process 0 alone reads, before any other collective
+    if together.writer:
+      _check_out(out, overwrite)
   ckpt = None
   try:
-    with together.step():  # what process 0 alone reads (--out) may fail there alone
-      if together.writer:
-        _check_out(out, overwrite)
+    with together.step():
       directory = os.path.join(run_dir, CHECKPOINTS)
       if not os.path.isdir(directory):
         raise FileNotFoundError(
