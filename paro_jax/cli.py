@@ -44,11 +44,11 @@ PARSERS = (
 NO_DEVICES = {
   "prepare-data": prepare_command.main,
   "plot": plot.main,
-  "export": export_command.main,
   "plan": planner_command.plan_main,
 }
-# ... and those run once the devices exist (train and probe may join a multi-process run).
+# ... and those run once the devices exist (train, probe and export may join a multi-process run).
 ON_DEVICES = {
+  "export": export_command.main,
   "probe": planner_command.probe_main,
   "inspect": inspect_command.main,
   "eval": eval_command.main,
@@ -84,17 +84,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _check_node_command(child_argv: list[str]) -> None:
-  """`launch -- train ...`: the per-node flags parsed here first, so that a bad one is one line
-  before any node starts (not the usage of every node)."""
-  train = build_parser()._subparsers._group_actions[0].choices["train"]
+  """`launch -- train ...` (or `export ...`): the per-node flags parsed here first, so that a bad
+  one is one line before any node starts (not the usage of every node)."""
+  command = child_argv[0]
+  parser = build_parser()._subparsers._group_actions[0].choices[command]
 
   def fail(message):
-    raise ValueError(f"the per-node command after --: {message} (see paro-jax train --help)")
+    raise ValueError(f"the per-node command after --: {message} (see paro-jax {command} --help)")
 
-  train.error = fail
-  _, unknown = train.parse_known_args(child_argv[1:])
+  parser.error = fail
+  args, unknown = parser.parse_known_args(child_argv[1:])
   if unknown:
     fail(f"unrecognized arguments: {' '.join(unknown)}")
+  if command == "export":
+    export_command.check_args(args, fail)
 
 
 def _log_place(args, child_argv: list[str]) -> tuple[str | None, str]:
@@ -102,7 +105,7 @@ def _log_place(args, child_argv: list[str]) -> tuple[str | None, str]:
   if args.command == "train":
     return args.out, train_command.log_name(args)
   if args.command == "export":
-    return args.run, report.LOG_NAME
+    return args.run, train_command.log_name(args)
   if args.command == "launch" and child_argv[:1] == ["train"]:
     return _flag(child_argv, "--out", "runs/latest"), "paro-jax.launch.log"
   return None, report.LOG_NAME
@@ -166,7 +169,7 @@ def _main(argv) -> None:
   report.set_log_dir(*_log_place(args, child_argv))
   try:
     if args.command == "launch":
-      if child_argv[:1] == ["train"]:
+      if child_argv[:1] in (["train"], ["export"]):
         _check_node_command(child_argv)
       launch_command.main(args, child_argv)
     mesh = parse_mesh_shape(args.mesh) if getattr(args, "mesh", None) else None

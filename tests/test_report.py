@@ -255,7 +255,9 @@ def test_each_process_and_command_has_its_log(monkeypatch):
   assert place(["train", "--out", "r", "--process-id", "2"]) == ("r", "paro-jax.node2.log")
   monkeypatch.setenv("SLURM_PROCID", "3")
   assert place(["train", "--out", "r"]) == ("r", "paro-jax.node3.log")
-  assert place(["export", "r", "--out", "hf"]) == ("r", "paro-jax.log")
+  # export joins a multi-process job too: a log per process in the run directory it reads
+  assert place(["export", "r", "--out", "hf"]) == ("r", "paro-jax.node3.log")
+  assert place(["export", "r", "--out", "hf", "--process-id", "0"]) == ("r", "paro-jax.log")
   launch = ["launch", "--nodes", "2", "--devices-per-node", "2"]
   assert place(launch, ["train", "--out", "r"]) == ("r", "paro-jax.launch.log")
   assert place(["plan", "--nodes", "2"]) == (None, "paro-jax.log")

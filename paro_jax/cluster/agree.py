@@ -13,6 +13,7 @@ which a process that failed before it would never reach (the others would wait t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -57,6 +58,48 @@ class Agreement:
 
   def max(self, value: int) -> int:
     return self._reduce(self._max, value)
+
+
+class WriterFailed(ValueError):
+  """Another process of a job failed in a step of its own: its line says why."""
+
+
+class OneWriter:
+  """Process 0 writes while every process takes part in the collectives around its writes (an
+  export's gathers). After each piece of process 0's work the processes agree on whether every
+  one went through (`check`), so that an error on one process stops them all at the same point:
+  without it the others would wait in the next collective until JAX's heartbeat aborts them."""
+
+  def __init__(self, what: str):
+    import jax  # here, as Agreement's
+
+    self.what = what
+    self.writer = jax.process_index() == 0
+    self.agreement = Agreement()
+    self.settled = False  # a failure agreed on: no process takes part in another collective
+
+  def check(self, error: BaseException | None) -> None:
+    """On every process, with this process's error (None: its work went through): raise it, or
+    WriterFailed where another process failed; return where every one went through."""
+    if not self.settled and self.agreement.all(error is None):
+      return
+    self.settled = True
+    if error is not None:
+      raise error
+    raise WriterFailed(
+      f"another process of this {self.what} failed (its own line says why): nothing was "
+      f"written; fix that and run it again"
+    )
+
+  @contextlib.contextmanager
+  def step(self):
+    """A piece of work that may fail on some processes only: `check` of its error at its end."""
+    error = None
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001 - any error: the others must hear of it, then it is raised
+      error = e
+    self.check(error)
 
 
 def agreed_steps(steps: list[int], agreement: Agreement):

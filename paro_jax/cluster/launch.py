@@ -18,10 +18,10 @@ as SIGINT: they agree on a step, checkpoint it together and exit (a second Ctrl-
 once). A launcher that is itself SIGKILLed leaves nothing running: a reaper process
 (paro_jax/cluster/reaper.py) sees its pipe close and kills the nodes and deletes the namespaces.
 
-The per-node command is `train ...` (run as `python -m paro_jax train ...`) or a Python script,
-`python SCRIPT [args]` or `SCRIPT.py [args]` (run with this interpreter, e.g.
-experiments/bench_collectives.py); either gets --mesh GxM and the multi-process flags appended, and
-the env var PARO_JAX_LINK describes the link (shaped or not).
+The per-node command is `train ...` or `export ...` (run as `python -m paro_jax ...`) or a Python
+script, `python SCRIPT [args]` or `SCRIPT.py [args]` (run with this interpreter, e.g.
+experiments/bench_collectives.py); each gets the multi-process flags (all but export --mesh GxM)
+appended, and the env var PARO_JAX_LINK describes the link (shaped or not).
 
 From Python: `launch(["train", "--steps", "2", ...], nodes=2, devices_per_node=2)` returns the
 exit code.
@@ -68,6 +68,7 @@ from paro_jax.core.xla_flags import DEVICE_COUNT_FLAG
 COORD_PORT = 29500  # free: each namespace is fresh
 MAX_NODES, MAX_DEVICES_PER_NODE = 64, 1024  # processes / virtual CPU devices one machine emulates
 RESERVED = ("--coordinator", "--num-processes", "--process-id")
+COMMANDS = ("train", "export")  # the paro-jax commands a node runs
 
 
 def _free_port() -> int:
@@ -86,9 +87,9 @@ def child_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> list
     train_argv = train_argv[1:]
     if not train_argv:
       raise ValueError("`python` after -- needs a script, e.g. `-- python experiments/x.py`")
-  elif not train_argv or (train_argv[0] != "train" and not train_argv[0].endswith(".py")):
+  elif not train_argv or (train_argv[0] not in COMMANDS and not train_argv[0].endswith(".py")):
     raise ValueError(
-      f"put the train command or a Python script after --, e.g. `paro-jax launch "
+      f"put the train command (or export) or a Python script after --, e.g. `paro-jax launch "
       f"--nodes 2 --devices-per-node 2 -- train --model tiny` or `... -- python "
       f"experiments/bench_collectives.py`; got {train_argv!r}"
     )
@@ -98,6 +99,8 @@ def child_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> list
     if any(a == flag or a.startswith(flag + "=") for a in train_argv):
       raise ValueError(f"{flag} is set by the launcher; leave it out of the train command")
   argv = list(train_argv)
+  if argv[0] == "export":
+    return argv  # it shards over every device of every process: no --mesh
   mesh = [a for i, a in enumerate(argv) if argv[i - 1] == "--mesh" or a.startswith("--mesh=")]
   if mesh:
     text = mesh[-1].split("=", 1)[-1]
@@ -114,7 +117,7 @@ def child_argv(train_argv: list[str], nodes: int, devices_per_node: int) -> list
 
 def _command(argv: list[str]) -> list[str]:
   """The interpreter and argv of a child: `python -m paro_jax train ...` or `python ARGS`."""
-  if argv[0] == "train":
+  if argv[0] in COMMANDS:
     return [sys.executable, "-m", "paro_jax", *argv]
   return [sys.executable, *argv]
 

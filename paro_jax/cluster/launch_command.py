@@ -16,8 +16,8 @@ def add_parser(sub) -> None:
     description="Start G `paro-jax train` processes with M virtual CPU devices each, joined by "
     "jax.distributed; as root with ip/tc each runs in its own network namespace behind a "
     "shaped link, otherwise on loopback without shaping. Everything after -- is the per-node "
-    "command: `train ...` or `python SCRIPT [args]`; the launcher adds --mesh GxM and the "
-    "multi-process flags.",
+    "command: `train ...`, `export RUN --out DIR` (node 0 writes) or `python SCRIPT [args]`; "
+    "the launcher adds the multi-process flags, and --mesh GxM to all but export.",
   )
   launch.add_argument("--nodes", type=int, required=True, help="G: processes (nodes)")
   launch.add_argument("--devices-per-node", type=int, required=True, help="M: devices per node")

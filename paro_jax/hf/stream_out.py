@@ -7,13 +7,16 @@ Every output tensor's name, shape and dtype is known from the table (hf/weights.
 the same files, names and index. Then each tensor (one layer of a stacked leaf) is gathered from
 the devices to every process (a jitted slice whose output is replicated: what a process reads is
 its own copy, with one process or several), converted (layout, dtype) and added to its shard;
-a shard is written the moment its last tensor arrives. Host memory holds at most the shard being
-filled and one tensor. A LoRA run's adapters are merged into their base layer by layer, as
-models/llama.py `merge_lora` merges the whole stack: W + (alpha / r) A @ B, in fp32.
+a shard is written the moment its last tensor arrives, by process 0 alone: after each of its
+writes the processes agree that it went through (an error there stops every one). Host memory
+holds at most the shard being filled and one tensor. A LoRA run's adapters are merged into
+their base layer by layer, as models/llama.py `merge_lora` merges the whole stack:
+W + (alpha / r) A @ B, in fp32.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -102,6 +105,32 @@ def gather_adapters(master: dict) -> dict:
   return {LAYERS: adapters}
 
 
+def _raise(error: BaseException | None) -> None:
+  if error is not None:
+    raise error
+
+
+def _attempt(fn, *args) -> BaseException | None:
+  """`fn(*args)`'s error, or None: said to every process (`stream_hf`'s check) before raised."""
+  try:
+    fn(*args)
+  except Exception as e:  # noqa: BLE001 - any error of the writer's stops every process
+    return e
+  return None
+
+
+def _add(open_shards: dict, split, name: str, hf, np_dtype, directory: str, umask: int):
+  """`hf()` (the tensor in HF's layout) in `np_dtype` into its shard; the shard written the
+  moment it is complete, then freed."""
+  file = split.tensor_to_filename[name]
+  shard = open_shards.setdefault(file, {})
+  shard[name] = np.ascontiguousarray(hf().astype(np_dtype))
+  if len(shard) == len(split.filename_to_tensors[file]):
+    out = os.path.join(directory, file)
+    save_file(open_shards.pop(file), out, metadata={"format": "pt"})
+    os.chmod(out, 0o666 & ~umask)
+
+
 def _get(tree, path):
   for key in path:
     tree = tree[key]
@@ -137,19 +166,23 @@ def stream_hf(
   max_shard_size: int | str = MAX_SHARD_SIZE,
   lora: LoraConfig | None = None,
   adapters: dict | None = None,
+  check=None,
 ) -> list[str]:
   """Write `params` (our tree of base weights, jax Arrays on any mesh or numpy) as `save_hf`
   writes it, a tensor at a time (module docstring); with `lora`, `adapters` ({layers: {attn|mlp:
   {wq_lora_a: ...}}}) merged in. Every process must call it (the gathers are collective); only
-  process 0 writes. Returns the weight files' names. Raises NonFinite on NaN or Inf."""
+  process 0 writes (`directory` is read there alone). `check(error)`, called on every process
+  after each of process 0's writes with that process's error or None, raises where any process
+  failed (cluster/agree.py `OneWriter.check`: the others would wait in the next gather); by
+  default the error is raised. Returns the weight files' names. Raises NonFinite on NaN or Inf."""
+  check = check or _raise
   if dtype not in WEIGHT_DTYPES:
     raise ValueError(
       f"unknown dtype {dtype!r} for the HF weights; choose one of {list(WEIGHT_DTYPES)}"
     )
   tensors, split = plan_shards(cfg, dtype, max_shard_size)
   writer = jax.process_index() == 0
-  if writer:
-    write_config(cfg, directory, base_config, dtype)
+  check(_attempt(write_config, cfg, directory, base_config, dtype) if writer else None)
   umask = os.umask(0)  # safetensors creates its files 0600: readable like config.json
   os.umask(umask)
   sizes, np_dtype = axis_sizes(cfg), WEIGHT_DTYPES[dtype][0]
@@ -162,16 +195,12 @@ def stream_hf(
     w = _gather(_get(params, path), i, lora_of, lora.scale if lora else 1.0)
     if not np.isfinite(w).all():
       raise NonFinite(f"{name} holds NaN or Inf")
-    if not writer:
-      continue
-    file = split.tensor_to_filename[name]
-    shard = open_shards.setdefault(file, {})
-    shard[name] = np.ascontiguousarray(to_hf(w, axes, sizes).astype(np_dtype))
+    error = None
+    if writer:  # converted (layout, dtype) and added to its shard
+      hf = functools.partial(to_hf, w, axes, sizes)
+      error = _attempt(_add, open_shards, split, name, hf, np_dtype, directory, umask)
     del w
-    if len(shard) == len(split.filename_to_tensors[file]):  # complete: written, then freed
-      out = os.path.join(directory, file)
-      save_file(open_shards.pop(file), out, metadata={"format": "pt"})
-      os.chmod(out, 0o666 & ~umask)
+    check(error)
   if writer and split.is_sharded:
     with open(os.path.join(directory, INDEX), "w") as f:
       json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)

@@ -39,28 +39,31 @@ export (a full disk, Ctrl-C) leaves --out as it was. A new --out is that directo
 (`.NAME.partial-PID`, beside it) renamed; into an existing one (empty, or with --overwrite) the
 directory is made inside it (`.partial-PID`) and its files are moved in one by one, so that an
 --out that cannot be replaced by a rename (a mount point: EBUSY; the parent on another disk:
-EXDEV) is written on its own filesystem.
+EXDEV) is written on its own filesystem (paro_jax/run/publish.py).
+
+In a multi-process job (jax.distributed: `paro-jax launch -- export ...`, SLURM, Open MPI) every
+process restores its devices' shards and takes part in each tensor's gather; process 0 alone
+reads --out and writes, and after each of its writes the processes agree that it went through
+(cluster/agree.py `OneWriter`): an error on any process stops them all, each with a line, and
+they finish together. The files are those one process writes, byte for byte.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import glob
 import json
 import os
 import shutil
 
 import jax
 
-from safetensors import SafetensorError
-
 from models.config import CONFIG, LlamaConfig, LoraConfig
 from paro_jax.hf.weights import MAX_SHARD_SIZE, WEIGHT_DTYPES, weights_dtype
 from paro_jax.hf.stream_out import NonFinite, gather_adapters, stream_hf
 from paro_jax.hf.peft import save_adapter
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
-from paro_jax.data.prepare import pid_alive
+from paro_jax.cluster.agree import OneWriter
+from paro_jax.run.publish import EXPORT_PARTIAL, publish, remove_stale
 from paro_jax.core.config import LoraOptions, StepConfig
 from paro_jax.core.factory import build_engine
 from paro_jax.core.shards import join_trainable
@@ -74,9 +77,6 @@ EXPORT_DTYPES = tuple(WEIGHT_DTYPES)  # bf16, fp16, fp32
 # P), whatever strategy the run trained with, so that each device holds 1/n of them.
 EXPORT_STRATEGY = "GGG"
 SCRATCH_DTYPE = "bf16"  # of a run trained from scratch: the dtype Llama checkpoints ship in
-EXPORT_PARTIAL = (
-  ".partial-"  # the hidden directory an export is written into, inside an existing --out
-)
 # The files of a tokenizer's HF directory that travel with its tokenizer.json.
 TOKENIZER_SIDE_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE)
 
@@ -102,7 +102,7 @@ def _check_out(out: str, overwrite: bool) -> None:
   if os.path.isfile(out):
     raise ValueError(f"--out {out} is a file: pass a directory to write the HF model into")
   if os.path.isdir(out):  # an export killed (-9) inside it left its partial directory
-    _remove_stale(os.path.join(os.path.abspath(out), EXPORT_PARTIAL))
+    remove_stale(os.path.join(os.path.abspath(out), EXPORT_PARTIAL))
   if os.path.isdir(out) and os.listdir(out) and not overwrite:
     raise ValueError(
       f"--out {out} already exists and is not empty: pass another --out, or --overwrite to "
@@ -162,43 +162,49 @@ def export_run(
   docstring). An existing non-empty `out` needs `overwrite`; the HF directory the run started
   from (its --init-from) is never overwritten. `base_model`: an adapter's
   base_model_name_or_path (default: the absolute path of that directory)."""
-  _check_out(out, overwrite)
-  directory = os.path.join(run_dir, CHECKPOINTS)
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(
-      f"{run_dir} has no {CHECKPOINTS}/ directory: pass the --out of a `paro-jax train` run"
-    )
-  ckpt = Checkpointer(directory, read_only=True)
+  together = OneWriter("export")  # process 0 writes; an error anywhere stops every process
+  with together.step():  # --out, which process 0 alone reads, before any other collective
+    if together.writer:
+      _check_out(out, overwrite)
+  ckpt = None
   try:
-    if not ckpt.steps():
-      raise FileNotFoundError(f"no checkpoint in {directory} to export")
-    meta = ckpt.newest_meta()  # a step rotated away while read: the newer one
-    source = _source_dir(meta)
-    if source and os.path.isdir(source) and os.path.isdir(out) and os.path.samefile(source, out):
-      raise ValueError(
-        f"--out {out} is the HF directory the run started from (--init-from): pass another "
-        f"--out; overwriting it would lose the original weights"
-      )
-    base = _base_config(meta, source)
-    written_dtype, why = export_dtype(dtype, source, base)
-    cfg = LlamaConfig(**meta.model_config)
-    lora = LoraConfig(**meta.lora) if meta.lora else None
-    if adapter and (lora is None or source is None):
-      raise ValueError(
-        f"--adapter writes the LoRA adapters of a run started from --init-from, and {run_dir} "
-        f"{'has no LoRA adapters' if lora is None else 'trained its base from scratch'}: "
-        f"export it without --adapter (a plain LLaMA)"
-      )
+    with together.step():
+      directory = os.path.join(run_dir, CHECKPOINTS)
+      if not os.path.isdir(directory):
+        raise FileNotFoundError(
+          f"{run_dir} has no {CHECKPOINTS}/ directory: pass the --out of a `paro-jax train` run"
+        )
+      ckpt = Checkpointer(directory, read_only=True)
+      if not ckpt.steps():
+        raise FileNotFoundError(f"no checkpoint in {directory} to export")
+      meta = ckpt.newest_meta()  # a step rotated away while read: the newer one
+      source = _source_dir(meta)
+      if together.writer and source and os.path.isdir(out) and _same(source, out):
+        raise ValueError(
+          f"--out {out} is the HF directory the run started from (--init-from): pass another "
+          f"--out; overwriting it would lose the original weights"
+        )
+      base = _base_config(meta, source)
+      written_dtype, why = export_dtype(dtype, source, base)
+      cfg = LlamaConfig(**meta.model_config)
+      lora = LoraConfig(**meta.lora) if meta.lora else None
+      if adapter and (lora is None or source is None):
+        raise ValueError(
+          f"--adapter writes the LoRA adapters of a run started from --init-from, and {run_dir} "
+          f"{'has no LoRA adapters' if lora is None else 'trained its base from scratch'}: "
+          f"export it without --adapter (a plain LLaMA)"
+        )
     # The weights alone, sharded over every device (EXPORT_STRATEGY): no device or host holds
     # the whole model. The one restore path resume uses: it verifies the checksums of the
-    # arrays as written (whatever dtype the run trained in).
+    # arrays as written (whatever dtype the run trained in); its processes agree on the step.
     sharded = StepConfig(strategy=EXPORT_STRATEGY, dtype="fp32", lora=LoraOptions.of(lora))
     mesh = make_mesh(jax.process_count(), jax.local_device_count(), jax.devices())
     engine = build_engine(sharded, cfg, mesh)
     # --adapter: the adapters alone (the master of a LoRA run); the frozen base is not read
     state, meta = ckpt.restore(engine, meta.model_name, weights_only=True, frozen=not adapter)
   finally:
-    ckpt.close()
+    if ckpt is not None:
+      ckpt.close()
   params, adapters = state.master, None
   if lora and adapter:  # the adapters alone, to host (they are small)
     try:
@@ -220,14 +226,18 @@ def export_run(
   if adapter and base_model is None:
     base_model = os.path.abspath(source) if os.path.isdir(source) else source
 
-  def write(partial: str) -> None:
-    if adapter:
+  def write(partial: str | None) -> None:  # on every process; `partial` on process 0's alone
+    if adapter and together.writer:
       save_adapter(cfg, lora, adapters, partial, base_model, np_dtype)
-    else:
+    elif not adapter:
       try:
-        stream_hf(cfg, params, partial, base, written_dtype, max_shard_size, lora, params)
+        stream_hf(
+          cfg, params, partial, base, written_dtype, max_shard_size, lora, params, together.check
+        )
       except NonFinite as e:
         raise _nonfinite(meta.step, run_dir, e) from None
+    if not together.writer:
+      return
     copied.extend(_copy_side_files(partial, tokenizer, source, missing))
     if _ship_chat_template(partial, meta.chat_template):
       written.append(CHAT_TEMPLATE_FILE)
@@ -236,7 +246,9 @@ def export_run(
       written.append(GENERATION_CONFIG)
     copied[:] = [name for name in copied if name not in written]  # rewritten after the copy
 
-  names = _publish(write, out)
+  names: list[str] = []  # process 0 publishes; the others wait on its verdict
+  with together.step():
+    names = publish(write, out) if together.writer else write(None) or []
   files = [name for name in names if name not in copied + written]
   chat = CHAT_TEMPLATE_FILE in written
   return Exported(
@@ -251,6 +263,10 @@ def export_run(
     base_model if adapter else None,
     _chat_stops(base, eot),
   )
+
+
+def _same(source: str, out: str) -> bool:
+  return os.path.isdir(source) and os.path.samefile(source, out)
 
 
 def _nonfinite(step: int, run_dir: str, what) -> ValueError:
@@ -318,71 +334,3 @@ def _copy_side_files(
   elif source and not os.path.isdir(source):
     missing.append(f"{source}/{GENERATION_CONFIG} ({source}, the run's --init-from, is gone)")
   return copied
-
-
-def _remove_stale(stem: str) -> None:
-  """Remove the partial directories `STEM<pid>` of exports that were killed (-9)."""
-  for stale in glob.glob(glob.escape(stem) + "*"):
-    pid = stale[len(stem) :]
-    if pid.isdigit() and not pid_alive(int(pid)):
-      shutil.rmtree(stale, ignore_errors=True)
-
-
-def _move(src: str, dst: str) -> None:
-  """Move the file `src` over `dst` atomically; across filesystems (EXDEV: a link in --out to
-  another disk) by a copy beside `dst` renamed over it."""
-  try:
-    os.replace(src, dst)
-  except OSError as e:
-    if e.errno != errno.EXDEV:
-      raise
-    beside = os.path.join(
-      os.path.dirname(dst), f"{EXPORT_PARTIAL}{os.getpid()}-{os.path.basename(dst)}"
-    )
-    try:
-      shutil.copyfile(src, beside)
-      shutil.copymode(src, beside)
-      os.replace(beside, dst)
-    finally:
-      if os.path.exists(beside):
-        os.remove(beside)
-
-
-def _publish(write, out: str) -> list[str]:
-  """`write(directory)` into a hidden directory, then into place (module docstring): a new `out`
-  is `.NAME.partial-PID` beside it renamed; an existing directory gets `.partial-PID` made inside
-  it and each file moved in (replaced), its other files kept. Returns the names written."""
-  out = os.path.abspath(out)
-  into = os.path.isdir(out)  # a mount point, or a link to another disk, is written in place
-  if into:
-    stem = os.path.join(out, EXPORT_PARTIAL)
-  else:
-    parent, name = os.path.split(out)
-    os.makedirs(parent, exist_ok=True)
-    stem = os.path.join(parent, f".{name}{EXPORT_PARTIAL}")
-  _remove_stale(stem)
-  partial = f"{stem}{os.getpid()}"
-  try:
-    write(partial)
-    names = sorted(os.listdir(partial))
-    if into:
-      for file in names:
-        _move(os.path.join(partial, file), os.path.join(out, file))
-      # The weights of an earlier export in another layout would be read instead of these
-      # (a single model.safetensors before the shards' index): gone.
-      for file in glob.glob(os.path.join(glob.escape(out), "*.safetensors*")):
-        if os.path.basename(file) not in names:
-          os.remove(file)
-    else:
-      os.rename(partial, out)
-  except (OSError, SafetensorError) as e:
-    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "os error 28" in str(e)
-    what = "the disk is full" if full else " ".join(str(e).split())
-    fix = f"free space on the disk holding {out}" if full else "fix that"
-    raise ValueError(
-      f"{what}: could not write the HF model to {out}; --out is as it was (nothing was "
-      f"written there): {fix}, or pass another --out"
-    ) from None
-  finally:
-    shutil.rmtree(partial, ignore_errors=True)
-  return names

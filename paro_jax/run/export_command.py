@@ -1,9 +1,10 @@
 """`paro-jax export RUN_DIR --out HF_DIR`: its flags and its entry (paro_jax/run/export.py
-writes), with the one line that says what was written."""
+writes), with the one line that says what was written. In a multi-process job (the launcher's
+flags, or SLURM / Open MPI) every process joins before it runs (cli.py) and process 0 says it."""
 
 from __future__ import annotations
 
-from paro_jax.core.flags import Invocation, note_cpu_platform
+from paro_jax.core.flags import Invocation, add_process_flags
 from paro_jax.core.units import parse_size
 
 
@@ -66,6 +67,13 @@ def add_parser(sub) -> None:
     help="with --adapter: the base model adapter_config.json names (base_model_name_or_path), "
     "e.g. its Hub id (default: the absolute path of the HF directory the run started from)",
   )
+  add_process_flags(
+    export.add_argument_group(
+      "multi-process",
+      "as for train: every process restores its devices' shards and takes part in each "
+      "tensor's gather; process 0 alone writes --out",
+    )
+  )
 
 
 def check_args(args, error) -> None:
@@ -86,8 +94,9 @@ def check_args(args, error) -> None:
 
 def main(args, inv: Invocation) -> None:
   max_shard_size = shard_size(args.max_shard_size)  # before the restore, which takes a while
-  note_cpu_platform(args)
-  from paro_jax.run.export import export_run  # jax: after the CUDA plugin note
+  import jax  # once the devices are set up and the processes joined (cli.py)
+
+  from paro_jax.run.export import export_run  # jax: the CLI's start and its parser stay free of it
 
   done = export_run(
     args.run,
@@ -98,6 +107,8 @@ def main(args, inv: Invocation) -> None:
     adapter=args.adapter,
     base_model=args.base_model,
   )
+  if jax.process_index():  # process 0 says what the processes wrote together
+    return
   what = "its LoRA adapters (PEFT)" if args.adapter else "the model"
   shards = [w for w in done.weights if w.startswith("model-")]
   weights = [w for w in done.weights if w not in shards]

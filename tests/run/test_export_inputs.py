@@ -1,6 +1,7 @@
 """`paro-jax export` (paro_jax/run/export.py) and `eval` of a run under what users do to it: the
 source directory moved away, an adapter for a Hub model, a shard size in bytes, an --out that is
-a mount point, a run still saving (checkpoints rotated away while they are read).
+a mount point (paro_jax/run/publish.py), a run still saving (checkpoints rotated away while
+they are read).
 
 The run is a LoRA chat fine-tune of tests/fixtures/chat_llama made a base model (its end of text,
 296, as eos everywhere; the chat template ends each answer with <|eot_id|>, 299), saving at each
