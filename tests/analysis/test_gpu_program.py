@@ -47,7 +47,7 @@ def gpu_report(
     import tempfile
 
     from models.llama import Llama
-    from models.config import get_config
+    from models.config import LlamaConfig, get_config
     from paro_jax.analysis.inspect.abstract import compile_for_target
     from paro_jax.analysis.inspect.gpu_report import gpu_report as report
     from paro_jax.core.state import DTYPES, OptimConfig
@@ -57,7 +57,11 @@ def gpu_report(
 
     devices = make_mesh(*mesh, devices=targets.devices("h100", *mesh))
     engine = Engine(
-      Llama(get_config(model), DTYPES["bf16"], attention=attention),
+      Llama(
+        model if isinstance(model, LlamaConfig) else get_config(model),
+        DTYPES["bf16"],
+        attention=attention,
+      ),
       parse_strategy(strategy),
       devices,
       OptimConfig(),
@@ -106,6 +110,23 @@ def test_attention_is_cudnns_fused_kernel():
   comps = overlap._computations(fused["hlo"])
   kernels = [i for c in comps.values() for i in c if "__cudnn$fmha" in i.rest]
   assert kernels and all(overlap._Compute(comps).instr(i) for i in kernels)
+
+
+def test_mistrals_sliding_window_is_cudnns():
+  """Mistral's sliding window (a causal window of 8 tokens in 32) reaches cuDNN's kernel as its
+  sliding window, forward and backward: not the written-out attention, not a full causal mask."""
+  import dataclasses
+  import re
+
+  from models.config import get_config
+
+  windowed = dataclasses.replace(get_config(MODEL), family="mistral", sliding_window=8)
+  r = gpu_report("IIG", "xla", model=windowed)
+  assert r["attention"] == "cudnn"
+  calls = [x for x in r["hlo"].splitlines() if 'custom_call_target="__cudnn$fmha' in x]
+  targets_ = {re.search(r'custom_call_target="([^"]+)"', x).group(1) for x in calls}
+  assert targets_ == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
+  assert all('"sliding_window_length": 8' in x for x in calls), calls
 
 
 def _dots_with_fp32_operands(hlo_text: str) -> list[str]:
