@@ -26,6 +26,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
+def launch_on_loopback(argv) -> tuple[str, str]:
+  """`argv` launched on 2 nodes x 2 devices over loopback (the link not shaped), which must
+  succeed: (its output, its error output)."""
+  out, err = io.StringIO(), io.StringIO()
+  code = launch(argv, nodes=2, devices_per_node=2, shaped=False, env=_env(), stdout=out, stderr=err)
+  assert code == 0, err.getvalue()[-3000:]
+  return out.getvalue(), err.getvalue()
+
+
 def _env():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = FAST_COMPILE
@@ -125,25 +134,13 @@ def test_two_processes_match_one(tmp_path, strategy):
     timeout=300,
   )
   assert ref.returncode == 0, ref.stderr[-3000:]
-  out, err = io.StringIO(), io.StringIO()
-  code = launch(
-    _train(strategy, tmp_path / "two", 2, *auto),
-    nodes=2,
-    devices_per_node=2,
-    shaped=False,
-    env=_env(),
-    stdout=out,
-    stderr=err,
-  )
-  assert code == 0, err.getvalue()[-3000:]
-  assert "the link is NOT shaped" in err.getvalue()
-  assert (
-    "[node 0] paro-jax: tiny" in out.getvalue() and "mesh 2x2 (4 cpu devices)" in out.getvalue()
-  )
-  assert '[node 1] {"step"' not in out.getvalue()  # process 1 neither logs nor writes
+  out, err = launch_on_loopback(_train(strategy, tmp_path / "two", 2, *auto))
+  assert "the link is NOT shaped" in err
+  assert "[node 0] paro-jax: tiny" in out and "mesh 2x2 (4 cpu devices)" in out
+  assert '[node 1] {"step"' not in out  # process 1 neither logs nor writes
   if auto:
     assert "collectives=xla" in ref.stdout and "auto: one process" in ref.stdout, ref.stdout
-    assert "collectives=hring+xla" in out.getvalue() and "flat ring" in out.getvalue()
+    assert "collectives=hring+xla" in out and "flat ring" in out
   np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
   assert len(_losses(tmp_path / "two")) == 2
 

@@ -5,12 +5,10 @@ the directory one process writes, file for file and byte for byte; only process 
 fine-tune of tests/fixtures/hf_llama/llama3_gqa (so the merge, the tokenizer and
 generation_config.json travel too), exported in bf16 in several shards."""
 
-import io
 import os
 
 from paro_jax.cli import main
-from paro_jax.cluster.launch import launch
-from tests.cluster.test_multiprocess import _env
+from tests.cluster.test_multiprocess import launch_on_loopback
 from tests.cluster.test_multiprocess_import import FIXTURE, TEXT
 
 # Small shards: several of them and their index (the fixture's model is ~100 KB in bf16).
@@ -30,19 +28,8 @@ def test_two_processes_export_what_one_does(tmp_path):
   )
   one = tmp_path / "one"
   main(["export", str(run), "--out", str(one), *EXPORT])  # one process of 8 devices
-  out, err = io.StringIO(), io.StringIO()
   two = tmp_path / "two"
-  code = launch(
-    ["export", str(run), "--out", str(two), *EXPORT],
-    nodes=2,
-    devices_per_node=2,
-    shaped=False,
-    env=_env(),
-    stdout=out,
-    stderr=err,
-  )
-  assert code == 0, err.getvalue()[-3000:]
-  said = out.getvalue()
+  said, _ = launch_on_loopback(["export", str(run), "--out", str(two), *EXPORT])
   assert f"[node 0] paro-jax: wrote checkpoint step 2 of {run} to {two}" in said, said
   assert "[node 1] paro-jax: wrote" not in said  # process 1 neither writes nor says it did
   reference = _files(one)

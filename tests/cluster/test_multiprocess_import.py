@@ -2,7 +2,6 @@
 devices' slices of the HF weights, and two processes of 2 devices train exactly as one process of
 4 on the same mesh; so does a LoRA run, whose frozen base is placed at P."""
 
-import io
 import os
 import subprocess
 import sys
@@ -10,8 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from paro_jax.cluster.launch import launch
-from tests.cluster.test_multiprocess import REPO, _env, _losses
+from tests.cluster.test_multiprocess import REPO, _env, _losses, launch_on_loopback
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "hf_llama", "llama3_gqa")
 TEXT = os.path.join(REPO, "tests", "fixtures", "hf_llama", "text.txt")
@@ -55,18 +53,8 @@ def test_two_processes_import_and_train_as_one(tmp_path, lora):
     timeout=300,
   )
   assert ref.returncode == 0, ref.stderr[-3000:]
-  out, err = io.StringIO(), io.StringIO()
-  code = launch(
-    _train(tmp_path / "two", *lora),
-    nodes=2,
-    devices_per_node=2,
-    shaped=False,
-    env=_env(),
-    stdout=out,
-    stderr=err,
-  )
-  assert code == 0, err.getvalue()[-3000:]
-  assert "mesh 2x2 (4 cpu devices)" in out.getvalue()
+  out, _ = launch_on_loopback(_train(tmp_path / "two", *lora))
+  assert "mesh 2x2 (4 cpu devices)" in out
   two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
   assert len(two) == 2
   # Step 1's loss is the imported weights' alone: exactly one process's. Later steps went

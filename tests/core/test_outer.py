@@ -39,8 +39,10 @@ def make_batches():
   return list(((start + stride * np.arange(L + 1)) % CFG.vocab).astype(np.int32))
 
 
-def diloco_reference(model, params0, batches, lr, momentum):
-  """(per step the groups' mean loss, the outer weights after each round) on one device."""
+def inner_loop(model, params0):
+  """A group's inner step on one device, written out (the plain optax loop): (the trained
+  weights of `params0`, the optimizer, `inner_step(trained, opt_state, tokens)` -> (trained,
+  opt_state, loss)); a LoRA model trains its adapters over its frozen base."""
   mask = model.trainable_mask()
   tx = OPTIM.reference_tx(decay_mask(split_trainable(model.logical_axes(), mask)))
   frozen = jax.tree.map(lambda w: w.astype(model.dtype), split_trainable(params0, mask, False))
@@ -56,7 +58,12 @@ def diloco_reference(model, params0, batches, lr, momentum):
     updates, opt_state = tx.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss
 
-  outer = split_trainable(params0, mask)
+  return split_trainable(params0, mask), tx, inner_step
+
+
+def diloco_reference(model, params0, batches, lr, momentum):
+  """(per step the groups' mean loss, the outer weights after each round) on one device."""
+  outer, tx, inner_step = inner_loop(model, params0)
   velocity = jax.tree.map(jnp.zeros_like, outer)
   inner = [outer] * GROUPS
   opt = [tx.init(outer)] * GROUPS

@@ -1,10 +1,11 @@
 """Streaming DiLoCo (`--outer-fragments F`: core/fragments.py) equals a single-device streaming
 loop, and its compiled step exchanges one fragment's bytes at that fragment's sync steps.
 
-The reference is written here, apart from the engine: two groups, each a plain optax loop on its
-own half of every batch's rows; fragment f (layers split into F contiguous ranges, the embedding
-with the first, the head and final norm with the last) is averaged into its outer weights through
-Nesterov momentum every H steps at its own offset, (f+1) H/F, selected by masks (the engine
+The reference is written in the tests, apart from the engine: two groups, each a plain optax
+loop (test_outer.py inner_loop) on its own half of every batch's rows; fragment f (layers split
+into F contiguous ranges, the embedding with the first, the head and final norm with the last) is
+averaged into its outer weights through Nesterov momentum every H steps at its own offset,
+(f+1) H/F, selected by masks (the engine
 slices); every group restarts that fragment only.
 """
 
@@ -13,10 +14,9 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from models.llama import Llama, next_token_loss
+from models.llama import Llama
 from paro_jax.analysis.hlo.collectives import (
   crosses_groups,
   device_bytes,
@@ -27,8 +27,6 @@ from paro_jax.core.config import OuterOptions
 from paro_jax.core.fragments import Fragments
 from paro_jax.core.groups import GroupEngine
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.shards import join_trainable, split_trainable
-from paro_jax.core.state import decay_mask
 from paro_jax.core.strategy import parse_strategy
 from tests.core.test_outer import CFG, GROUPS, LORA, OPTIM, REMAT, assert_trees_close
 from tests.core import test_outer
@@ -72,22 +70,7 @@ def streaming_reference(model, params0, batches, every, fragments, lr, momentum,
   a fragment's pseudo-gradient is of the groups' weights at its sync step, and the outer step
   and the groups' restart happen `delay` steps later; with `mix`, a group restarts from
   mix x its own weights + (1 - mix) x the outer weights."""
-  mask = model.trainable_mask()
-  tx = OPTIM.reference_tx(decay_mask(split_trainable(model.logical_axes(), mask)))
-  frozen = jax.tree.map(lambda w: w.astype(model.dtype), split_trainable(params0, mask, False))
-
-  def loss_fn(trained, tokens_AxBxL1):
-    full = join_trainable(mask, trained, frozen)
-    one = lambda t: next_token_loss(model.apply(full, t[:, :-1]), t[:, 1:])
-    return jnp.mean(jnp.stack([one(t) for t in tokens_AxBxL1]))
-
-  @jax.jit
-  def inner_step(trained, opt_state, tokens):
-    loss, grads = jax.value_and_grad(loss_fn)(trained, tokens)
-    updates, opt_state = tx.update(grads, opt_state, trained)
-    return optax.apply_updates(trained, updates), opt_state, loss
-
-  outer = split_trainable(params0, mask)
+  outer, tx, inner_step = test_outer.inner_loop(model, params0)
   velocity = jax.tree.map(jnp.zeros_like, outer)
   inner, opt = [outer] * GROUPS, [tx.init(outer)] * GROUPS
   masks = fragment_masks(outer, fragments)

@@ -88,15 +88,10 @@ for argv in json.loads(sys.argv[1]):
 GIB = 2**30
 
 
-def test_plan_and_trains_refusal_print_the_same_memory(tmp_path, capsys):
-  """One memory model: `paro-jax plan --json` and the refusal of `paro-jax train` give the same
-  per-device memory for the same workload (7b on 4 nodes x 8, micro-batches of one sequence of
-  2048 tokens per device, A=8, int8 parameters and gradients), for a strategy with the error-
-  feedback residual and the delta reference (NIG, IIG), with the residual alone (NNI) and with
-  neither (GGG). The train runs on 32 CPU devices in a process of its own."""
-  strategies = ("NIG", "IIG", "NNI", "GGG")
-  step = ["--model", "7b", "--micro-batches", "8", "--seq-len", "2048", "--attention", "xla"]
-  step += ["--inter-params", "int8", "--inter-grads", "int8"]
+def plan_and_refusals(tmp_path, capsys, step, strategies):
+  """`plan --json`'s memory for each of `strategies` on 4 nodes x 8 for the workload `step`,
+  and train's refusal line for each (the train runs on 32 CPU devices in a process of its own),
+  the figures the two print in common checked equal; ({strategy: memory}, {strategy: line})."""
   cli.main(
     ["plan", *step, "--nodes", "4", "--devices-per-node", "8", "--micro-batch", "1", "--json"]
   )
@@ -121,12 +116,27 @@ def test_plan_and_trains_refusal_print_the_same_memory(tmp_path, capsys):
     plan, states = planned[s], planned[s]["model_states"]
     assert f"needs about {plan['total'] / GIB:.1f} GiB per device" in line, (s, plan, line)
     assert f"model states {states['total'] / GIB:.1f} GiB with strategy {s}" in line, line
+    assert not (tmp_path / s).exists()
+  return planned, dict(zip(strategies, refusals))
+
+
+def test_plan_and_trains_refusal_print_the_same_memory(tmp_path, capsys):
+  """One memory model: `paro-jax plan --json` and the refusal of `paro-jax train` give the same
+  per-device memory for the same workload (7b on 4 nodes x 8, micro-batches of one sequence of
+  2048 tokens per device, A=8, int8 parameters and gradients), for a strategy with the error-
+  feedback residual and the delta reference (NIG, IIG), with the residual alone (NNI) and with
+  neither (GGG). The train runs on 32 CPU devices in a process of its own."""
+  strategies = ("NIG", "IIG", "NNI", "GGG")
+  step = ["--model", "7b", "--micro-batches", "8", "--seq-len", "2048", "--attention", "xla"]
+  step += ["--inter-params", "int8", "--inter-grads", "int8"]
+  planned, refusals = plan_and_refusals(tmp_path, capsys, step, strategies)
+  for s, line in refusals.items():
+    plan, states = planned[s], planned[s]["model_states"]
     assert f"activations {plan['activations']['total'] / GIB:.1f} GiB for 1 sequence(s)" in line
     for key, name in (("residual", "error-feedback residual"), ("reference", "delta reference")):
       assert (key in states) == (name in line), (s, key, line)
       if key in states:
         assert f"{name} {states[key] / GIB:.1f} GiB" in line
-    assert not (tmp_path / s).exists()
   # where the int8 corrections apply, and what they add (7b NIG: its residual and reference)
   assert {"residual", "reference"} <= set(planned["NIG"]["model_states"]) and "reference" not in (
     planned["NNI"]["model_states"]
@@ -144,30 +154,10 @@ def test_plan_and_trains_refusal_agree_for_the_outer_loop(tmp_path, capsys):
   step = ["--model", "7b", "--micro-batches", "8", "--seq-len", "2048", "--attention", "xla"]
   step += ["--outer-sync", "10", "--outer-fragments", "2", "--outer-delay", "1"]
   step += ["--inter-grads", "int8"]
-  cli.main(
-    ["plan", *step, "--nodes", "4", "--devices-per-node", "8", "--micro-batch", "1", "--json"]
-  )
-  planned = {e["strategy"]: e["memory"] for e in json.loads(capsys.readouterr().out)["ranking"]}
-  runs = [
-    ["train", *step, "--strategy", s, "--mesh", "4x8", "--batch-size", "32"]
-    + ["--out", str(tmp_path / s)]
-    for s in strategies
-  ]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  done = subprocess.run(
-    [sys.executable, "-c", REFUSE_ALL, json.dumps(runs)],
-    cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    env={**env, "JAX_PLATFORMS": "cpu"},
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  refusals = [x for x in done.stderr.splitlines() if "this run needs about" in x]
-  assert len(refusals) == len(strategies), done.stderr
-  for s, line in zip(strategies, refusals):
-    plan, states = planned[s], planned[s]["model_states"]
-    assert f"needs about {plan['total'] / GIB:.1f} GiB per device" in line, (s, plan, line)
-    assert f"model states {states['total'] / GIB:.1f} GiB with strategy {s}" in line, line
+  planned, refusals = plan_and_refusals(tmp_path, capsys, step, strategies)
+  assert set(refusals) == set(strategies)
+  for s in strategies:
+    states = planned[s]["model_states"]
     # the outer state (docs/outer.md): fp32 outer weights and momentum over all 32 devices, and
     # the int8 wire's fp32 residual, each device's share of its node's pseudo-gradient (1/8)
     psi = 6738415616  # 7b, a multiple of 32
