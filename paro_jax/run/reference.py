@@ -23,11 +23,22 @@ def reference_train(model: Llama, params, batches, optim: OptimConfig):
   With LoRA only the adapters are trained (and returned, None in place of the frozen leaves);
   the frozen weights are used in the model's compute dtype, as the engine holds them.
   """
+  trained, tx, step = reference_step(model, params, optim)
+  opt_state = tx.init(trained)
+  losses = []
+  for tokens in batches:
+    trained, opt_state, loss = step(trained, opt_state, jax.tree.map(jnp.asarray, tokens))
+    losses.append(float(loss))
+  return losses, trained
+
+
+def reference_step(model: Llama, params, optim: OptimConfig):
+  """The reference's step on one device: (the trained weights of `params`, the optimizer,
+  `step(trained, opt_state, tokens)` -> (trained, opt_state, loss)); reference_train says what
+  a step computes. The outer loop's references (tests/core/test_outer*.py) run it per group."""
   mask = model.trainable_mask()
   tx = optim.reference_tx(decay_mask(split_trainable(model.logical_axes(), mask)))
-  trained = split_trainable(params, mask)
   frozen = jax.tree.map(lambda w: w.astype(model.dtype), split_trainable(params, mask, False))
-  opt_state = tx.init(trained)
 
   def loss_fn(trained, tokens_AxBxL1):
     full = join_trainable(mask, trained, frozen)
@@ -49,8 +60,4 @@ def reference_train(model: Llama, params, batches, optim: OptimConfig):
     updates, opt_state = tx.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss
 
-  losses = []
-  for tokens in batches:
-    trained, opt_state, loss = step(trained, opt_state, jax.tree.map(jnp.asarray, tokens))
-    losses.append(float(loss))
-  return losses, trained
+  return split_trainable(params, mask), tx, step

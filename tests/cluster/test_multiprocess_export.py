@@ -1,9 +1,9 @@
 """`paro-jax export` across processes (paro_jax/run/export.py): two processes of 2 devices, joined
-by `paro-jax launch`, each restoring its devices' shards and taking part in every gather, write
-the directory one process writes, file for file and byte for byte; only process 0 writes
-(paro_jax/cluster/agree.py `OneWriter`, paro_jax/run/publish.py) or speaks. The run is a LoRA
-fine-tune of tests/fixtures/hf_llama/llama3_gqa (so the merge, the tokenizer and
-generation_config.json travel too), exported in bf16 in several shards."""
+by `paro-jax launch` (paro_jax/cluster/launch.py), each restoring its devices' shards and taking
+part in every gather, write the directory one process writes, file for file and byte for byte;
+only process 0 writes (paro_jax/cluster/agree.py `OneWriter`, paro_jax/run/publish.py) or
+speaks. The run is a LoRA fine-tune of tests/fixtures/hf_llama/llama3_gqa (so the merge, the
+tokenizer and generation_config.json travel too), exported in bf16 in several shards."""
 
 import os
 

@@ -9,16 +9,15 @@ written out by hand, every group restarting from the new outer weights.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from models.config import LlamaConfig, LoraConfig
-from models.llama import Llama, next_token_loss
+from models.llama import Llama
 from paro_jax.core.config import OuterOptions, StepConfig
 from paro_jax.core.groups import GroupEngine
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.shards import join_trainable, split_trainable
-from paro_jax.core.state import OptimConfig, decay_mask
+from paro_jax.core.state import OptimConfig
+from paro_jax.run.reference import reference_step
 from paro_jax.core.strategy import GROUP_NAMES, parse_strategy
 from paro_jax.core.wire import Codec
 
@@ -39,31 +38,9 @@ def make_batches():
   return list(((start + stride * np.arange(L + 1)) % CFG.vocab).astype(np.int32))
 
 
-def inner_loop(model, params0):
-  """A group's inner step on one device, written out (the plain optax loop): (the trained
-  weights of `params0`, the optimizer, `inner_step(trained, opt_state, tokens)` -> (trained,
-  opt_state, loss)); a LoRA model trains its adapters over its frozen base."""
-  mask = model.trainable_mask()
-  tx = OPTIM.reference_tx(decay_mask(split_trainable(model.logical_axes(), mask)))
-  frozen = jax.tree.map(lambda w: w.astype(model.dtype), split_trainable(params0, mask, False))
-
-  def loss_fn(trained, tokens_AxBxL1):
-    full = join_trainable(mask, trained, frozen)
-    one = lambda t: next_token_loss(model.apply(full, t[:, :-1]), t[:, 1:])
-    return jnp.mean(jnp.stack([one(t) for t in tokens_AxBxL1]))
-
-  @jax.jit
-  def inner_step(trained, opt_state, tokens):
-    loss, grads = jax.value_and_grad(loss_fn)(trained, tokens)
-    updates, opt_state = tx.update(grads, opt_state, trained)
-    return optax.apply_updates(trained, updates), opt_state, loss
-
-  return split_trainable(params0, mask), tx, inner_step
-
-
 def diloco_reference(model, params0, batches, lr, momentum):
   """(per step the groups' mean loss, the outer weights after each round) on one device."""
-  outer, tx, inner_step = inner_loop(model, params0)
+  outer, tx, inner_step = reference_step(model, params0, OPTIM)
   velocity = jax.tree.map(jnp.zeros_like, outer)
   inner = [outer] * GROUPS
   opt = [tx.init(outer)] * GROUPS

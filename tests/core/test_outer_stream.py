@@ -1,12 +1,12 @@
 """Streaming DiLoCo (`--outer-fragments F`: core/fragments.py) equals a single-device streaming
 loop, and its compiled step exchanges one fragment's bytes at that fragment's sync steps.
 
-The reference is written in the tests, apart from the engine: two groups, each a plain optax
-loop (test_outer.py inner_loop) on its own half of every batch's rows; fragment f (layers split
-into F contiguous ranges, the embedding with the first, the head and final norm with the last) is
-averaged into its outer weights through Nesterov momentum every H steps at its own offset,
-(f+1) H/F, selected by masks (the engine
-slices); every group restarts that fragment only.
+The reference is written apart from the engine: two groups, each the plain single-device
+optax step (run/reference.py reference_step) on its own half of every batch's rows; fragment f
+(layers split into F contiguous ranges, the embedding with the first, the head and final norm
+with the last) is averaged into its outer weights through Nesterov momentum every H steps at its
+own offset, (f+1) H/F, selected by masks (the engine slices); every group restarts that fragment
+only.
 """
 
 import re
@@ -28,6 +28,7 @@ from paro_jax.core.fragments import Fragments
 from paro_jax.core.groups import GroupEngine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
+from paro_jax.run.reference import reference_step
 from tests.core.test_outer import CFG, GROUPS, LORA, OPTIM, REMAT, assert_trees_close
 from tests.core import test_outer
 from tests.core.test_collectives import hlo_graph
@@ -70,7 +71,7 @@ def streaming_reference(model, params0, batches, every, fragments, lr, momentum,
   a fragment's pseudo-gradient is of the groups' weights at its sync step, and the outer step
   and the groups' restart happen `delay` steps later; with `mix`, a group restarts from
   mix x its own weights + (1 - mix) x the outer weights."""
-  outer, tx, inner_step = test_outer.inner_loop(model, params0)
+  outer, tx, inner_step = reference_step(model, params0, OPTIM)
   velocity = jax.tree.map(jnp.zeros_like, outer)
   inner, opt = [outer] * GROUPS, [tx.init(outer)] * GROUPS
   masks = fragment_masks(outer, fragments)
