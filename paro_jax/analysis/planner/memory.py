@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import VOCAB_CHUNK  # no jax
 from paro_jax.analysis.planner.costs import model_state_bytes
 from paro_jax.analysis.planner.inputs import Workload
 from paro_jax.core import feedback_rules  # no jax
@@ -88,10 +87,7 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
   - layer: one layer's recomputed intermediates and their gradients (x2): q, k, v, attention
     output, gate, up, the two norms, and either the fp32 scores with their probabilities
     (attention written out) or, with the fused kernel, its fp32 softmax statistics per query;
-  - logits: the loss's one vocabulary tile at a time (models/loss.py): a tile's fp32 logits,
-    their fp32 softmax and its cotangent rounded to the compute dtype, b x s x C x (4 + 4 +
-    item) for a tile of C columns, and the input's gradient summed over the tiles in fp32,
-    b x s x D x 4 (the logits of the whole micro-batch, b x s x V x 4 x 2, are never held);
+  - logits: fp32 logits and their gradient, b x s x V x 4 x 2;
   - gathered: with P sharded, the full weights of the head and of one layer, two with the
     prefetching layer stack (full remat: this layer's and the next one's); the full gradient of
     one layer before its reduce-scatter, two with the stack (one waits a layer for its
@@ -112,7 +108,7 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
     "boundary": c.layers * b * s * c.dim * item,
     "layer": 2
     * (b * s * (2 * q + 2 * kv + 3 * c.mlp + 2 * c.dim) * item + b * c.heads * s * scores),
-    "logits": b * s * (min(c.vocab, VOCAB_CHUNK) * (8 + item) + c.dim * 4),
+    "logits": 2 * b * s * c.vocab * 4,
     "gathered": item
     * (
       (strategy.params.name != "N") * (depth * layer_w + c.vocab * c.dim)
