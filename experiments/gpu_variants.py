@@ -80,6 +80,14 @@ def _integer_label_cross_entropy(logits_BxLxV, targets_BxL):
   )
 
 
+def _full_logits_token_losses(self, params, tokens_BxL, targets_BxL, *args):
+  """The token losses of the whole micro-batch's fp32 logits (before the vocabulary tiles of
+  models/loss.py): the path the head's and the loss's earlier code ran on."""
+  from models import llama
+
+  return llama.token_cross_entropy(self.apply(params, tokens_BxL, *args), targets_BxL)
+
+
 def _only_no_axes(axes) -> bool:
   from paro_jax.core.rings import norm_axes
 
@@ -106,8 +114,15 @@ def undone(names, engine=None):
   from paro_jax.core import collectives, prefetch, step
 
   patches = {
-    "head-backward": [(llama, "head_logits", _plain_head_logits)],
-    "loss": [(llama, "token_cross_entropy", _integer_label_cross_entropy)],
+    # both on the full logits, as they were (the step now takes them in vocabulary tiles)
+    "head-backward": [
+      (llama, "head_logits", _plain_head_logits),
+      (llama.Llama, "token_losses", _full_logits_token_losses),
+    ],
+    "loss": [
+      (llama, "token_cross_entropy", _integer_label_cross_entropy),
+      (llama.Llama, "token_losses", _full_logits_token_losses),
+    ],
     "one-device": [(collectives, "moves_nothing", _only_no_axes)],
     "zero-fill": [
       (prefetch, "uninitialised", _zeros),

@@ -483,6 +483,9 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # packed row as its runs (these examples and the padding after them), in arrays of static size.
 MAX_SEGMENTS = 64
 FUSED_DTYPES = ("bfloat16", "float16")
+# Vocabulary columns per tile of the loss (models/loss.py): a tile's fp32 logits are 32 KiB per
+# token (64 MiB for 2048 tokens), against 0.5 MiB per token for all of Llama 3's 128,256.
+VOCAB_CHUNK = 8192
 
 
 def resolve_attention(

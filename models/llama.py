@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.loss import tiled_cross_entropy
 from models.config import (
   ATTENTION_IMPLS,
   LAYERS,
@@ -442,15 +443,25 @@ class Head(nn.Module):
 
   cfg: LlamaConfig
 
-  @nn.compact
   def __call__(self, x_BxLxD, table_VxD=None):
+    h_BxLxD, w, vocab_axis = self.project(x_BxLxD, table_VxD)
+    return head_logits(HEAD_EQUATIONS[vocab_axis], h_BxLxD, w)
+
+  @nn.compact
+  def project(self, x_BxLxD, table_VxD=None):
+    """(the normed input, the projection in the compute dtype, its vocabulary axis): what the
+    logits are made of, for a loss that never holds all of them (models/loss.py)."""
     x_BxLxD = RMSNorm(self.cfg.norm_eps, name="norm")(x_BxLxD)
     if self.cfg.tie_embeddings:
-      return head_logits("bld,vd->blv", x_BxLxD, table_VxD.astype(x_BxLxD.dtype))
+      return x_BxLxD, table_VxD.astype(x_BxLxD.dtype), 0
     w_DxV = self.param(
       "kernel", _init(self.cfg.init_std, ("embed", "vocab")), (self.cfg.dim, self.cfg.vocab)
     )
-    return head_logits("bld,dv->blv", x_BxLxD, w_DxV.astype(x_BxLxD.dtype))
+    return x_BxLxD, w_DxV.astype(x_BxLxD.dtype), 1
+
+
+# The logits' einsum by the projection's vocabulary axis: 1 for the head's kernel, 0 for the table.
+HEAD_EQUATIONS = {1: "bld,dv->blv", 0: "bld,vd->blv"}
 
 
 def _identity(tree):
@@ -467,6 +478,7 @@ class Llama:
     remat: str = "full",
     lora: LoraConfig | None = None,
     attention: str = "xla",
+    vocab_chunk: int | None = None,
   ):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"unknown remat policy {remat!r}; choose one of {tuple(REMAT_POLICIES)}")
@@ -474,6 +486,14 @@ class Llama:
       raise ValueError(f"attention must be resolved to one of {ATTENTION_IMPLS[1:]}: {attention!r}")
     self.cfg, self.dtype, self.remat, self.lora = cfg, dtype, remat, lora
     self.attention = attention
+    if vocab_chunk is not None and vocab_chunk < 1:
+      raise ValueError(f"vocab_chunk must be at least 1, got {vocab_chunk}")
+    # The loss's vocabulary tile (models/loss.py; VOCAB_CHUNK is the size meant for real
+    # vocabularies), or None: the whole micro-batch's fp32 logits, the default. Off by default
+    # because with the tiles XLA:GPU's scheduler leaves NNI's inter-node gradient all-reduce in
+    # the last backward's layer loop without a matmul in its window (the loop body is the same
+    # computation, scheduled in another order): tests/analysis/test_gpu_program.py.
+    self.vocab_chunk = vocab_chunk
     self.embed, self.head = Embed(cfg, dtype), Head(cfg)
     self.block = Block(cfg, lora, attention)
 
@@ -585,7 +605,50 @@ class Llama:
     run_layers: Callable | None = None,
     segments_BxL=None,
   ):
-    """Logits (fp32) for the tokens. `materialize(subtree)` returns full weights for a subtree.
+    """Logits (fp32) for the tokens, B x L x V: for tests and references; the step and the eval
+    forward take `token_losses`, which never holds them all. Arguments as `head_inputs`'."""
+    h_BxLxD, w, vocab_axis = self.head_inputs(
+      params, tokens_BxL, materialize, run_layers, segments_BxL
+    )
+    return head_logits(HEAD_EQUATIONS[vocab_axis], h_BxLxD, w)
+
+  def token_losses(
+    self,
+    params,
+    tokens_BxL,
+    targets_BxL,
+    materialize: Callable = _identity,
+    run_layers: Callable | None = None,
+    segments_BxL=None,
+  ):
+    """Each token's cross-entropy against its target (fp32, B x L): with `vocab_chunk`, from
+    the head's product tiled over the vocabulary (models/loss.py), equal within fp32 rounding to
+    `token_cross_entropy(self.apply(...), targets_BxL)` without its B x L x V logits; without,
+    that. Arguments as `head_inputs`'."""
+    h_BxLxD, w, vocab_axis = self.head_inputs(
+      params, tokens_BxL, materialize, run_layers, segments_BxL
+    )
+    B, L, D = h_BxLxD.shape
+    with jax.named_scope("cross_entropy"):
+      if self.vocab_chunk is None:  # the whole logits
+        logits_BxLxV = head_logits(HEAD_EQUATIONS[vocab_axis], h_BxLxD, w)
+        return token_cross_entropy(logits_BxLxV, targets_BxL)
+      ce_T = tiled_cross_entropy(
+        h_BxLxD.reshape(B * L, D), w, targets_BxL.reshape(B * L), vocab_axis, self.vocab_chunk
+      )
+    return ce_T.reshape(B, L)
+
+  def head_inputs(
+    self,
+    params,
+    tokens_BxL,
+    materialize: Callable = _identity,
+    run_layers: Callable | None = None,
+    segments_BxL=None,
+  ):
+    """(the final norm's output B x L x D, the head's projection, its vocabulary axis): the
+    embedding, the layer stack, then `Head.project`. `materialize(subtree)` returns full
+    weights for a subtree.
 
     `run_layers(block_fn, x_BxLxD, stacked_layer_params) -> x_BxLxD`, if given, runs the whole
     layer stack instead of the default scan: `block_fn(x_BxLxD, full_layer_weights)` is one
@@ -631,7 +694,8 @@ class Llama:
 
       x_BxLxD = run_layers(block_fn, x_BxLxD, params[LAYERS])
     table_VxD = embed_weights["embedding"] if self.cfg.tie_embeddings else None
-    return self.head.apply({"params": materialize(params["head"])}, x_BxLxD, table_VxD)
+    head_weights = {"params": materialize(params["head"])}
+    return self.head.apply(head_weights, x_BxLxD, table_VxD, method=Head.project)
 
   def decode(self, params, tokens_BxL, cache: KVCache, materialize: Callable = _identity):
     """(the fp32 logits of each row's last token, B x V; the cache with the tokens' keys and
@@ -707,6 +771,10 @@ def weighted_token_loss(logits_BxLxV, targets_BxL, weights_BxL):
   """The sum of the cross-entropies (fp32) of the targets whose weight is 1 (0: not a target,
   e.g. a prompt or padding token). A sum, not a mean: the caller divides by the target count of
   the whole step, so that micro-batches and devices with more targets weigh more."""
-  ce_BxL = token_cross_entropy(logits_BxLxV, targets_BxL)
+  return weighted_sum(token_cross_entropy(logits_BxLxV, targets_BxL), weights_BxL)
+
+
+def weighted_sum(ce_BxL, weights_BxL):
+  """The sum of the token losses whose weight is 1 (`weighted_token_loss` of given losses)."""
   # where, not a product: a padding position's loss must not reach the sum even if not finite
   return jnp.sum(jnp.where(weights_BxL > 0, ce_BxL, 0.0))

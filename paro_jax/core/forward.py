@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from models.llama import next_token_loss, weighted_token_loss
+from models.llama import weighted_sum
 from paro_jax.core import step
 from paro_jax.core.batch import Batch, inputs_of
 from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES
@@ -47,8 +47,9 @@ class Forward:
     return self._row_scores(params, batch)
 
   def _forward(self, params, batch_AxBxL1, micro_fn, reduce_fn, out_specs):
-    """`micro_fn(logits, batch_BxL1)` of each micro-batch on each device, then `reduce_fn` of
-    their stack (in the shard_map)."""
+    """`micro_fn(token_losses_BxL, batch_BxL1)` of each micro-batch on each device, then
+    `reduce_fn` of their stack (in the shard_map). The token losses come from the head's product
+    tiled over the vocabulary (models/loss.py): no fp32 logits of a whole micro-batch."""
     e = self.engine
     # The exact weights, whatever the wire precision: eval scores the model the run trains (its
     # fp32 master), so runs with and without compressed traffic are compared on equal terms.
@@ -59,9 +60,9 @@ class Forward:
       shards = jax.tree.map(lambda p, d: Shard(p, p, d), params, e.dims)
 
       def micro(_, batch_BxL1):
-        inputs, _, _, segments = inputs_of(batch_BxL1)
-        logits = e.model.apply(shards, inputs, materialize, segments_BxL=segments)
-        return None, micro_fn(logits, batch_BxL1)
+        inputs, targets, _, segments = inputs_of(batch_BxL1)
+        ce_BxL = e.model.token_losses(shards, inputs, targets, materialize, None, segments)
+        return None, micro_fn(ce_BxL, batch_BxL1)
 
       _, per_micro = lax.scan(micro, None, batch_AxBxL1)
       return reduce_fn(per_micro)
@@ -81,13 +82,13 @@ class Forward:
       # Every device holds the same number of rows: the mean of the local means is the mean.
       return lax.psum(jnp.mean(losses), GLOBAL_AXES) / devices
 
-    loss = lambda logits, tokens_BxL1: next_token_loss(logits, tokens_BxL1[:, 1:])
+    loss = lambda ce_BxL, _: jnp.mean(ce_BxL)
     return self._forward(params, tokens_AxBxL1, loss, mean, PartitionSpec())
 
   def _sums_fn(self, params, batch: Batch):
-    def sums(logits, batch_BxL1):
-      _, targets, weights, _ = inputs_of(batch_BxL1)
-      return weighted_token_loss(logits, targets, weights), jnp.sum(weights)
+    def sums(ce_BxL, batch_BxL1):
+      weights = inputs_of(batch_BxL1)[2]
+      return weighted_sum(ce_BxL, weights), jnp.sum(weights)
 
     total = lambda per_micro: jax.tree.map(lambda x: lax.psum(jnp.sum(x), GLOBAL_AXES), per_micro)
     return self._forward(params, batch, sums, total, (PartitionSpec(), PartitionSpec()))

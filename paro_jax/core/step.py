@@ -34,7 +34,7 @@ import optax
 from jax import lax
 
 from models.config import LAYERS
-from models.llama import next_token_loss, weighted_token_loss
+from models.llama import weighted_sum
 from paro_jax.core import buckets, feedback, prefetch
 from paro_jax.core import collectives as comm
 from paro_jax.core.batch import Batch, inputs_of, take
@@ -193,15 +193,14 @@ def micro_loss(engine, params, sinks, batch_BxL1, materialize, final=False, acc=
     lambda m, p, k, d: Shard(p, k if m else None, d), engine.mask, params, sinks, engine.dims
   )
   inputs, targets, weights, segments = inputs_of(batch_BxL1)
-  if engine.layer_stack is LayerStack.MODEL_SCAN:
-    logits = engine.model.apply(shards, inputs, materialize, segments_BxL=segments)
-  else:
+  run_layers = None
+  if engine.layer_stack is LayerStack.PREFETCH:
     run_layers = prefetch_layers(engine, final, acc)
-    logits = engine.model.apply(shards, inputs, materialize, run_layers, segments)
+  # The head's product and the cross-entropy tiled over the vocabulary (models/loss.py): no fp32
+  # logits of the whole micro-batch, in forward or backward.
+  ce_BxL = engine.model.token_losses(shards, inputs, targets, materialize, run_layers, segments)
   with jax.named_scope("loss"):  # its kernels' bytes are told apart by it (analysis/gpu/traffic)
-    if weights is None:
-      return next_token_loss(logits, targets)
-    return weighted_token_loss(logits, targets, weights)
+    return jnp.mean(ce_BxL) if weights is None else weighted_sum(ce_BxL, weights)
 
 
 def materializer(engine, wire: WireConfig | None = None):

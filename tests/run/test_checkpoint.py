@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from models.llama import Llama, next_token_loss
+from models.llama import Llama
 from models.config import get_config
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import NonFiniteStateError, RunMeta
@@ -445,13 +445,12 @@ MAGIC = 255  # a batch whose first token is this gets a NaN loss (and NaN gradie
 @pytest.fixture
 def nan_batches(monkeypatch):
   """Steps listed in the returned set get a NaN loss and NaN gradients, inside the jitted step."""
-  import paro_jax.core.forward as forward_module
-  import paro_jax.core.step as step_module
+  real_loss, real_call, poisoned = Llama.token_losses, Batches.__call__, set()
 
-  real_loss, real_call, poisoned = next_token_loss, Batches.__call__, set()
-
-  def loss(logits, targets):
-    return real_loss(logits, targets) * jnp.where(targets[0, 0] == MAGIC, jnp.nan, 1.0)
+  def loss(self, params, tokens, targets, *args):
+    return real_loss(self, params, tokens, targets, *args) * jnp.where(
+      targets[0, 0] == MAGIC, jnp.nan, 1.0
+    )
 
   def call(self, step, *args):
     tokens = real_call(self, step, *args)
@@ -460,8 +459,7 @@ def nan_batches(monkeypatch):
       tokens[:, :, 1] = MAGIC  # the first target of every micro-batch
     return tokens
 
-  monkeypatch.setattr(step_module, "next_token_loss", loss)  # the step's loss
-  monkeypatch.setattr(forward_module, "next_token_loss", loss)  # eval's
+  monkeypatch.setattr(Llama, "token_losses", loss)  # the step's loss, in either program
   monkeypatch.setattr(Batches, "__call__", call)
   return poisoned
 
