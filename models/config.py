@@ -488,6 +488,24 @@ FUSED_DTYPES = ("bfloat16", "float16")
 VOCAB_CHUNK = 8192
 
 
+def tiles(vocab: int, chunk: int = VOCAB_CHUNK) -> tuple[int, int]:
+  """(how many tiles, columns per tile) of a vocabulary of `vocab` in tiles of at most `chunk`:
+  as few tiles as that allows, as even as can be (Llama 3's 128,256 in 16 of 8,016: no overlap)."""
+  n = -(-vocab // min(chunk, vocab))
+  return n, -(-vocab // n)
+
+
+def vocab_tiled(vocab: int, chunk: int = VOCAB_CHUNK) -> bool:
+  """Whether the model runs its loss (and its embedding and head) one vocabulary tile at a time:
+  only where the vocabulary needs more than one tile. The policy's one place, for the model and
+  the planner alike. A vocabulary of one tile keeps the whole micro-batch's fp32 logits (they are
+  no bigger than a tile's), and with them the program compiled before the tiles existed: with the
+  tiles XLA:GPU's scheduler orders the same last-backward loop body differently and leaves NNI's
+  inter-node gradient all-reduce without a matmul in its window
+  (tests/analysis/test_gpu_program.py, whose models have a vocabulary of 256)."""
+  return tiles(vocab, chunk)[0] > 1
+
+
 def resolve_attention(
   requested: str, platform: str, dtype, head_dim: int, packed_window: bool = False
 ) -> tuple[str, str]:

@@ -28,8 +28,10 @@ from models.config import (
   ATTENTION_IMPLS,
   LAYERS,
   MAX_SEGMENTS,
+  VOCAB_CHUNK,
   LlamaConfig,
   LoraConfig,
+  vocab_tiled,
 )
 
 
@@ -478,7 +480,7 @@ class Llama:
     remat: str = "full",
     lora: LoraConfig | None = None,
     attention: str = "xla",
-    vocab_chunk: int | None = None,
+    vocab_chunk: int = VOCAB_CHUNK,
   ):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"unknown remat policy {remat!r}; choose one of {tuple(REMAT_POLICIES)}")
@@ -486,14 +488,13 @@ class Llama:
       raise ValueError(f"attention must be resolved to one of {ATTENTION_IMPLS[1:]}: {attention!r}")
     self.cfg, self.dtype, self.remat, self.lora = cfg, dtype, remat, lora
     self.attention = attention
-    if vocab_chunk is not None and vocab_chunk < 1:
+    if vocab_chunk < 1:
       raise ValueError(f"vocab_chunk must be at least 1, got {vocab_chunk}")
-    # The loss's vocabulary tile (models/loss.py; VOCAB_CHUNK is the size meant for real
-    # vocabularies), or None: the whole micro-batch's fp32 logits, the default. Off by default
-    # because with the tiles XLA:GPU's scheduler leaves NNI's inter-node gradient all-reduce in
-    # the last backward's layer loop without a matmul in its window (the loop body is the same
-    # computation, scheduled in another order): tests/analysis/test_gpu_program.py.
+    # The vocabulary's tile (models/loss.py; VOCAB_CHUNK is the size meant for real
+    # vocabularies; tests pass a small one) and whether the model uses tiles at all
+    # (`vocab_tiled`, models/config.py: only where the vocabulary needs more than one).
     self.vocab_chunk = vocab_chunk
+    self.vocab_tiled = vocab_tiled(cfg.vocab, vocab_chunk)
     self.embed, self.head = Embed(cfg, dtype), Head(cfg)
     self.block = Block(cfg, lora, attention)
 
@@ -621,16 +622,16 @@ class Llama:
     run_layers: Callable | None = None,
     segments_BxL=None,
   ):
-    """Each token's cross-entropy against its target (fp32, B x L): with `vocab_chunk`, from
-    the head's product tiled over the vocabulary (models/loss.py), equal within fp32 rounding to
-    `token_cross_entropy(self.apply(...), targets_BxL)` without its B x L x V logits; without,
-    that. Arguments as `head_inputs`'."""
+    """Each token's cross-entropy against its target (fp32, B x L): where the vocabulary needs
+    several tiles (`vocab_tiled`), from the head's product tiled over the vocabulary
+    (models/loss.py), equal within fp32 rounding to `token_cross_entropy(self.apply(...),
+    targets_BxL)` without its B x L x V logits; else that. Arguments as `head_inputs`'."""
     h_BxLxD, w, vocab_axis = self.head_inputs(
       params, tokens_BxL, materialize, run_layers, segments_BxL
     )
     B, L, D = h_BxLxD.shape
     with jax.named_scope("cross_entropy"):
-      if self.vocab_chunk is None:  # the whole logits
+      if not self.vocab_tiled:  # the whole logits
         logits_BxLxV = head_logits(HEAD_EQUATIONS[vocab_axis], h_BxLxD, w)
         return token_cross_entropy(logits_BxLxV, targets_BxL)
       ce_T = tiled_cross_entropy(

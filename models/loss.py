@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.config import VOCAB_CHUNK
+from models.config import VOCAB_CHUNK, tiles
 
 # The logits' einsum for the head's two layouts: its own kernel (D x V, vocabulary axis 1) or
 # the tied embedding table (V x D, axis 0); and the transposes of its backward.
@@ -41,13 +41,6 @@ def _varying_as(x, *like):
   )
   missing = frozenset().union(*map(vma, like)) - vma(x)
   return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
-
-
-def tiles(vocab: int, chunk: int) -> tuple[int, int]:
-  """(how many tiles, columns per tile) of a vocabulary of `vocab` in tiles of at most `chunk`:
-  as few tiles as that allows, as even as can be (Llama 3's 128,256 in 16 of 8,016: no overlap)."""
-  n = -(-vocab // min(chunk, vocab))
-  return n, -(-vocab // n)
 
 
 def _tile(w, x, targets_T, c, size: int, axis: int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from models.config import tiles, vocab_tiled  # no jax
 from paro_jax.analysis.planner.costs import model_state_bytes
 from paro_jax.analysis.planner.inputs import Workload
 from paro_jax.core import feedback_rules  # no jax
@@ -94,7 +95,11 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
   - layer: one layer's recomputed intermediates and their gradients (x2): q, k, v, attention
     output, gate, up, the two norms, and either the fp32 scores with their probabilities
     (attention written out) or, with the fused kernel, its fp32 softmax statistics per query;
-  - logits: fp32 logits and their gradient, b x s x V x 4 x 2;
+  - logits: where the vocabulary needs several tiles (models/config.py `vocab_tiled`), the
+    loss's one tile at a time (models/loss.py): a tile's fp32 logits, their fp32 softmax and its
+    cotangent rounded to the compute dtype, b x s x C x (4 + 4 + item) for a tile of C columns,
+    and the input's gradient summed over the tiles in fp32, b x s x D x 4 (the logits of the
+    whole micro-batch are never held); else the fp32 logits and their gradient, b x s x V x 4 x 2;
   - gathered: with P sharded, the full weights of the head and of one layer, two with the
     prefetching layer stack (full remat: this layer's and the next one's); the full gradient of
     one layer before its reduce-scatter, two with the stack (one waits a layer for its
@@ -115,7 +120,9 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
     "boundary": c.layers * b * s * c.dim * item,
     "layer": 2
     * (b * s * (2 * q + 2 * kv + 3 * c.mlp + 2 * c.dim) * item + b * c.heads * s * scores),
-    "logits": 2 * b * s * c.vocab * 4,
+    "logits": b * s * (tiles(c.vocab)[1] * (8 + item) + c.dim * 4)
+    if vocab_tiled(c.vocab)
+    else 2 * b * s * c.vocab * 4,
     "gathered": item
     * (
       (strategy.params.name != "N") * (depth * layer_w + c.vocab * c.dim)
