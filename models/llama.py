@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.loss import tiled_cross_entropy
+from models.loss import tiled_cross_entropy, tiled_lookup
 from models.config import (
   ATTENTION_IMPLS,
   LAYERS,
@@ -626,16 +626,31 @@ class Llama:
     several tiles (`vocab_tiled`), from the head's product tiled over the vocabulary
     (models/loss.py), equal within fp32 rounding to `token_cross_entropy(self.apply(...),
     targets_BxL)` without its B x L x V logits; else that. Arguments as `head_inputs`'."""
-    h_BxLxD, w, vocab_axis = self.head_inputs(
-      params, tokens_BxL, materialize, run_layers, segments_BxL
-    )
-    B, L, D = h_BxLxD.shape
-    with jax.named_scope("cross_entropy"):
-      if not self.vocab_tiled:  # the whole logits
+    if not self.vocab_tiled:  # the whole logits
+      h_BxLxD, w, vocab_axis = self.head_inputs(
+        params, tokens_BxL, materialize, run_layers, segments_BxL
+      )
+      with jax.named_scope("cross_entropy"):
         logits_BxLxV = head_logits(HEAD_EQUATIONS[vocab_axis], h_BxLxD, w)
         return token_cross_entropy(logits_BxLxV, targets_BxL)
+    # In tiles: the table's and the head's, each made whole one tile at a time (models/loss.py).
+    lookup_take = lambda part: materialize(part).astype(self.dtype)
+    table = params["embed"]["embedding"]
+    x_BxLxD = tiled_lookup(table, tokens_BxL, self.vocab_chunk, lookup_take)
+    x_BxLxD = self._layer_stack(params, x_BxLxD, materialize, run_layers, segments_BxL)
+    norm = {"params": materialize(params["head"]["norm"])}
+    h_BxLxD = RMSNorm(self.cfg.norm_eps).apply(norm, x_BxLxD)
+    head, vocab_axis = (table, 0) if self.cfg.tie_embeddings else (params["head"]["kernel"], 1)
+    head_take = lambda part: materialize(part).astype(h_BxLxD.dtype)
+    B, L, D = h_BxLxD.shape
+    with jax.named_scope("cross_entropy"):
       ce_T = tiled_cross_entropy(
-        h_BxLxD.reshape(B * L, D), w, targets_BxL.reshape(B * L), vocab_axis, self.vocab_chunk
+        h_BxLxD.reshape(B * L, D),
+        head,
+        targets_BxL.reshape(B * L),
+        vocab_axis,
+        self.vocab_chunk,
+        head_take,
       )
     return ce_T.reshape(B, L)
 
@@ -648,8 +663,22 @@ class Llama:
     segments_BxL=None,
   ):
     """(the final norm's output B x L x D, the head's projection, its vocabulary axis): the
-    embedding, the layer stack, then `Head.project`. `materialize(subtree)` returns full
-    weights for a subtree.
+    embedding, the layer stack (`_layer_stack`), then `Head.project`. `materialize(subtree)`
+    returns full weights for a subtree. Tied, the table is one parameter with two uses: gathered
+    once per micro-batch, it serves as the embedding and as the head, and autodiff adds the two
+    uses' gradients before its one reduce-scatter into its sink. The full table is then alive
+    through the layer stack, and its full gradient through backward, where an untied model
+    drops each table after its use.
+    """
+    embed_weights = materialize(params["embed"])
+    x_BxLxD = self.embed.apply({"params": embed_weights}, tokens_BxL)
+    x_BxLxD = self._layer_stack(params, x_BxLxD, materialize, run_layers, segments_BxL)
+    table_VxD = embed_weights["embedding"] if self.cfg.tie_embeddings else None
+    head_weights = {"params": materialize(params["head"])}
+    return self.head.apply(head_weights, x_BxLxD, table_VxD, method=Head.project)
+
+  def _layer_stack(self, params, x_BxLxD, materialize, run_layers, segments_BxL):
+    """The layer stack's output for its input `x_BxLxD`.
 
     `run_layers(block_fn, x_BxLxD, stacked_layer_params) -> x_BxLxD`, if given, runs the whole
     layer stack instead of the default scan: `block_fn(x_BxLxD, full_layer_weights)` is one
@@ -664,7 +693,7 @@ class Llama:
     start at 0, so its logits are those it would get alone in a row.
     """
     if segments_BxL is None:
-      sin, cos = rope_tables(tokens_BxL.shape[1], self.cfg)
+      sin, cos = rope_tables(x_BxLxD.shape[1], self.cfg)
     else:
       sin, cos = segment_rope_tables(segments_BxL, self.cfg)
 
@@ -679,24 +708,14 @@ class Llama:
       # last op of forward and the first of backward, and the embedding's gradient needs only
       # the token ids.
       layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
-    # Tied, the table is one parameter with two uses: gathered once per micro-batch, it serves
-    # as the embedding and as the head, and autodiff adds the two uses' gradients before its one
-    # reduce-scatter into its sink. The full table is then alive through the layer stack, and its
-    # full gradient through backward, where an untied model drops each table after its use.
-    embed_weights = materialize(params["embed"])
-    x_BxLxD = self.embed.apply({"params": embed_weights}, tokens_BxL)
     if run_layers is None:
-      x_BxLxD, _ = lax.scan(layer, x_BxLxD, params[LAYERS])
-    else:
+      return lax.scan(layer, x_BxLxD, params[LAYERS])[0]
 
-      def block_fn(x_BxLxD, layer_weights):
-        with jax.named_scope("layer"):
-          return self.block.apply({"params": layer_weights}, x_BxLxD, sin, cos, segments_BxL)
+    def block_fn(x_BxLxD, layer_weights):
+      with jax.named_scope("layer"):
+        return self.block.apply({"params": layer_weights}, x_BxLxD, sin, cos, segments_BxL)
 
-      x_BxLxD = run_layers(block_fn, x_BxLxD, params[LAYERS])
-    table_VxD = embed_weights["embedding"] if self.cfg.tie_embeddings else None
-    head_weights = {"params": materialize(params["head"])}
-    return self.head.apply(head_weights, x_BxLxD, table_VxD, method=Head.project)
+    return run_layers(block_fn, x_BxLxD, params[LAYERS])
 
   def decode(self, params, tokens_BxL, cache: KVCache, materialize: Callable = _identity):
     """(the fp32 logits of each row's last token, B x V; the cache with the tokens' keys and

@@ -14,6 +14,14 @@ sum of chunks, either rounded to the compute dtype at every chunk or held in fp3
 copy of the head).
 
 Equal to `token_cross_entropy` of the full logits within fp32 rounding (the order of the sums).
+
+The head and the embedding table may be given as stored rather than whole (`source`, with
+`take`): each tile's rows or columns are cut from every array of `source` (`tile_of`) and `take`
+makes the tile's weights of them (the step's `materialize`: an all-gather of the tile from its
+shards along D, whose backward reduce-scatters the tile's gradient into its sink's rows). No
+device then holds the whole table or head, only one tile (C x D); the head's tiles are gathered
+again in backward, as the remat layers' weights are. `tiled_lookup` is the embedding's lookup in
+the same tiles.
 """
 
 from __future__ import annotations
@@ -43,14 +51,35 @@ def _varying_as(x, *like):
   return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
-def _tile(w, x, targets_T, c, size: int, axis: int):
-  """Tile `c` of the head `w`: (its fp32 logits T x size, the tile's one-hot targets, the
-  columns counted first here). The last tile ends at the vocabulary's end, overlapping the one
-  before it where `size` does not divide the vocabulary (no padded copy of the head): its
-  columns below c * size were counted by that tile already."""
-  V = w.shape[axis]
-  start = jnp.minimum(c * size, V - size)
-  w_tile = lax.dynamic_slice_in_dim(w, start, size, axis)
+def _identity(w):
+  return w
+
+
+def vocab_size(source, axis: int) -> int:
+  """The vocabulary of a head or table as stored (`source`: an array, or a tree of arrays that
+  all hold the whole vocabulary along `axis`, such as the step's Shards)."""
+  return jax.tree.leaves(source)[0].shape[axis]
+
+
+def tile_of(source, start, size: int, axis: int):
+  """Entries [start, start + size) along the vocabulary axis `axis` of every array of `source`
+  (sharded along another axis, if at all: each leaf keeps its own other dimensions)."""
+  return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, size, axis), source)
+
+
+def _start(c, size: int, V: int):
+  """Tile `c`'s first entry: the last tile ends at the vocabulary's end, overlapping the one
+  before it where `size` does not divide the vocabulary (no padded copy of the head)."""
+  return jnp.minimum(c * size, V - size)
+
+
+def _tile(source, take, x, targets_T, c, size: int, axis: int):
+  """Tile `c` of the head: (its weights in the compute dtype, its fp32 logits T x size, the
+  tile's one-hot targets, the columns counted first here), the weights `take` of the tile's
+  part of `source`. The last tile's columns below c * size were counted by the one before."""
+  V = vocab_size(source, axis)
+  start = _start(c, size, V)
+  w_tile = take(tile_of(source, start, size, axis))
   logits_TxC = jnp.einsum(_LOGITS[axis], x, w_tile, preferred_element_type=jnp.float32)
   column_C = start + jnp.arange(size)
   # None where the tiles do not overlap: no mask to apply
@@ -58,14 +87,14 @@ def _tile(w, x, targets_T, c, size: int, axis: int):
   return w_tile, logits_TxC, column_C[None] == targets_T[:, None], fresh
 
 
-def _forward(x_TxD, w, targets_T, axis: int, chunk: int):
+def _forward(x_TxD, w, targets_T, axis: int, chunk: int, take):
   """(each token's cross-entropy, its log-sum-exp), both fp32 of length T."""
-  n, size = tiles(w.shape[axis], chunk)
+  n, size = tiles(vocab_size(w, axis), chunk)
   T = x_TxD.shape[0]
 
   def tile(carry, c):
     top_T, total_T, target_T = carry
-    _, logits, is_target, fresh = _tile(w, x_TxD, targets_T, c, size, axis)
+    _, logits, is_target, fresh = _tile(w, take, x_TxD, targets_T, c, size, axis)
     if fresh is not None:
       logits, is_target = jnp.where(fresh, logits, -jnp.inf), is_target & fresh
     new_top = jnp.maximum(top_T, jnp.max(logits, axis=-1))
@@ -73,32 +102,38 @@ def _forward(x_TxD, w, targets_T, axis: int, chunk: int):
     target_T = target_T + jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
     return (new_top, total_T, target_T), None
 
-  zeros = _varying_as(jnp.zeros((T,), jnp.float32), x_TxD, w, targets_T)
+  zeros = _varying_as(jnp.zeros((T,), jnp.float32), x_TxD, *jax.tree.leaves(w), targets_T)
   (top, total, target), _ = lax.scan(tile, (zeros - jnp.inf, zeros, zeros), jnp.arange(n))
   lse_T = top + jnp.log(total)
   return lse_T - target, lse_T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def tiled_cross_entropy(x_TxD, w, targets_T, axis: int, chunk: int = VOCAB_CHUNK):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def tiled_cross_entropy(x_TxD, w, targets_T, axis: int, chunk: int = VOCAB_CHUNK, take=_identity):
   """Each token's cross-entropy (fp32, length T) of the logits `x_TxD @ w` (w: D x V with
   `axis` 1, or V x D with `axis` 0), computed `chunk` vocabulary columns at a time. `x_TxD` and
-  `w` in the compute dtype; the products accumulate in fp32."""
-  return _forward(x_TxD, w, targets_T, axis, chunk)[0]
+  `w` in the compute dtype; the products accumulate in fp32. With `take`, `w` is the head as
+  stored and `take(tile_of(w, ...))` each tile's weights in the compute dtype (see above)."""
+  return _forward(x_TxD, w, targets_T, axis, chunk, take)[0]
 
 
-def _tiled_fwd(x_TxD, w, targets_T, axis, chunk):
-  ce_T, lse_T = _forward(x_TxD, w, targets_T, axis, chunk)
+def _tiled_fwd(x_TxD, w, targets_T, axis, chunk, take):
+  ce_T, lse_T = _forward(x_TxD, w, targets_T, axis, chunk, take)
   return ce_T, (x_TxD, w, targets_T, lse_T)
 
 
-def _tiled_bwd(axis, chunk, res, ct_T):
+def _tiled_bwd(axis, chunk, take, res, ct_T):
   x_TxD, w, targets_T, lse_T = res
-  n, size = tiles(w.shape[axis], chunk)
+  V = vocab_size(w, axis)
+  n, size = tiles(V, chunk)
 
   def tile(carry, c):
     dx_TxD, dw = carry
-    w_tile, logits, is_target, fresh = _tile(w, x_TxD, targets_T, c, size, axis)
+    start = _start(c, size, V)
+    # the tile's weights again (gathered again, where `take` gathers) and the pull-back of
+    # `take`: the tile's gradient into the tile's part of `w` (reduce-scattered into its sinks)
+    w_tile, pull = jax.vjp(take, tile_of(w, start, size, axis))
+    _, logits, is_target, fresh = _tile(w, lambda _: w_tile, x_TxD, targets_T, c, size, axis)
     # softmax less the one-hot, times the loss's cotangent: the logits' cotangent (fp32), rounded
     # once to the compute dtype, which both products take (head_logits' backward)
     dlogits = ((jnp.exp(logits - lse_T[:, None]) - is_target) * ct_T[:, None]).astype(x_TxD.dtype)
@@ -107,15 +142,41 @@ def _tiled_bwd(axis, chunk, res, ct_T):
       _INPUT_GRAD[axis], counted, w_tile, preferred_element_type=jnp.float32
     )
     # every column of the tile, overlap included: an overlapped column's gradient is the same
-    # value the tile before wrote
-    dw_tile = jnp.einsum(_HEAD_GRAD[axis], x_TxD, dlogits).astype(w.dtype)
-    start = jnp.minimum(c * size, w.shape[axis] - size)
-    return (dx_TxD, lax.dynamic_update_slice_in_dim(dw, dw_tile, start, axis)), None
+    # value the tile before wrote, so writing over it (not adding) counts it once
+    dw_tile = jnp.einsum(_HEAD_GRAD[axis], x_TxD, dlogits).astype(w_tile.dtype)
+    (d_part,) = pull(dw_tile)
+    write = lambda acc, d: lax.dynamic_update_slice_in_dim(acc, d.astype(acc.dtype), start, axis)
+    return (dx_TxD, jax.tree.map(write, dw, d_part)), None
 
-  init = (jnp.zeros(x_TxD.shape, jnp.float32), jnp.zeros(w.shape, w.dtype))
-  init = tuple(_varying_as(z, x_TxD, w, targets_T, lse_T, ct_T) for z in init)
-  (dx_TxD, dw), _ = lax.scan(tile, init, jnp.arange(n))
+  like = (x_TxD, *jax.tree.leaves(w), targets_T, lse_T, ct_T)
+  dx0 = _varying_as(jnp.zeros(x_TxD.shape, jnp.float32), *like)
+  # each part of w's gradient typed as that part (a cotangent's type is its primal's)
+  dw0 = jax.tree.map(lambda a: _varying_as(jnp.zeros(a.shape, a.dtype), a), w)
+  (dx_TxD, dw), _ = lax.scan(tile, (dx0, dw0), jnp.arange(n))
   return dx_TxD.astype(x_TxD.dtype), dw, None
 
 
 tiled_cross_entropy.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def tiled_lookup(table, tokens_BxL, chunk: int = VOCAB_CHUNK, take=_identity):
+  """The embedding table's rows of the tokens (B x L x D, in `take`'s dtype), one vocabulary
+  tile at a time: each tile's rows `take(tile_of(table, ...))` (V x D as stored: vocabulary axis
+  0), the tokens that fall in it looked up there. Exactly one tile gives each token its row (the
+  last, overlapping tile only the tokens the one before did not hold), the others add zeros:
+  exact. Differentiated plainly: each tile's cotangent rows reach its part of `table` (through
+  `take`'s backward: a reduce-scatter into the sink's rows)."""
+  V = vocab_size(table, 0)
+  n, size = tiles(V, chunk)
+
+  def rows_of_tile(c):
+    start = _start(c, size, V)
+    table_CxD = take(tile_of(table, start, size, 0))
+    hit_BxL = (tokens_BxL >= c * size) & (tokens_BxL < start + size)
+    rows = jnp.take(table_CxD, jnp.clip(tokens_BxL - start, 0, size - 1), axis=0)
+    return jnp.where(hit_BxL[..., None], rows, jnp.zeros((), rows.dtype))
+
+  # the first tile's rows start the sum: its shape, dtype and type are the carry's
+  add_tile = lambda x_BxLxD, c: (x_BxLxD + rows_of_tile(c), None)
+  x_BxLxD, _ = lax.scan(add_tile, rows_of_tile(0), jnp.arange(1, n))
+  return x_BxLxD

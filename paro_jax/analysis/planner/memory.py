@@ -100,10 +100,12 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
     cotangent rounded to the compute dtype, b x s x C x (4 + 4 + item) for a tile of C columns,
     and the input's gradient summed over the tiles in fp32, b x s x D x 4 (the logits of the
     whole micro-batch are never held); else the fp32 logits and their gradient, b x s x V x 4 x 2;
-  - gathered: with P sharded, the full weights of the head and of one layer, two with the
+  - gathered: with P sharded, the full weights of the head (of one vocabulary tile, C x D,
+    where the vocabulary needs several: models/loss.py) and of one layer, two with the
     prefetching layer stack (full remat: this layer's and the next one's); the full gradient of
     one layer before its reduce-scatter, two with the stack (one waits a layer for its
-    reduce-scatter); with tied embeddings, the table's full gradient;
+    reduce-scatter); with tied embeddings of one tile, the table's full gradient (with several,
+    each tile's gradient is reduce-scattered into the sink as it is made);
   - synced_grads: the layers' synced gradients at the OS placement, written while the
     accumulator (at Gr) is still alive: in the last micro-batch's backward on GPUs, at the
     boundary's sync elsewhere. The stack adds each micro-batch's gradients into the accumulator
@@ -116,20 +118,22 @@ def activation_bytes(strategy: Strategy, w: Workload, inter: int = 1, intra: int
   depth = 2 if w.remat else 1  # the prefetching stack runs with full remat
   # per query and head: a row of fp32 scores and its probabilities, or the kernel's fp32 statistic
   scores = 4 if w.fused_attention else s * (4 + item)
+  tiled = vocab_tiled(c.vocab)
+  head_rows = tiles(c.vocab)[1] if tiled else c.vocab  # of the head gathered at once
   out = {
     "boundary": c.layers * b * s * c.dim * item,
     "layer": 2
     * (b * s * (2 * q + 2 * kv + 3 * c.mlp + 2 * c.dim) * item + b * c.heads * s * scores),
     "logits": b * s * (tiles(c.vocab)[1] * (8 + item) + c.dim * 4)
-    if vocab_tiled(c.vocab)
+    if tiled
     else 2 * b * s * c.vocab * 4,
     "gathered": item
     * (
-      (strategy.params.name != "N") * (depth * layer_w + c.vocab * c.dim)
+      (strategy.params.name != "N") * (depth * layer_w + head_rows * c.dim)
       + (depth if w.remat else strategy.grads.name != "N") * layer_grads
       # A tied table's full gradient: the head's part waits through backward for the
       # embedding's (models/llama.py), in every strategy (llama3.2-1b NNI on 2x4 H100: 0.5 GB).
-      + (c.tie_embeddings and w.psi_trained == w.psi) * c.vocab * c.dim
+      + (c.tie_embeddings and w.psi_trained == w.psi and not tiled) * c.vocab * c.dim
     ),
     "synced_grads": w.acc_itemsize
     * c.layers

@@ -1,0 +1,100 @@
+"""A vocabulary of several tiles: the step and the eval forward gather the embedding table and the
+head one vocabulary tile at a time (models/loss.py `tile_of`, through the step's `materialize`),
+and equal the plain single-device loop of the whole logits; no device holds the whole table.
+
+The model's vocabulary of 62 in tiles of 16 (4 tiles, the last overlapping the one before), on a
+2x4 mesh: a sharded P with a mix of placements (IIG), all sharded (GGG, tied: the table's two
+uses each gather their tiles), P replicated (NNI); HO-Ring (the hand-written rings) once. The
+reference is `reference_train` of the untiled model (one tile of 8192 holds 62: the whole fp32
+logits, weights never sharded), so the tiles and their gathers are checked against code that
+has neither.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.config import LlamaConfig
+from models.llama import Llama, next_token_loss
+from paro_jax.core.engine import Engine
+from paro_jax.core.mesh import make_mesh
+from paro_jax.core.strategy import parse_strategy
+from tests.core.test_equivalence import OPTIM, assert_trees_close, reference_setup
+
+CFG = LlamaConfig(vocab=62, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
+TIED = dataclasses.replace(CFG, tie_embeddings=True)
+CHUNK = 16
+CASES = [("IIG", CFG, "xla"), ("GGG", TIED, "xla"), ("NNI", CFG, "xla"), ("IIG", TIED, "horing")]
+IDS = ["IIG", "GGG-tied", "NNI", "IIG-tied-horing"]
+
+
+@pytest.fixture(scope="module")
+def references():
+  return {cfg: reference_setup(cfg) for cfg in (CFG, TIED)}
+
+
+def _engine(strategy, cfg, collectives):
+  model = Llama(cfg, vocab_chunk=CHUNK)
+  assert model.vocab_tiled
+  mesh = make_mesh(2, 4)
+  return Engine(
+    model, parse_strategy(strategy), mesh, OPTIM, micro_batches=2, collectives=collectives
+  )
+
+
+@pytest.fixture(scope="module", params=CASES, ids=IDS)
+def trained(request, references):
+  """(the case, the engine, its state after the reference's batches, its losses)."""
+  strategy, cfg, collectives = request.param
+  batches, params0, _, _ = references[cfg]
+  engine = _engine(strategy, cfg, collectives)
+  state, losses = engine.state_from_params(params0), []
+  for batch in batches:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+  return request.param, engine, state, losses
+
+
+def test_tiled_step_equals_the_whole_logits_single_device(trained, references):
+  (_, cfg, _), _, state, losses = trained
+  _, _, ref_losses, ref_params = references[cfg]
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(jax.device_get(state.master), ref_params, atol=2e-5)
+
+
+def test_tiled_eval_forward_equals_the_whole_logits(trained, references):
+  (_, cfg, _), engine, state, _ = trained
+  batches, _, _, ref_params = references[cfg]
+  params = engine.params(state)
+  got = engine.forward.loss(params, engine.shard_batch(batches[0]))
+  tokens = jnp.asarray(batches[0]).reshape(-1, batches[0].shape[-1])
+  master = jax.device_get(state.master)
+  want = next_token_loss(Llama(cfg).apply(master, tokens[:, :-1]), tokens[:, 1:])
+  np.testing.assert_allclose(float(got), float(want), rtol=2e-6)
+
+
+def _shapes(hlo: str, dtype: str = "f32") -> set[tuple[int, ...]]:
+  return {
+    tuple(int(d) for d in s.split(",") if d) for s in re.findall(rf"{dtype}\[([0-9,]*)\]", hlo)
+  }
+
+
+def test_no_device_holds_the_whole_table_or_head(trained):
+  """The compiled step and eval forward of the sharded P placements: their buffers include the
+  gathered tile (16 x 32 or 32 x 16), none the table or head (62 x 32, 32 x 62)."""
+  (strategy, cfg, _), engine, state, _ = trained
+  if strategy.startswith("N"):
+    pytest.skip("P replicated: every device holds the whole weights by placement")
+  batch = jax.ShapeDtypeStruct((2, 8, 9), jnp.int32, sharding=engine.batch_sharding)
+  step = engine.train_step.lower(state, batch).compile().as_text()
+  params = engine.params(state)
+  forward = engine.forward._loss.lower(params, batch).compile().as_text()
+  whole, tile = {(62, 32), (32, 62)}, {(CHUNK, 32), (32, CHUNK)}
+  for hlo in (step, forward):
+    shapes = _shapes(hlo)
+    assert shapes & tile, "the gathered tile: the check can see it"
+    assert not shapes & whole
