@@ -46,10 +46,12 @@ class Forward:
     (run/lm_eval_model.py)."""
     return self._row_scores(params, batch)
 
-  def _forward(self, params, batch_AxBxL1, micro_fn, reduce_fn, out_specs):
+  def _forward(self, params, batch_AxBxL1, micro_fn, reduce_fn, out_specs, logits=False):
     """`micro_fn(token_losses_BxL, batch_BxL1)` of each micro-batch on each device, then
     `reduce_fn` of their stack (in the shard_map). The token losses come from the head's product
-    tiled over the vocabulary (models/loss.py): no fp32 logits of a whole micro-batch."""
+    tiled over the vocabulary where it needs several tiles (models/loss.py): no fp32 logits of a
+    whole micro-batch, no whole table or head on a device. `logits`: `micro_fn` takes the fp32
+    logits (B x L x V) instead (each row's greedy flag needs every column's)."""
     e = self.engine
     # The exact weights, whatever the wire precision: eval scores the model the run trains (its
     # fp32 master), so runs with and without compressed traffic are compared on equal terms.
@@ -61,8 +63,11 @@ class Forward:
 
       def micro(_, batch_BxL1):
         inputs, targets, _, segments = inputs_of(batch_BxL1)
-        ce_BxL = e.model.token_losses(shards, inputs, targets, materialize, None, segments)
-        return None, micro_fn(ce_BxL, batch_BxL1)
+        if logits:
+          out = e.model.apply(shards, inputs, materialize, segments_BxL=segments)
+        else:
+          out = e.model.token_losses(shards, inputs, targets, materialize, None, segments)
+        return None, micro_fn(out, batch_BxL1)
 
       _, per_micro = lax.scan(micro, None, batch_AxBxL1)
       return reduce_fn(per_micro)
@@ -106,4 +111,4 @@ class Forward:
       )
 
     rows = PartitionSpec(None, BATCH_AXES)  # each device's rows, stacked over the micro-batches
-    return self._forward(params, batch, per_row, lambda x: x, (rows, rows))
+    return self._forward(params, batch, per_row, lambda x: x, (rows, rows), logits=True)
