@@ -33,37 +33,57 @@ sys.path.insert(0, ROOT)
 from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 
 CAPPED = "/work/shared/tools/capped"
-SHAPE = dict(
-  vocab_size=128256,
-  hidden_size=2048,
-  num_hidden_layers=16,
-  num_attention_heads=32,
-  num_key_value_heads=8,
-  head_dim=64,
-  intermediate_size=8192,
-)
+# The shapes of `make`: Llama 3.2 1B and 3B (tied), Llama 3.1 8B (its own head).
+SHAPES = {
+  "1b": dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    head_dim=64,
+    intermediate_size=8192,
+    tie_word_embeddings=True,
+  ),
+  "3b": dict(
+    hidden_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=24,
+    head_dim=128,
+    intermediate_size=8192,
+    tie_word_embeddings=True,
+  ),
+  "8b": dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    head_dim=128,
+    intermediate_size=14336,
+    tie_word_embeddings=False,
+  ),
+}
+SHARD_BYTES = 2 * 2**30  # a new safetensors file after this many bytes (bf16)
 RUNS = [("1x8", "GGG"), ("1x1", "GGG")]
 
 
-def make(directory: str, seed: int = 0) -> None:
-  """The random bf16 directory, written a shard at a time."""
-  import ml_dtypes
-  import numpy as np
-  from safetensors.numpy import save_file
-
-  config = {
+def shape_config(shape: str) -> dict:
+  """config.json of a `make` directory of `shape` (a key of SHAPES)."""
+  return {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
-    **SHAPE,
+    "vocab_size": 128256,
+    "num_key_value_heads": 8,
+    **SHAPES[shape],
     "hidden_act": "silu",
     "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
-    "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
   }
-  d, f, k = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
-  h, g = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+
+
+def hf_tensors(config: dict) -> dict:
+  """Every HF tensor's name and shape, in the order a checkpoint stores them."""
+  d, f, k = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+  h, g = config["num_attention_heads"], config["num_key_value_heads"]
   layer = {
     "self_attn.q_proj.weight": (h * k, d),
     "self_attn.k_proj.weight": (g * k, d),
@@ -75,13 +95,28 @@ def make(directory: str, seed: int = 0) -> None:
     "input_layernorm.weight": (d,),
     "post_attention_layernorm.weight": (d,),
   }
-  L = SHAPE["num_hidden_layers"]
-  shards = [
-    {"model.embed_tokens.weight": (SHAPE["vocab_size"], d)}
-    | {f"model.layers.{i}.{n}": s for i in range(L // 2) for n, s in layer.items()},
-    {f"model.layers.{i}.{n}": s for i in range(L // 2, L) for n, s in layer.items()}
-    | {"model.norm.weight": (d,)},
-  ]
+  names = {"model.embed_tokens.weight": (config["vocab_size"], d)}
+  for i in range(config["num_hidden_layers"]):
+    names |= {f"model.layers.{i}.{n}": s for n, s in layer.items()}
+  names["model.norm.weight"] = (d,)
+  if not config["tie_word_embeddings"]:
+    names["lm_head.weight"] = (config["vocab_size"], d)
+  return names
+
+
+def make(directory: str, shape: str = "1b", seed: int = 0) -> None:
+  """The random bf16 directory of `shape`, in safetensors files of about SHARD_BYTES, written
+  one file at a time."""
+  import ml_dtypes
+  import numpy as np
+  from safetensors.numpy import save_file
+
+  config = shape_config(shape)
+  shards, size = [{}], 0
+  for name, s in hf_tensors(config).items():
+    if size and size + 2 * np.prod(s) > SHARD_BYTES:
+      shards, size = shards + [{}], 0
+    shards[-1][name], size = s, size + 2 * int(np.prod(s))
   os.makedirs(directory, exist_ok=True)
   rng, weight_map = np.random.default_rng(seed), {}
   for n, names in enumerate(shards, 1):
@@ -386,13 +421,14 @@ def main() -> None:
   )
   p.add_argument("--devices", type=int, default=8, help="import-peak: 1x1 or 1xN")
   p.add_argument("--dir", required=True)
+  p.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="make: the model's shape")
   p.add_argument("--base", help="a tree of the code of before (git archive BASE)")
   p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "model_io"))
   p.add_argument("--cap", type=int, default=12)
   p.add_argument("--base-commit", default="", help="the commit --base was made from")
   args = p.parse_args()
   if args.what == "make":
-    make(args.dir)
+    make(args.dir, args.shape)
   elif args.what == "weights-stages":
     weights_stages(args)
   elif args.what == "import-peak":
