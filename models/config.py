@@ -506,6 +506,50 @@ def vocab_tiled(vocab: int, chunk: int = VOCAB_CHUNK) -> bool:
   return tiles(vocab, chunk)[0] > 1
 
 
+@dataclasses.dataclass(frozen=True)
+class VocabPasses:
+  """What one micro-batch sends of the embedding table and the head (models/llama.py
+  `token_losses`), in passes over `rows` x D elements: all-gathered in forward, again in
+  backward, and reduce-scattered (their gradients). The one place the step's traffic formula
+  (paro_jax/analysis/planner/costs.py `step_traffic`) and its collective count take them from.
+
+  One tile: each stored matrix is gathered once and its gradient scattered once (tied: the
+  table's two uses share one gather, autodiff adds their gradients before the one scatter).
+  Several tiles (models/loss.py): the lookup's tiles once, the head's (the table again where
+  tied) in forward and again in backward (`tiled_cross_entropy`'s backward re-takes each tile),
+  and each use's gradient scattered tile by tile; a pass covers the tiles' n x C rows (the last
+  tile overlapping the one before), tied or not."""
+
+  vocab: int
+  dim: int
+  stored: int  # V x D matrices stored: 1 tied, 2 untied (what param_count counts)
+  rows: int  # of one pass: the vocabulary, or the tiles' n x C
+  tiles: int  # collectives of one pass: one per tile
+  forward: int
+  backward: int
+  scattered: int
+
+  def beyond_stored(self, trained: bool = True) -> tuple[int, int, int]:
+    """Elements (gathered in forward, gathered in backward, gradients scattered) beyond one
+    gather and one scatter of each stored element (docs/design.md's formula); a frozen table
+    and head (LoRA's base) scatter no gradient."""
+    per_pass, stored = self.rows * self.dim, self.stored * self.vocab * self.dim
+    scattered = self.scattered * per_pass - stored if trained else 0
+    return self.forward * per_pass - stored, self.backward * per_pass, scattered
+
+
+def vocab_passes(cfg: LlamaConfig, chunk: int = VOCAB_CHUNK) -> VocabPasses:
+  """The embedding table's and head's passes of one micro-batch (`VocabPasses`)."""
+  stored = 1 if cfg.tie_embeddings else 2
+  shape = dict(vocab=cfg.vocab, dim=cfg.dim, stored=stored)
+  if not vocab_tiled(cfg.vocab, chunk):
+    return VocabPasses(
+      **shape, rows=cfg.vocab, tiles=1, forward=stored, backward=0, scattered=stored
+    )
+  n, size = tiles(cfg.vocab, chunk)
+  return VocabPasses(**shape, rows=n * size, tiles=n, forward=2, backward=1, scattered=2)
+
+
 def resolve_attention(
   requested: str, platform: str, dtype, head_dim: int, packed_window: bool = False
 ) -> tuple[str, str]:

@@ -1,5 +1,6 @@
 """The inspector reads from compiled HLO the traffic that docs/design.md's formulas predict."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -19,10 +20,10 @@ CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, m
 
 
 def inspect_report(
-  strategy, micro_batches, collectives="xla", mesh=(2, 4), remat="full", seq_len=8
+  strategy, micro_batches, collectives="xla", mesh=(2, 4), remat="full", seq_len=8, model=None
 ):
   engine = Engine(
-    Llama(CFG, jnp.float32, remat),
+    model or Llama(CFG, jnp.float32, remat),
     parse_strategy(strategy),
     make_mesh(*mesh),
     OptimConfig(),
@@ -113,6 +114,26 @@ def test_two_level_rings_bytes_per_level_equal_formula(strategy, collectives):
   for key in ("inter_bytes", "intra_bytes"):
     measured, expected = r["measured"][key], r["expected"][key]
     assert measured == pytest.approx(expected, rel=0.01, abs=64), (key, measured, expected)
+
+
+@pytest.mark.parametrize(
+  "strategy,tied",
+  [("GGG", True), ("IIG", False), ("NGG", True)],
+  ids=["GGG-tied", "IIG", "NGG-tied"],
+)
+def test_vocabulary_tiles_bytes_equal_formula(strategy, tied):
+  """A vocabulary of 62 in 4 tiles of 16 (the last overlapping): the compiled step sends what
+  the formula counts of the table's and head's passes (models/config.py VocabPasses: the head's
+  tiles gathered in forward and again in backward, a tied table's two uses each gathered and
+  scattered), not the one gather and scatter of each parameter; that count alone would miss."""
+  cfg = dataclasses.replace(CFG, vocab=62, tie_embeddings=tied)
+  r = inspect_report(strategy, 2, model=Llama(cfg, jnp.float32, vocab_chunk=16))
+  untiled = inspect_report(strategy, 2, model=Llama(cfg, jnp.float32))["expected"]
+  for key in ("inter_bytes", "intra_bytes"):
+    measured, expected = r["measured"][key], r["expected"][key]
+    assert measured == pytest.approx(expected, rel=0.01, abs=64), (key, measured, expected)
+  total = lambda t: t["inter_bytes"] + t["intra_bytes"]
+  assert total(r["measured"]) > total(untiled) + 1024, "the tiles' passes: a visible difference"
 
 
 def test_remat_policy_trades_memory_for_traffic():

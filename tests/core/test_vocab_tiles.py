@@ -98,3 +98,24 @@ def test_no_device_holds_the_whole_table_or_head(trained):
     shapes = _shapes(hlo)
     assert shapes & tile, "the gathered tile: the check can see it"
     assert not shapes & whole
+
+
+def test_cpu_bf16_forward_holds_no_fp32_copy_of_the_stored_weights(references):
+  """XLA:CPU computes bf16 in f32 and would hoist the convert of each loop's stacked weights out
+  of the loop: an fp32 copy of every weight a device stores. The eval forward passes them
+  through its loops as bits (core/forward.py `_bits_dtype`): its compiled program holds no f32
+  array of a stored shard's shape, and its loss is the single-device bf16 model's."""
+  batches, params0, _, _ = references[TIED]
+  model = Llama(TIED, jnp.bfloat16, vocab_chunk=CHUNK)
+  engine = Engine(model, parse_strategy("GGG"), make_mesh(2, 4), OPTIM, micro_batches=2)
+  params = engine.params(engine.state_from_params(params0))
+  batch = engine.shard_batch(batches[0])
+  hlo = engine.forward._loss.lower(params, batch).compile().as_text()
+  stored = {p.sharding.shard_shape(p.shape) for p in jax.tree.leaves(params) if p.ndim > 1}
+  assert stored & _shapes(hlo, "u16"), "the stored shards pass as bits: the check can see them"
+  assert not stored & _shapes(hlo, "f32")
+  tokens = jnp.asarray(batches[0]).reshape(-1, batches[0].shape[-1])
+  bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params0)
+  want = next_token_loss(Llama(TIED, jnp.bfloat16).apply(bf16, tokens[:, :-1]), tokens[:, 1:])
+  got = engine.forward.loss(params, batch)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-2)

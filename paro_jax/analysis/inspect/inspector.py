@@ -14,6 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from models.config import vocab_passes
 from paro_jax.analysis.hlo.collectives import (
   crosses_groups,
   device_bytes,
@@ -40,6 +41,8 @@ def expected_traffic(engine: Engine, bf16_as_f32: bool = False):
     )
   # Only the layer stack is gathered again in backward (models/llama.py: Llama.apply).
   regathered = engine.model.stack_param_count() if engine.model.remat != "none" else 0
+  # The table and head as the model sends them: tiled, more than one pass (models/config.py).
+  passes = vocab_passes(engine.model.cfg, engine.model.vocab_chunk)
   return step_traffic(
     engine.strategy,
     psi,
@@ -54,6 +57,7 @@ def expected_traffic(engine: Engine, bf16_as_f32: bool = False):
     acc_bytes=acc_bytes,
     # The two-level rings, alone or as the mixed impls' two-axis choice, split their bytes by level.
     two_level=MIXED_IMPLS.get(engine.collectives, engine.collectives) in ("hring", "horing"),
+    vocab_extra=passes.beyond_stored(trained=engine.model.lora is None),
   )
 
 

@@ -114,6 +114,7 @@ def step_traffic(
   wire=None,
   acc_bytes: int | None = None,
   two_level: bool = False,
+  vocab_extra: tuple[int, int, int] = (0, 0, 0),
 ) -> Traffic:
   """Expected per-device traffic of one optimizer step of `strategy`, by the schedule's phases.
 
@@ -125,6 +126,10 @@ def step_traffic(
   `grad_bytes`), what the boundary sync reduces. Per-micro-batch gradients are reduce-scattered
   at `grad_bytes` (the compute dtype). `two_level`: the collectives over both axes are the
   two-level rings (`--collectives hring` or `horing`), each level's bytes counted apart.
+  `vocab_extra`: elements of the embedding table and head each micro-batch gathers in forward,
+  in backward and scatters beyond one gather and one scatter of each parameter
+  (models/config.py `VocabPasses.beyond_stored`: where the vocabulary is tiled, the head's tiles
+  are gathered again in backward and a tied table's two uses gather and scatter apart).
   """
   # One body for every case: _add_collective carries the uncompressed ring bytes where `wire` is
   # None or leaves a level at its dtype.
@@ -136,12 +141,12 @@ def step_traffic(
   add = lambda phase, axes, n, item, codec, times=1.0: _add_collective(
     t, phase, axes, n, item, codec, inter, intra, times, two_level
   )
-  a = micro_batches
+  a, (fwd_extra, bwd_extra, scatter_extra) = micro_batches, vocab_extra
   # Per micro-batch: parameters gathered over S(P) in forward and again (remat) in backward;
   # gradients reduce-scattered over S(Gr) as they leave backward.
-  add("forward params", s.param_gather_axes, params, param_bytes, pc, a)
-  add("backward params (remat)", s.param_gather_axes, regathered, param_bytes, pc, a)
-  add("backward grads", s.grad_scatter_axes, trainable, grad_bytes, gc, a)
+  add("forward params", s.param_gather_axes, params + fwd_extra, param_bytes, pc, a)
+  add("backward params (remat)", s.param_gather_axes, regathered + bwd_extra, param_bytes, pc, a)
+  add("backward grads", s.grad_scatter_axes, trainable + scatter_extra, grad_bytes, gc, a)
   # Boundary: from the Gr shard, reduce-scatter to the OS shard, then all-reduce across replicas
   # (in the accumulator's dtype).
   add("grad sync", s.sync_scatter_axes, trainable / k(s.grads.axes), acc_bytes, gc)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from models.config import vocab_passes  # no jax
 from paro_jax.analysis.planner.costs import OUTER_PHASES, outer_round_traffic, step_traffic
 from paro_jax.analysis.planner.memory import step_memory
 from paro_jax.analysis.planner.inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
@@ -61,12 +62,24 @@ def phase_collectives(
   """`costs.step_traffic` phase key ('phase/level') -> (collective, mesh axes, collectives per
   step), from the strategy's letters; phases without axes move nothing."""
   s, a, layers = strategy, w.micro_batches, w.model.layers
-  per_mb = a * (LEAVES_PER_LAYER * layers + OTHER_LEAVES)
+  # the layers' leaves and the final norm, then the table's and head's passes: one collective
+  # per vocabulary tile and pass (models/config.py VocabPasses)
+  v, stack = vocab_passes(w.model), LEAVES_PER_LAYER * layers
   stacked = LEAVES_PER_LAYER + OTHER_LEAVES
   items = [
-    ("forward params", s.param_gather_axes, ALL_GATHER, per_mb),
-    ("backward params (remat)", s.param_gather_axes, ALL_GATHER, a * LEAVES_PER_LAYER * layers),
-    ("backward grads", s.grad_scatter_axes, REDUCE_SCATTER, per_mb),
+    ("forward params", s.param_gather_axes, ALL_GATHER, a * (stack + 1 + v.forward * v.tiles)),
+    (
+      "backward params (remat)",
+      s.param_gather_axes,
+      ALL_GATHER,
+      a * (stack + v.backward * v.tiles),
+    ),
+    (
+      "backward grads",
+      s.grad_scatter_axes,
+      REDUCE_SCATTER,
+      a * (stack + 1 + v.scattered * v.tiles),
+    ),
     ("grad sync", s.sync_scatter_axes, REDUCE_SCATTER, stacked),
     ("grad sync", s.sync_reduce_axes, ALL_REDUCE, stacked),
     ("param sync", s.param_sync_axes, ALL_GATHER, stacked),
@@ -196,6 +209,7 @@ def traffic_of(strategy: Strategy, w: Workload, cluster: Cluster, two_level: boo
     wire=w.wire,
     acc_bytes=w.acc_itemsize,
     two_level=two_level,
+    vocab_extra=vocab_passes(w.model).beyond_stored(trained=w.psi_trained == w.psi),
   )
 
 
