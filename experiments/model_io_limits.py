@@ -178,6 +178,7 @@ def measure(args) -> None:
     kept[row["name"]] = {
       "name": row["name"],
       "limit_gb": row["limit"],
+      "commit": head_commit(),
       "peer": bool(row.get("peer")),
       "command": " ".join(
         os.path.relpath(c, ROOT) if c.startswith(work) else c for c in row["cmd"][2:]
@@ -192,9 +193,7 @@ def measure(args) -> None:
     "date": utc_now(),
     "machine": machine_line(),
     "command": shlex.join(sys.argv),
-    "commit": subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip(),
+    "commit": head_commit(),
     "cap_gib": args.cap,
     "checkpoint_gb": {os.path.basename(d): round(checkpoint_bytes(d) / GB, 2) for d in args.dirs},
     "lora_base_bytes": checkpoint_bytes(args.dirs[0]),
@@ -202,6 +201,14 @@ def measure(args) -> None:
     "rows": [kept[n] for n in order if n in kept],
   }
   write_page(args.out, record, "results.json", page(record), "README.md")
+
+
+def head_commit() -> str:
+  """This tree's commit (short), + where the tree has uncommitted changes."""
+  git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout  # noqa: E731
+  return git("rev-parse", "--short", "HEAD").strip() + (
+    "+" if git("status", "--porcelain", "-uno").strip() else ""
+  )
 
 
 def step_bytes(path: str) -> dict | None:
@@ -219,7 +226,8 @@ def page(r: dict) -> str:
     f"Command: `python {r['command']}`  ",
     f"Date: {r['date']}  ",
     f"Machine: {r['machine']}  ",
-    f"Code: {r['commit']}",
+    f"Code: {r['commit']} when the page was written; each row names the commit it ran (+: with"
+    " uncommitted changes)",
     "",
     "Random bf16 HF directories (`experiments/model_io.py make`): "
     + ", ".join(f"{k} {v} GB" for k, v in r["checkpoint_gb"].items())
@@ -228,15 +236,15 @@ def page(r: dict) -> str:
     " script's docstring (W: the bf16 weights the process's devices hold at P; Lg: two"
     " gathered layers per device).",
     "",
-    "| what | rc | peak RSS (GB) | limit (GB) | met | seconds |",
-    "|---|---|---|---|---|---|",
+    "| what | rc | peak RSS (GB) | limit (GB) | met | seconds | code |",
+    "|---|---|---|---|---|---|---|",
   ]
   for row in r["rows"]:
     lim = row["limit_gb"]
     met = "-" if lim is None else ("yes" if row["rc"] == 0 and row["peak_rss_gb"] <= lim else "NO")
     lines.append(
       f"| {row['name']} | {row['rc']} | {row['peak_rss_gb']} | {lim if lim else '-'} | {met} "
-      f"| {row['seconds']} |"
+      f"| {row['seconds']} | {row['commit']} |"
     )
   if r.get("lora_step_bytes"):
     base = r["lora_base_bytes"]
