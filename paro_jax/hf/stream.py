@@ -1,18 +1,21 @@
 """An HF LLaMA directory placed straight onto a mesh, a tensor at a time (`import_hf`).
 
-Each HF tensor (one layer's, for a stacked leaf) is read as stored, each device's block a
-contiguous range of its rows where the mesh divides them (safetensors' `get_slice` of a row range
-is one copy; of a column range, one copy per row), and placed with
-`jax.make_array_from_callback`. One jitted function per leaf then does the rest on the devices:
-the NaN/Inf check, our layout's reshape and transpose (hf/layout.py `to_ours`), the reshard to
-the leaf's sharding (XLA's all-to-all: each device ends with only its own block), the cast to the
-asked dtype, and, for a stacked leaf, the write of the layer into the stack in place (donated).
-XLA's tiled transposes run some ten times faster than numpy's strided copy of the same block.
+Each HF tensor (one layer's, for a stacked leaf) is read once per process, over one handle of
+its file, each device's block as stored (`hf_shardings`: the block of the HF tensor that the
+leaf's sharding puts on that device, or, where that block's rows would be runs too short to
+read fast, a range of whole rows), and placed with `jax.make_array_from_callback`. One jitted
+function per kind of leaf then does the rest on the devices: the NaN/Inf check (one
+reduction), the exchange of row blocks where they were read so (XLA's all-to-all), our layout's
+reshape and transpose (hf/layout.py `to_ours`), the cast to the asked dtype, and, for a
+stacked leaf, the write of the layer into the stack in place (donated). XLA's tiled transposes
+run some ten times faster than numpy's strided copy of the same block. A leaf too small to be
+worth its compiles is converted on the host instead (`_on_host`).
 
-No process reads more of the files than its devices' share of each tensor, nor holds more on the
-host than one tensor's share beside the placed weights. The names, shapes and count of the
-tensors are checked first, from the files' headers, with hf/weights.py's one-line errors, before
-anything is read.
+No process reads more of the files than its devices' share of each tensor (a small leaf: the
+whole of it), nor holds more on the host than one tensor's share beside the placed weights.
+The names, shapes and count of the tensors are checked first, from the files' headers, with
+hf/weights.py's one-line errors, before anything is read; a tensor the check refuses is named,
+with its counts and first index, by a second read of it on the host.
 """
 
 from __future__ import annotations
@@ -77,15 +80,15 @@ class Tensors:
 
   @contextlib.contextmanager
   def opened(self, name: str):
-    """A reader `read(hf_index) -> np.ndarray` of tensor `name`'s block, as stored, over one
-    handle of its file."""
+    """A reader `read(hf_index) -> np.ndarray` of tensor `name`'s block (the whole tensor
+    for None), as stored, over one handle of its file."""
     path = self.files[name]
     with self._open(path) as f:
       tensor = f.get_slice(name)
 
-      def read(hf_index: tuple) -> np.ndarray:
-        try:
-          return tensor[hf_index]
+      def read(hf_index: tuple | None) -> np.ndarray:
+        try:  # get_tensor: a third faster than slicing all of it
+          return f.get_tensor(name) if hf_index is None else tensor[hf_index]
         except Exception as e:  # noqa: BLE001 - a short or damaged file
           raise unreadable(path, e) from None
 
@@ -127,7 +130,8 @@ def _read(tensors: Tensors, name: str, sharding: NamedSharding) -> jax.Array:
     def callback(index):
       key = tuple(s.indices(n) for s, n in zip(index, shape))
       if key not in blocks:
-        blocks[key] = read(tuple(slice(*k[:2]) for k in key))
+        whole = all(k[:2] == (0, n) for k, n in zip(key, shape))
+        blocks[key] = read(None if whole else tuple(slice(*k[:2]) for k in key))
       return blocks[key]
 
     dtype = jnp.dtype(read((slice(0, 0),)).dtype)
@@ -199,11 +203,11 @@ def _on_host(
   stack = []
   for name in names:
     with tensors.opened(name) as read:
-      w = read((slice(0, tensors.shapes[name][0]),))
+      w = read(None)
     check_finite(w, name, tensors.directory)
     if name == EMBEDDING and tied:
       with tensors.opened(HEAD) as read:
-        if not np.array_equal(w, read((slice(0, tensors.shapes[HEAD][0]),))):
+        if not np.array_equal(w, read(None)):
           raise tied_head_differs(tensors.directory)
     w = to_ours(w, axes, sizes)
     stack.append(w if w.dtype == dtype else w.astype(np.float32).astype(dtype))
