@@ -215,6 +215,68 @@ def time_import(directory: str) -> dict:
   return seconds
 
 
+def time_export(directory: str, out: str) -> dict:
+  """In this process (one device: stream_hf gathers each tensor whole, in fp32, to every
+  device, 8 GB of the 1B's table on 8 virtual ones): safetensors' write of every tensor of
+  `directory` (each file read whole, then written to `out`), then stream_hf of the model
+  imported on 1x1 in bf16, written to `out` in bf16; each once untimed first."""
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import shutil
+
+  import jax
+  import jax.numpy as jnp
+  from safetensors.numpy import load_file, save_file
+
+  from models.config import read_config
+  from models.llama import Llama
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.sharding import named, shard_dims, tree_specs
+  from paro_jax.core.strategy import Placement
+  from paro_jax.hf.stream import import_hf
+  from paro_jax.hf.stream_out import stream_hf
+  from paro_jax.hf.weights import expected_shapes, weight_files
+
+  cfg = read_config(directory)
+  shapes = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+    expected_shapes(cfg),
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+  mesh = make_mesh(1, 1)
+  target = named(mesh, tree_specs(shapes, shard_dims(Llama(cfg).logical_axes()), Placement.N, mesh))
+  params = jax.block_until_ready(import_hf(directory, cfg, target, jnp.bfloat16))
+
+  def write_all():
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    for path in weight_files(directory):
+      tensors = load_file(path)
+      start = time.perf_counter()
+      save_file(tensors, os.path.join(out, os.path.basename(path)), metadata={"format": "pt"})
+      seconds[0] += time.perf_counter() - start
+
+  def export():
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    start = time.perf_counter()
+    stream_hf(cfg, params, out, dtype="bf16")
+    seconds[0] += time.perf_counter() - start
+
+  times = {}
+  for what, run in {
+    "safetensors save_file, every tensor": write_all,
+    "stream_hf bf16, 1x1": export,
+  }.items():
+    seconds = [0.0]
+    run()
+    seconds = [0.0]
+    run()
+    times[what] = round(seconds[0], 2)
+  shutil.rmtree(out, ignore_errors=True)
+  return times
+
+
 def import_peak(directory: str, devices: int) -> dict:
   """import_hf of the whole model in bf16 alone (at G on 1x`devices`, N on 1x1): seconds, and
   this process's peak RSS before and after it (getrusage)."""
@@ -417,9 +479,13 @@ def page(r: dict) -> str:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument(
-    "what", choices=["make", "measure", "weights-stages", "time-import", "import-peak"]
+    "what",
+    choices=["make", "measure", "weights-stages", "time-import", "time-export", "import-peak"],
   )
   p.add_argument("--devices", type=int, default=8, help="import-peak: 1x1 or 1xN")
+  p.add_argument(
+    "--export-to", default="/tmp/model_io_export", help="time-export: emptied, then removed"
+  )
   p.add_argument("--dir", required=True)
   p.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="make: the model's shape")
   p.add_argument("--base", help="a tree of the code of before (git archive BASE)")
@@ -435,6 +501,8 @@ def main() -> None:
     print(json.dumps(import_peak(args.dir, args.devices)))
   elif args.what == "time-import":
     print(json.dumps(time_import(args.dir)))
+  elif args.what == "time-export":
+    print(json.dumps(time_export(args.dir, args.export_to)))
   else:
     measure(args)
 

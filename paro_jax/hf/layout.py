@@ -4,16 +4,15 @@ A pattern names the HF tensor's axes, then ours: `"(h k) d -> d h k"` is q_proj,
 (heads*head_dim, dim) and held by us as (dim, heads, head_dim). A parenthesised HF axis is the
 product of its names, the first outermost (row-major, as `reshape` splits it); our side names
 each axis once. The sizes of the names come from the model's config (hf/weights.py
-`axis_sizes`). From one pattern come both shapes, the conversion of whole arrays each way
-(`to_ours`, `to_hf`), and what a slice of ours needs of the HF tensor (`slice_of`): the
-streaming import reads only that.
+`axis_sizes`). From one pattern come both shapes and the conversion of whole arrays each way
+(`to_ours`, `to_hf`; numpy's or jax's: the streaming import runs `to_ours` on the devices).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,27 +63,3 @@ def to_hf(w: np.ndarray, axes: Axes, sizes: dict) -> np.ndarray:
   """A whole parameter of ours in the HF tensor's layout."""
   back = np.argsort(_order(axes))
   return w.transpose(back).reshape(hf_shape(axes, sizes))
-
-
-def slice_of(
-  read: Callable[[tuple[slice, ...]], np.ndarray],
-  axes: Axes,
-  sizes: dict,
-  index: tuple[slice, ...],
-) -> np.ndarray:
-  """Our parameter's block `index` (one slice per axis of ours), from `read(hf_index)`, which
-  returns that block of the HF tensor. A flattened HF axis is read over whole runs of its
-  inner names (the outer name's range times their sizes), then cut to their ranges: exact for
-  any index, and no more than the block when only the outer name is split (our layouts shard
-  `d`, `v` or `f`, never a head's width)."""
-  ranges = {n: range(*s.indices(sizes[n])) for n, s in zip(axes.ours, index)}
-  if any(r.step != 1 for r in ranges.values()):
-    raise ValueError(f"slice_of reads contiguous blocks, got {index}")
-  hf_index, split, inner = [], [], []
-  for group in axes.hf:
-    outer, rest = ranges[group[0]], math.prod(sizes[n] for n in group[1:])
-    hf_index.append(slice(outer.start * rest, outer.stop * rest))
-    split += [len(outer), *(sizes[n] for n in group[1:])]
-    inner += [slice(None), *(slice(ranges[n].start, ranges[n].stop) for n in group[1:])]
-  block = read(tuple(hf_index)).reshape(split)[tuple(inner)]
-  return block.transpose(_order(axes))

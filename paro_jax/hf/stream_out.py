@@ -6,23 +6,24 @@ Every output tensor's name, shape and dtype is known from the table (hf/weights.
 (huggingface_hub's `split_state_dict_into_shards_factory`, here over the tensors' sizes alone):
 the same files, names and index. Then each tensor (one layer of a stacked leaf) is gathered from
 the devices to every process (a jitted slice whose output is replicated: what a process reads is
-its own copy, with one process or several), converted (layout, dtype) and added to its shard;
-a shard is written the moment its last tensor arrives, by process 0 alone: after each of its
-writes the processes agree that it went through (an error there stops every one). Host memory
-holds at most the shard being filled and one tensor. A LoRA run's adapters are merged into
-their base layer by layer, as models/llama.py `merge_lora` merges the whole stack:
+its own copy, with one process or several), converted there (layout, dtype, the NaN/Inf
+check: XLA's transposes, not numpy's strided copies) and added to its shard; a shard is
+written the moment its last tensor arrives, by process 0 alone: after each of its writes the
+processes agree that it went through (an error there stops every one). Host memory holds at
+most the shard being filled and one tensor. A LoRA run's adapters are merged into their base
+layer by layer, as models/llama.py `merge_lora` merges the whole stack:
 W + (alpha / r) A @ B, in fp32.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from huggingface_hub import split_state_dict_into_shards_factory
 from jax.sharding import NamedSharding, PartitionSpec
@@ -56,40 +57,62 @@ def _one(x, rep):
   return jax.sharding.reshard(x, rep).astype(jnp.float32)
 
 
-def _merged(w, a, b, i, scale, rep):
+def _to_file(w, layout, dtype):
+  """(`w`, fp32 in our layout, in the HF tensor's layout (`layout`: the pattern's Axes and its
+  sizes; None: ours) and `dtype`; whether it holds NaN or Inf), on the devices. The barrier
+  keeps the transpose out of a fusion with the cast and the check: XLA's fused loop reads
+  strided, several times slower than its tiled transpose."""
+  bad = ~jnp.isfinite(w).all()
+  w, bad = lax.optimization_barrier((w.astype(dtype), bad))
+  return (w if layout is None else to_hf(w, layout[0], dict(layout[1]))), bad
+
+
+def _merged(w, a, b, i, scale, rep, layout, dtype):
   """Layer `i` of the stacked `w` with its adapters folded in, as `merge_lora` computes it."""
   w, a, b = (_one(jax.lax.dynamic_slice_in_dim(x, i, 1), rep) for x in (w, a, b))
   delta = jnp.einsum("lir,lro->lio", a, b) * scale
-  return (w + delta.reshape(w.shape).astype(w.dtype))[0]
+  return _to_file((w + delta.reshape(w.shape).astype(w.dtype))[0], layout, dtype)
 
 
-def _whole(x):
-  return x.astype(jnp.float32)
+def _whole(x, layout, dtype):
+  return _to_file(x.astype(jnp.float32), layout, dtype)
 
 
-def _layer(x, i):
-  return jax.lax.dynamic_index_in_dim(x, i, keepdims=False).astype(jnp.float32)
+def _layer(x, i, layout, dtype):
+  return _to_file(
+    jax.lax.dynamic_index_in_dim(x, i, keepdims=False).astype(jnp.float32), layout, dtype
+  )
 
 
 def _host(x: jax.Array) -> np.ndarray:
   """A replicated array as numpy: this process's copy."""
-  return np.asarray(x.addressable_data(0), np.float32)
+  return np.asarray(x.addressable_data(0))
 
 
-def _gather(leaf, i, lora_of, scale) -> np.ndarray:
-  """Layer `i` of a stacked leaf (the whole leaf when `i` is None), merged with `lora_of`'s
-  adapters (a, b) where it has them, replicated to every device and read to host."""
+_STATIC = ("layout", "dtype")
+
+
+def _gather(leaf, i, lora_of, scale, layout=None, dtype=np.float32) -> tuple[np.ndarray, bool]:
+  """(Layer `i` of a stacked leaf (the whole leaf when `i` is None), merged with `lora_of`'s
+  adapters (a, b) where it has them, in the HF layout `layout` (ours: None) and `dtype`, read
+  to host from every device's copy; whether it holds NaN or Inf)."""
   if not isinstance(leaf, jax.Array):
     w = np.asarray(leaf, np.float32)
-    return w if i is None else w[i]
-  out = _replicated(leaf)
+    w = w if i is None else w[i]
+    bad = not np.isfinite(w).all()
+    w = w if layout is None else to_hf(w, layout[0], dict(layout[1]))
+    return np.ascontiguousarray(w.astype(dtype)), bad
+  out, dtype = _replicated(leaf), jnp.dtype(dtype)
+  scalar = (out, out)
   if lora_of is not None:
     a, b = lora_of
-    merge = jax.jit(_merged, static_argnames=("scale", "rep"), out_shardings=out)
-    return _host(merge(leaf, a, b, i, scale=scale, rep=out))
-  if i is None:
-    return _host(jax.jit(_whole, out_shardings=out)(leaf))
-  return _host(jax.jit(_layer, out_shardings=out)(leaf, i))
+    merge = jax.jit(_merged, static_argnames=("scale", "rep", *_STATIC), out_shardings=scalar)
+    w, bad = merge(leaf, a, b, i, scale=scale, rep=out, layout=layout, dtype=dtype)
+  elif i is None:
+    w, bad = jax.jit(_whole, static_argnames=_STATIC, out_shardings=scalar)(leaf, layout, dtype)
+  else:
+    w, bad = jax.jit(_layer, static_argnames=_STATIC, out_shardings=scalar)(leaf, i, layout, dtype)
+  return _host(w), bool(bad)
 
 
 def gather_adapters(master: dict) -> dict:
@@ -99,8 +122,8 @@ def gather_adapters(master: dict) -> dict:
   for owner, module in master[LAYERS].items():
     for key, w in module.items() if isinstance(module, dict) else ():
       if key.endswith(LORA_SUFFIXES):
-        w = adapters.setdefault(owner, {})[key] = _gather(w, None, None, 1.0)
-        if not np.isfinite(w).all():
+        adapters.setdefault(owner, {})[key], bad = _gather(w, None, None, 1.0)
+        if bad:
           raise NonFinite(f"{LAYERS}/{owner}/{key} holds NaN or Inf")
   return {LAYERS: adapters}
 
@@ -119,12 +142,12 @@ def _attempt(fn, *args) -> BaseException | None:
   return None
 
 
-def _add(open_shards: dict, split, name: str, hf, np_dtype, directory: str, umask: int):
-  """`hf()` (the tensor in HF's layout) in `np_dtype` into its shard; the shard written the
-  moment it is complete, then freed."""
+def _add(open_shards: dict, split, name: str, w: np.ndarray, directory: str, umask: int):
+  """`w` (the tensor as the file holds it) into its shard; the shard written the moment it is
+  complete, then freed."""
   file = split.tensor_to_filename[name]
   shard = open_shards.setdefault(file, {})
-  shard[name] = np.ascontiguousarray(hf().astype(np_dtype))
+  shard[name] = w
   if len(shard) == len(split.filename_to_tensors[file]):
     out = os.path.join(directory, file)
     save_file(open_shards.pop(file), out, metadata={"format": "pt"})
@@ -192,13 +215,14 @@ def stream_hf(
     if lora is not None and path[0] == LAYERS and path[-1] in lora.targets:
       owner = adapters[LAYERS][path[1]]
       lora_of = owner[f"{path[-1]}_lora_a"], owner[f"{path[-1]}_lora_b"]
-    w = _gather(_get(params, path), i, lora_of, lora.scale if lora else 1.0)
-    if not np.isfinite(w).all():
+    layout = (axes, tuple(sizes.items()))
+    scale = lora.scale if lora else 1.0
+    w, bad = _gather(_get(params, path), i, lora_of, scale, layout, np_dtype)
+    if bad:
       raise NonFinite(f"{name} holds NaN or Inf")
     error = None
-    if writer:  # converted (layout, dtype) and added to its shard
-      hf = functools.partial(to_hf, w, axes, sizes)
-      error = _attempt(_add, open_shards, split, name, hf, np_dtype, directory, umask)
+    if writer:  # in the file's layout and dtype: added to its shard
+      error = _attempt(_add, open_shards, split, name, w, directory, umask)
     del w
     check(error)
   if writer and split.is_sharded:

@@ -191,21 +191,29 @@ def check_tensors(cfg: LlamaConfig, shapes: dict, where: str) -> None:
     )
 
 
-def check_finite(w: np.ndarray, name: str, where: str, offset: tuple = ()) -> None:
-  """Refuse a block of tensor `name` holding NaN or Inf, naming the first by its index in the
-  tensor (`offset`: where the block starts; its counts are the block's)."""
+def non_finite_counts(w: np.ndarray) -> tuple[int, int, tuple | None]:
+  """(NaN count, Inf count, index of the first of either or None) of an array."""
   finite = np.isfinite(w)
   if finite.all():
-    return
+    return 0, 0, None
+  nan, first = int(np.isnan(w).sum()), np.unravel_index(int(np.argmin(finite)), w.shape)
+  return nan, w.size - int(finite.sum()) - nan, tuple(int(i) for i in first)
+
+
+def non_finite(name: str, where: str, nan: int, inf: int, first: tuple) -> ValueError:
   # Checked as loaded: a NaN in a row the data rarely touches would train on unseen and
   # make every checkpoint unsavable; one in a weight used every step would read as divergence.
-  nan, first = int(np.isnan(w).sum()), np.unravel_index(int(np.argmin(finite)), w.shape)
-  first = tuple(int(i) + int(o) for i, o in zip(first, offset or (0,) * w.ndim))
-  raise ValueError(
-    f"{where}: tensor {name} holds {nan} NaN and {w.size - int(finite.sum()) - nan} Inf "
-    f"values (the first at index {first}): these weights are damaged; "
-    f"download or export them again"
+  return ValueError(
+    f"{where}: tensor {name} holds {nan} NaN and {inf} Inf values (the first at index "
+    f"{first}): these weights are damaged; download or export them again"
   )
+
+
+def check_finite(w: np.ndarray, name: str, where: str) -> None:
+  """Refuse tensor `name` holding NaN or Inf, naming the first by its index."""
+  nan, inf, first = non_finite_counts(w)
+  if first is not None:
+    raise non_finite(name, where, nan, inf, first)
 
 
 def put(tree: dict, path: tuple, value) -> None:

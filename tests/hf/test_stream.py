@@ -13,14 +13,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
 
 from models.llama import Llama
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.sharding import named, shard_dims, tree_specs
 from paro_jax.core.strategy import Placement
-from paro_jax.hf.layout import parse, slice_of, to_hf, to_ours
-from paro_jax.hf.stream import import_hf
+from paro_jax.hf import stream
+from paro_jax.hf.layout import parse
+from paro_jax.hf.stream import hf_shardings, import_hf
 from paro_jax.hf.weights import expected_shapes, load_hf
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
@@ -94,43 +96,70 @@ def test_a_subtree_is_imported_alone():
   np.testing.assert_array_equal(got["layers"]["attn"]["wq"], want["layers"]["attn"]["wq"])
 
 
-def test_slice_of_reads_only_the_block():
-  """Every block of a pattern, read through the HF index slice_of asks for, equals the block of
-  the whole conversion; the HF block read is no larger than the block when only the outer name
-  is cut."""
-  sizes = {"h": 3, "k": 4, "d": 6}
-  for pattern in ("(h k) d -> d h k", "d (h k) -> h k d"):
-    axes = parse(pattern)
-    hf = np.arange(72, dtype=np.float32).reshape(12, 6) if pattern[0] == "(" else None
-    hf = np.arange(72, dtype=np.float32).reshape(6, 12) if hf is None else hf
-    ours = to_ours(hf, axes, sizes)
-    np.testing.assert_array_equal(to_hf(ours, axes, sizes), hf)
-    reads = []
-    read = lambda i: (reads.append(hf[i].size), hf[i])[1]  # noqa: E731
-    for index in [
-      (slice(2, 5), slice(None), slice(None)),
-      (slice(1, 2), slice(1, 3), slice(None)),
-      (slice(None), slice(0, 2), slice(1, 3)),
-    ]:
-      block = slice_of(read, axes, sizes, index)
-      np.testing.assert_array_equal(block, ours[index])
-    assert reads[0] == ours[(slice(2, 5),)].size
+@pytest.mark.parametrize("placement", [Placement.I, Placement.G])
+def test_blocks_read_as_the_target_holds_them_equal_the_whole_read(directories, placement):
+  """With no run too short (the tiny models' rows are short: read by rows and exchanged
+  above), every block is read as the placement holds it, a run of each row, and transposed on
+  its device: bit for bit the whole read."""
+  mesh = make_mesh(2, 4)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(stream, "_MIN_RUN", 1)
+    patch.setattr(stream, "_DEVICE_ELEMENTS", 0)
+    for directory in directories[:2]:
+      cfg, want = load_hf(directory)
+      target = shardings(cfg, placement, mesh)
+      got = import_hf(directory, cfg, target, jnp.bfloat16)
+      for keys, x in jax.tree_util.tree_leaves_with_path(got):
+        ref = np.asarray(jnp.asarray(_at(want, keys)).astype(jnp.bfloat16))
+        assert np.asarray(x).tobytes() == ref.tobytes(), (directory, keys)
+
+
+def test_where_each_tensor_is_read():
+  """Rows split over the target's mesh axes when our split axis leaves short runs of a row in
+  each block; else the block the target holds, in the HF layout; whole where no HF axis has
+  our split axis outermost."""
+  mesh = make_mesh(1, 8)
+  split = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+  for d, read in ((1024, (None, "intra")), (32, (("intra",), None))):
+    sizes = {"f": 64, "d": d, "h": 4, "k": 16}
+    got = hf_shardings(split("intra", None), parse("f d -> d f"), sizes)
+    assert (got[0].spec, got[1].spec) == (PartitionSpec(*read), PartitionSpec(None, "intra"))
+  sizes = {"d": 1024, "h": 8, "k": 16}
+  got = hf_shardings(split("intra"), parse("(h k) d -> h k d"), sizes)
+  assert got[0].spec == got[1].spec == PartitionSpec("intra", None)  # h, the outer name
+  got = hf_shardings(split(None, "intra"), parse("(h k) d -> h k d"), sizes)
+  assert got[0].spec == got[1].spec == PartitionSpec(None, None)  # k, an inner one: whole
 
 
 # --- bad inputs, per block ------------------------------------------------------------------
-def test_non_finite_values_are_found_in_the_block_that_holds_them(tmp_path):
+@pytest.mark.parametrize("on_device", [False, True])
+def test_non_finite_values_are_found_and_counted_in_the_tensor(tmp_path, monkeypatch, on_device):
+  """Checked on the host or on the devices, the tensor (a layer's, or one outside the stack)
+  is named, with its counts and first index over the whole tensor, though its values lie on
+  several devices."""
+  monkeypatch.setattr(stream, "_DEVICE_ELEMENTS", 0 if on_device else stream._DEVICE_ELEMENTS)
   out = tmp_path / "hf"
   shutil.copytree(os.path.join(FIXTURES, "hf_llama", "odd_vocab"), out)
-  tensors = load_file(out / "model.safetensors")
-  q = tensors["model.layers.1.self_attn.q_proj.weight"]
-  q[9, 13] = np.nan  # a column the last of 8 devices reads (16 columns, 2 each)
-  save_file(tensors, out / "model.safetensors")
+  clean = load_file(out / "model.safetensors")
   cfg, _ = load_hf(os.path.join(FIXTURES, "hf_llama", "odd_vocab"))
   target = shardings(cfg, Placement.G, make_mesh(1, 8))
+  tensors = {n: w.copy() for n, w in clean.items()}
+  tensors["model.layers.1.self_attn.q_proj.weight"][9, 13] = np.nan
+  save_file(tensors, out / "model.safetensors")
   with pytest.raises(
     ValueError, match=r"q_proj.weight holds 1 NaN and 0 Inf values \(the first at index \(9, 13\)\)"
   ):
     import_hf(str(out), cfg, target, jnp.bfloat16)
+  tensors = {n: w.copy() for n, w in clean.items()}
+  table = tensors["model.embed_tokens.weight"]
+  table[900, 1], table[250, 14] = np.inf, np.nan  # the first and the last of 8 devices' columns
+  save_file(tensors, out / "model.safetensors")
+  with pytest.raises(
+    ValueError,
+    match=r"tensor model.embed_tokens.weight holds 1 NaN and 1 Inf values \(the first at index "
+    r"\(250, 14\)\): these weights are damaged",
+  ):
+    import_hf(str(out), cfg, target, jnp.float32)
 
 
 def test_a_tied_copy_that_differs_is_refused(tmp_path):
