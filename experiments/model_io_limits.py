@@ -83,13 +83,22 @@ def layer_bytes(config: dict) -> int:
   return size
 
 
-def limit(directory: str, copies: float, devices: int, slack: float) -> float:
+def limit(directory: str, copies: float, devices: int, slack: float) -> dict:
   """The row's limit in GB: W (the checkpoint's bytes x `copies`, the P placement's copies over
-  the process's devices) + Lg (two layers per device) + `slack`."""
-  cfg = config_of(directory)
+  the process's devices) + Lg (two layers per device, when the weights are gathered) + `slack`;
+  with the terms it is made of (the page's test recomputes it)."""
   w = checkpoint_bytes(directory) * copies
-  lg = 2 * layer_bytes(cfg) * devices if devices > 1 else 0
-  return round((w + lg) / GB + slack, 2)
+  lg = 2 * layer_bytes(config_of(directory)) * devices if devices > 1 else 0
+  terms = dict(model=os.path.basename(directory), copies=copies, devices=devices, slack=slack)
+  return {"gb": round((w + lg) / GB + slack, 2), "terms": terms}
+
+
+def fixed(gb: float, model: str | None = None, factor: float | None = None) -> dict:
+  """A limit of `gb` GB, or `factor` x the checkpoint of `model` + `gb`."""
+  if factor is None:
+    return {"gb": gb, "terms": {"fixed": gb}}
+  terms = dict(model=os.path.basename(model), factor=factor, slack=gb)
+  return {"gb": round(factor * checkpoint_bytes(model) / GB + gb, 2), "terms": terms}
 
 
 def capped(cap: int, command: list[str], env: dict, cwd: str) -> dict:
@@ -128,15 +137,16 @@ def rows(args, work: str) -> list[dict]:
     dict(name="eval 1B GGG 1x8", cmd=ev(d1, "1x8", "GGG"), devices=8, limit=limit(d1, 1, 8, 1.5)),
     dict(name="eval 1B IIG 2x4", cmd=ev(d1, "2x4", "IIG"), devices=8, limit=limit(d1, 2, 8, 1.5)),
     dict(name="eval 3B 1x1", cmd=ev(d3, "1x1", "GGG"), devices=1,
-         limit=round(1.15 * checkpoint_bytes(d3) / GB + 1.5, 2)),
-    dict(name="eval 8B 1x1", cmd=ev(d8, "1x1", "GGG"), devices=1, limit=20.0),
+         limit=fixed(1.5, d3, 1.15)),
+    dict(name="eval 8B 1x1", cmd=ev(d8, "1x1", "GGG"), devices=1, limit=fixed(20.0)),
     dict(name="LoRA 1B ING 2x4: train 2 steps", cmd=[*train_ing, "--steps", "2"], devices=8,
          limit=limit(d1, 2, 8, 2), fresh=run),
     dict(name="LoRA 1B ING 2x4: resume to step 3", cmd=[*train_ing, "--steps", "3", "--resume"],
          devices=8, limit=limit(d1, 2, 8, 2)),
     dict(name="LoRA 1B ING 2x4: export merged", devices=8, limit=limit(d1, 2, 8, 2),
          cmd=ours("export", run, "--out", out("merged"), "--overwrite"), fresh=out("merged")),
-    dict(name="LoRA 1B ING 2x4: export --adapter", devices=8, limit=1.5, fresh=out("adapter"),
+    dict(name="LoRA 1B ING 2x4: export --adapter", devices=8, limit=fixed(1.5),
+         fresh=out("adapter"),
          cmd=ours("export", run, "--adapter", "--out", out("adapter"), "--overwrite")),
     dict(name="LoRA 1B GGG, 2 processes x 4: train 2 steps (largest process)", devices=4,
          limit=limit(d1, 0.5, 4, 2), fresh=run2, launch=True,
@@ -177,7 +187,8 @@ def measure(args) -> None:
     result = capped(args.cap, row["cmd"], env, ROOT)
     kept[row["name"]] = {
       "name": row["name"],
-      "limit_gb": row["limit"],
+      "limit_gb": row["limit"] and row["limit"]["gb"],
+      "limit_terms": row["limit"] and row["limit"]["terms"],
       "commit": head_commit(),
       "peer": bool(row.get("peer")),
       "command": " ".join(
@@ -189,6 +200,10 @@ def measure(args) -> None:
     }
     print(json.dumps(kept[row["name"]]), flush=True)
   order = [r["name"] for r in rows(args, work)]
+  for row in rows(args, work):  # the limits as this script states them, for kept rows too
+    if row["name"] in kept:
+      kept[row["name"]]["limit_gb"] = row["limit"] and row["limit"]["gb"]
+      kept[row["name"]]["limit_terms"] = row["limit"] and row["limit"]["terms"]
   record = {
     "date": utc_now(),
     "machine": machine_line(),
@@ -196,6 +211,8 @@ def measure(args) -> None:
     "commit": head_commit(),
     "cap_gib": args.cap,
     "checkpoint_gb": {os.path.basename(d): round(checkpoint_bytes(d) / GB, 2) for d in args.dirs},
+    "checkpoint_bytes": {os.path.basename(d): checkpoint_bytes(d) for d in args.dirs},
+    "layer_bytes": {os.path.basename(d): layer_bytes(config_of(d)) for d in args.dirs},
     "lora_base_bytes": checkpoint_bytes(args.dirs[0]),
     "lora_step_bytes": step_bytes(os.path.join(work, "lora_ing", "checkpoints")),
     "rows": [kept[n] for n in order if n in kept],

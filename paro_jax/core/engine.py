@@ -46,6 +46,7 @@ from paro_jax.core.shards import gather_invariant, join_trainable, split_trainab
 from paro_jax.core.step import LayerStack, StepProgram
 from paro_jax.core.state import OptimConfig, TrainState, decay_mask
 from paro_jax.core.strategy import Strategy
+from paro_jax.core.xla_flags import CPU_BF16_WEIGHTS_OPTIONS
 
 
 class Engine:
@@ -190,7 +191,9 @@ class Engine:
     self.param_shardings = named(mesh, self.specs.params)
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
     self.batch_sharding = NamedSharding(mesh, self.batch_spec)
-    self.train_step = jax.jit(self._train_step, donate_argnums=0)
+    cpu_frozen = self.lora and mesh.devices.flat[0].platform == "cpu"
+    options = CPU_BF16_WEIGHTS_OPTIONS if cpu_frozen else None  # why: core/xla_flags.py
+    self.train_step = jax.jit(self._train_step, donate_argnums=0, compiler_options=options)
     self.forward = Forward(self)
 
   # --- state -------------------------------------------------------------------------------

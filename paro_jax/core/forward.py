@@ -5,6 +5,8 @@ optimizer state."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -16,17 +18,7 @@ from paro_jax.core.batch import Batch, inputs_of
 from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES
 from paro_jax.core.shards import Shard
 from paro_jax.core.wire import WireConfig
-
-
-def _bits_dtype(engine):
-  """The unsigned integer type the stored bf16 weights travel as through the forward's loops on
-  XLA:CPU (None elsewhere): XLA:CPU computes bf16 in f32 and hoists the convert of every loop's
-  stacked weights out of the loop, an fp32 copy of all of a device's weights, and runs bf16
-  all-gathers in f32 (the H100 compile of the same forward has neither); integers are cut and
-  gathered as they are, exactly, and read as bf16 only once gathered."""
-  if engine.compute_dtype != jnp.bfloat16 or engine.mesh.devices.flat[0].platform != "cpu":
-    return None
-  return jnp.uint16
+from paro_jax.core.xla_flags import CPU_BF16_WEIGHTS_OPTIONS
 
 
 class Forward:
@@ -34,9 +26,11 @@ class Forward:
 
   def __init__(self, engine):
     self.engine = engine
-    self._loss = jax.jit(self._loss_fn)
-    self._sums = jax.jit(self._sums_fn)
-    self._row_scores = jax.jit(self._row_scores_fn)
+    cpu = engine.mesh.devices.flat[0].platform == "cpu"
+    jit = functools.partial(jax.jit, compiler_options=CPU_BF16_WEIGHTS_OPTIONS if cpu else None)
+    self._loss = jit(self._loss_fn)
+    self._sums = jit(self._sums_fn)
+    self._row_scores = jit(self._row_scores_fn)
 
   def loss(self, params, batch_AxBxL1) -> jax.Array:
     """Mean next-token loss over a placed batch of any number of micro-batches (for a Batch,
@@ -66,19 +60,11 @@ class Forward:
     e = self.engine
     # The exact weights, whatever the wire precision: eval scores the model the run trains (its
     # fp32 master), so runs with and without compressed traffic are compared on equal terms.
-    gather = step.materializer(e, WireConfig())
-    bits = _bits_dtype(e)
-
-    def materialize(tree):  # gathered as stored (bits move exactly), then in the compute dtype
-      back = lambda x: lax.bitcast_convert_type(x, e.compute_dtype) if x.dtype == bits else x
-      return jax.tree.map(back, gather(tree))
+    materialize = step.materializer(e, WireConfig())
 
     def local(params, batch_AxBxL1):
       # Forward only: no gradient reaches the sink, so the parameter itself can stand in.
-      to_bits = lambda p: (
-        lax.bitcast_convert_type(p, bits) if bits and p.dtype == e.compute_dtype else p
-      )
-      shards = jax.tree.map(lambda p, d: Shard(to_bits(p), to_bits(p), d), params, e.dims)
+      shards = jax.tree.map(lambda p, d: Shard(p, p, d), params, e.dims)
 
       def micro(_, batch_BxL1):
         inputs, targets, _, segments = inputs_of(batch_BxL1)

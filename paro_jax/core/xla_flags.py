@@ -20,6 +20,17 @@ import sys
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
+# The compile options on XLA:CPU of the programs whose layer loops carry bf16 weights: the eval
+# forward (core/forward.py) and the step of a LoRA run, whose frozen base is held in the compute
+# dtype (core/engine.py). XLA:CPU computes bf16 in f32: each layer's weights, cut from the stacked
+# weights inside the layer loop, are converted to f32, and loop-invariant code motion turns that
+# into one convert of the whole stack before the loop: an f32 copy of every weight a device
+# holds, twice the bf16 weights (the Llama 3.2 1B shape's eval forward, temporaries per device:
+# 4953 -> 239 MiB on one device, 886 -> 296 MiB on 1x8 under GGG, where the H100 compile has
+# 255 MiB). Without the pass each layer is converted as it is cut. A full run's step keeps the
+# pass: its stacks are the fp32 master, with no convert to hoist.
+CPU_BF16_WEIGHTS_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
 # name -> value. The same settings go to XLA_FLAGS for real GPU runs (`paro-jax train`) and to
 # `compile(compiler_options=...)` for compiles against a GPU target (`paro-jax inspect --target`).
 GPU_FLAGS = {

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import LlamaConfig
+from models.config import LlamaConfig, LoraConfig
 from models.llama import Llama, next_token_loss
 from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
@@ -102,20 +102,38 @@ def test_no_device_holds_the_whole_table_or_head(trained):
 
 def test_cpu_bf16_forward_holds_no_fp32_copy_of_the_stored_weights(references):
   """XLA:CPU computes bf16 in f32 and would hoist the convert of each loop's stacked weights out
-  of the loop: an fp32 copy of every weight a device stores. The eval forward passes them
-  through its loops as bits (core/forward.py `_bits_dtype`): its compiled program holds no f32
-  array of a stored shard's shape, and its loss is the single-device bf16 model's."""
+  of the loop: an fp32 copy of every weight a device stores, carried through the loops. The eval
+  forward is compiled without that pass on CPU (core/xla_flags.py CPU_BF16_WEIGHTS_OPTIONS): its
+  loops carry the stored bf16 shards and no f32 array of a stored shard's shape, and its loss is
+  the single-device bf16 model's."""
   batches, params0, _, _ = references[TIED]
   model = Llama(TIED, jnp.bfloat16, vocab_chunk=CHUNK)
   engine = Engine(model, parse_strategy("GGG"), make_mesh(2, 4), OPTIM, micro_batches=2)
   params = engine.params(engine.state_from_params(params0))
   batch = engine.shard_batch(batches[0])
   hlo = engine.forward._loss.lower(params, batch).compile().as_text()
+  carried = "\n".join(re.findall(r"= \(([^)]*)\) while\(", hlo))
   stored = {p.sharding.shard_shape(p.shape) for p in jax.tree.leaves(params) if p.ndim > 1}
-  assert stored & _shapes(hlo, "u16"), "the stored shards pass as bits: the check can see them"
-  assert not stored & _shapes(hlo, "f32")
+  assert stored & _shapes(carried, "bf16"), "the loops carry the stored shards: the check sees them"
+  assert not stored & _shapes(carried, "f32")
   tokens = jnp.asarray(batches[0]).reshape(-1, batches[0].shape[-1])
   bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params0)
   want = next_token_loss(Llama(TIED, jnp.bfloat16).apply(bf16, tokens[:, :-1]), tokens[:, 1:])
   got = engine.forward.loss(params, batch)
   np.testing.assert_allclose(float(got), float(want), rtol=1e-2)
+
+
+def test_cpu_lora_step_holds_no_fp32_copy_of_the_frozen_base(references):
+  """The same for a LoRA run's step, whose frozen base is held in bf16 (core/engine.py): its
+  loops carry the base's stored shards and no f32 array of their shapes."""
+  batches = references[TIED][0]
+  lora = LoraConfig(rank=2, alpha=4.0, targets=("wq", "wv"))
+  model = Llama(TIED, jnp.bfloat16, lora=lora, vocab_chunk=CHUNK)
+  engine = Engine(model, parse_strategy("GGG"), make_mesh(2, 4), OPTIM, micro_batches=2)
+  state = engine.init_state(jax.random.key(0))
+  batch = engine.shard_batch(batches[0])
+  hlo = engine.train_step.lower(state, batch).compile().as_text()
+  carried = "\n".join(re.findall(r"= \(([^)]*)\) while\(", hlo))
+  frozen = {p.sharding.shard_shape(p.shape) for p in jax.tree.leaves(state.frozen) if p.ndim > 1}
+  assert frozen & _shapes(carried, "bf16"), "the loops carry the frozen base: the check sees it"
+  assert not frozen & _shapes(carried, "f32")
