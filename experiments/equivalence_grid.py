@@ -1,6 +1,7 @@
-"""Every strategy's step against the single-device loop on every mesh, with tied embeddings, and
-on each hand-written collective: the grid tests/core/test_equivalence.py checks one cell a
-strategy of, run with that module's own cells (its models, batches, optimizer and tolerances).
+"""Every strategy's step against the single-device loop on every mesh, with tied embeddings, on
+each hand-written collective and on packed rows: the grid tests/core/test_equivalence.py and
+tests/core/test_masked_equivalence.py check a few cells of, run with those modules' own cells
+(their models, batches, optimizer and tolerances).
 
   python experiments/equivalence_grid.py --out experiments/results/equivalence_grid
 
@@ -14,6 +15,7 @@ OUT/README.md; tests/experiments/test_equivalence_grid.py checks the page.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import textwrap
@@ -29,7 +31,8 @@ from paro_jax.core.strategy import VALID_NAMES  # noqa: E402  (imports no jax)
 # (group, strategy, mesh, collectives). fp32: every strategy on two nodes of 4 (the Llama shape)
 # and four nodes of 2 (the Qwen2 shape), and on one node of 8 the programs the 14 collapse to;
 # tied: the Qwen3 shape with a tied table, every strategy on 2x4; collectives: the rings under
-# four strategies on 2x4.
+# four strategies on 2x4; packed: test_masked_equivalence's packed rows (loss weights, segments),
+# every strategy on 2x4.
 ONE_NODE = ("NNN", "III", "GGG", "IIG", "NIG")
 GRID = (
   [("fp32", s, mesh, "xla") for mesh in ("2x4", "4x2") for s in VALID_NAMES]
@@ -40,26 +43,41 @@ GRID = (
     for s in ("NNN", "NIG", "IIG", "GGG")
     for impl in ("ring", "hring", "horing")
   ]
+  + [("packed", s, "2x4", "xla") for s in VALID_NAMES]
 )
 COLUMNS = ("group", "strategy", "mesh", "collectives", "loss rel diff", "param abs diff", "passes")
 
 
-def run_cell(suite, setups: dict, cell: tuple) -> dict:
-  """One cell trained as the test trains it, against its config's single-device run."""
+def run_cell(setups: dict, cell: tuple) -> dict:
+  """One cell trained as its test trains it, against its config's single-device run."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
+  from tests.core import test_equivalence as suite
+  from tests.core import test_masked_equivalence as masked
+
   group, strategy, mesh, impl = cell
-  cfg = suite.TIED if group == "tied" else suite.QWEN2 if mesh == "4x2" else suite.CFG
-  if cfg not in setups:
-    setups[cfg] = suite.reference_setup(cfg)
-  batches, params0, ref_losses, ref_params = setups[cfg]
-  shape = tuple(int(n) for n in mesh.split("x"))
+  tol = masked if group == "packed" else suite  # (the same tolerances: the page's test says so)
+  if group == "packed":
+    cfg, setup = masked.CFG, masked.reference_setup
+  else:
+    cfg = suite.TIED if group == "tied" else suite.QWEN2 if mesh == "4x2" else suite.CFG
+    setup = lambda: suite.reference_setup(cfg)  # noqa: E731
+  if (group == "packed", cfg) not in setups:
+    setups[group == "packed", cfg] = setup()
+  batches, params0, ref_losses, ref_params = setups[group == "packed", cfg]
   start = time.perf_counter()
-  losses, params, engine, _ = suite.train_engine(
-    strategy, shape, batches, params0, jnp.float32, impl, cfg
-  )
+  extra = {}
+  if group == "packed":
+    losses, targets, params = masked.run_engine(strategy, batches, params0, collectives=impl)
+    extra["targets_match"] = targets == [b.targets() for b in batches]
+  else:
+    shape = tuple(int(n) for n in mesh.split("x"))
+    losses, params, engine, _ = suite.train_engine(
+      strategy, shape, batches, params0, jnp.float32, impl, cfg
+    )
+    extra["program"] = engine.program.value
   loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
   param_diff = max(
     float(np.abs(np.asarray(a) - np.asarray(b)).max())
@@ -72,15 +90,21 @@ def run_cell(suite, setups: dict, cell: tuple) -> dict:
     "collectives": impl,
     "family": cfg.family,
     "tied": cfg.tie_embeddings,
-    "program": engine.program.value,
+    **extra,
     "head_leaves": sorted(params["head"]),
     "losses": [float(x) for x in losses],
     "reference_losses": [float(x) for x in ref_losses],
     "loss_rel_diff": float(loss_diff),
     "param_abs_diff": param_diff,
-    "passes": bool(loss_diff <= suite.LOSS_RTOL and param_diff <= suite.PARAM_ATOL),
+    "passes": bool(
+      loss_diff <= tol.LOSS_RTOL and param_diff <= tol.PARAM_ATOL and extra.get("targets_match", 1)
+    ),
     "seconds": round(time.perf_counter() - start, 1),
   }
+
+
+def key(c: dict) -> tuple:
+  return (c["group"], c["strategy"], c["mesh"], c["collectives"])
 
 
 def row(r: dict) -> str:
@@ -109,7 +133,10 @@ def page(record: dict) -> str:
         "Each cell is a cell of `tests/core/test_equivalence.py` (its models, batches and "
         f"optimizer: {meta['steps']} steps of {meta['micro_batches']} micro-batches, fp32), "
         "which checks one mesh a strategy, four strategies with a tied table and one strategy a "
-        "hand-written collective. fp32 on 2x4 and 1x8 is the Llama shape, on 4x2 the Qwen2 shape "
+        "hand-written collective, or, packed, of `tests/core/test_masked_equivalence.py` (rows "
+        "packed with examples of random lengths, loss weights on their completions only; "
+        f"{meta['packed_steps']} steps; four strategies there). fp32 on 2x4 and 1x8 is the "
+        "Llama shape, on 4x2 the Qwen2 shape "
         "(biases on q, k and v); tied is the Qwen3 shape with its embedding table as the head "
         "(vocabulary 61, which no mesh divides). A cell passes when every step's loss is within "
         f"a relative {meta['loss_rtol']:g} of the single-device loop's and every final parameter "
@@ -139,23 +166,31 @@ def page(record: dict) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="experiments/results/equivalence_grid")
+  parser.add_argument("--resume", action="store_true", help="keep the passing cells in --out")
   args = parser.parse_args(argv)
 
   # The suite's 8 devices and compile flags (set by tests/conftest.py before jax starts): the
-  # test's own programs.
+  # tests' own programs.
   import tests.conftest  # noqa: F401
   from tests.core import test_equivalence as suite
+  from tests.core import test_masked_equivalence as masked
 
+  path, done = os.path.join(args.out, "results.json"), {}
+  if args.resume and os.path.exists(path):
+    with open(path) as f:
+      done = {key(c): c for c in json.load(f)["cells"] if c["passes"]}
   setups, cells = {}, []
   for cell in GRID:
-    cells.append(run_cell(suite, setups, cell))
+    cells.append(done.get(cell) or run_cell(setups, cell))
     print(row(cells[-1]), f"{cells[-1]['seconds']} s", flush=True)
   meta = {
-    "command": f"python experiments/equivalence_grid.py --out {args.out}",
+    "command": f"python experiments/equivalence_grid.py --out {args.out}"
+    + (" --resume" if args.resume else ""),
     "date": utc_now(),
     "commit": git_commit(),
     "machine": machine_line(),
     "steps": suite.STEPS,
+    "packed_steps": masked.STEPS,
     "micro_batches": suite.A,
     "loss_rtol": suite.LOSS_RTOL,
     "param_atol": suite.PARAM_ATOL,
