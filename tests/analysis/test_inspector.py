@@ -1,4 +1,9 @@
-"""The inspector reads from compiled HLO the traffic that docs/design.md's formulas predict."""
+"""The inspector reads from compiled HLO the traffic that docs/design.md's formulas predict.
+
+Here four strategies at A=1 and A=4 (two whose inter-node traffic is once per step, two whose is
+every micro-batch); all 14 at both are the page experiments/results/inspector_grid/
+(experiments/inspector_grid.py compiles this module's inspect_report;
+tests/experiments/test_inspector_grid.py applies this module's assertions to the page)."""
 
 import dataclasses
 import json
@@ -14,7 +19,7 @@ from paro_jax.core.engine import Engine
 from paro_jax.analysis.inspect.abstract import compile_step
 from paro_jax.analysis.inspect.inspector import report
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.strategy import VALID_NAMES, parse_strategy
+from paro_jax.core.strategy import parse_strategy
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 
@@ -33,38 +38,49 @@ def inspect_report(
   return report(engine, compile_step(engine, batch_size=8, seq_len=seq_len))
 
 
+STRATEGIES = ("NNI", "IIG", "NGG", "GGG")
+
+
 @pytest.fixture(scope="module")
 def reports():
-  return {(s, a): inspect_report(s, a) for s in VALID_NAMES for a in (1, 4)}
+  return {(s, a): inspect_report(s, a) for s in STRATEGIES for a in (1, 4)}
 
 
-@pytest.mark.parametrize("strategy", VALID_NAMES)
-@pytest.mark.parametrize("a", [1, 4])
-def test_measured_bytes_equal_formula(reports, strategy, a):
-  r = reports[(strategy, a)]
+def assert_bytes_equal_formula(r):
   for key in ("inter_bytes", "intra_bytes"):
     measured, expected = r["measured"][key], r["expected"][key]
     # Only scalar metrics (loss, gradient norm) are extra: a few bytes.
     assert measured == pytest.approx(expected, rel=0.01, abs=64), (key, measured, expected)
 
 
-@pytest.mark.parametrize("strategy", VALID_NAMES)
-def test_inter_traffic_frequency(reports, strategy):
+def assert_inter_frequency(strategy, one, four):
   """Inter-node traffic is m x A + b: m the micro-batches' (parameter gathers, gradient
-  reduce-scatters), b the boundary syncs', each from the formulas' phases at A=1. Once per step
-  (G and P not globally sharded: m = 0) A=4 moves what A=1 does; on every micro-batch, A=4 moves
-  (4m + b) / (m + b) times as much (4x for GGG, whose b is 0)."""
-  one, four = (reports[(strategy, a)]["measured"]["inter_bytes"] for a in (1, 4))
-  phases = reports[(strategy, 1)]["expected"]["phases"]
-  inter = {key.split("/")[0]: v for key, v in phases.items() if key.endswith("/inter")}
+  reduce-scatters), b the boundary syncs', each from the formulas' phases at A=1 (`one`'s). Once
+  per step (G and P not globally sharded: m = 0) A=4 (`four`) moves what A=1 does; on every
+  micro-batch, A=4 moves (4m + b) / (m + b) times as much (4x for GGG, whose b is 0)."""
+  one_bytes, four_bytes = one["measured"]["inter_bytes"], four["measured"]["inter_bytes"]
+  inter = {
+    key.split("/")[0]: v for key, v in one["expected"]["phases"].items() if key.endswith("/inter")
+  }
   per_micro_batch = ("forward params", "backward params (remat)", "backward grads")
   m = sum(v for phase, v in inter.items() if phase in per_micro_batch)
   b = sum(v for phase, v in inter.items() if phase not in per_micro_batch)
   p, g, _ = strategy
   if g in "NI" and p != "G":
-    assert m == 0 and four == pytest.approx(one, rel=0.01, abs=64)  # once per optimizer step
+    assert m == 0 and four_bytes == pytest.approx(one_bytes, rel=0.01, abs=64)  # once per step
   else:
-    assert m > 0 and four / one == pytest.approx((4 * m + b) / (m + b), rel=0.01)
+    assert m > 0 and four_bytes / one_bytes == pytest.approx((4 * m + b) / (m + b), rel=0.01)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("a", [1, 4])
+def test_measured_bytes_equal_formula(reports, strategy, a):
+  assert_bytes_equal_formula(reports[(strategy, a)])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_inter_traffic_frequency(reports, strategy):
+  assert_inter_frequency(strategy, reports[(strategy, 1)], reports[(strategy, 4)])
 
 
 def test_phases_and_levels_iig(reports):

@@ -11,7 +11,7 @@ from paro_jax.analysis.inspect.abstract import abstract_inputs
 from paro_jax.core.wire import WireConfig
 from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.strategy import VALID_NAMES, parse_strategy
+from paro_jax.core.strategy import parse_strategy
 from tests.core.test_equivalence import A, CFG, OPTIM, STEPS, assert_trees_close, setup  # noqa: F401
 
 INT8 = WireConfig("int8", "int8", block=64)
@@ -36,7 +36,7 @@ def run(strategy, batches, params0, wire, collectives="xla", dtype=jnp.float32, 
   return losses, state
 
 
-def assert_replicas_agree(tree):
+def replicas_agree(tree) -> bool:
   """Every device holding the same slice of a master weight holds the same values: a compressed
   all-reduce that handed replicas different gradients would split them apart."""
   for leaf in jax.tree.leaves(tree):
@@ -44,29 +44,41 @@ def assert_replicas_agree(tree):
     for shard in leaf.addressable_shards:
       key = tuple((s.start, s.stop) for s in shard.index)
       by_index.setdefault(key, []).append(np.asarray(shard.data))
-    for copies in by_index.values():
-      for c in copies[1:]:
-        np.testing.assert_array_equal(c, copies[0])
+    if any(not np.array_equal(c, copies[0]) for copies in by_index.values() for c in copies[1:]):
+      return False
+  return True
 
 
-def assert_close_not_equal(losses, state, ref_losses, ref_params):
-  np.testing.assert_allclose(losses, ref_losses, atol=1e-2)
+def close_not_equal(losses, state, ref_losses, ref_params) -> dict:
+  """The figures assert_close_not_equal holds to its bounds (a results page records them)."""
   params = jax.device_get(state.master)
+  pairs = list(zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))
+  return {
+    # assert_allclose's: |a - b| <= atol + rtol |b|, its default rtol 1e-7
+    "loss_excess": float(max(abs(a - b) - 1e-7 * abs(b) for a, b in zip(losses, ref_losses))),
+    "param_abs_diff": max(float(np.abs(a - b).max()) for a, b in pairs),
+    "param_mean_diff": max(float(np.abs(a - b).mean()) for a, b in pairs),
+    "replicas_agree": replicas_agree(state.master),
+  }
+
+
+def assert_close_not_equal(figures):
+  assert figures["loss_excess"] <= 1e-2, figures
   # int8 noise can flip Adam's early, sign-like updates of near-zero gradients: at most 2 lr each.
-  assert_trees_close(params, ref_params, atol=2 * STEPS * OPTIM.learning_rate)
-  moved = jax.tree.map(lambda a, b: np.abs(a - b).mean(), params, ref_params)
-  assert max(jax.tree.leaves(moved)) < 3e-3
+  assert figures["param_abs_diff"] <= 2 * STEPS * OPTIM.learning_rate, figures
+  assert figures["param_mean_diff"] < 3e-3, figures
   # Every strategy sends something across nodes: compression must have changed the result.
-  diff = jax.tree.map(lambda a, b: np.abs(a - b).max(), params, ref_params)
-  assert max(jax.tree.leaves(diff)) > 1e-5
-  assert_replicas_agree(state.master)
+  assert figures["param_abs_diff"] > 1e-5, figures
+  assert figures["replicas_agree"], figures
 
 
-@pytest.mark.parametrize("strategy", VALID_NAMES)
-def test_int8_inter_traffic_every_strategy(setup, strategy):  # noqa: F811
+# One strategy per placement of each state; every strategy is on the page
+# experiments/results/equivalence_grid/ (its int8 cells).
+@pytest.mark.parametrize("strategy", ["NNN", "NIG", "IIG", "GGG"])
+def test_int8_inter_traffic(setup, strategy):  # noqa: F811
   batches, params0, ref_losses, ref_params = setup
   losses, state = run(strategy, batches, params0, INT8)
-  assert_close_not_equal(losses, state, ref_losses, ref_params)
+  assert_close_not_equal(close_not_equal(losses, state, ref_losses, ref_params))
 
 
 @pytest.mark.parametrize(
@@ -75,13 +87,13 @@ def test_int8_inter_traffic_every_strategy(setup, strategy):  # noqa: F811
 def test_int8_hand_written_collectives(setup, strategy, collectives):  # noqa: F811
   batches, params0, ref_losses, ref_params = setup
   losses, state = run(strategy, batches, params0, INT8, collectives)
-  assert_close_not_equal(losses, state, ref_losses, ref_params)
+  assert_close_not_equal(close_not_equal(losses, state, ref_losses, ref_params))
 
 
 def test_bf16_wire_and_fp32_grads(setup):  # noqa: F811
   batches, params0, ref_losses, ref_params = setup
   losses, state = run("NIG", batches, params0, WireConfig("bf16", "bf16"), grad="fp32")
-  assert_close_not_equal(losses, state, ref_losses, ref_params)
+  assert_close_not_equal(close_not_equal(losses, state, ref_losses, ref_params))
 
 
 def test_fp32_grads_in_fp32_compute_equal_reference(setup):  # noqa: F811

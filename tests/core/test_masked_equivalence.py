@@ -19,12 +19,13 @@ from paro_jax.core.state import OptimConfig
 from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.step import StepProgram
-from paro_jax.core.strategy import VALID_NAMES, parse_strategy
+from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.reference import reference_train
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 OPTIM = OptimConfig(learning_rate=1e-2, warmup_steps=0, total_steps=3, clip_norm=0.5, eps=1e-6)
 A, B, L, STEPS = 2, 8, 12, 2
+LOSS_RTOL, PARAM_ATOL = 2e-6, 2e-5  # fp32 against the single-device loop
 
 
 def packed_rows(rng, rows: int, pack: bool):
@@ -61,12 +62,17 @@ def masked_batches(pack: bool):
   return out
 
 
-@pytest.fixture(scope="module")
-def setup():
+def reference_setup():
+  """Packed batches, initial parameters, and the single-device loop's losses and parameters."""
   params0 = Llama(CFG).init(jax.random.key(1))
   batches = masked_batches(pack=True)
   losses, params = reference_train(Llama(CFG), params0, batches, OPTIM)
   return batches, params0, losses, params
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return reference_setup()
 
 
 def run_engine(strategy, batches, params0, **engine_args):
@@ -83,7 +89,7 @@ def run_engine(strategy, batches, params0, **engine_args):
 
 def assert_close(params, ref_params):
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
-    np.testing.assert_allclose(x, y, atol=2e-5, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(x, y, atol=PARAM_ATOL, err_msg=jax.tree_util.keystr(path))
 
 
 def test_the_batches_are_uneven(setup):
@@ -108,12 +114,14 @@ def test_reference_is_the_mean_over_targets(setup):
   np.testing.assert_allclose(losses[0], want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", VALID_NAMES)
+# One strategy per placement of each state (and the mixes the GPUs' program and the rings take
+# below); every strategy is on the page experiments/results/equivalence_grid/ (its packed rows).
+@pytest.mark.parametrize("strategy", ["NNN", "NIG", "IIG", "GGG"])
 def test_packed_equals_single_device(setup, strategy):
   batches, params0, ref_losses, ref_params = setup
   losses, targets, params = run_engine(strategy, batches, params0)
   assert targets == [b.targets() for b in batches]
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
   assert_close(params, ref_params)
 
 
@@ -131,7 +139,7 @@ def test_packed_on_the_other_programs(setup, strategy, collectives, program):
   losses, _, params = run_engine(
     strategy, batches, params0, collectives=collectives, program=program
   )
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
   assert_close(params, ref_params)
 
 
@@ -141,7 +149,7 @@ def test_unpacked_with_weights_equals_single_device():
   batches = masked_batches(pack=False)
   ref_losses, ref_params = reference_train(Llama(CFG), params0, batches, OPTIM)
   losses, _, params = run_engine("IIG", batches, params0, prefetch=False)
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
   assert_close(params, ref_params)
 
 
