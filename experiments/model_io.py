@@ -7,9 +7,10 @@ own read of the same bytes.
   python experiments/model_io.py measure --dir /tmp/llama1b --base /tmp/base \\
       --out experiments/results/model_io
 
-`make` writes a random bf16 LlamaForCausalLM directory of the Llama-3.2-1B shape (vocab 128,256,
-hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, tied embeddings: 1.24B parameters,
-2.47 GB) in two safetensors shards with their index, one tensor in memory at a time. `measure`
+`make` (experiments/model_dirs.py) writes a random bf16 LlamaForCausalLM directory of the
+Llama-3.2-1B shape (vocab 128,256, hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, tied
+embeddings: 1.24B parameters, 2.47 GB; --shape 3b and 8b: Llama 3.2 3B, Llama 3.1 8B) in
+safetensors files of about 2 GiB with their index, one file in memory at a time. `measure`
 runs `paro-jax eval` of it on mesh 1x8 (GGG) and 1x1, each in a memory cgroup of --cap GiB
 (/work/shared/tools/capped: /usr/bin/time -v's peak RSS; killed at the cap), with the code of
 --base (before) and of this tree (after), one batch of 8 x 64 tokens; then times, in a child
@@ -30,108 +31,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from experiments.model_dirs import SHAPES, make  # noqa: E402
 from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 
 CAPPED = "/work/shared/tools/capped"
 # The shapes of `make`: Llama 3.2 1B and 3B (tied), Llama 3.1 8B (its own head).
-SHAPES = {
-  "1b": dict(
-    hidden_size=2048,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    head_dim=64,
-    intermediate_size=8192,
-    tie_word_embeddings=True,
-  ),
-  "3b": dict(
-    hidden_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=24,
-    head_dim=128,
-    intermediate_size=8192,
-    tie_word_embeddings=True,
-  ),
-  "8b": dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    head_dim=128,
-    intermediate_size=14336,
-    tie_word_embeddings=False,
-  ),
-}
-SHARD_BYTES = 2 * 2**30  # a new safetensors file after this many bytes (bf16)
 RUNS = [("1x8", "GGG"), ("1x1", "GGG")]
-
-
-def shape_config(shape: str) -> dict:
-  """config.json of a `make` directory of `shape` (a key of SHAPES)."""
-  return {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "num_key_value_heads": 8,
-    **SHAPES[shape],
-    "hidden_act": "silu",
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "torch_dtype": "bfloat16",
-  }
-
-
-def hf_tensors(config: dict) -> dict:
-  """Every HF tensor's name and shape, in the order a checkpoint stores them."""
-  d, f, k = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-  h, g = config["num_attention_heads"], config["num_key_value_heads"]
-  layer = {
-    "self_attn.q_proj.weight": (h * k, d),
-    "self_attn.k_proj.weight": (g * k, d),
-    "self_attn.v_proj.weight": (g * k, d),
-    "self_attn.o_proj.weight": (d, h * k),
-    "mlp.gate_proj.weight": (f, d),
-    "mlp.up_proj.weight": (f, d),
-    "mlp.down_proj.weight": (d, f),
-    "input_layernorm.weight": (d,),
-    "post_attention_layernorm.weight": (d,),
-  }
-  names = {"model.embed_tokens.weight": (config["vocab_size"], d)}
-  for i in range(config["num_hidden_layers"]):
-    names |= {f"model.layers.{i}.{n}": s for n, s in layer.items()}
-  names["model.norm.weight"] = (d,)
-  if not config["tie_word_embeddings"]:
-    names["lm_head.weight"] = (config["vocab_size"], d)
-  return names
-
-
-def make(directory: str, shape: str = "1b", seed: int = 0) -> None:
-  """The random bf16 directory of `shape`, in safetensors files of about SHARD_BYTES, written
-  one file at a time."""
-  import ml_dtypes
-  import numpy as np
-  from safetensors.numpy import save_file
-
-  config = shape_config(shape)
-  shards, size = [{}], 0
-  for name, s in hf_tensors(config).items():
-    if size and size + 2 * np.prod(s) > SHARD_BYTES:
-      shards, size = shards + [{}], 0
-    shards[-1][name], size = s, size + 2 * int(np.prod(s))
-  os.makedirs(directory, exist_ok=True)
-  rng, weight_map = np.random.default_rng(seed), {}
-  for n, names in enumerate(shards, 1):
-    file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-    tensors = {
-      name: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-      for name, shape in names.items()
-    }
-    save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
-    weight_map |= {name: file for name in names}
-    del tensors
-  with open(os.path.join(directory, "model.safetensors.index.json"), "w") as out:
-    json.dump({"metadata": {}, "weight_map": weight_map}, out)
-  with open(os.path.join(directory, "config.json"), "w") as out:
-    json.dump(config, out, indent=2)
 
 
 def eval_run(tree: str, directory: str, mesh: str, strategy: str, cap: int, text: str) -> dict:

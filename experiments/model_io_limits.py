@@ -34,13 +34,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments.model_io import CAPPED, hf_tensors  # noqa: E402
+from experiments.model_dirs import hf_tensors  # noqa: E402
+from experiments.model_io import CAPPED  # noqa: E402
 from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 
 GB = 1e9
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 12)[: 8 * 65]  # one batch of 8 x 65
 COMMON = ("--tokenizer", "bytes", "--seq-len", "64", "--batch-size", "8", "--dtype", "bf16")
-LORA = ("--lora-rank", "8", "--warmup", "1", "--checkpoint-every", "1")
+LORA = ("--lora-rank", "8", "--lr", "3e-4", "--warmup", "1", "--checkpoint-every", "1")
 
 # transformers' side: load the directory in bf16, then a forward with the loss of one batch, or
 # save_pretrained of what it loaded (sys.argv: directory, what, output directory).
@@ -170,12 +171,14 @@ def measure(args) -> None:
     f.write(TEXT)
   path = os.path.join(args.out, "results.json")
   record = {"rows": []}
-  if args.only and os.path.exists(path):
+  if (args.only or args.notes) and os.path.exists(path):
     with open(path) as f:
       record = json.load(f)
   only = set(args.only.split(",")) if args.only else None
   kept = {r["name"]: r for r in record["rows"]}
   for row in rows(args, work):
+    if args.notes and not only:
+      break  # only the notes: the rows as they are
     if only and not any(o in row["name"] for o in only):
       continue
     if row.get("fresh"):
@@ -190,6 +193,7 @@ def measure(args) -> None:
       "limit_gb": row["limit"] and row["limit"]["gb"],
       "limit_terms": row["limit"] and row["limit"]["terms"],
       "commit": head_commit(),
+      "cap_gib": args.cap,
       "peer": bool(row.get("peer")),
       "command": " ".join(
         os.path.relpath(c, ROOT) if c.startswith(work) else c for c in row["cmd"][2:]
@@ -199,7 +203,7 @@ def measure(args) -> None:
       **result,
     }
     print(json.dumps(kept[row["name"]]), flush=True)
-  order = [r["name"] for r in rows(args, work)]
+  order, old = [r["name"] for r in rows(args, work)], record
   for row in rows(args, work):  # the limits as this script states them, for kept rows too
     if row["name"] in kept:
       kept[row["name"]]["limit_gb"] = row["limit"] and row["limit"]["gb"]
@@ -209,14 +213,17 @@ def measure(args) -> None:
     "machine": machine_line(),
     "command": shlex.join(sys.argv),
     "commit": head_commit(),
-    "cap_gib": args.cap,
     "checkpoint_gb": {os.path.basename(d): round(checkpoint_bytes(d) / GB, 2) for d in args.dirs},
     "checkpoint_bytes": {os.path.basename(d): checkpoint_bytes(d) for d in args.dirs},
     "layer_bytes": {os.path.basename(d): layer_bytes(config_of(d)) for d in args.dirs},
     "lora_base_bytes": checkpoint_bytes(args.dirs[0]),
-    "lora_step_bytes": step_bytes(os.path.join(work, "lora_ing", "checkpoints")),
+    "lora_step_bytes": step_bytes(os.path.join(work, "lora_ing", "checkpoints"))
+    or old.get("lora_step_bytes"),
     "rows": [kept[n] for n in order if n in kept],
+    "notes": open(args.notes).read() if args.notes else old.get("notes", ""),
   }
+  if args.notes and not only:  # the notes added to the page of the runs: its line stays
+    record |= {k: old[k] for k in ("date", "machine", "command", "commit")}
   write_page(args.out, record, "results.json", page(record), "README.md")
 
 
@@ -248,7 +255,8 @@ def page(r: dict) -> str:
     "",
     "Random bf16 HF directories (`experiments/model_io.py make`): "
     + ", ".join(f"{k} {v} GB" for k, v in r["checkpoint_gb"].items())
-    + f". Each command in a memory cgroup of {r['cap_gib']} GiB; peak RSS from /usr/bin/time -v"
+    + ". Each command in a memory cgroup (its cap: the row's `cap_gib` in results.json); peak RSS"
+    " from /usr/bin/time -v"
     " (for `launch`, its largest process). rc 137: killed at the cap. The limits are in this"
     " script's docstring (W: the bf16 weights the process's devices hold at P; Lg: two"
     " gathered layers per device).",
@@ -272,6 +280,8 @@ def page(r: dict) -> str:
       f"The LoRA run's checkpoints (ING, rank 8, without `--keep-base`): {sizes}; the largest is "
       f"{100 * worst:.2f}% of the 1B base's bytes (limit 5%).",
     ]
+  if r.get("notes"):
+    lines += ["", "## Notes (written after the runs)", "", r["notes"].strip()]
   return "\n".join(lines) + "\n"
 
 
@@ -283,6 +293,7 @@ def main() -> None:
   p.add_argument("--work", default="/tmp/model_io_limits", help="runs and exports (not kept)")
   p.add_argument("--cap", type=int, default=22)
   p.add_argument("--only", default="", help="comma-separated parts of row names")
+  p.add_argument("--notes", help="a markdown file: the page's notes, written after the runs")
   measure(p.parse_args())
 
 
