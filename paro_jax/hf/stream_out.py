@@ -5,8 +5,8 @@ Every output tensor's name, shape and dtype is known from the table (hf/weights.
 `tensor_table`) before anything is read, so the shards are planned first, as `save_hf` plans them
 (huggingface_hub's `split_state_dict_into_shards_factory`, here over the tensors' sizes alone):
 the same files, names and index. Then each tensor (one layer of a stacked leaf) is gathered from
-the devices to every process (a jitted slice whose output is replicated: what a process reads is
-its own copy, with one process or several), converted there (layout, dtype, the NaN/Inf
+the devices (one process: assembled on its host from the shards; several: a jitted slice whose
+output is replicated, each process reading its own copy), converted (layout, dtype, the NaN/Inf
 check: XLA's transposes, not numpy's strided copies) and added to its shard; a shard is
 written the moment its last tensor arrives, by process 0 alone: after each of its writes the
 processes agree that it went through (an error there stops every one). Host memory holds at
@@ -85,8 +85,9 @@ def _layer(x, i, layout, dtype):
 
 
 def _host(x: jax.Array) -> np.ndarray:
-  """A replicated array as numpy: this process's copy."""
-  return np.asarray(x.addressable_data(0))
+  """`x` as numpy: one process assembles its shards on the host; with several, each reads its
+  copy of the replicated array."""
+  return np.asarray(x) if x.is_fully_addressable else np.asarray(x.addressable_data(0))
 
 
 _STATIC = ("layout", "dtype")
@@ -103,15 +104,18 @@ def _gather(leaf, i, lora_of, scale, layout=None, dtype=np.float32) -> tuple[np.
     w = w if layout is None else to_hf(w, layout[0], dict(layout[1]))
     return np.ascontiguousarray(w.astype(dtype)), bad
   out, dtype = _replicated(leaf), jnp.dtype(dtype)
-  scalar = (out, out)
+  # One process converts the tensor where its shards are and assembles it on the host (`_host`):
+  # no device holds it whole (8 CPU devices held 8 fp32 copies of a 1B model's table). Several
+  # processes take it replicated, each reading its own copy. A LoRA layer is merged replicated.
+  whole = {"out_shardings": (out, out)} if jax.process_count() > 1 else {}
   if lora_of is not None:
     a, b = lora_of
-    merge = jax.jit(_merged, static_argnames=("scale", "rep", *_STATIC), out_shardings=scalar)
+    merge = jax.jit(_merged, static_argnames=("scale", "rep", *_STATIC), out_shardings=(out, out))
     w, bad = merge(leaf, a, b, i, scale=scale, rep=out, layout=layout, dtype=dtype)
   elif i is None:
-    w, bad = jax.jit(_whole, static_argnames=_STATIC, out_shardings=scalar)(leaf, layout, dtype)
+    w, bad = jax.jit(_whole, static_argnames=_STATIC, **whole)(leaf, layout, dtype)
   else:
-    w, bad = jax.jit(_layer, static_argnames=_STATIC, out_shardings=scalar)(leaf, i, layout, dtype)
+    w, bad = jax.jit(_layer, static_argnames=_STATIC, **whole)(leaf, i, layout, dtype)
   return _host(w), bool(bad)
 
 
