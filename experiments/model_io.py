@@ -71,22 +71,17 @@ def eval_run(tree: str, directory: str, mesh: str, strategy: str, cap: int, text
   }
 
 
-def time_import(directory: str) -> dict:
-  """In this process (8 virtual devices): safetensors' read of every tensor, then import_hf
-  in bf16 at 1x1 and at G on 1x8; each once untimed first (the files in the page cache)."""
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  os.environ["JAX_PLATFORMS"] = "cpu"
+def _importer(directory: str):
+  """(the directory's LlamaConfig, `load(mesh, placement)`: import_hf of the whole model in bf16
+  at that placement, blocked on); jax already configured by the caller."""
   import jax
   import jax.numpy as jnp
-  from safetensors import safe_open
 
   from models.config import read_config
   from models.llama import Llama
-  from paro_jax.core.mesh import make_mesh
   from paro_jax.core.sharding import named, shard_dims, tree_specs
-  from paro_jax.core.strategy import Placement
   from paro_jax.hf.stream import import_hf
-  from paro_jax.hf.weights import expected_shapes, weight_files
+  from paro_jax.hf.weights import expected_shapes
 
   cfg = read_config(directory)
   shapes = jax.tree.map(
@@ -96,20 +91,38 @@ def time_import(directory: str) -> dict:
   )
   dims = shard_dims(Llama(cfg).logical_axes())
 
+  def load(mesh, placement):
+    target = named(mesh, tree_specs(shapes, dims, placement, mesh))
+    return jax.block_until_ready(import_hf(directory, cfg, target, jnp.bfloat16))
+
+  return cfg, load
+
+
+def time_import(directory: str) -> dict:
+  """In this process (8 virtual devices): safetensors' read of every tensor, then import_hf
+  in bf16 at 1x1 and at G on 1x8; each once untimed first (the files in the page cache)."""
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+  from safetensors import safe_open
+
+  from paro_jax.core.mesh import make_mesh
+  from paro_jax.core.strategy import Placement
+  from paro_jax.hf.weights import weight_files
+
+  _, load = _importer(directory)
+
   def read_all():
     for path in weight_files(directory):
       with safe_open(path, framework="numpy") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
           f.get_tensor(name)
 
-  def importer(mesh, placement):
-    target = named(mesh, tree_specs(shapes, dims, placement, mesh))
-    return lambda: jax.block_until_ready(import_hf(directory, cfg, target, jnp.bfloat16))
-
+  one, eight = make_mesh(1, 1, devices=jax.devices()[:1]), make_mesh(1, 8)
   cases = {
     "safetensors get_tensor, every tensor": read_all,
-    "import_hf bf16, 1x1": importer(make_mesh(1, 1, devices=jax.devices()[:1]), Placement.N),
-    "import_hf bf16, G on 1x8": importer(make_mesh(1, 8), Placement.G),
+    "import_hf bf16, 1x1": lambda: load(one, Placement.N),
+    "import_hf bf16, G on 1x8": lambda: load(eight, Placement.G),
   }
   seconds = {}
   for what, run in cases.items():
@@ -121,36 +134,22 @@ def time_import(directory: str) -> dict:
 
 
 def time_export(directory: str, out: str) -> dict:
-  """In this process (one device: stream_hf gathers each tensor whole, in fp32, to every
-  device, 8 GB of the 1B's table on 8 virtual ones): safetensors' write of every tensor of
+  """In this process (one device): safetensors' write of every tensor of
   `directory` (each file read whole, then written to `out`), then stream_hf of the model
   imported on 1x1 in bf16, written to `out` in bf16; each once untimed first."""
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
   os.environ["JAX_PLATFORMS"] = "cpu"
   import shutil
 
-  import jax
-  import jax.numpy as jnp
   from safetensors.numpy import load_file, save_file
 
-  from models.config import read_config
-  from models.llama import Llama
   from paro_jax.core.mesh import make_mesh
-  from paro_jax.core.sharding import named, shard_dims, tree_specs
   from paro_jax.core.strategy import Placement
-  from paro_jax.hf.stream import import_hf
   from paro_jax.hf.stream_out import stream_hf
-  from paro_jax.hf.weights import expected_shapes, weight_files
+  from paro_jax.hf.weights import weight_files
 
-  cfg = read_config(directory)
-  shapes = jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-    expected_shapes(cfg),
-    is_leaf=lambda x: isinstance(x, tuple),
-  )
-  mesh = make_mesh(1, 1)
-  target = named(mesh, tree_specs(shapes, shard_dims(Llama(cfg).logical_axes()), Placement.N, mesh))
-  params = jax.block_until_ready(import_hf(directory, cfg, target, jnp.bfloat16))
+  cfg, load = _importer(directory)
+  params = load(make_mesh(1, 1), Placement.N)
 
   def write_all():
     shutil.rmtree(out, ignore_errors=True)
@@ -189,29 +188,15 @@ def import_peak(directory: str, devices: int) -> dict:
 
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   os.environ["JAX_PLATFORMS"] = "cpu"
-  import jax
-  import jax.numpy as jnp
-
-  from models.config import read_config
-  from models.llama import Llama
   from paro_jax.core.mesh import make_mesh
-  from paro_jax.core.sharding import named, shard_dims, tree_specs
   from paro_jax.core.strategy import Placement
-  from paro_jax.hf.stream import import_hf
-  from paro_jax.hf.weights import expected_shapes
 
-  cfg = read_config(directory)
-  shapes = jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-    expected_shapes(cfg),
-    is_leaf=lambda x: isinstance(x, tuple),
-  )
+  _, load = _importer(directory)
   mesh = make_mesh(1, devices)
   placement = Placement.G if devices > 1 else Placement.N
-  target = named(mesh, tree_specs(shapes, shard_dims(Llama(cfg).logical_axes()), placement, mesh))
   peak = lambda: round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # noqa: E731
   before, start = peak(), time.perf_counter()
-  jax.block_until_ready(import_hf(directory, cfg, target, jnp.bfloat16))
+  load(mesh, placement)
   return {
     "mesh": f"1x{devices}",
     "seconds": round(time.perf_counter() - start, 1),

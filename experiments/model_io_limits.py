@@ -182,7 +182,8 @@ def measure(args) -> None:
       record = json.load(f)
   only = set(args.only.split(",")) if args.only else None
   kept = {r["name"]: r for r in record["rows"]}
-  for row in rows(args, work):
+  defined = rows(args, work)
+  for row in defined:
     if args.notes and not only:
       break  # only the notes: the rows as they are
     if only and not any(o in row["name"] for o in only):
@@ -209,8 +210,8 @@ def measure(args) -> None:
       **result,
     }
     print(json.dumps(kept[row["name"]]), flush=True)
-  order, old = [r["name"] for r in rows(args, work)], record
-  for row in rows(args, work):  # the limits as this script states them, for kept rows too
+  order, old = [r["name"] for r in defined], record
+  for row in defined:  # the limits as this script states them, for kept rows too
     if row["name"] in kept:
       kept[row["name"]]["limit_gb"] = row["limit"] and row["limit"]["gb"]
       kept[row["name"]]["limit_terms"] = row["limit"] and row["limit"]["terms"]

@@ -46,7 +46,7 @@ from paro_jax.core.shards import gather_invariant, join_trainable, split_trainab
 from paro_jax.core.step import LayerStack, StepProgram
 from paro_jax.core.state import OptimConfig, TrainState, decay_mask
 from paro_jax.core.strategy import Strategy
-from paro_jax.core.xla_flags import CPU_BF16_WEIGHTS_OPTIONS
+from paro_jax.core.xla_flags import bf16_weights_options
 
 
 class Engine:
@@ -191,8 +191,7 @@ class Engine:
     self.param_shardings = named(mesh, self.specs.params)
     self.batch_spec = PartitionSpec(None, BATCH_AXES, None)
     self.batch_sharding = NamedSharding(mesh, self.batch_spec)
-    cpu_frozen = self.lora and mesh.devices.flat[0].platform == "cpu"
-    options = CPU_BF16_WEIGHTS_OPTIONS if cpu_frozen else None  # why: core/xla_flags.py
+    options = bf16_weights_options(mesh) if self.lora else None  # a frozen base in bf16
     self.train_step = jax.jit(self._train_step, donate_argnums=0, compiler_options=options)
     self.forward = Forward(self)
 

@@ -18,7 +18,7 @@ from paro_jax.core.batch import Batch, inputs_of
 from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES
 from paro_jax.core.shards import Shard
 from paro_jax.core.wire import WireConfig
-from paro_jax.core.xla_flags import CPU_BF16_WEIGHTS_OPTIONS
+from paro_jax.core.xla_flags import bf16_weights_options
 
 
 class Forward:
@@ -26,8 +26,7 @@ class Forward:
 
   def __init__(self, engine):
     self.engine = engine
-    cpu = engine.mesh.devices.flat[0].platform == "cpu"
-    jit = functools.partial(jax.jit, compiler_options=CPU_BF16_WEIGHTS_OPTIONS if cpu else None)
+    jit = functools.partial(jax.jit, compiler_options=bf16_weights_options(engine.mesh))
     self._loss = jit(self._loss_fn)
     self._sums = jit(self._sums_fn)
     self._row_scores = jit(self._row_scores_fn)

@@ -31,6 +31,13 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # pass: its stacks are the fp32 master, with no convert to hoist.
 CPU_BF16_WEIGHTS_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
+
+def bf16_weights_options(mesh) -> dict | None:
+  """`jax.jit`'s compiler_options for a program on `mesh` whose layer loops carry bf16 weights:
+  CPU_BF16_WEIGHTS_OPTIONS on XLA:CPU, none elsewhere."""
+  return CPU_BF16_WEIGHTS_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
+
+
 # name -> value. The same settings go to XLA_FLAGS for real GPU runs (`paro-jax train`) and to
 # `compile(compiler_options=...)` for compiles against a GPU target (`paro-jax inspect --target`).
 GPU_FLAGS = {
