@@ -56,7 +56,7 @@ def _loss(cfg, dtype, plain: bool = False):
 TARGETS = {t: _inputs(_cfg(t))[2] for t in (False, True)}
 
 
-def _dots(jaxpr):
+def dot_generals(jaxpr):
   """Every dot_general of a jaxpr, nested jaxprs (custom_vjp, pjit, scan) included."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
@@ -65,7 +65,7 @@ def _dots(jaxpr):
       for q in p if isinstance(p, (list, tuple)) else (p,):
         inner = getattr(q, "jaxpr", q)
         if isinstance(inner, jax.extend.core.Jaxpr):
-          yield from _dots(inner)
+          yield from dot_generals(inner)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -73,14 +73,14 @@ def test_no_matmul_of_the_bf16_gradient_takes_fp32(tied):
   cfg = _cfg(tied)
   x, table, _, params = _inputs(cfg)
   grad = jax.grad(_loss(cfg, jnp.bfloat16), argnums=(0, 1, 2))
-  dots = list(_dots(jax.make_jaxpr(grad)(x, table, params).jaxpr))
+  dots = list(dot_generals(jax.make_jaxpr(grad)(x, table, params).jaxpr))
   # the forward product (in the custom_vjp's primal and its forward rule) and its two transposes
   assert len(dots) >= 3
   operands = [[str(v.aval.dtype) for v in eqn.invars] for eqn in dots]
   assert all(o == ["bfloat16", "bfloat16"] for o in operands), operands
   # the check can fail: differentiated plainly, the transposes take the fp32 cotangent
   plain = jax.grad(_loss(cfg, jnp.bfloat16, plain=True), argnums=(0, 1, 2))
-  plain_dots = list(_dots(jax.make_jaxpr(plain)(x, table, params).jaxpr))
+  plain_dots = list(dot_generals(jax.make_jaxpr(plain)(x, table, params).jaxpr))
   assert any("float32" in [str(v.aval.dtype) for v in eqn.invars] for eqn in plain_dots)
 
 

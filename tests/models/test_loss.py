@@ -23,6 +23,7 @@ from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.state import OptimConfig
 from paro_jax.core.strategy import parse_strategy
+from tests.models.test_head import dot_generals
 
 T, D, V = 24, 16, 37
 EQUATIONS = {1: "td,dv->tv", 0: "td,vd->tv"}  # the head's kernel D x V; the tied table V x D
@@ -53,18 +54,6 @@ def test_tiles_equal_the_full_cross_entropy_and_its_gradients(axis, chunk):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # values of order 1
 
 
-def _dots(jaxpr):
-  """Every dot_general of a jaxpr, nested jaxprs (custom_vjp, scan) included."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      yield eqn
-    for p in eqn.params.values():
-      for q in p if isinstance(p, (list, tuple)) else (p,):
-        inner = getattr(q, "jaxpr", q)
-        if isinstance(inner, jax.extend.core.Jaxpr):
-          yield from _dots(inner)
-
-
 @pytest.mark.parametrize("axis", [1, 0])
 def test_bf16_products_take_bf16_and_the_head_gradient_is_rounded_once(axis):
   """As `head_logits`: every product of the bf16 loss and its gradient takes bf16 operands (no
@@ -74,7 +63,7 @@ def test_bf16_products_take_bf16_and_the_head_gradient_is_rounded_once(axis):
   x, w, targets, ct = _inputs(axis)
   x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
   tiled = jax.grad(lambda x, w: jnp.sum(ct * tiled_cross_entropy(x, w, targets, axis, 5)), (0, 1))
-  dots = list(_dots(jax.make_jaxpr(tiled)(x, w).jaxpr))
+  dots = list(dot_generals(jax.make_jaxpr(tiled)(x, w).jaxpr))
   assert len(dots) >= 3
   assert all([str(v.aval.dtype) for v in e.invars] == ["bfloat16"] * 2 for e in dots)
   # the reference: fp32 logits of the bf16 operands, their cotangent rounded once to bf16
