@@ -139,10 +139,10 @@ def _read(tensors: Tensors, name: str, sharding: NamedSharding) -> jax.Array:
 
 
 def _bits(dtype) -> jnp.dtype:
-  """The unsigned integer of `dtype`'s width: what the stack of layers is held as while it is
-  filled. XLA on CPU computes bf16 in fp32: an in-place update of a bf16 stack would convert
-  the whole stack there and back for each layer; on integers it copies the layer alone (on a
-  GPU the two are alike)."""
+  """The unsigned integer of `dtype`'s width: what a layer is written into the stack as. XLA on
+  CPU computes bf16 in fp32: an in-place update of a bf16 stack would convert the whole stack
+  there and back for each layer; on integers it copies the layer alone (on a GPU the two are
+  alike)."""
   return jnp.dtype(f"uint{jnp.dtype(dtype).itemsize * 8}")
 
 
@@ -170,12 +170,15 @@ def _convert(x, layout: tuple, dtype, resharded):
 
 
 def _put(stack, w, i):
-  """Layer `i` of `stack` (the bits of a stack of `w`s) set to `w`."""
-  return lax.dynamic_update_index_in_dim(stack, lax.bitcast_convert_type(w, stack.dtype), i, 0)
-
-
-def _as(bits, dtype):
-  return lax.bitcast_convert_type(bits, dtype)
+  """Layer `i` of `stack` set to `w`, written as their bits: the stack stays in its own dtype
+  (donated: updated in place, never copied), the update is the layer's bytes alone. A stack
+  filled as integers and converted at the end was copied by that conversion (XLA aliases a
+  donated buffer only to an output of its own dtype): a transient of the whole stack, the
+  largest of an import."""
+  bits = _bits(stack.dtype)
+  stack_bits = lax.bitcast_convert_type(stack, bits)
+  updated = lax.dynamic_update_index_in_dim(stack_bits, lax.bitcast_convert_type(w, bits), i, 0)
+  return lax.bitcast_convert_type(updated, stack.dtype)
 
 
 def _refuse(tensors: Tensors, name: str, where: str):
@@ -243,15 +246,15 @@ def import_hf(directory: str, cfg: LlamaConfig, shardings, dtype):
           raise tied_head_differs(directory)
       return w
 
-    # A stack of layers: each converted and written into place (the stack's bits, donated:
-    # updated in place). The check of layer i is read once layer i + 1 is dispatched, so that
-    # reading a layer overlaps the device's work on the one before, two at most in flight.
+    # A stack of layers: each converted and written into place (donated: updated in place).
+    # The check of layer i is read once layer i + 1 is dispatched, so that reading a layer
+    # overlaps the device's work on the one before, two at most in flight.
     layer = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
     reading, resharded = hf_shardings(layer, axes, sizes)
     convert = _jit(_convert, (layer, scalar), layout=layout, dtype=dtype, resharded=resharded)
     put = _jit(_put, sharding, donate=True)
     shape = (cfg.layers, *our_shape(axes, sizes))
-    stack = _jit(jnp.zeros, sharding, shape=shape, dtype=_bits(dtype))()
+    stack = _jit(jnp.zeros, sharding, shape=shape, dtype=dtype)()
     pending = None
     for i in range(cfg.layers):
       w, bad = convert(_read(tensors, name.format(i), reading))
@@ -261,7 +264,7 @@ def import_hf(directory: str, cfg: LlamaConfig, shardings, dtype):
       pending = (name.format(i), bad)
     if bool(pending[1]):
       raise _refuse(tensors, pending[0], directory)
-    return _jit(_as, sharding, donate=True, dtype=dtype)(stack)
+    return stack
 
   # None (a leaf not asked for) is an empty subtree to jax: it stays None.
   return jax.tree_util.tree_map_with_path(

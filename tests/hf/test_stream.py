@@ -7,6 +7,7 @@ each device holding only its block. Then the one-line errors, raised per block."
 import json
 import os
 import shutil
+from importlib.metadata import version
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
 
+from models.config import LlamaConfig
 from models.llama import Llama
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.sharding import named, shard_dims, tree_specs
@@ -23,9 +25,14 @@ from paro_jax.core.strategy import Placement
 from paro_jax.hf import stream
 from paro_jax.hf.layout import parse
 from paro_jax.hf.stream import hf_shardings, import_hf
-from paro_jax.hf.weights import expected_shapes, load_hf
+from paro_jax.hf.weights import expected_shapes, load_hf, save_hf
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+# XLA:CPU's default fusion emitters, which tests/conftest.py turns off for the suite's compile
+# time (the flag exists in the pinned jaxlib only; newer ones have no other).
+USERS_CPU_EMITTERS = (
+  {"xla_cpu_use_fusion_emitters": True} if version("jaxlib").startswith("0.10.") else {}
+)
 VARIANTS = ["hf_tiny", *(f"hf_llama/{v}" for v in ("llama3_gqa", "llama32_tied", "odd_vocab"))]
 
 
@@ -129,6 +136,42 @@ def test_where_each_tensor_is_read():
   assert got[0].spec == got[1].spec == PartitionSpec("intra", None)  # h, the outer name
   got = hf_shardings(split(None, "intra"), parse("(h k) d -> h k d"), sizes)
   assert got[0].spec == got[1].spec == PartitionSpec(None, None)  # k, an inner one: whole
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_stack_of_layers_is_filled_in_place_and_never_copied(tmp_path, monkeypatch, dtype):
+  """Each program that takes a stack of layers (donated: the import writes into it) holds less
+  than one more stack of temporaries: no copy of a whole stack (a conversion at the end, from
+  a stack held as integers, held two of it at once: the largest transient of a real-size
+  import). Compiled as a user's run compiles them (the suite's faster emitters alias it), on
+  a model wide enough to show it; the imported stacks equal the whole read."""
+  cfg = LlamaConfig(vocab=96, dim=256, layers=2, heads=4, kv_heads=2, head_dim=64, mlp=1024)
+  save_hf(cfg, Llama(cfg).init(jax.random.key(0)), tmp_path / "wide", dtype="bf16")
+  monkeypatch.setattr(stream, "_DEVICE_ELEMENTS", 0)  # every leaf converted on the devices
+  seen = []  # (the program's temporaries per device, the stack's bytes per device)
+  real = stream._jit.__wrapped__
+
+  def recording(fn, out_shardings, donate=False, **static):
+    program = real(fn, out_shardings, donate, **static)
+    if not donate:
+      return program
+
+    def run(stack, *rest):
+      compiled = program.lower(stack, *rest).compile(compiler_options=USERS_CPU_EMITTERS)
+      stats = compiled.memory_analysis()
+      seen.append((stats.temp_size_in_bytes, stack.addressable_shards[0].data.nbytes))
+      return program(stack, *rest)
+
+    return run
+
+  monkeypatch.setattr(stream, "_jit", recording)
+  cfg, want = load_hf(str(tmp_path / "wide"))
+  got = import_hf(str(tmp_path / "wide"), cfg, shardings(cfg, Placement.G, make_mesh(2, 4)), dtype)
+  assert len(seen) >= cfg.layers * len(jax.tree.leaves(got["layers"]))
+  assert all(temp < stack for temp, stack in seen), max(seen)
+  for keys, x in jax.tree_util.tree_leaves_with_path(got["layers"]):
+    ref = np.asarray(jnp.asarray(_at(want["layers"], keys)).astype(dtype))
+    assert np.asarray(jax.device_get(x)).tobytes() == ref.tobytes(), jax.tree_util.keystr(keys)
 
 
 # --- bad inputs, per block ------------------------------------------------------------------
