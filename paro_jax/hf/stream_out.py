@@ -12,7 +12,8 @@ written the moment its last tensor arrives, by process 0 alone: after each of it
 processes agree that it went through (an error there stops every one). Host memory holds at
 most the shard being filled and one tensor. A LoRA run's adapters are merged into their base
 layer by layer, as models/llama.py `merge_lora` merges the whole stack:
-W + (alpha / r) A @ B, in fp32.
+W + (alpha / r) A @ B, in fp32, each device its block of the layer, so that the devices hold
+each merged layer once.
 """
 
 from __future__ import annotations
@@ -51,12 +52,6 @@ def _replicated(x: jax.Array) -> NamedSharding:
   return NamedSharding(x.sharding.mesh, PartitionSpec())
 
 
-def _one(x, rep):
-  """`x` whole on every device (the mesh's axes may be explicit: the product of two sharded
-  operands would be refused), in fp32."""
-  return jax.sharding.reshard(x, rep).astype(jnp.float32)
-
-
 def _to_file(w, layout, dtype):
   """(`w`, fp32 in our layout, in the HF tensor's layout (`layout`: the pattern's Axes and its
   sizes; None: ours) and `dtype`; whether it holds NaN or Inf), on the devices. The barrier
@@ -67,11 +62,32 @@ def _to_file(w, layout, dtype):
   return (w if layout is None else to_hf(w, layout[0], dict(layout[1]))), bad
 
 
-def _merged(w, a, b, i, scale, rep, layout, dtype):
-  """Layer `i` of the stacked `w` with its adapters folded in, as `merge_lora` computes it."""
-  w, a, b = (_one(jax.lax.dynamic_slice_in_dim(x, i, 1), rep) for x in (w, a, b))
-  delta = jnp.einsum("lir,lro->lio", a, b) * scale
-  return _to_file((w + delta.reshape(w.shape).astype(w.dtype))[0], layout, dtype)
+def _product_spec(layer, a) -> PartitionSpec | None:
+  """The placement of the adapters' product (in, out) that gives each device the block of the
+  base layer `layer` (in... x out...) it holds: its in and out groups' leading dims' entries;
+  None where a dim after a group's first is split (the product would be resharded)."""
+  spec = tuple(jax.typeof(layer).sharding.spec)
+  spec += (None,) * (layer.ndim - len(spec))
+  k = next(k for k in range(layer.ndim + 1) if math.prod(layer.shape[:k]) == a.shape[-2])
+  if any(e is not None for e in spec[1:k] + spec[k + 1 :]):
+    return None
+  return PartitionSpec(spec[0], spec[k])
+
+
+def _merged(w, a, b, i, scale, layout, dtype):
+  """Layer `i` of the stacked `w` with its adapters folded in, as `merge_lora` computes it:
+  where the layer is (each device its block of the product, (alpha / r) A @ B over the small
+  adapters, added to its block of W), not on every device whole."""
+  w, a, b = (lax.dynamic_index_in_dim(x, i, keepdims=False) for x in (w, a, b))
+  spec, mesh = _product_spec(w, a), jax.typeof(w).sharding.mesh
+  if spec is None:  # a split the product cannot follow: the layer merged whole, as before
+    w, a, b = (jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec())) for x in (w, a, b))
+  else:  # the mesh's axes are explicit: the product's placement follows its operands'
+    a = jax.sharding.reshard(a, NamedSharding(mesh, PartitionSpec(spec[0], None)))
+    b = jax.sharding.reshard(b, NamedSharding(mesh, PartitionSpec(None, spec[1])))
+  delta = jnp.einsum("ir,ro->io", a.astype(jnp.float32), b.astype(jnp.float32)) * scale
+  delta = delta.reshape(w.shape, out_sharding=jax.typeof(w).sharding)
+  return _to_file(w.astype(jnp.float32) + delta, layout, dtype)
 
 
 def _whole(x, layout, dtype):
@@ -106,12 +122,13 @@ def _gather(leaf, i, lora_of, scale, layout=None, dtype=np.float32) -> tuple[np.
   out, dtype = _replicated(leaf), jnp.dtype(dtype)
   # One process converts the tensor where its shards are and assembles it on the host (`_host`):
   # no device holds it whole (8 CPU devices held 8 fp32 copies of a 1B model's table). Several
-  # processes take it replicated, each reading its own copy. A LoRA layer is merged replicated.
+  # processes take it replicated, each reading its own copy. A LoRA layer is merged where its
+  # blocks are too (8 CPU devices held 8 fp32 copies of each merged layer).
   whole = {"out_shardings": (out, out)} if jax.process_count() > 1 else {}
   if lora_of is not None:
     a, b = lora_of
-    merge = jax.jit(_merged, static_argnames=("scale", "rep", *_STATIC), out_shardings=(out, out))
-    w, bad = merge(leaf, a, b, i, scale=scale, rep=out, layout=layout, dtype=dtype)
+    merge = jax.jit(_merged, static_argnames=("scale", *_STATIC), **whole)
+    w, bad = merge(leaf, a, b, i, scale=scale, layout=layout, dtype=dtype)
   elif i is None:
     w, bad = jax.jit(_whole, static_argnames=_STATIC, **whole)(leaf, layout, dtype)
   else:

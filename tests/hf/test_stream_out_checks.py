@@ -1,13 +1,20 @@
 """stream_hf's `check` (paro_jax/hf/stream_out.py): each of process 0's writes, config.json and
 every tensor, is said to every process before the next gather, its error included, so that in a
 multi-process export (cluster/agree.py `OneWriter`) no process waits in a gather the writer
-left. Here in one process, with a recording check."""
+left. Here in one process, with a recording check. And `_merged`: a LoRA layer merged where its
+blocks are, against numpy."""
 
 import errno
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
+
+from paro_jax.core.mesh import make_mesh
 
 from paro_jax.hf import stream_out
 from paro_jax.hf.stream_out import plan_shards, stream_hf
@@ -52,3 +59,33 @@ def test_each_write_is_checked_before_the_next_gather(tmp_path, monkeypatch):
   assert isinstance(seen[-1], OSError) and seen[:-1] == [None] * (len(seen) - 1)
   # config.json's check, then one per tensor gathered: none gathered after the failed write
   assert len(seen) == 1 + len(gathered) < 1 + len(tensors)
+
+
+@pytest.mark.parametrize("split", [1, 3, 2], ids=["in", "out", "inner"])
+def test_a_layer_is_merged_where_its_blocks_are(split):
+  """`_merged` (one layer of W + scale A @ B) against numpy, the layer (in 8 x 4, out 16) split
+  over the 8 devices along its in group's leading dim, its out dim, or the in group's second
+  dim (the product cannot follow that one: merged whole on each device); otherwise its result
+  placed as the layer is, held once over the devices."""
+  mesh = make_mesh(2, 4)
+  rng = np.random.default_rng(split)
+  w, a, b = (
+    rng.standard_normal(s).astype(np.float32) for s in ((2, 8, 4, 16), (2, 32, 3), (2, 3, 16))
+  )
+  spec = [None] * 4
+  spec[split] = ("intra", "inter") if split != 2 else "intra"
+  layer = NamedSharding(mesh, PartitionSpec(*spec))
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, PartitionSpec(*s)))  # noqa: E731
+  merged, bad = jax.jit(stream_out._merged, static_argnames=("scale", "layout", "dtype"))(
+    jax.device_put(w, layer), put(a, [None, ("intra", "inter")]), put(b, []), 1,
+    scale=0.5, layout=None, dtype=jnp.dtype(jnp.float32),
+  )  # fmt: skip
+  want = w[1] + 0.5 * (a[1] @ b[1]).reshape(8, 4, 16)
+  np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-6, atol=1e-6)
+  assert not bool(bad)
+  held = sum(s.data.nbytes for s in merged.addressable_shards)
+  if split == 2:  # merged whole on every device
+    assert held == 8 * merged.nbytes
+  else:
+    assert merged.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(*spec[1:])), 3)
+    assert held == merged.nbytes

@@ -130,3 +130,26 @@ def test_adapter_export_reads_only_the_adapters(runs, tmp_path, monkeypatch):
   assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes()
   assert meta.lora
   assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_each_tensor_is_held_once_over_the_devices(runs, tmp_path, monkeypatch):
+  """On one process every output tensor, a merged LoRA layer included, is made where its blocks
+  are and assembled on the host: its shards on the devices, counted at the hand-over to the
+  host, add up to the tensor once (a layer merged whole on each of the 8 devices held it 8
+  times)."""
+  from paro_jax.hf import stream_out
+
+  held, real = [], stream_out._host
+
+  def spy(x):
+    held.append((sum(s.data.nbytes for s in x.addressable_shards), x.nbytes))
+    return real(x)
+
+  monkeypatch.setattr(stream_out, "_host", spy)
+  cli.main(["export", "--run", str(runs["lora"]), "--out", str(tmp_path / "out")])
+  ckpt = Checkpointer(os.path.join(runs["lora"], CHECKPOINTS), read_only=True)
+  cfg = LlamaConfig(**ckpt.newest_meta().model_config)
+  ckpt.close()
+  merged = cfg.layers * len(LORA["lora.targets"].split(","))
+  assert len(held) >= merged and jax.device_count() == 8
+  assert [on_devices for on_devices, _ in held] == [nbytes for _, nbytes in held]
