@@ -27,6 +27,7 @@ from paro_jax.core.names import (
   DEFAULT_INT8_BLOCK,
   GRAD_DTYPES,
   OUTER_ONLY_FORMATS,
+  OUTER_STATES,
   WIRE_FORMATS,
 )
 from paro_jax.core.strategy import ALIASES, GroupStrategy, parse_strategy
@@ -252,7 +253,28 @@ class OuterOptions:
     metavar="ALPHA",
   )
 
+  state: str = option(
+    "G",
+    "where the outer weights and momentum live: G (sharded over all devices; a round gathers "
+    "them, 9 bytes a parameter with an int8 pseudo-gradient) or I (sharded over each node's "
+    "devices, a copy per node; a round all-reduces the pseudo-gradient alone, 2w bytes, for "
+    "8 bytes a parameter over the node's devices; default %(default)s)",
+    flag="--outer-state",
+    type=str.upper,
+    choices=OUTER_STATES,
+  )
+
   def __post_init__(self):
+    if self.state not in OUTER_STATES:
+      raise ValueError(
+        f"--outer-state must be one of {', '.join(OUTER_STATES)} (where the outer weights "
+        f"live), got {self.state!r}"
+      )
+    if self.state != "G" and self.sync is None:
+      raise ValueError(
+        f"--outer-state {self.state} places the outer loop's state, and there is none: pass "
+        f"--outer-sync H too, or drop --outer-state"
+      )
     if self.sync is not None and self.sync < 1:
       raise ValueError(
         f"--outer-sync must be >= 1 (steps between the nodes' syncs), got {self.sync}; omit it "
