@@ -48,8 +48,9 @@ class RunMeta:
   # directory, its weight files' fingerprint and the dtype it trained in; None: the checkpoint
   # holds its base (--keep-base, a random base, a checkpoint written before), or no LoRA
   base: dict | None = None
-  # an --outer-sync run's outer loop: {"sync": H, "fragments": F, "delay": TAU, "mix": ALPHA};
-  # None without one, and before it was recorded (read as F = 1, TAU = 0, H unknown)
+  # an --outer-sync run's outer loop: {"sync": H, "fragments": F, "delay": TAU, "mix": ALPHA,
+  # "state": "G" or "I"}; None without one, and before it was recorded (read as F = 1, TAU = 0,
+  # the state at G, H unknown)
   outer: dict | None = None
 
   def to_json(self) -> dict:
@@ -220,11 +221,15 @@ OUTER_SCHEDULE = {
 }
 
 
-def check_outer_schedule(meta: RunMeta, outer, where: str) -> None:
+def check_outer_schedule(meta: RunMeta, outer, where: str, residual: bool = False) -> None:
   """Refuse to continue the outer loop of checkpoint `where` on another schedule: the step count
   gives each fragment's position in its round (and which kept weights are in flight) only for
   the H, F and TAU it ran with. `outer`: the engine's OuterOptions. --outer-mix, --outer-lr and
-  --outer-momentum hold no state: they may change (a changed mix is said in one line)."""
+  --outer-momentum hold no state: they may change (a changed mix is said in one line). Another
+  --outer-state reshards the outer weights and momentum as they are read (said in one line),
+  unless the checkpoint holds a pseudo-gradient residual (`residual`): its elements are laid
+  out by the placement's collective, so that is refused in one line."""
+  check_outer_state(meta, outer.state, where, residual)
   was = meta.outer or {"fragments": 1, "delay": 0}  # written before they were recorded
   changed = [k for k in OUTER_SCHEDULE if k in was and was[k] != getattr(outer, k)]
   flags = lambda values: " ".join(f"{OUTER_SCHEDULE[k]} {values[k]}" for k in changed)  # noqa: E731
@@ -241,6 +246,24 @@ def check_outer_schedule(meta: RunMeta, outer, where: str) -> None:
       f"with {was['mix']:g}: the restarts merge otherwise from step {meta.step} on",
       stacklevel=4,
     )
+
+
+def check_outer_state(meta: RunMeta, state: str, where: str, residual: bool) -> None:
+  """check_outer_schedule's word on --outer-state (a checkpoint without it: G)."""
+  was = (meta.outer or {}).get("state", "G")
+  if was == state:
+    return
+  if residual:
+    raise OuterMismatch(
+      f"{where} was written with --outer-state {was}, this run has --outer-state {state}, and "
+      f"its pseudo-gradient's error-feedback residual is laid out for the state at {was}: "
+      f"resume with --outer-state {was}"
+    )
+  warnings.warn(
+    f"step {meta.step}'s checkpoint holds the outer state at {was}: its outer weights and "
+    f"momentum are read at {state} (--outer-state {state}) from here on",
+    stacklevel=4,
+  )
 
 
 def outer_target(target: TrainState, written, engine: Engine, meta: RunMeta):
@@ -261,7 +284,8 @@ def outer_target(target: TrainState, written, engine: Engine, meta: RunMeta):
         else f"{where} holds the states of {groups} groups and --mesh has {engine.inter}: "
         f"resume the outer loop on {groups} groups"
       )
-    check_outer_schedule(meta, engine.outer, where)
+    residual = saved_field(written["outer"], "residual") is not None
+    check_outer_schedule(meta, engine.outer, where, residual)
     return target, None
   if not saved:
     return target, None

@@ -176,7 +176,7 @@ def run_meta(
     else None,
     outer=None
     if cfg.outer.sync is None
-    else {k: getattr(cfg.outer, k) for k in ("sync", "fragments", "delay", "mix")},
+    else {k: getattr(cfg.outer, k) for k in ("sync", "fragments", "delay", "mix", "state")},
   )
 
 
