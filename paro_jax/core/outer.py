@@ -104,11 +104,6 @@ def sync(
   return restart, OuterState(params, opt_state, residual)
 
 
-def node_axes(strategy: Strategy) -> tuple[str, ...]:
-  """The axes between the groups' master placement and I: ('intra',) for OS = N, else ()."""
-  return tuple(a for a in Placement.I.axes if a not in strategy.opt.axes)
-
-
 def own_chunk(x, axes: tuple[str, ...], dim: int):
   """This device's chunk of `x` along `dim` over `axes` (major first), as tiled all-gather over
   `axes` would place it: a slice, nothing moved."""
@@ -123,7 +118,7 @@ def sync_at_node(
 ) -> tuple[Any, OuterState]:
   """`sync` with the outer state at I (--outer-state I): each node's copy of it, sharded over
   its devices. Only the pseudo-gradient crosses nodes, all-reduced over `inter`."""
-  axes = node_axes(strategy)
+  axes = strategy.outer_node_axes  # ('intra',) for OS = N, else ()
   groups = jax.lax.axis_size(INTER)
   with jax.named_scope("outer_sync"):
     # OS = N: a device's I shard of its group's weights is a slice of them (no collective).

@@ -59,6 +59,7 @@ def run_memory(cfg, model, strategy, inter: int, intra: int, gpu: bool) -> dict:
     outer_sync=cfg.outer.sync,
     outer_fragments=cfg.outer.fragments,
     outer_delay=cfg.outer.delay,
+    outer_state=cfg.outer.state,
   )
   return step_memory(strategy, work, inter, intra, gpu=gpu)
 

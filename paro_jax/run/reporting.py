@@ -37,6 +37,13 @@ def banner(cfg: RunConfig, engine: Engine, need: dict) -> str:
   )
 
 
+# --outer-state in the banner: where the outer weights live, and what a round sends for it.
+OUTER_STATE_WORDS = {
+  "G": "over all devices, the round gathers them",
+  "I": "a copy per node, the round all-reduces the pseudo-gradient alone",
+}
+
+
 def _wire(cfg: RunConfig, engine: Engine) -> str:
   """What crosses nodes: the step's wire formats, or with the outer loop its syncs."""
   o = cfg.outer
@@ -50,7 +57,7 @@ def _wire(cfg: RunConfig, engine: Engine) -> str:
       stagger += f", restarts mixing {o.mix:g} of the groups' own weights"
     return (
       f"outer sync every {o.sync} steps{stagger} (outer lr {o.lr:g}, Nesterov momentum "
-      f"{o.momentum:g}; "
+      f"{o.momentum:g}, outer state at {o.state}: {OUTER_STATE_WORDS[o.state]}; "
       f"no collective across nodes inside a step), pseudo-gradient on the wire "
       f"{cfg.wire.inter_grads} (error feedback {engine.feedback_note})"
     )

@@ -21,7 +21,9 @@ BANDWIDTH, LATENCY = 125e6, 1e-3  # 1 Gbit/s per node; 1 ms per collective betwe
 LEAVES = 12  # the round syncs the 12 stacked leaves, one collective each (9 per layer + 3)
 
 
-def outer_plan(model="7b", grads="same", h=H, global_collectives="flat", fragments=1, delay=0):
+def outer_plan(
+  model="7b", grads="same", h=H, global_collectives="flat", fragments=1, delay=0, state="G"
+):
   cfg = get_config(model)
   w = inputs.Workload(
     cfg,
@@ -32,6 +34,7 @@ def outer_plan(model="7b", grads="same", h=H, global_collectives="flat", fragmen
     outer_sync=h,
     outer_fragments=fragments,
     outer_delay=delay,
+    outer_state=state,
   )
   net = inputs.Links(BANDWIDTH, 300e9, LATENCY, 10e-6, global_collectives=global_collectives)
   return planner.plan(w, inputs.Cluster(G, M, net, 312e12, device_memory=80e9)), cfg.param_count()
@@ -246,3 +249,46 @@ def test_plan_fragments_json_and_text(capsys):
   text = capsys.readouterr().out
   assert "in 2 fragments (a sync step moves 1/2 of the round)" in text
   assert "in 2 fragments its busiest sync step moves" in text
+
+
+@pytest.mark.parametrize("grads", ["same", "int8", "int4"])
+def test_round_with_the_outer_state_at_node_is_one_all_reduce_over_inter(grads):
+  """--outer-state I: the pseudo-gradient of each device's 1/m share all-reduced over the g
+  nodes (a reduce-scatter and an all-gather ring, each (g-1)/g of it at the wire's bytes) and
+  nothing else across nodes: 2w bytes per parameter where the state at G sends 8 + w; the latency
+  of 12 all-reduces. The new outer weights are gathered inside the node where OS = N (NNN:
+  (m-1)/m x 4 psi), nowhere else. Memory: 8 bytes per parameter over the node's m devices."""
+  at_node, psi = outer_plan(grads=grads, state="I")
+  at_g, _ = outer_plan(grads=grads)
+  per_round = (G - 1) / G * psi / M * 2 * wire_bytes(grads)
+  for name in GROUP_NAMES:
+    e, g = at_node.get(name), at_g.get(name)
+    assert e.traffic["outer_round"]["inter_bytes"] == pytest.approx(per_round, rel=1e-9)
+    intra = (M - 1) / M * 4 * psi if name == "NNN" else 0
+    assert e.traffic["outer_round"]["intra_bytes"] == pytest.approx(intra, rel=1e-9)
+    restart = LEAVES * 10e-6 + intra / 300e9 if intra else 0  # the intra link's latency, bytes
+    seconds = (LEAVES * LATENCY + per_round / (BANDWIDTH / M) + restart) / H
+    assert e.times["outer_sync"] == pytest.approx(seconds, rel=1e-9)
+    extra = 8 * -(-psi // M) - 8 * -(-psi // (G * M))  # the state over m devices, not n
+    residual = e.memory["model_states"].get("outer", 0) - 8 * -(-psi // M)
+    assert residual == g.memory["model_states"]["outer"] - 8 * -(-psi // (G * M))
+    assert e.memory["total"] == g.memory["total"] + extra
+  if grads == "int8":  # 2.25 against 9.125 bytes per parameter and device: about four times
+    ratio = at_g.get("III").traffic["outer_round"]["inter_bytes"] / per_round
+    assert ratio == pytest.approx((8 + 1.125) / 2.25, rel=1e-9)
+
+
+def test_plan_with_the_outer_state_at_node(capsys):
+  main([*PLAN, "--outer-sync", "10", "--inter-grads", "int8", "--outer-state", "I", "--json"])
+  out = json.loads(capsys.readouterr().out)
+  assert out["inputs"]["outer_state"] == "I"
+  phases = out["ranking"][0]["traffic"]["phases"]
+  assert "outer pseudo-gradient/inter" in phases and "outer start/inter" not in phases
+  main([*PLAN, "--outer-sync", "10", "--outer-state", "i"])
+  assert "the outer state at I" in capsys.readouterr().out
+  with pytest.raises(SystemExit) as e:
+    main([*PLAN, "--outer-state", "I"])
+  assert e.value.code == 2
+  assert (
+    "--outer-state I places the outer loop's state, and there is none" in capsys.readouterr().err
+  )

@@ -30,6 +30,7 @@ from tests.core.test_outer import (
   PLAIN,
   REMAT,
   assert_trees_close,
+  bytes_per_device,
   diloco_reference,
   make_batches,
   run_groups,
@@ -208,3 +209,33 @@ def test_outer_state_without_the_outer_loop_refused():
     OuterOptions(state="I")
   with pytest.raises(ValueError, match="--outer-state must be one of G, I"):
     OuterOptions(sync=H, state="N")
+
+
+@pytest.mark.parametrize("strategy,fmt", [("NNN", "int8"), ("III", "same"), ("NII", "int4")])
+def test_memory_model_counts_the_outer_state_at_node(strategy, fmt):
+  """The memory model's outer state at I (8 bytes per parameter over the node's m devices, and
+  the pseudo-gradient's residual where its wire compresses) is what each device holds."""
+  from paro_jax.analysis.planner.inputs import Workload
+  from paro_jax.analysis.planner.memory import step_memory
+  from paro_jax.core.wire import WireConfig
+
+  model = Llama(CFG, remat=REMAT)
+  engine = GroupEngine(
+    model, parse_strategy(strategy), make_mesh(GROUPS, M), OPTIM, AT_NODE, Codec(fmt)
+  )
+  state = engine.state_from_params(model.init(jax.random.key(1)))
+  work = Workload(
+    CFG,
+    micro_batch=1,
+    micro_batches=2,
+    seq_len=8,
+    itemsize=4,
+    remat=False,
+    wire=WireConfig(grads=fmt),
+    outer_sync=H,
+    outer_state="I",
+  )
+  need = step_memory(parse_strategy(strategy), work, GROUPS, M, gpu=False)["model_states"]
+  assert need["outer"] == bytes_per_device(state.outer) > 0
+  psi = sum(x.size for x in jax.tree.leaves(state.outer.params))
+  assert bytes_per_device((state.outer.params, state.outer.opt_state)) == 8 * psi // M

@@ -141,6 +141,7 @@ def auto_strategy(
     outer_sync=cfg.outer.sync,
     outer_fragments=cfg.outer.fragments,
     outer_delay=cfg.outer.delay,
+    outer_state=cfg.outer.state,
   )
   if plan.pick is None:
     raise ValueError(f"--strategy auto: {plan.explain}")

@@ -169,6 +169,7 @@ def plan_for_profile(
   outer_sync: int | None = None,
   outer_fragments: int = 1,
   outer_delay: int = 0,
+  outer_state: str = "G",
 ) -> Plan:
   """`train --strategy auto`: the plan for this run, from a probe of its own mesh (with
   `outer_sync`, among the strategies each group can run in the outer loop).
@@ -207,6 +208,7 @@ def plan_for_profile(
     outer_sync=outer_sync,
     outer_fragments=outer_fragments,
     outer_delay=outer_delay,
+    outer_state=outer_state,
   )
   inputs = {
     "nodes": inter,
@@ -280,6 +282,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
     outer_sync=cfg.outer_sync,
     outer_fragments=cfg.outer_fragments,
     outer_delay=cfg.outer_delay,
+    outer_state=cfg.outer_state,
     # the plan is for GPUs: --attention as a run on them resolves it
     fused_attention=resolve_attention(
       cfg.attention, "cuda", "bfloat16" if itemsize == 2 else "float32", model_cfg.head_dim
@@ -315,6 +318,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
     "outer_sync": cfg.outer_sync,
     "outer_fragments": cfg.outer_fragments,
     "outer_delay": cfg.outer_delay,
+    "outer_state": cfg.outer_state,
     "profile": cfg.profile,
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),
   }
@@ -343,7 +347,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
       )
       + (
         f"; DiLoCo: the groups sync every {cfg.outer_sync} steps, the pseudo-gradient on the "
-        f"wire as --inter-grads {cfg.wire.inter_grads}"
+        f"wire as --inter-grads {cfg.wire.inter_grads}, the outer state at {cfg.outer_state}"
         + (
           f", in {cfg.outer_fragments} fragments (a sync step moves 1/{cfg.outer_fragments} "
           f"of the round)"
