@@ -78,7 +78,8 @@ def test_no_flags_parse_to_the_default_config(command):
 def test_step_flags_parse_back_to_the_step(errfb):
   """`train --strategy auto` hands the run's step to `inspect --target` as flags
   (core/config.py step_flags): `inspect` parses them back to every StepConfig field."""
-  from paro_jax.core.config import StepConfig, step_flags
+  from paro_jax.core.config import StepConfig
+  from paro_jax.core.flags import step_flags
 
   step = RunConfig(
     model="small", strategy="nig", mesh=(2, 4), micro_batches=3, batch_size=24, seq_len=96,

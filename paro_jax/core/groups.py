@@ -36,7 +36,7 @@ from paro_jax.core.config import OuterOptions
 from paro_jax.core.engine import Engine
 from paro_jax.core.fragments import Fragments, fragment_part, with_fragment_part
 from paro_jax.core.mesh import mesh_shape
-from paro_jax.core.names import INTER, MESH_AXES
+from paro_jax.core.names import INTER, MESH_AXES, OUTER_STATES
 from paro_jax.core.sharding import local_shape, named, state_specs
 from paro_jax.core.shards import gather_invariant, join_trainable, split_trainable
 from paro_jax.core.state import TrainState
@@ -85,6 +85,11 @@ class GroupEngine(Engine):
     super().__init__(model, GroupStrategy.of(strategy), mesh, optim, **engine_args)
     s = self.strategy
     # --outer-state: G (sharded over all devices) or I (each node's copy over its devices)
+    if outer.state not in OUTER_STATES:
+      raise ValueError(
+        f"--outer-state {outer.state} is train's choice (I where the run's memory fits): pass "
+        f"--outer-state G or I"
+      )
     self.outer_at = Placement[outer.state]
     outer_specs = state_specs(
       self.shapes, self.dims, Strategy(s.params, s.grads, self.outer_at), mesh

@@ -22,7 +22,14 @@ LEAVES = 12  # the round syncs the 12 stacked leaves, one collective each (9 per
 
 
 def outer_plan(
-  model="7b", grads="same", h=H, global_collectives="flat", fragments=1, delay=0, state="G"
+  model="7b",
+  grads="same",
+  h=H,
+  global_collectives="flat",
+  fragments=1,
+  delay=0,
+  state="G",
+  memory=80e9,
 ):
   cfg = get_config(model)
   w = inputs.Workload(
@@ -37,7 +44,7 @@ def outer_plan(
     outer_state=state,
   )
   net = inputs.Links(BANDWIDTH, 300e9, LATENCY, 10e-6, global_collectives=global_collectives)
-  return planner.plan(w, inputs.Cluster(G, M, net, 312e12, device_memory=80e9)), cfg.param_count()
+  return planner.plan(w, inputs.Cluster(G, M, net, 312e12, device_memory=memory)), cfg.param_count()
 
 
 def wire_bytes(fmt: str) -> float:
@@ -159,18 +166,28 @@ def test_plan_outer_bad_input(capsys, argv, message):
 
 
 def test_train_strategy_auto_with_the_outer_loop(tmp_path, capsys):
-  """`--strategy auto --outer-sync H` runs the planner's pick among the N and I strategies."""
+  """`--strategy auto --outer-sync H` runs the planner's pick among the N and I strategies;
+  with `--outer-state auto`, its outer state at I where the run's memory fits (a test model
+  fits the host's memory: I), the checkpoint recording the state resolved."""
+  from paro_jax.run.checkpoint import Checkpointer
+
   out = tmp_path / "run"
   main(
     ["train", "--strategy", "auto", "--outer-sync", "2", "--model", "test", "--mesh", "2x4"]
     + ["--steps", "2", "--batch-size", "8", "--seq-len", "16", "--dtype", "fp32"]
-    + ["--out", str(out)]
+    + ["--outer-state", "auto", "--out", str(out)]
   )
   text = capsys.readouterr().out
   line = next(x for x in text.splitlines() if "--strategy auto picked" in x)
   pick = line.split("picked ")[1][:3]
   assert pick in GROUP_NAMES and "DiLoCo (--outer-sync 2)" in line
+  assert "the pick's outer state at I" in line
+  assert "paro-jax: --outer-state auto: I (a round sends the pseudo-gradient alone" in text
   assert f"strategy {pick} on mesh 2x4" in text and "outer sync every 2 steps" in text
+  assert "outer state at I: a copy per node" in text
+  ckpt = Checkpointer(str(out / "checkpoints"), read_only=True)
+  assert ckpt.newest_meta().outer["state"] == "I"
+  ckpt.close()
   rows = (out / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(r)["step"] for r in rows] == [1, 2]
 
@@ -292,3 +309,22 @@ def test_plan_with_the_outer_state_at_node(capsys):
   assert (
     "--outer-state I places the outer loop's state, and there is none" in capsys.readouterr().err
   )
+
+
+def test_outer_state_auto_takes_i_where_it_fits():
+  """--outer-state auto: each strategy at I where its memory with the state at I fits, else at
+  G. On 80 GB every fitting strategy is at I (a quarter of G's round bytes with int8); with the
+  memory between III's need at G and at I, III is at G."""
+  at_g, _ = outer_plan(grads="int8")
+  at_node, _ = outer_plan(grads="int8", state="I")
+  auto, _ = outer_plan(grads="int8", state="auto")
+  for e in auto.ranking:
+    fits = at_node.get(e.strategy).fits
+    assert e.outer_state == ("I" if fits else "G"), e.strategy
+    want = (at_node if fits else at_g).get(e.strategy)
+    assert e.step_time_s == want.step_time_s and e.memory == want.memory
+  assert auto.get(auto.pick).outer_state == "I" and "the pick's outer state at I" in auto.explain
+  g_need, i_need = (p.get("III").memory["total"] for p in (at_g, at_node))
+  between = (g_need + i_need) / 2 / inputs.USABLE_MEMORY
+  tight, _ = outer_plan(grads="int8", state="auto", memory=between)
+  assert tight.get("III").outer_state == "G" and tight.get("III").fits

@@ -21,7 +21,12 @@ from paro_jax.core.config import (
   option,
   parse_model,
 )
-from paro_jax.core.names import COLLECTIVE_IMPLS, OUTER_STATES
+from paro_jax.core.names import (
+  AUTO_OUTER_STATE,
+  COLLECTIVE_IMPLS,
+  OUTER_STATES,
+  parse_outer_state,
+)
 from paro_jax.core.units import COMPUTE_DTYPE_BYTES
 
 
@@ -125,10 +130,11 @@ class PlanConfig:
     "G",
     "with --outer-sync, `train --outer-state`: the outer weights and momentum over all devices "
     "(G: a round sends 8 + w bytes a parameter) or a copy per node over its devices (I: 2w "
-    "bytes, 8 bytes a parameter over m devices; default %(default)s)",
+    "bytes, 8 bytes a parameter over m devices) or auto: I for each strategy whose memory "
+    "fits, else G (default %(default)s)",
     flag="--outer-state",
-    type=str.upper,
-    choices=OUTER_STATES,
+    type=parse_outer_state,
+    choices=(*OUTER_STATES, AUTO_OUTER_STATE),
   )
   as_json: bool = option(False, "print one JSON object", flag="--json")
 

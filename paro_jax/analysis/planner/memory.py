@@ -71,6 +71,16 @@ OUTER_STATE_BYTES = 8
 KEPT_BYTES = 4  # --outer-delay's kept weights: fp32, per trained parameter at OS
 
 
+def outer_state_for(
+  strategy: Strategy, w: Workload, inter: int, intra: int, usable: float | None, gpu: bool = True
+) -> str:
+  """--outer-state auto: I (a round sends 2w bytes a parameter across nodes, not 8 + w) where
+  the step's memory with the outer state at I fits `usable` bytes per device (None: no limit),
+  else G (8 bytes a parameter over all devices instead of a node's)."""
+  at_node = step_memory(strategy, dataclasses.replace(w, outer_state="I"), inter, intra, gpu)
+  return "I" if usable is None or at_node["total"] <= usable else "G"
+
+
 def _with_outer(strategy: Strategy, inner: Workload, inter: int, intra: int, gpu: bool) -> dict:
   """`step_memory` of a group's step (`inner`, with the step's wire formats left out) plus the
   outer loop's state."""

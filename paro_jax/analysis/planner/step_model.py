@@ -166,6 +166,7 @@ class Prediction:
   collectives: int = 0  # collectives per step
   note: str = ""
   outer_sync: int | None = None  # H of the outer loop (DiLoCo) the step runs in; None: off
+  outer_state: str | None = None  # where its outer state lives (--outer-state G or I); None: off
 
   @property
   def memory_bytes(self) -> float:
@@ -186,6 +187,7 @@ class Prediction:
       "collectives": self.collectives,
       "note": self.note,
       **({"outer_sync": self.outer_sync} if self.outer_sync else {}),
+      **({"outer_state": self.outer_state} if self.outer_sync else {}),
     }
 
 
@@ -353,4 +355,5 @@ def predict_outer(strategy: Strategy, w: Workload, cluster: Cluster) -> Predicti
     },
     collectives=base.collectives + collectives / h,
     outer_sync=h,
+    outer_state=w.outer_state,
   )
