@@ -259,7 +259,8 @@ class OuterOptions:
     "G",
     "the outer weights and momentum over all devices (G: a round gathers them, 8 + w bytes a "
     "parameter) or over each node's devices, a copy per node (I: a round all-reduces the "
-    "pseudo-gradient alone, 2w bytes), or auto: I where the run's memory fits (default G)",
+    "pseudo-gradient alone, 2w bytes), or auto: I where the run's memory fits (default "
+    "%(default)s)",
     flag="--outer-state",
     type=parse_outer_state,
     choices=(*OUTER_STATES, AUTO_OUTER_STATE),
