@@ -183,6 +183,22 @@ def test_a_round_at_node_sends_two_wire_payloads_across_nodes(full):
   print(f"tiny-test III 2x4 int8, inter bytes per device and round: G {at_g:.0f}, I {at_node:.0f}")
 
 
+def test_hand_written_rings_at_node(full):
+  """--collectives horing: NNN's round at I (the pseudo-gradient's all-reduce a ring over
+  `inter`, the restart the two-level gather inside the node) equals the reference, and sends
+  2 x 4 bytes per parameter of its share across nodes (fp32)."""
+  model, params0, batches, (ref_losses, ref_rounds) = full
+  losses, rounds, engine, state = run_groups(
+    model, "NNN", params0, batches, AT_NODE, collectives="horing"
+  )
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  for got, want in zip(rounds, ref_rounds):
+    assert_trees_close(got, want, atol=2e-5)
+  hlo = engine.train_step.lower(state, engine.shard_batch(batches[0])).compile().as_text()
+  chunk = sum(x.size for x in jax.tree.leaves(params0)) // M // GROUPS
+  assert 0 <= inter_bytes(hlo) - 2 * (GROUPS - 1) * wire_bytes(chunk, "same") <= METRICS
+
+
 def test_fragments_with_delay_at_node_equal_streaming_diloco():
   """Streaming DiLoCo with the outer state at I: 2 fragments, each exchanged one step late and
   merged half and half (test_outer_stream's delayed run), against its single-device loop."""
