@@ -13,9 +13,8 @@ pseudo-gradients averaged over `inter`, the outer Nesterov step on the outer wei
 with `--outer-state I`, on each node's copy at I), the groups restarted from them. With
 `--outer-fragments F` (core/fragments.py) each of F fragments ends its round at its own step,
 H/F apart, a branch of the step each; with `--outer-delay` a fragment's exchange runs beside
-the compute of a later step. The step count in the state is the
-round's position, so a restored state continues the round exactly. Eval and export read the
-outer weights (`params`).
+the compute of a later step. The step count in the state is the round's position, so a restored
+state continues the round exactly. Eval and export read the outer weights (`params`).
 """
 
 from __future__ import annotations
