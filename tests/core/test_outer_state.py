@@ -225,6 +225,15 @@ def test_outer_state_without_the_outer_loop_refused():
     OuterOptions(state="I")
   with pytest.raises(ValueError, match="--outer-state must be one of G, I"):
     OuterOptions(sync=H, state="N")
+  # auto is resolved by train (run/setup.py); an engine built without it (inspect) refuses it
+  with pytest.raises(ValueError, match="--outer-state auto is train's choice .* pass --outer-s"):
+    GroupEngine(
+      Llama(CFG),
+      parse_strategy("III"),
+      make_mesh(GROUPS, M),
+      OPTIM,
+      OuterOptions(sync=H, state="auto"),
+    )
 
 
 @pytest.mark.parametrize("strategy,fmt", [("NNN", "int8"), ("III", "same"), ("NII", "int4")])
