@@ -77,8 +77,9 @@ def test_no_flags_parse_to_the_default_config(command):
 @pytest.mark.parametrize("errfb", [None, True, False])
 def test_step_flags_parse_back_to_the_step(errfb):
   """`train --strategy auto` hands the run's step to `inspect --target` as flags
-  (core/config.py step_flags): `inspect` parses them back to every StepConfig field."""
-  from paro_jax.core.config import StepConfig, step_flags
+  (core/flags.py step_flags): `inspect` parses them back to every StepConfig field."""
+  from paro_jax.core.config import StepConfig
+  from paro_jax.core.flags import step_flags
 
   step = RunConfig(
     model="small", strategy="nig", mesh=(2, 4), micro_batches=3, batch_size=24, seq_len=96,
@@ -91,7 +92,8 @@ def test_step_flags_parse_back_to_the_step(errfb):
     if path != "error_feedback" and not path.startswith("outer."):
       assert value_at(step, path) != field.default, path
   outer = RunConfig(
-    strategy="nii", outer=OuterOptions(sync=8, lr=0.5, momentum=0.8, fragments=2, delay=3, mix=0.5)
+    strategy="nii",
+    outer=OuterOptions(sync=8, lr=0.5, momentum=0.8, fragments=2, delay=3, mix=0.5, state="I"),
   )
   for path, field in options(OuterOptions, "outer."):
     assert value_at(outer, path) != field.default, path

@@ -26,8 +26,11 @@ from paro_jax.core.names import (
   COLLECTIVE_IMPLS,
   DEFAULT_INT8_BLOCK,
   GRAD_DTYPES,
+  AUTO_OUTER_STATE,
   OUTER_ONLY_FORMATS,
+  OUTER_STATES,
   WIRE_FORMATS,
+  parse_outer_state,
 )
 from paro_jax.core.strategy import ALIASES, GroupStrategy, parse_strategy
 from paro_jax.core.units import COMPUTE_DTYPE_BYTES
@@ -252,7 +255,28 @@ class OuterOptions:
     metavar="ALPHA",
   )
 
+  state: str = option(
+    "G",
+    "the outer weights and momentum over all devices (G: a round gathers them, 8 + w bytes a "
+    "parameter) or over each node's devices, a copy per node (I: a round all-reduces the "
+    "pseudo-gradient alone, 2w bytes), or auto: I where the run's memory fits (default "
+    "%(default)s)",
+    flag="--outer-state",
+    type=parse_outer_state,
+    choices=(*OUTER_STATES, AUTO_OUTER_STATE),
+  )
+
   def __post_init__(self):
+    if self.state not in (*OUTER_STATES, AUTO_OUTER_STATE):
+      raise ValueError(
+        f"--outer-state must be one of {', '.join(OUTER_STATES)} or {AUTO_OUTER_STATE} (where "
+        f"the outer weights live), got {self.state!r}"
+      )
+    if self.state != "G" and self.sync is None:
+      raise ValueError(
+        f"--outer-state {self.state} places the outer loop's state, and there is none: pass "
+        f"--outer-sync H too, or drop --outer-state"
+      )
     if self.sync is not None and self.sync < 1:
       raise ValueError(
         f"--outer-sync must be >= 1 (steps between the nodes' syncs), got {self.sync}; omit it "
@@ -374,22 +398,3 @@ class StepConfig:
         f"across nodes, and with --outer-sync the step has none (the pseudo-gradient's wire is "
         f"--inter-grads): drop --inter-params"
       )
-
-
-def step_flags(cfg: StepConfig, **replace) -> list[str]:
-  """The command-line flags that give `cfg`'s StepConfig options (`replace` overriding values by
-  path): what `train --strategy auto` hands `paro-jax inspect --target` to compile the run's own
-  step. The inverse of the CLI's parsing (tests/test_cli_config.py parses them back)."""
-  out = []
-  for path, field in options(StepConfig):
-    value = replace[path] if path in replace else value_at(cfg, path)
-    flag = flag_of(field)
-    if value is None:  # the flag's absence is its default (None: decided at run time)
-      continue
-    if field.metadata.get("action") is argparse.BooleanOptionalAction:
-      out.append(flag if value else "--no-" + flag[2:])
-    elif path == "mesh":
-      out += [flag, "x".join(str(n) for n in value)]
-    else:
-      out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
-  return out

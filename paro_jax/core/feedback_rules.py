@@ -80,21 +80,26 @@ def residual_bytes(
   return 4 * residual_size(strategy, local, inter, intra)
 
 
-def outer_residual_size(strategy, local: int, inter: int, intra: int) -> int:
+def outer_residual_size(strategy, local: int, inter: int, intra: int, state: str = "G") -> int:
   """Elements of one device's residual of the outer loop's pseudo-gradient (core/outer.py): what
-  it quantizes of its flat pseudo-gradient (`local` elements at OS, N or I), reduced over the
-  axes between OS and G (all devices for N, `inter` for I)."""
-  devices = inter if strategy.opt.axes else inter * intra  # OS = I: over inter; N: over all
+  it quantizes of its flat pseudo-gradient. With the outer state at G (`state`): `local`
+  elements at OS (N or I), reduced over the axes between OS and G (all devices for N, `inter`
+  for I); at I: `local` elements of the device's I shard, all-reduced over `inter`."""
+  over_inter = state == "I" or strategy.opt.axes
+  devices = inter if over_inter else inter * intra  # over inter alone, or over all devices
   return feedback_size(local, devices, inter)
 
 
-def outer_residual_bytes(strategy, trainable: int, inter: int, intra: int, wire, requested=None):
+def outer_residual_bytes(
+  strategy, trainable: int, inter: int, intra: int, wire, requested=None, state: str = "G"
+):
   """Per-device bytes of that residual (0 where the pseudo-gradient's wire, `wire.grads`, sends
-  fp32 as it is, or `requested` is False)."""
+  fp32 as it is, or `requested` is False); `state`: --outer-state."""
   if requested is False or not wire.grads_codec.compresses(4):
     return 0
-  local = -(-trainable // strategy.opt.shard_count(inter, intra))
-  return 4 * outer_residual_size(strategy, local, inter, intra)
+  ways = intra if state == "I" else strategy.opt.shard_count(inter, intra)
+  local = -(-trainable // ways)
+  return 4 * outer_residual_size(strategy, local, inter, intra, state)
 
 
 def reference_bytes(

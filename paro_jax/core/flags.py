@@ -15,10 +15,12 @@ from paro_jax import report
 from paro_jax.core.config import (
   LoraOptions,
   OuterOptions,
+  StepConfig,
   WireOptions,
   flag_of,
   make_config,
   options,
+  value_at,
 )
 from paro_jax.core.names import check_batch_divides
 from paro_jax.core.xla_flags import cpu_without_gpu_driver
@@ -165,3 +167,22 @@ def add_process_flags(group) -> None:
   group.add_argument(
     "--process-id", type=int, default=None, help="I: this process, 0..N-1 (with --coordinator)"
   )
+
+
+def step_flags(cfg: StepConfig, **replace) -> list[str]:
+  """The command-line flags that give `cfg`'s StepConfig options (`replace` overriding values by
+  path): what `train --strategy auto` hands `paro-jax inspect --target` to compile the run's own
+  step. The inverse of the CLI's parsing (tests/test_cli_config.py parses them back)."""
+  out = []
+  for path, field in options(StepConfig):
+    value = replace[path] if path in replace else value_at(cfg, path)
+    flag = flag_of(field)
+    if value is None:  # the flag's absence is its default (None: decided at run time)
+      continue
+    if field.metadata.get("action") is argparse.BooleanOptionalAction:
+      out.append(flag if value else "--no-" + flag[2:])
+    elif path == "mesh":
+      out += [flag, "x".join(str(n) for n in value)]
+    else:
+      out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+  return out

@@ -9,12 +9,12 @@ group's entry and runs core/step.py's `local_step` unchanged. The frozen LoRA ba
 every group and is held as the Engine holds it.
 
 Every H steps the same compiled step ends the round (core/outer.py `sync`): the groups'
-pseudo-gradients averaged over `inter`, the outer Nesterov step on the outer weights at G, the
-groups restarted from them. With `--outer-fragments F` (core/fragments.py) each of F fragments
-ends its round at its own step, H/F apart, a branch of the step each; with `--outer-delay` a
-fragment's exchange runs beside the compute of a later step. The step count in the state is the
-round's position, so a restored state continues the round exactly. Eval and export read the
-outer weights (`params`).
+pseudo-gradients averaged over `inter`, the outer Nesterov step on the outer weights at G (or,
+with `--outer-state I`, on each node's copy at I), the groups restarted from them. With
+`--outer-fragments F` (core/fragments.py) each of F fragments ends its round at its own step,
+H/F apart, a branch of the step each; with `--outer-delay` a fragment's exchange runs beside
+the compute of a later step. The step count in the state is the round's position, so a restored
+state continues the round exactly. Eval and export read the outer weights (`params`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from paro_jax.core.config import OuterOptions
 from paro_jax.core.engine import Engine
 from paro_jax.core.fragments import Fragments, fragment_part, with_fragment_part
 from paro_jax.core.mesh import mesh_shape
-from paro_jax.core.names import INTER, MESH_AXES
+from paro_jax.core.names import INTER, MESH_AXES, OUTER_STATES
 from paro_jax.core.sharding import local_shape, named, state_specs
 from paro_jax.core.shards import gather_invariant, join_trainable, split_trainable
 from paro_jax.core.state import TrainState
@@ -83,8 +83,15 @@ class GroupEngine(Engine):
     # do not apply (the pseudo-gradient's wire is `pseudo_grad_wire`).
     super().__init__(model, GroupStrategy.of(strategy), mesh, optim, **engine_args)
     s = self.strategy
+    # --outer-state: G (sharded over all devices) or I (each node's copy over its devices)
+    if outer.state not in OUTER_STATES:
+      raise ValueError(
+        f"--outer-state {outer.state} is train's choice (I where the run's memory fits): pass "
+        f"--outer-state G or I"
+      )
+    self.outer_at = Placement[outer.state]
     outer_specs = state_specs(
-      self.shapes, self.dims, Strategy(s.params, s.grads, Placement.G), mesh
+      self.shapes, self.dims, Strategy(s.params, s.grads, self.outer_at), mesh
     )
     self.outer_specs = split_trainable(outer_specs.opt, self.mask)
     momentum = jax.eval_shape(self.outer_tx.init, self.trained_shapes)
@@ -138,7 +145,9 @@ class GroupEngine(Engine):
     """Elements of one device's residual for fragment f's pseudo-gradient (0 without it)."""
     if not self.outer_feedback:
       return 0
-    s, ways = self.strategy, self.strategy.opt.shard_count(self.inter, self.intra)
+    # The pseudo-gradient is quantized where it is computed: at OS (state G) or at I.
+    s, at = self.strategy, (self.strategy.opt if self.outer_at == Placement.G else Placement.I)
+    ways = at.shard_count(self.inter, self.intra)
     roles = self.fragments.roles(self.trained_shapes, f)
     local = 0
     for t, d, r in zip(
@@ -147,7 +156,7 @@ class GroupEngine(Engine):
       if not isinstance(r, str):  # a slice of the layer axis (never sharded), or the whole leaf
         shape = (len(range(*r.indices(t.shape[0]))), *t.shape[1:])
         local += math.prod(local_shape(shape, d, ways))
-    return feedback_rules.outer_residual_size(s, local, self.inter, self.intra)
+    return feedback_rules.outer_residual_size(s, local, self.inter, self.intra, self.outer.state)
 
   # --- state -------------------------------------------------------------------------------
   def _fresh_state(self, params) -> TrainState:
@@ -174,13 +183,14 @@ class GroupEngine(Engine):
     )
 
   def params(self, state: TrainState):
-    """The outer weights in the compute dtype at the P placement (eval and export read them)."""
+    """The outer weights in the compute dtype at the P placement (eval and export read them),
+    gathered from where they live (G, or I: within a node)."""
     trained = self._outer_params(state.outer.params)
     return join_trainable(self.mask, trained, state.frozen) if self.lora else trained
 
   @functools.cached_property
   def _outer_params(self):
-    axes = tuple(a for a in Placement.G.axes if a not in self.strategy.params.axes)
+    axes = tuple(a for a in self.outer_at.axes if a not in self.strategy.params.axes)
 
     def gather(outer):
       return jax.tree.map(
@@ -298,6 +308,7 @@ class GroupEngine(Engine):
         self.fragments,
         fragment,
         self.outer_residual_spans[fragment],
+        self.outer_at,
       )
       if mix := self.outer.mix:  # Streaming DiLoCo's merge: some of the group's own weights
         own = fragment_part(first(master), roles)

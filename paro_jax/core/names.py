@@ -33,6 +33,16 @@ AUTO_CPU_PROCESSES = "hring+xla"  # its pick on XLA:CPU with a process per node
 WIRE_FORMATS = ("same", "bf16", "int8", "int4")
 # int4: only for the outer loop's pseudo-gradient (`--outer-sync`), as Streaming DiLoCo sends it.
 OUTER_ONLY_FORMATS = ("int4",)
+# --outer-state: the placement of the outer loop's weights and momentum (core/outer.py).
+OUTER_STATES = ("G", "I")
+AUTO_OUTER_STATE = "auto"  # train's choice: I where its memory fits, else G
+
+
+def parse_outer_state(value: str) -> str:
+  """--outer-state in any case: G, I (upper case, as the letters are written) or auto."""
+  return value.upper() if value.upper() in OUTER_STATES else value.lower()
+
+
 # 32 elements per fp32 scale (12.5% of the int8 payload): the smallest per-element error bound of
 # the sizes tried; in single-seed loss-parity runs (tiny, IIG, 300 steps) blocks of 256 and 64
 # lagged the uncompressed run's eval loss by 3.4% and 1.9% and 32 did not, differences of the

@@ -155,6 +155,12 @@ class GroupStrategy(Strategy):
     the groups' master placement (OS) to G, S(G) minus S(OS), major first."""
     return _rest(Placement.G.axes, self.opt.axes)
 
+  @property
+  def outer_node_axes(self) -> tuple[str, ...]:
+    """With the outer state at I (--outer-state I, core/outer.py sync_at_node): the axes its
+    restart weights are gathered over, S(I) minus S(OS): ('intra',) for OS = N, else ()."""
+    return _rest(Placement.I.axes, self.opt.axes)
+
 
 def _all_strategies() -> tuple[str, ...]:
   names = []

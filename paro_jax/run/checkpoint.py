@@ -36,11 +36,8 @@ from jax.experimental import multihost_utils
 
 from paro_jax.cluster.agree import Agreement
 from paro_jax.core.state import TrainState
-from paro_jax.run.checkpoint_content import (
-  NonFiniteStateError,
-  RunMeta,
-  state_checksums,
-)
+from paro_jax.run.checkpoint_content import RunMeta
+from paro_jax.run.checksums import NonFiniteStateError, state_checksums
 from paro_jax.run.checkpoint_restore import META_ITEM, STATE_ITEM, Restorer
 from paro_jax.run.checkpoint_errors import (
   QUIET_ORBAX,

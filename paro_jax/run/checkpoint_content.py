@@ -1,7 +1,8 @@
-"""What a checkpoint holds besides the arrays (`RunMeta`), the checksums that verify the arrays,
-and how a saved state is read into an engine: the restore target (shapes, shardings, dtypes as
-written), the int8 corrections' buffers that carry over or restart, the check that the model is
-the run's. run/checkpoint.py's Checkpointer writes and reads with these."""
+"""What a checkpoint holds besides the arrays (`RunMeta`; the checksums that verify the arrays
+are run/checksums.py's), and how a saved state is read into an engine: the restore target
+(shapes, shardings, dtypes as written), the int8 corrections' buffers that carry over or restart,
+the check that the model is the run's. run/checkpoint.py's Checkpointer writes and reads with
+these."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from models.config import LlamaConfig
 from paro_jax.core.state import TrainState
 from paro_jax.core.engine import Engine
+from paro_jax.run.checksums import NonFiniteStateError, state_checksums
 
 FORMAT = 1
 
@@ -48,8 +49,9 @@ class RunMeta:
   # directory, its weight files' fingerprint and the dtype it trained in; None: the checkpoint
   # holds its base (--keep-base, a random base, a checkpoint written before), or no LoRA
   base: dict | None = None
-  # an --outer-sync run's outer loop: {"sync": H, "fragments": F, "delay": TAU, "mix": ALPHA};
-  # None without one, and before it was recorded (read as F = 1, TAU = 0, H unknown)
+  # an --outer-sync run's outer loop: {"sync": H, "fragments": F, "delay": TAU, "mix": ALPHA,
+  # "state": "G" or "I"}; None without one, and before it was recorded (read as F = 1, TAU = 0,
+  # the state at G, H unknown)
   outer: dict | None = None
 
   def to_json(self) -> dict:
@@ -62,56 +64,6 @@ class RunMeta:
     if unknown:
       raise ValueError(f"checkpoint metadata has unknown keys {sorted(unknown)}")
     return cls(**{**d, "mesh": tuple(d["mesh"])})
-
-
-class NonFiniteStateError(ValueError):
-  """A state holding NaN or Inf: never saved, never exported."""
-
-
-def _leaf_integrity(x: jax.Array):
-  """(two wrapping 32-bit sums of the bits of `x`, weighted by logical position, whether `x` is
-  free of NaN and Inf: True for integers). Any change of one element changes the first sum; the
-  order of summation (the sharding) changes neither. The sums and the check are one reduction
-  (lax.reduce over their terms), which XLA fuses with the terms: nothing of the leaf's size is
-  made. As jnp.sum, jnp.sum and jnp.all, XLA:CPU kept the 32-bit words, the positions they share
-  and the check's flags in temporaries, 5x the bf16 weights on every device (12 GB for a 1B base
-  sharded over 8 CPU devices: the peak of restoring it)."""
-  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-  words = lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
-  index, stride = jnp.zeros(words.shape, jnp.uint32), 1
-  for d in reversed(range(words.ndim)):  # the flat position, without a (sharded) reshape
-    index = index + lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(stride % 2**32)
-    stride *= words.shape[d]
-  weighted = words * (index * jnp.uint32(2) + jnp.uint32(1))
-  mixed = ((words ^ (words >> jnp.uint32(15))) * jnp.uint32(0x2C1B3C6D)) ^ (
-    index * jnp.uint32(0x9E3779B1)
-  )
-  inexact = jnp.issubdtype(x.dtype, jnp.inexact)
-  bad = (~jnp.isfinite(x) if inexact else jnp.zeros(x.shape, bool)).astype(jnp.uint32)
-  zero = jnp.uint32(0)
-  h1, h2, nonfinite = lax.reduce(
-    (weighted, mixed, bad),
-    (zero, zero, zero),
-    lambda a, b: (a[0] + b[0], a[1] + b[1], lax.max(a[2], b[2])),
-    tuple(range(x.ndim)),
-  )
-  return jnp.stack([h1, h2]), nonfinite == 0
-
-
-@jax.jit
-def _integrity(state):
-  """(checksum of every leaf, whether each leaf is finite: True for integer leaves)."""
-  both = jax.tree.map(_leaf_integrity, state)
-  return jax.tree.map(lambda _, t: t[0], state, both), jax.tree.map(lambda _, t: t[1], state, both)
-
-
-def state_checksums(state) -> tuple[dict, list[str]]:
-  """({leaf path: [h1, h2]} of a state's arrays, the paths of the leaves holding NaN or Inf)."""
-  sums, finite = jax.device_get(_integrity(state))
-  keys = lambda tree: [  # noqa: E731
-    (jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_leaves_with_path(tree)
-  ]
-  return {k: [int(v) for v in h] for k, h in keys(sums)}, [k for k, ok in keys(finite) if not ok]
 
 
 def abstract_state(engine: Engine) -> TrainState:
@@ -232,11 +184,15 @@ OUTER_SCHEDULE = {
 }
 
 
-def check_outer_schedule(meta: RunMeta, outer, where: str) -> None:
+def check_outer_schedule(meta: RunMeta, outer, where: str, residual: bool = False) -> None:
   """Refuse to continue the outer loop of checkpoint `where` on another schedule: the step count
   gives each fragment's position in its round (and which kept weights are in flight) only for
   the H, F and TAU it ran with. `outer`: the engine's OuterOptions. --outer-mix, --outer-lr and
-  --outer-momentum hold no state: they may change (a changed mix is said in one line)."""
+  --outer-momentum hold no state: they may change (a changed mix is said in one line). Another
+  --outer-state reshards the outer weights and momentum as they are read (said in one line),
+  unless the checkpoint holds a pseudo-gradient residual (`residual`): its elements are laid
+  out by the placement's collective, so that is refused in one line."""
+  check_outer_state(meta, outer.state, where, residual)
   was = meta.outer or {"fragments": 1, "delay": 0}  # written before they were recorded
   changed = [k for k in OUTER_SCHEDULE if k in was and was[k] != getattr(outer, k)]
   flags = lambda values: " ".join(f"{OUTER_SCHEDULE[k]} {values[k]}" for k in changed)  # noqa: E731
@@ -253,6 +209,24 @@ def check_outer_schedule(meta: RunMeta, outer, where: str) -> None:
       f"with {was['mix']:g}: the restarts merge otherwise from step {meta.step} on",
       stacklevel=4,
     )
+
+
+def check_outer_state(meta: RunMeta, state: str, where: str, residual: bool) -> None:
+  """check_outer_schedule's word on --outer-state (a checkpoint without it: G)."""
+  was = (meta.outer or {}).get("state", "G")
+  if was == state:
+    return
+  if residual:
+    raise OuterMismatch(
+      f"{where} was written with --outer-state {was}, this run has --outer-state {state}, and "
+      f"its pseudo-gradient's error-feedback residual is laid out for the state at {was}: "
+      f"resume with --outer-state {was}"
+    )
+  warnings.warn(
+    f"step {meta.step}'s checkpoint holds the outer state at {was}: its outer weights and "
+    f"momentum are read at {state} (--outer-state {state}) from here on",
+    stacklevel=4,
+  )
 
 
 def outer_target(target: TrainState, written, engine: Engine, meta: RunMeta):
@@ -273,7 +247,8 @@ def outer_target(target: TrainState, written, engine: Engine, meta: RunMeta):
         else f"{where} holds the states of {groups} groups and --mesh has {engine.inter}: "
         f"resume the outer loop on {groups} groups"
       )
-    check_outer_schedule(meta, engine.outer, where)
+    residual = saved_field(written["outer"], "residual") is not None
+    check_outer_schedule(meta, engine.outer, where, residual)
     return target, None
   if not saved:
     return target, None

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from paro_jax.analysis.planner import memory
 from paro_jax.analysis.planner.memory import GIB, step_memory
 from paro_jax.analysis.planner.inputs import Workload
+from paro_jax.core.strategy import GroupStrategy
 
 
 def position_limit(init_from: str | None) -> int | None:
@@ -41,8 +42,25 @@ def run_memory(cfg, model, strategy, inter: int, intra: int, gpu: bool) -> dict:
   """analysis/planner/memory.py step_memory of the run `cfg`: `model` (models/llama.py Llama, its
   parameter counts and resolved attention) with `strategy` on an `inter` x `intra` mesh of GPUs
   (`gpu`) or CPUs."""
+  return step_memory(strategy, run_workload(cfg, model, inter, intra), inter, intra, gpu=gpu)
+
+
+def resolve_outer_state(cfg, model, strategy, inter: int, intra: int, gpu: bool, devices):
+  """(state, why) of --outer-state auto for this run (memory.outer_state_for, the planner's
+  rule): I where its memory with the outer state at I fits the devices' (`devices`: this
+  process's), else G."""
+  usable, what = memory.available_memory(devices)
+  work = run_workload(cfg, model, inter, intra)
+  state = memory.outer_state_for(GroupStrategy.of(strategy), work, inter, intra, usable, gpu)
+  if state == "I":
+    return state, "a round sends the pseudo-gradient alone; the memory fits"
+  return state, f"with the outer state at I the run would not fit the {what}"
+
+
+def run_workload(cfg, model, inter: int, intra: int) -> Workload:
+  """The planner's Workload of the run `cfg` with `model` on an `inter` x `intra` mesh."""
   itemsize = jnp.dtype(model.dtype).itemsize
-  work = Workload(
+  return Workload(
     model.cfg,
     micro_batch=sequences_per_device(cfg, inter, intra),
     micro_batches=cfg.micro_batches,
@@ -59,8 +77,8 @@ def run_memory(cfg, model, strategy, inter: int, intra: int, gpu: bool) -> dict:
     outer_sync=cfg.outer.sync,
     outer_fragments=cfg.outer.fragments,
     outer_delay=cfg.outer.delay,
+    outer_state=cfg.outer.state,
   )
-  return step_memory(strategy, work, inter, intra, gpu=gpu)
 
 
 def check_fits(cfg, strategy, need: dict, inter: int, intra: int, devices) -> None:

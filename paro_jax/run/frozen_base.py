@@ -24,7 +24,7 @@ import numpy as np
 from paro_jax.core.state import TrainState
 from paro_jax.hf.stream import import_hf
 from paro_jax.hf.weights import weight_files
-from paro_jax.run.checkpoint_content import state_checksums
+from paro_jax.run.checksums import state_checksums
 
 SAMPLED_BLOCKS, SAMPLED_BYTES = 8, 64 * 1024
 

@@ -37,10 +37,18 @@ def banner(cfg: RunConfig, engine: Engine, need: dict) -> str:
   )
 
 
+# --outer-state in the banner: where the outer weights live, and what a round sends for it.
+OUTER_STATE_WORDS = {
+  "G": "over all devices, the round gathers them",
+  "I": "a copy per node, the round all-reduces the pseudo-gradient alone",
+}
+
+
 def _wire(cfg: RunConfig, engine: Engine) -> str:
   """What crosses nodes: the step's wire formats, or with the outer loop its syncs."""
   o = cfg.outer
   if o.sync is not None:
+    state = engine.outer.state  # --outer-state auto as resolved
     stagger = ""
     if o.fragments > 1:
       stagger = f" in {o.fragments} fragments, one every {o.sync // o.fragments} steps"
@@ -50,7 +58,7 @@ def _wire(cfg: RunConfig, engine: Engine) -> str:
       stagger += f", restarts mixing {o.mix:g} of the groups' own weights"
     return (
       f"outer sync every {o.sync} steps{stagger} (outer lr {o.lr:g}, Nesterov momentum "
-      f"{o.momentum:g}; "
+      f"{o.momentum:g}, outer state at {state}: {OUTER_STATE_WORDS[state]}; "
       f"no collective across nodes inside a step), pseudo-gradient on the wire "
       f"{cfg.wire.inter_grads} (error feedback {engine.feedback_note})"
     )

@@ -20,7 +20,7 @@ from paro_jax.core.state import DTYPES, OptimConfig, TrainState
 from paro_jax.core.engine import Engine
 from paro_jax.core.factory import build_engine, build_model
 from paro_jax.core.mesh import make_mesh
-from paro_jax.core.names import AUTO_COLLECTIVES, resolve_collectives
+from paro_jax.core.names import AUTO_COLLECTIVES, AUTO_OUTER_STATE, resolve_collectives
 from paro_jax.core.strategy import parse_strategy
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import RunMeta
@@ -36,7 +36,7 @@ from paro_jax.data.tokenizers import (
   resolve_tokenizer,
   tokenizer_identity,
 )
-from paro_jax.run.fit import check_fits, run_memory
+from paro_jax.run.fit import check_fits, resolve_outer_state, run_memory
 from paro_jax.run.metrics import METRICS, dump_row, read_rows
 
 
@@ -75,6 +75,13 @@ def build(cfg: RunConfig):
       print(f"paro-jax: --strategy auto picked {name}: {why}", flush=True)
     strategy = parse_strategy(name)
   inter, intra = mesh.devices.shape
+  if cfg.outer.sync is not None and cfg.outer.state == AUTO_OUTER_STATE:
+    state, why = resolve_outer_state(
+      cfg, model, strategy, inter, intra, platform != "cpu", jax.local_devices()
+    )
+    if jax.process_index() == 0:
+      print(f"paro-jax: --outer-state auto: {state} ({why})", flush=True)
+    cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, state=state))
   need = run_memory(cfg, model, strategy, inter, intra, gpu=platform != "cpu")
   check_fits(cfg, strategy, need, inter, intra, jax.local_devices())
   collectives, why = resolve_collectives(cfg.collectives, platform, processes, strategy)
@@ -176,7 +183,10 @@ def run_meta(
     else None,
     outer=None
     if cfg.outer.sync is None
-    else {k: getattr(cfg.outer, k) for k in ("sync", "fragments", "delay", "mix")},
+    else {
+      **{k: getattr(cfg.outer, k) for k in ("sync", "fragments", "delay", "mix")},
+      "state": engine.outer.state,  # --outer-state auto as resolved
+    },
   )
 
 

@@ -21,7 +21,16 @@ BANDWIDTH, LATENCY = 125e6, 1e-3  # 1 Gbit/s per node; 1 ms per collective betwe
 LEAVES = 12  # the round syncs the 12 stacked leaves, one collective each (9 per layer + 3)
 
 
-def outer_plan(model="7b", grads="same", h=H, global_collectives="flat", fragments=1, delay=0):
+def outer_plan(
+  model="7b",
+  grads="same",
+  h=H,
+  global_collectives="flat",
+  fragments=1,
+  delay=0,
+  state="G",
+  memory=80e9,
+):
   cfg = get_config(model)
   w = inputs.Workload(
     cfg,
@@ -32,9 +41,10 @@ def outer_plan(model="7b", grads="same", h=H, global_collectives="flat", fragmen
     outer_sync=h,
     outer_fragments=fragments,
     outer_delay=delay,
+    outer_state=state,
   )
   net = inputs.Links(BANDWIDTH, 300e9, LATENCY, 10e-6, global_collectives=global_collectives)
-  return planner.plan(w, inputs.Cluster(G, M, net, 312e12, device_memory=80e9)), cfg.param_count()
+  return planner.plan(w, inputs.Cluster(G, M, net, 312e12, device_memory=memory)), cfg.param_count()
 
 
 def wire_bytes(fmt: str) -> float:
@@ -156,18 +166,28 @@ def test_plan_outer_bad_input(capsys, argv, message):
 
 
 def test_train_strategy_auto_with_the_outer_loop(tmp_path, capsys):
-  """`--strategy auto --outer-sync H` runs the planner's pick among the N and I strategies."""
+  """`--strategy auto --outer-sync H` runs the planner's pick among the N and I strategies;
+  with `--outer-state auto`, its outer state at I where the run's memory fits (a test model
+  fits the host's memory: I), the checkpoint recording the state resolved."""
+  from paro_jax.run.checkpoint import Checkpointer
+
   out = tmp_path / "run"
   main(
     ["train", "--strategy", "auto", "--outer-sync", "2", "--model", "test", "--mesh", "2x4"]
     + ["--steps", "2", "--batch-size", "8", "--seq-len", "16", "--dtype", "fp32"]
-    + ["--out", str(out)]
+    + ["--outer-state", "auto", "--out", str(out)]
   )
   text = capsys.readouterr().out
   line = next(x for x in text.splitlines() if "--strategy auto picked" in x)
   pick = line.split("picked ")[1][:3]
   assert pick in GROUP_NAMES and "DiLoCo (--outer-sync 2)" in line
+  assert "the pick's outer state at I" in line
+  assert "paro-jax: --outer-state auto: I (a round sends the pseudo-gradient alone" in text
   assert f"strategy {pick} on mesh 2x4" in text and "outer sync every 2 steps" in text
+  assert "outer state at I: a copy per node" in text
+  ckpt = Checkpointer(str(out / "checkpoints"), read_only=True)
+  assert ckpt.newest_meta().outer["state"] == "I"
+  ckpt.close()
   rows = (out / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(r)["step"] for r in rows] == [1, 2]
 
@@ -246,3 +266,65 @@ def test_plan_fragments_json_and_text(capsys):
   text = capsys.readouterr().out
   assert "in 2 fragments (a sync step moves 1/2 of the round)" in text
   assert "in 2 fragments its busiest sync step moves" in text
+
+
+@pytest.mark.parametrize("grads", ["same", "int8", "int4"])
+def test_round_with_the_outer_state_at_node_is_one_all_reduce_over_inter(grads):
+  """--outer-state I: the pseudo-gradient of each device's 1/m share all-reduced over the g
+  nodes (a reduce-scatter and an all-gather ring, each (g-1)/g of it at the wire's bytes) and
+  nothing else across nodes: 2w bytes per parameter where the state at G sends 8 + w; the latency
+  of 12 all-reduces. The new outer weights are gathered inside the node where OS = N (NNN:
+  (m-1)/m x 4 psi), nowhere else. Memory: 8 bytes per parameter over the node's m devices."""
+  at_node, psi = outer_plan(grads=grads, state="I")
+  at_g, _ = outer_plan(grads=grads)
+  per_round = (G - 1) / G * psi / M * 2 * wire_bytes(grads)
+  for name in GROUP_NAMES:
+    e, g = at_node.get(name), at_g.get(name)
+    assert e.traffic["outer_round"]["inter_bytes"] == pytest.approx(per_round, rel=1e-9)
+    intra = (M - 1) / M * 4 * psi if name == "NNN" else 0
+    assert e.traffic["outer_round"]["intra_bytes"] == pytest.approx(intra, rel=1e-9)
+    restart = LEAVES * 10e-6 + intra / 300e9 if intra else 0  # the intra link's latency, bytes
+    seconds = (LEAVES * LATENCY + per_round / (BANDWIDTH / M) + restart) / H
+    assert e.times["outer_sync"] == pytest.approx(seconds, rel=1e-9)
+    extra = 8 * -(-psi // M) - 8 * -(-psi // (G * M))  # the state over m devices, not n
+    residual = e.memory["model_states"].get("outer", 0) - 8 * -(-psi // M)
+    assert residual == g.memory["model_states"]["outer"] - 8 * -(-psi // (G * M))
+    assert e.memory["total"] == g.memory["total"] + extra
+  if grads == "int8":  # 2.25 against 9.125 bytes per parameter and device: about four times
+    ratio = at_g.get("III").traffic["outer_round"]["inter_bytes"] / per_round
+    assert ratio == pytest.approx((8 + 1.125) / 2.25, rel=1e-9)
+
+
+def test_plan_with_the_outer_state_at_node(capsys):
+  main([*PLAN, "--outer-sync", "10", "--inter-grads", "int8", "--outer-state", "I", "--json"])
+  out = json.loads(capsys.readouterr().out)
+  assert out["inputs"]["outer_state"] == "I"
+  phases = out["ranking"][0]["traffic"]["phases"]
+  assert "outer pseudo-gradient/inter" in phases and "outer start/inter" not in phases
+  main([*PLAN, "--outer-sync", "10", "--outer-state", "i"])
+  assert "the outer state at I" in capsys.readouterr().out
+  with pytest.raises(SystemExit) as e:
+    main([*PLAN, "--outer-state", "I"])
+  assert e.value.code == 2
+  assert (
+    "--outer-state I places the outer loop's state, and there is none" in capsys.readouterr().err
+  )
+
+
+def test_outer_state_auto_takes_i_where_it_fits():
+  """--outer-state auto: each strategy at I where its memory with the state at I fits, else at
+  G. On 80 GB every fitting strategy is at I (a quarter of G's round bytes with int8); with the
+  memory between III's need at G and at I, III is at G."""
+  at_g, _ = outer_plan(grads="int8")
+  at_node, _ = outer_plan(grads="int8", state="I")
+  auto, _ = outer_plan(grads="int8", state="auto")
+  for e in auto.ranking:
+    fits = at_node.get(e.strategy).fits
+    assert e.outer_state == ("I" if fits else "G"), e.strategy
+    want = (at_node if fits else at_g).get(e.strategy)
+    assert e.step_time_s == want.step_time_s and e.memory == want.memory
+  assert auto.get(auto.pick).outer_state == "I" and "the pick's outer state at I" in auto.explain
+  g_need, i_need = (p.get("III").memory["total"] for p in (at_g, at_node))
+  between = (g_need + i_need) / 2 / inputs.USABLE_MEMORY
+  tight, _ = outer_plan(grads="int8", state="auto", memory=between)
+  assert tight.get("III").outer_state == "G" and tight.get("III").fits

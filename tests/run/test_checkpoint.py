@@ -20,7 +20,8 @@ import pytest
 from models.llama import Llama
 from models.config import get_config
 from paro_jax.run.checkpoint import Checkpointer
-from paro_jax.run.checkpoint_content import NonFiniteStateError, RunMeta
+from paro_jax.run.checkpoint_content import RunMeta
+from paro_jax.run.checksums import NonFiniteStateError
 from paro_jax.run.checkpoint_errors import CheckpointError
 from paro_jax.data.streams import Batches, default_corpus
 from paro_jax.core.state import OptimConfig
@@ -299,7 +300,7 @@ def test_checksums_catch_any_changed_array(saved_iig, tmp_path):
 
 
 def test_checksum_depends_on_every_element_and_not_on_sharding():
-  from paro_jax.run.checkpoint_content import state_checksums
+  from paro_jax.run.checksums import state_checksums
 
   x = np.arange(64, dtype=np.float32).reshape(8, 8)
   mesh = make_mesh(2, 4)

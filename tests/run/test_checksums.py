@@ -1,4 +1,4 @@
-"""The checkpoint checksums (run/checkpoint_content.py `state_checksums`): equal to a numpy
+"""The checkpoint checksums (run/checksums.py `state_checksums`): equal to a numpy
 reference of their definition over the flat bits of every leaf, whatever the placement, and
 computed without a temporary of a leaf's size (restoring a 1B LoRA base over 8 CPU devices
 peaked at 5x its bytes in them)."""
@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.state import TrainState
-from paro_jax.run import checkpoint_content
+from paro_jax.run import checksums
 
 
 def _reference(x: np.ndarray) -> list[int]:
@@ -49,7 +49,7 @@ def leaves():
 
 def test_checksums_equal_their_numpy_definition(leaves):
   host, placed = leaves
-  sums, non_finite = checkpoint_content.state_checksums(TrainState(None, placed, None, None))
+  sums, non_finite = checksums.state_checksums(TrainState(None, placed, None, None))
   assert non_finite == []
   assert sums == {f".master['{k}']": _reference(v) for k, v in host.items()}
 
@@ -59,7 +59,7 @@ def test_a_non_finite_leaf_is_named(leaves):
   table = host["table"].copy()
   table[50, 3] = np.inf
   master = {**placed, "table": jax.device_put(table, placed["table"].sharding)}
-  sums, non_finite = checkpoint_content.state_checksums(TrainState(None, master, None, None))
+  sums, non_finite = checksums.state_checksums(TrainState(None, master, None, None))
   assert non_finite == [".master['table']"]
   assert sums[".master['table']"] == _reference(table)
 
@@ -69,7 +69,7 @@ def test_checksums_hold_no_temporary_of_a_leafs_size(leaves):
   leaves' shards: the sums and the finiteness check are reductions fused with their terms, so
   nothing the size of a leaf's shard (its 32-bit words, positions or flags) is made."""
   _, placed = leaves
-  compiled = checkpoint_content._integrity.lower(TrainState(None, placed, None, None)).compile()
+  compiled = checksums._integrity.lower(TrainState(None, placed, None, None)).compile()
   shard_bytes = min(
     x.addressable_shards[0].data.nbytes for k, x in placed.items() if k in ("stack", "table")
   )

@@ -145,7 +145,13 @@ def test_the_checkpoint_records_the_schedule_and_old_ones_read_as_one_fragment(s
   from paro_jax.run.checkpoint_content import OuterMismatch
 
   ckpt = Checkpointer(str(straight / "checkpoints"), read_only=True)
-  assert ckpt.newest_meta().outer == {"sync": 2, "fragments": 1, "delay": 0, "mix": 0.0}
+  assert ckpt.newest_meta().outer == {
+    "sync": 2,
+    "fragments": 1,
+    "delay": 0,
+    "mix": 0.0,
+    "state": "G",
+  }
   with pytest.raises(OuterMismatch, match="--outer-sync 2, this run has --outer-sync 4: "):
     ckpt.restore(engine_of((2, 4), **{"outer.sync": 4}))
   with pytest.raises(OuterMismatch, match="--outer-sync 2 --outer-delay 0, this run has --o"):
@@ -165,3 +171,48 @@ def test_the_checkpoint_records_the_schedule_and_old_ones_read_as_one_fragment(s
     ckpt.restore(engine_of((2, 4), **{"outer.fragments": 2}))
   ckpt.restore(engine_of((2, 4), **{"outer.sync": 4}))  # H was not recorded: not checked
   ckpt.close()
+
+
+# --outer-state I: the outer weights and momentum at I (each node's copy over its devices).
+AT_NODE = {**RUN, "outer.state": "I"}
+
+
+def test_resume_with_the_outer_state_at_node_equals_uninterrupted(straight, tmp_path):
+  """The checkpoint holds the outer state at I and its residual; resumed mid-round, exactly.
+  Another --outer-state with a residual in the checkpoint is refused in one line (its elements
+  are laid out by the placement's collective)."""
+  from paro_jax.run.checkpoint import Checkpointer
+  from paro_jax.run.checkpoint_content import OuterMismatch
+
+  at_node, out = tmp_path / "straight", tmp_path / "run"
+  train(make_config(RunConfig, {**AT_NODE, "out": str(at_node)}))
+  shutil.copytree(at_node, out)
+  shutil.rmtree(out / "checkpoints" / "6")
+  train(make_config(RunConfig, {**AT_NODE, "out": str(out), "checkpoints.resume": True}))
+  assert losses(out) == losses(at_node)  # bit for bit
+  assert eval_losses(out) == eval_losses(at_node)
+  ckpt = Checkpointer(str(at_node / "checkpoints"), read_only=True)
+  assert ckpt.newest_meta().outer["state"] == "I"
+  ckpt.close()
+  ckpt = Checkpointer(str(straight / "checkpoints"), read_only=True)
+  with pytest.raises(OuterMismatch, match="--outer-state G, this run has --outer-state I, and"):
+    ckpt.restore(engine_of((2, 4), **{"outer.state": "I"}))
+  ckpt.close()
+
+
+def test_another_outer_state_without_a_residual_reshards(tmp_path):
+  """A checkpoint of the state at G without a residual (fp32 pseudo-gradient) resumed with
+  --outer-state I: its outer weights and momentum read at I (said in one line), the run
+  continuing as the uninterrupted one at G (up to the float order of the two programs)."""
+  plain = {**RUN, "wire.inter_grads": "same"}
+  straight, out = tmp_path / "straight", tmp_path / "run"
+  train(make_config(RunConfig, {**plain, "out": str(straight)}))
+  shutil.copytree(straight, out)
+  shutil.rmtree(out / "checkpoints" / "6")
+  resume = {**plain, "outer.state": "I", "out": str(out), "checkpoints.resume": True}
+  with pytest.warns(UserWarning, match="holds the outer state at G: its outer weights and mom"):
+    train(make_config(RunConfig, resume))
+  steps, resumed = losses(out)
+  assert steps == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose(resumed, losses(straight)[1], rtol=1e-5)
+  assert resumed[:3] == losses(straight)[1][:3]

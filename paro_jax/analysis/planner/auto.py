@@ -33,7 +33,8 @@ from jax.sharding import Mesh
 from models.config import CONFIG
 from paro_jax.analysis.planner import planner, rerank
 from paro_jax.analysis.planner.memory import available_memory
-from paro_jax.core.config import StepConfig, step_flags
+from paro_jax.core.config import StepConfig
+from paro_jax.core.flags import step_flags
 from paro_jax.analysis.planner.probe import QUICK_SIZES, probe
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import ALL_GATHER, LEVEL_INTER
@@ -141,6 +142,7 @@ def auto_strategy(
     outer_sync=cfg.outer.sync,
     outer_fragments=cfg.outer.fragments,
     outer_delay=cfg.outer.delay,
+    outer_state=cfg.outer.state,
   )
   if plan.pick is None:
     raise ValueError(f"--strategy auto: {plan.explain}")

@@ -21,7 +21,12 @@ from paro_jax.core.config import (
   option,
   parse_model,
 )
-from paro_jax.core.names import COLLECTIVE_IMPLS
+from paro_jax.core.names import (
+  AUTO_OUTER_STATE,
+  COLLECTIVE_IMPLS,
+  OUTER_STATES,
+  parse_outer_state,
+)
 from paro_jax.core.units import COMPUTE_DTYPE_BYTES
 
 
@@ -121,6 +126,16 @@ class PlanConfig:
     metavar="TAU",
     type=int,
   )
+  outer_state: str = option(
+    "G",
+    "with --outer-sync, `train --outer-state`: the outer weights and momentum over all devices "
+    "(G: a round sends 8 + w bytes a parameter) or a copy per node over its devices (I: 2w "
+    "bytes, 8 bytes a parameter over m devices) or auto: I for each strategy whose memory "
+    "fits, else G (default %(default)s)",
+    flag="--outer-state",
+    type=parse_outer_state,
+    choices=(*OUTER_STATES, AUTO_OUTER_STATE),
+  )
   as_json: bool = option(False, "print one JSON object", flag="--json")
 
   def __post_init__(self):
@@ -147,7 +162,12 @@ class PlanConfig:
       )
     check_outer_formats(self.wire, self.outer_sync)
     # train's checks of --outer-fragments and --outer-delay, in train's words
-    OuterOptions(sync=self.outer_sync, fragments=self.outer_fragments, delay=self.outer_delay)
+    OuterOptions(
+      sync=self.outer_sync,
+      fragments=self.outer_fragments,
+      delay=self.outer_delay,
+      state=self.outer_state,
+    )
     if self.outer_sync is not None and self.target is not None:
       raise ValueError(
         "--target compiles a step and XLA's estimate would count the outer loop's round in "

@@ -13,6 +13,7 @@ import dataclasses
 
 from paro_jax.core.names import (
   ALL_GATHER,
+  ALL_REDUCE,
   INTER,
   INTRA,
   LEVEL_INTER,
@@ -159,29 +160,52 @@ def step_traffic(
 
 # fp32: the outer weights (core/outer.py OuterState) and the pseudo-gradient before its wire
 OUTER_ITEMSIZE = 4
-# The round's three collectives (core/outer.py sync): phase, collective, whether it carries the
-# pseudo-gradient (the one `--inter-grads` compresses).
-OUTER_PHASES = (
-  ("outer start", ALL_GATHER, False),
-  ("outer pseudo-gradient", REDUCE_SCATTER, True),
-  ("outer restart", ALL_GATHER, False),
-)
+# The round's collectives (core/outer.py) by --outer-state: phase, collective, whether it carries
+# the pseudo-gradient (the one `--inter-grads` compresses). At G: `sync`'s three; at I:
+# `sync_at_node`'s all-reduce over `inter` and the restart's gather inside the node.
+OUTER_PHASES = {
+  "G": (
+    ("outer start", ALL_GATHER, False),
+    ("outer pseudo-gradient", REDUCE_SCATTER, True),
+    ("outer restart", ALL_GATHER, False),
+  ),
+  "I": (
+    ("outer pseudo-gradient", ALL_REDUCE, True),
+    ("outer restart", ALL_GATHER, False),
+  ),
+}
+
+
+def outer_phase_axes(strategy, state: str, phase: str) -> tuple[str, ...]:
+  """The axes the round's `phase` runs over with the outer state at `state` (G or I)."""
+  if state == "G":
+    return strategy.outer_sync_axes
+  return (INTER,) if phase == "outer pseudo-gradient" else strategy.outer_node_axes
 
 
 def outer_round_traffic(
-  strategy, trainable: int, inter: int, intra: int, wire=None, two_level: bool = False
+  strategy,
+  trainable: int,
+  inter: int,
+  intra: int,
+  wire=None,
+  two_level: bool = False,
+  state: str = "G",
 ) -> Traffic:
-  """Per-device bytes of one round's end of the outer loop (core/outer.py sync) for a
-  GroupStrategy: the fp32 outer weights all-gathered from G to the groups' master placement
-  (OS), the pseudo-gradient reduce-scattered back to G (the inter level at `wire.grads`, as
-  step_traffic's gradient syncs), the new outer weights all-gathered to OS. Each over
-  `strategy.outer_sync_axes` on the OS shard's `trainable / f(OS)` elements. Once every H steps:
-  divide by H for a step's share."""
+  """Per-device bytes of one round's end of the outer loop (core/outer.py) for a GroupStrategy.
+  With the outer state at G (`state`): the fp32 outer weights all-gathered from G to the groups'
+  master placement (OS), the pseudo-gradient reduce-scattered back to G (the inter level at
+  `wire.grads`, as step_traffic's gradient syncs), the new outer weights all-gathered to OS,
+  each over `strategy.outer_sync_axes` on the OS shard's `trainable / f(OS)` elements. At I: the
+  pseudo-gradient of the I shard (`trainable / m` elements) all-reduced over `inter` at
+  `wire.grads` (2w bytes per element, times (g-1)/g), and the new outer weights gathered over
+  the node to OS (OS = N only). Once every H steps: divide by H for a step's share."""
   t = Traffic()
-  axes = strategy.outer_sync_axes
-  elements = trainable / strategy.opt.shard_count(inter, intra)
   codec = wire.grads_codec if wire is not None else None
-  for phase, _, compressed in OUTER_PHASES:
+  at_os = trainable / strategy.opt.shard_count(inter, intra)
+  for phase, kind, compressed in OUTER_PHASES[state]:
+    axes = outer_phase_axes(strategy, state, phase)
+    elements = trainable / intra if kind == ALL_REDUCE else at_os
     _add_collective(
       t,
       phase,
@@ -191,6 +215,7 @@ def outer_round_traffic(
       codec if compressed else None,
       inter,
       intra,
+      times=2.0 if kind == ALL_REDUCE else 1.0,
       two_level=two_level,
     )
   return t

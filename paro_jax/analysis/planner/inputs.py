@@ -113,6 +113,7 @@ class Workload:
   outer_sync: int | None = None  # --outer-sync H (core/outer.py); None: off
   outer_fragments: int = 1  # --outer-fragments F (core/fragments.py): each sync step moves 1/F
   outer_delay: int = 0  # --outer-delay TAU: the master weights kept for the delayed exchange
+  outer_state: str = "G"  # --outer-state: the outer weights and momentum over all devices or at I
 
   def __post_init__(self):
     for name in ("micro_batch", "micro_batches", "seq_len"):

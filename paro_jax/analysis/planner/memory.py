@@ -28,8 +28,9 @@ def step_memory(strategy: Strategy, w: Workload, inter: int, intra: int, gpu: bo
   of GPUs (the planner plans for them; a run on CPUs passes False). With the outer loop
   (`w.outer_sync`) the step's own wire formats do not apply (it has no collective across nodes),
   and the outer weights and momentum add OUTER_STATE_BYTES per trained parameter over all
-  devices, with the pseudo-gradient's residual where its wire compresses, and with
-  `w.outer_delay` the weights kept for the delayed exchange (`kept`)."""
+  devices (over a node's with `w.outer_state` I), with the pseudo-gradient's residual where its
+  wire compresses, and with `w.outer_delay` the weights kept for the delayed exchange
+  (`kept`)."""
   if w.outer_sync:
     return _with_outer(strategy, dataclasses.replace(w, outer_sync=None), inter, intra, gpu)
   states = model_state_bytes(
@@ -63,10 +64,21 @@ def step_memory(strategy: Strategy, w: Workload, inter: int, intra: int, gpu: bo
   return {"model_states": states, "activations": acts, "total": states["total"] + acts["total"]}
 
 
-# Bytes per trained parameter the outer loop adds, divided by all devices: the fp32 outer weights
-# and their fp32 Nesterov momentum (core/outer.py OuterState, sharded over all devices).
+# Bytes per trained parameter the outer loop adds: the fp32 outer weights and their fp32 Nesterov
+# momentum (core/outer.py OuterState), divided by all devices (--outer-state G) or by a node's
+# devices (I: each node holds its copy).
 OUTER_STATE_BYTES = 8
 KEPT_BYTES = 4  # --outer-delay's kept weights: fp32, per trained parameter at OS
+
+
+def outer_state_for(
+  strategy: Strategy, w: Workload, inter: int, intra: int, usable: float | None, gpu: bool = True
+) -> str:
+  """--outer-state auto: I (a round sends 2w bytes a parameter across nodes, not 8 + w) where
+  the step's memory with the outer state at I fits `usable` bytes per device (None: no limit),
+  else G (8 bytes a parameter over all devices instead of a node's)."""
+  at_node = step_memory(strategy, dataclasses.replace(w, outer_state="I"), inter, intra, gpu)
+  return "I" if usable is None or at_node["total"] <= usable else "G"
 
 
 def _with_outer(strategy: Strategy, inner: Workload, inter: int, intra: int, gpu: bool) -> dict:
@@ -74,9 +86,9 @@ def _with_outer(strategy: Strategy, inner: Workload, inter: int, intra: int, gpu
   outer loop's state."""
   plain = dataclasses.replace(inner, wire=WireConfig(), error_feedback=None, param_delta=None)
   need = step_memory(strategy, plain, inter, intra, gpu)
-  n = inter * intra
-  outer = OUTER_STATE_BYTES * -(-inner.psi_trained // n) + feedback_rules.outer_residual_bytes(
-    strategy, inner.psi_trained, inter, intra, inner.wire, inner.error_feedback
+  ways = intra if inner.outer_state == "I" else inter * intra
+  outer = OUTER_STATE_BYTES * -(-inner.psi_trained // ways) + feedback_rules.outer_residual_bytes(
+    strategy, inner.psi_trained, inter, intra, inner.wire, inner.error_feedback, inner.outer_state
   )
   states = {**need["model_states"], "outer": outer}
   if inner.outer_delay:

@@ -36,8 +36,9 @@ from paro_jax.analysis.planner.inputs import (
 from paro_jax.analysis.planner.profile import load_profile, measured_links
 from paro_jax.analysis.planner.step_model import Prediction, predict
 from paro_jax.analysis.planner.wording import explain_pick, format_plan, strategy_named
-from paro_jax.core.names import OUTER_ONLY_FORMATS
-from paro_jax.core.strategy import GROUP_NAMES, VALID_NAMES, parse_strategy
+from paro_jax.analysis.planner.memory import outer_state_for
+from paro_jax.core.names import AUTO_OUTER_STATE, OUTER_ONLY_FORMATS
+from paro_jax.core.strategy import GROUP_NAMES, VALID_NAMES, GroupStrategy, parse_strategy
 from paro_jax.core.wire import WireConfig  # no jax
 from paro_jax.core.units import (
   COMPUTE_DTYPE_BYTES,
@@ -105,11 +106,23 @@ def _rank(all_: list[Prediction]) -> tuple[Prediction | None, Prediction | None,
   )
 
 
+def _at_outer_state(name: str, w: Workload, cluster: Cluster) -> Workload:
+  """`w` with --outer-state auto resolved for strategy `name` (memory.outer_state_for: I where
+  it fits, the rule `train --outer-state auto` follows)."""
+  if not w.outer_sync or w.outer_state != AUTO_OUTER_STATE:
+    return w
+  s, usable = GroupStrategy.of(parse_strategy(name)), cluster.usable_bytes
+  state = outer_state_for(s, w, cluster.nodes, cluster.devices_per_node, usable)
+  return dataclasses.replace(w, outer_state=state)
+
+
 def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
   """Predict all 14 strategies and pick one (see the module docstring); with `w.outer_sync`
   the strategies of N and I letters in the outer loop, the 14 synchronous ones beside them."""
   names = GROUP_NAMES if w.outer_sync else VALID_NAMES
-  all_ = [predict(parse_strategy(name), w, cluster) for name in names]
+  all_ = [
+    predict(parse_strategy(name), _at_outer_state(name, w, cluster), cluster) for name in names
+  ]
   pick, fastest, fitting, ranking = _rank(all_)
   explain = explain_pick(pick, fastest, fitting, all_, cluster)
   if not w.outer_sync:
@@ -130,6 +143,8 @@ def plan(w: Workload, cluster: Cluster, inputs: dict | None = None) -> Plan:
       "; in the outer loop each node holds a whole replica (N and I placements only): use "
       "more devices per node, or drop --outer-sync for a strategy that shards over all devices"
     )
+  if pick is not None and w.outer_state == AUTO_OUTER_STATE:
+    explain += f"; --outer-state auto: the pick's outer state at {pick.outer_state}"
   if pick is not None and w.outer_fragments > 1:
     busiest = pick.traffic["outer_round"]["busiest_step"]
     explain += (
@@ -169,6 +184,7 @@ def plan_for_profile(
   outer_sync: int | None = None,
   outer_fragments: int = 1,
   outer_delay: int = 0,
+  outer_state: str = "G",
 ) -> Plan:
   """`train --strategy auto`: the plan for this run, from a probe of its own mesh (with
   `outer_sync`, among the strategies each group can run in the outer loop).
@@ -207,6 +223,7 @@ def plan_for_profile(
     outer_sync=outer_sync,
     outer_fragments=outer_fragments,
     outer_delay=outer_delay,
+    outer_state=outer_state,
   )
   inputs = {
     "nodes": inter,
@@ -280,6 +297,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
     outer_sync=cfg.outer_sync,
     outer_fragments=cfg.outer_fragments,
     outer_delay=cfg.outer_delay,
+    outer_state=cfg.outer_state,
     # the plan is for GPUs: --attention as a run on them resolves it
     fused_attention=resolve_attention(
       cfg.attention, "cuda", "bfloat16" if itemsize == 2 else "float32", model_cfg.head_dim
@@ -315,6 +333,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
     "outer_sync": cfg.outer_sync,
     "outer_fragments": cfg.outer_fragments,
     "outer_delay": cfg.outer_delay,
+    "outer_state": cfg.outer_state,
     "profile": cfg.profile,
     "measured": sorted(f"{k}/{lvl}" for k, lvl in network.measured),
   }
@@ -343,7 +362,7 @@ def run_plan(cfg: PlanConfig) -> Plan:
       )
       + (
         f"; DiLoCo: the groups sync every {cfg.outer_sync} steps, the pseudo-gradient on the "
-        f"wire as --inter-grads {cfg.wire.inter_grads}"
+        f"wire as --inter-grads {cfg.wire.inter_grads}, the outer state at {cfg.outer_state}"
         + (
           f", in {cfg.outer_fragments} fragments (a sync step moves 1/{cfg.outer_fragments} "
           f"of the round)"

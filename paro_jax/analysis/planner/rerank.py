@@ -23,6 +23,7 @@ import time
 
 from paro_jax.analysis.gpu import targets  # no jax at import
 from paro_jax.core import config  # no jax
+from paro_jax.core.flags import step_flags  # no jax
 from paro_jax.core.units import human_bytes
 
 WITHIN = 0.10
@@ -75,7 +76,7 @@ def plan_step_flags(inputs: dict, attention: str) -> list[str]:
       grad_dtype=inputs["grad_dtype"],
     ),
   )
-  return config.step_flags(step, strategy=None)
+  return step_flags(step, strategy=None)
 
 
 def compile_estimate(

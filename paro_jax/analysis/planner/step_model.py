@@ -34,7 +34,12 @@ from __future__ import annotations
 import dataclasses
 
 from models.config import vocab_passes  # no jax
-from paro_jax.analysis.planner.costs import OUTER_PHASES, outer_round_traffic, step_traffic
+from paro_jax.analysis.planner.costs import (
+  OUTER_PHASES,
+  outer_phase_axes,
+  outer_round_traffic,
+  step_traffic,
+)
 from paro_jax.analysis.planner.memory import step_memory
 from paro_jax.analysis.planner.inputs import LEAVES_PER_LAYER, OTHER_LEAVES, Cluster, Workload
 from paro_jax.core.names import (
@@ -161,6 +166,7 @@ class Prediction:
   collectives: int = 0  # collectives per step
   note: str = ""
   outer_sync: int | None = None  # H of the outer loop (DiLoCo) the step runs in; None: off
+  outer_state: str | None = None  # where its outer state lives (--outer-state G or I); None: off
 
   @property
   def memory_bytes(self) -> float:
@@ -181,6 +187,7 @@ class Prediction:
       "collectives": self.collectives,
       "note": self.note,
       **({"outer_sync": self.outer_sync} if self.outer_sync else {}),
+      **({"outer_state": self.outer_state} if self.outer_sync else {}),
     }
 
 
@@ -265,17 +272,18 @@ def predict(strategy: Strategy, w: Workload, cluster: Cluster) -> Prediction:
 
 def outer_round(strategy: GroupStrategy, w: Workload, cluster: Cluster):
   """(traffic, seconds, collectives, the busiest sync step's seconds) of one round of the outer
-  loop (costs.outer_round_traffic), each of its three collectives priced by `collective_seconds`
+  loop (costs.outer_round_traffic), each of its collectives priced by `collective_seconds`
   as the step's are: one collective per stacked leaf (the round syncs the 12 leaves, core/
   outer.py). A compressed collective over both axes runs as two levels (costs._add_collective),
   each priced at its own level, as phase_collectives does for the step. With F =
   `w.outer_fragments` (core/fragments.py) each fragment's sync step moves 1/F of the bytes (the
   planner splits them evenly) on a slice of the 9 leaves of the layer stack, the embedding with
   the first fragment, the final norm and the head with the last: the round is F such steps."""
+  state = w.outer_state
   traffic = outer_round_traffic(
-    strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire
+    strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, state=state
   )
-  kinds = {p: kind for p, kind, _ in OUTER_PHASES}
+  kinds = {p: kind for p, kind, _ in OUTER_PHASES[state]}
   phases = [key.split("/")[0] for key in traffic.phases]
   frags = w.outer_fragments
   seconds, collectives, busiest = 0.0, 0, 0.0
@@ -284,7 +292,7 @@ def outer_round(strategy: GroupStrategy, w: Workload, cluster: Cluster):
     step = 0.0
     for key, nbytes in traffic.phases.items():
       phase, level = key.split("/")
-      axes = (level,) if phases.count(phase) == 2 else strategy.outer_sync_axes
+      axes = (level,) if phases.count(phase) == 2 else outer_phase_axes(strategy, state, phase)
       step += collective_seconds(kinds[phase], axes, nbytes / frags, count, cluster)
       collectives += count
     seconds, busiest = seconds + step, max(busiest, step)
@@ -347,4 +355,5 @@ def predict_outer(strategy: Strategy, w: Workload, cluster: Cluster) -> Predicti
     },
     collectives=base.collectives + collectives / h,
     outer_sync=h,
+    outer_state=w.outer_state,
   )
