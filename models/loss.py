@@ -21,7 +21,8 @@ makes the tile's weights of them (the step's `materialize`: an all-gather of the
 shards along D, whose backward reduce-scatters the tile's gradient into its sink's rows). No
 device then holds the whole table or head, only one tile (C x D); the head's tiles are gathered
 again in backward, as the remat layers' weights are. `tiled_lookup` is the embedding's lookup in
-the same tiles.
+the same tiles; `tiled_scores` eval's log-probability of each target and whether it is the
+argmax, from the same tiles (forward only).
 """
 
 from __future__ import annotations
