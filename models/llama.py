@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.loss import tiled_cross_entropy, tiled_lookup
+from models.loss import tiled_cross_entropy, tiled_lookup, tiled_scores
 from models.config import (
   ATTENTION_IMPLS,
   LAYERS,
@@ -633,15 +633,8 @@ class Llama:
       with jax.named_scope("cross_entropy"):
         logits_BxLxV = head_logits(HEAD_EQUATIONS[vocab_axis], h_BxLxD, w)
         return token_cross_entropy(logits_BxLxV, targets_BxL)
-    # In tiles: the table's and the head's, each made whole one tile at a time (models/loss.py).
-    lookup_take = lambda part: materialize(part).astype(self.dtype)
-    table = params["embed"]["embedding"]
-    x_BxLxD = tiled_lookup(table, tokens_BxL, self.vocab_chunk, lookup_take)
-    x_BxLxD = self._layer_stack(params, x_BxLxD, materialize, run_layers, segments_BxL)
-    norm = {"params": materialize(params["head"]["norm"])}
-    h_BxLxD = RMSNorm(self.cfg.norm_eps).apply(norm, x_BxLxD)
-    head, vocab_axis = (table, 0) if self.cfg.tie_embeddings else (params["head"]["kernel"], 1)
-    head_take = lambda part: materialize(part).astype(h_BxLxD.dtype)
+    tiled = self._tiled_head_inputs(params, tokens_BxL, materialize, run_layers, segments_BxL)
+    h_BxLxD, head, vocab_axis, head_take = tiled
     B, L, D = h_BxLxD.shape
     with jax.named_scope("cross_entropy"):
       ce_T = tiled_cross_entropy(
@@ -653,6 +646,41 @@ class Llama:
         head_take,
       )
     return ce_T.reshape(B, L)
+
+  def token_scores(
+    self, params, tokens_BxL, targets_BxL, materialize: Callable = _identity, segments_BxL=None
+  ):
+    """(each target's log-probability, fp32 B x L; whether it is its logits' argmax, the first
+    column of the max on a tie as `jnp.argmax`, bool B x L), for evaluation (no gradient):
+    where the vocabulary needs several tiles, from the head's product tiled over the vocabulary
+    (models/loss.py `tiled_scores`), equal to those of `self.apply(...)`'s logits without its
+    B x L x V of them; else from those logits. Arguments as `head_inputs`'."""
+    if not self.vocab_tiled:  # the whole logits
+      logits_BxLxV = self.apply(params, tokens_BxL, materialize, None, segments_BxL)
+      logp_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
+      target_BxL = jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+      return target_BxL, jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL
+    tiled = self._tiled_head_inputs(params, tokens_BxL, materialize, None, segments_BxL)
+    h_BxLxD, head, vocab_axis, head_take = tiled
+    B, L, D = h_BxLxD.shape
+    flat = (h_BxLxD.reshape(B * L, D), head, targets_BxL.reshape(B * L), vocab_axis)
+    logp_T, greedy_T = tiled_scores(*flat, self.vocab_chunk, head_take)
+    return logp_T.reshape(B, L), greedy_T.reshape(B, L)
+
+  def _tiled_head_inputs(self, params, tokens_BxL, materialize, run_layers, segments_BxL):
+    """`head_inputs` in vocabulary tiles: (the final norm's output B x L x D, the head as stored
+    (the table, tied), its vocabulary axis, the `take` that makes a tile of it whole in the
+    compute dtype). The table is looked up one tile at a time, each made whole by `materialize`
+    (models/loss.py); no device holds it or the head whole."""
+    lookup_take = lambda part: materialize(part).astype(self.dtype)
+    table = params["embed"]["embedding"]
+    x_BxLxD = tiled_lookup(table, tokens_BxL, self.vocab_chunk, lookup_take)
+    x_BxLxD = self._layer_stack(params, x_BxLxD, materialize, run_layers, segments_BxL)
+    norm = {"params": materialize(params["head"]["norm"])}
+    h_BxLxD = RMSNorm(self.cfg.norm_eps).apply(norm, x_BxLxD)
+    head, vocab_axis = (table, 0) if self.cfg.tie_embeddings else (params["head"]["kernel"], 1)
+    head_take = lambda part: materialize(part).astype(h_BxLxD.dtype)
+    return h_BxLxD, head, vocab_axis, head_take
 
   def head_inputs(
     self,

@@ -21,7 +21,8 @@ makes the tile's weights of them (the step's `materialize`: an all-gather of the
 shards along D, whose backward reduce-scatters the tile's gradient into its sink's rows). No
 device then holds the whole table or head, only one tile (C x D); the head's tiles are gathered
 again in backward, as the remat layers' weights are. `tiled_lookup` is the embedding's lookup in
-the same tiles.
+the same tiles; `tiled_scores` eval's log-probability of each target and whether it is the
+argmax, from the same tiles (forward only).
 """
 
 from __future__ import annotations
@@ -87,23 +88,42 @@ def _tile(source, take, x, targets_T, c, size: int, axis: int):
   return w_tile, logits_TxC, column_C[None] == targets_T[:, None], fresh
 
 
+def _fresh_logits(x_TxD, w, targets_T, c, size: int, axis: int, take):
+  """Tile `c`'s (fp32 logits T x size, one-hot targets), the columns the tile before counted
+  (the last tile's overlap) at -inf and no target's: each column counted in one tile only."""
+  _, logits, is_target, fresh = _tile(w, take, x_TxD, targets_T, c, size, axis)
+  if fresh is None:
+    return logits, is_target
+  return jnp.where(fresh, logits, -jnp.inf), is_target & fresh
+
+
+def _online_lse(carry, logits_TxC, is_target_TxC):
+  """The running (max, sum of exponentials below it, target's logit) of each token, one tile's
+  logits added."""
+  top_T, total_T, target_T = carry
+  new_top = jnp.maximum(top_T, jnp.max(logits_TxC, axis=-1))
+  total_T = total_T * jnp.exp(top_T - new_top) + jnp.sum(jnp.exp(logits_TxC - new_top[:, None]), -1)
+  target_T = target_T + jnp.sum(jnp.where(is_target_TxC, logits_TxC, 0.0), axis=-1)
+  return new_top, total_T, target_T
+
+
+def _lse_start(x_TxD, w, targets_T):
+  """The online log-sum-exp's carry before the first tile (typed as its inputs vary)."""
+  zeros = _varying_as(
+    jnp.zeros(targets_T.shape, jnp.float32), x_TxD, *jax.tree.leaves(w), targets_T
+  )
+  return zeros - jnp.inf, zeros, zeros
+
+
 def _forward(x_TxD, w, targets_T, axis: int, chunk: int, take):
   """(each token's cross-entropy, its log-sum-exp), both fp32 of length T."""
   n, size = tiles(vocab_size(w, axis), chunk)
-  T = x_TxD.shape[0]
 
   def tile(carry, c):
-    top_T, total_T, target_T = carry
-    _, logits, is_target, fresh = _tile(w, take, x_TxD, targets_T, c, size, axis)
-    if fresh is not None:
-      logits, is_target = jnp.where(fresh, logits, -jnp.inf), is_target & fresh
-    new_top = jnp.maximum(top_T, jnp.max(logits, axis=-1))
-    total_T = total_T * jnp.exp(top_T - new_top) + jnp.sum(jnp.exp(logits - new_top[:, None]), -1)
-    target_T = target_T + jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
-    return (new_top, total_T, target_T), None
+    logits, is_target = _fresh_logits(x_TxD, w, targets_T, c, size, axis, take)
+    return _online_lse(carry, logits, is_target), None
 
-  zeros = _varying_as(jnp.zeros((T,), jnp.float32), x_TxD, *jax.tree.leaves(w), targets_T)
-  (top, total, target), _ = lax.scan(tile, (zeros - jnp.inf, zeros, zeros), jnp.arange(n))
+  (top, total, target), _ = lax.scan(tile, _lse_start(x_TxD, w, targets_T), jnp.arange(n))
   lse_T = top + jnp.log(total)
   return lse_T - target, lse_T
 
@@ -157,6 +177,31 @@ def _tiled_bwd(axis, chunk, take, res, ct_T):
 
 
 tiled_cross_entropy.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def tiled_scores(x_TxD, w, targets_T, axis: int, chunk: int = VOCAB_CHUNK, take=_identity):
+  """(each token's log-probability of its target, fp32 T; whether the target is its logits'
+  argmax, bool T) of the logits `x_TxD @ w`, `chunk` vocabulary columns at a time (arguments as
+  `tiled_cross_entropy`'s; no gradient): lm-eval's loglikelihood and its greedy flag. The
+  log-probability is minus the tiled cross-entropy; the argmax is carried through the tiles with
+  the running max, as the first column of the max (`jnp.argmax`'s tie rule): a tile's own first
+  max replaces it only where that tile's max is strictly greater, so on a tie an earlier tile,
+  whose columns are all lower, keeps it; the last tile's overlap is counted by the tile before
+  (-inf here). Equal to `jnp.argmax(logits) == target` of the same logits, ties included."""
+  V = vocab_size(w, axis)
+  n, size = tiles(V, chunk)
+
+  def tile(carry, c):
+    lse, first_T = carry
+    logits, is_target = _fresh_logits(x_TxD, w, targets_T, c, size, axis, take)
+    later = jnp.max(logits, axis=-1) > lse[0]
+    first_T = jnp.where(later, _start(c, size, V) + jnp.argmax(logits, axis=-1), first_T)
+    return (_online_lse(lse, logits, is_target), first_T), None
+
+  start = _lse_start(x_TxD, w, targets_T)
+  first0 = _varying_as(jnp.zeros(targets_T.shape, jnp.int32), *start)
+  ((top, total, target), first_T), _ = lax.scan(tile, (start, first0), jnp.arange(n))
+  return target - (top + jnp.log(total)), first_T == targets_T
 
 
 def tiled_lookup(table, tokens_BxL, chunk: int = VOCAB_CHUNK, take=_identity):

@@ -50,12 +50,12 @@ class Forward:
     (run/lm_eval_model.py)."""
     return self._row_scores(params, batch)
 
-  def _forward(self, params, batch_AxBxL1, micro_fn, reduce_fn, out_specs, logits=False):
+  def _forward(self, params, batch_AxBxL1, micro_fn, reduce_fn, out_specs, scores=False):
     """`micro_fn(token_losses_BxL, batch_BxL1)` of each micro-batch on each device, then
     `reduce_fn` of their stack (in the shard_map). The token losses come from the head's product
     tiled over the vocabulary where it needs several tiles (models/loss.py): no fp32 logits of a
-    whole micro-batch, no whole table or head on a device. `logits`: `micro_fn` takes the fp32
-    logits (B x L x V) instead (each row's greedy flag needs every column's)."""
+    whole micro-batch, no whole table or head on a device. `scores`: `micro_fn` takes each
+    target's (log-probability, greedy flag) instead (`Llama.token_scores`, tiled alike)."""
     e = self.engine
     # The exact weights, whatever the wire precision: eval scores the model the run trains (its
     # fp32 master), so runs with and without compressed traffic are compared on equal terms.
@@ -67,8 +67,8 @@ class Forward:
 
       def micro(_, batch_BxL1):
         inputs, targets, _, segments = inputs_of(batch_BxL1)
-        if logits:
-          out = e.model.apply(shards, inputs, materialize, segments_BxL=segments)
+        if scores:
+          out = e.model.token_scores(shards, inputs, targets, materialize, segments)
         else:
           out = e.model.token_losses(shards, inputs, targets, materialize, None, segments)
         return None, micro_fn(out, batch_BxL1)
@@ -103,16 +103,13 @@ class Forward:
     return self._forward(params, batch, sums, total, (PartitionSpec(), PartitionSpec()))
 
   def _row_scores_fn(self, params, batch: Batch):
-    def per_row(logits_BxLxV, batch_BxL1):
-      _, targets_BxL, weights_BxL, _ = inputs_of(batch_BxL1)
-      logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-      target_BxL = jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
-      counted_BxL = weights_BxL > 0
-      greedy_BxL = jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL
+    def per_row(scores_BxL, batch_BxL1):
+      target_BxL, greedy_BxL = scores_BxL
+      counted_BxL = inputs_of(batch_BxL1)[2] > 0
       return (
         jnp.sum(jnp.where(counted_BxL, target_BxL, 0.0), axis=-1),
         jnp.all(greedy_BxL | ~counted_BxL, axis=-1),
       )
 
     rows = PartitionSpec(None, BATCH_AXES)  # each device's rows, stacked over the micro-batches
-    return self._forward(params, batch, per_row, lambda x: x, (rows, rows), logits=True)
+    return self._forward(params, batch, per_row, lambda x: x, (rows, rows), scores=True)

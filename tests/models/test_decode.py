@@ -7,6 +7,8 @@ window shorter than the sequence, LoRA adapters on every weight, grouped-query a
 throughout)."""
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +99,25 @@ def test_the_window_and_a_damaged_cache_slot_show():
 
   np.testing.assert_allclose(damaged(2), want, rtol=2e-5, atol=2e-5)  # slot 2: out of sight
   assert not np.allclose(damaged(3), want, rtol=1e-3, atol=1e-3)
+
+
+def _vocab_buffers(hlo: str, vocab: int) -> set[tuple[int, ...]]:
+  """The fp32 buffers with a vocabulary axis, by how many entries they hold across it."""
+  shapes = {tuple(int(d) for d in s.split(",") if d) for s in re.findall(r"f32\[([0-9,]*)\]", hlo)}
+  return {math.prod(s) // vocab for s in shapes if vocab in s}
+
+
+def test_the_prefill_takes_the_head_at_the_last_position_only():
+  """A prompt's prefill needs only its last position's logits (the next token's): its compiled
+  program holds B x V fp32 of them and nothing of B x L x V, which the whole forward of the same
+  tokens holds (the check can see them). B x L = 2 x 40, above the head's D = 32 rows."""
+  cfg = BASE
+  model = Llama(cfg)
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  tokens = jax.ShapeDtypeStruct((2, 40), jnp.int32)
+  cache = KVCache.empty(cfg, jnp.zeros(2, jnp.int32), 48, jnp.float32)
+  prefill = jax.jit(model.decode).lower(params, tokens, cache).compile().as_text()
+  whole = jax.jit(model.apply).lower(params, tokens).compile().as_text()
+  assert 2 * 40 in _vocab_buffers(whole, cfg.vocab)
+  assert 2 in _vocab_buffers(prefill, cfg.vocab)
+  assert max(_vocab_buffers(prefill, cfg.vocab)) < 2 * 40
