@@ -111,15 +111,29 @@ def _per_leaf(leaves, impl, axes, bucket) -> bool:
   return not bucket and (mixed or comm.concrete_impl(impl, axes) == "xla")
 
 
-def tree_all_gather(tree, dims, axes, impl: str = "xla", wire=None, bucket: bool = False):
+def tree_all_gather(
+  tree, dims, axes, impl: str = "xla", wire=None, bucket: bool = False, bits: bool = False
+):
   """Each leaf all-gathered along its dim over `axes` (`collectives.all_gather`); one bucket
-  with the hand-written rings (leaves of one dtype), or with any implementation if `bucket`."""
+  with the hand-written rings (leaves of one width), or with any implementation if `bucket`.
+  `bits`: each leaf gathered as its bits (`as_bits`): the same bytes and values, for leaves
+  not differentiated through the gather and a `wire` that does not change them."""
   leaves, flat_dims = _flat(tree, dims)
-  if _per_leaf(leaves, impl, axes, bucket):
-    out = [comm.all_gather(x, axes, dim=d, impl=impl, wire=wire) for x, d in zip(leaves, flat_dims)]
+  sent = [as_bits(x) for x in leaves] if bits else leaves
+  if _per_leaf(sent, impl, axes, bucket):
+    out = [comm.all_gather(x, axes, dim=d, impl=impl, wire=wire) for x, d in zip(sent, flat_dims)]
   else:
-    out = all_gather_bucket(leaves, axes, flat_dims, impl, wire=wire)
+    out = all_gather_bucket(sent, axes, flat_dims, impl, wire=wire)
+  if bits:
+    out = [lax.bitcast_convert_type(o, x.dtype) for o, x in zip(out, leaves)]
   return _unflat(tree, out)
+
+
+def as_bits(x):
+  """`x` as the unsigned integers of its width (bitcast: no copy). XLA:CPU runs a bf16
+  collective in f32 (a convert before it and after): a gathered bf16 weight is held in f32, twice
+  its bytes; an integer collective runs as it is."""
+  return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
 def tree_reduce_scatter(tree, dims, axes, impl: str = "xla", wire=None, bucket: bool = False):

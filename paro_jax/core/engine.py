@@ -46,7 +46,7 @@ from paro_jax.core.shards import gather_invariant, join_trainable, split_trainab
 from paro_jax.core.step import LayerStack, StepProgram
 from paro_jax.core.state import OptimConfig, TrainState, decay_mask
 from paro_jax.core.strategy import Strategy
-from paro_jax.core.xla_flags import bf16_weights_options
+from paro_jax.core.xla_flags import bf16_weights_options, cpu_gathers_as_bits
 
 
 class Engine:
@@ -128,6 +128,13 @@ class Engine:
     self.weights_copy = bool(weights_copy) and not self.param_delta
     self.compute_dtype = model.dtype
     self.wire = wire  # inter-node wire precision (paro_jax/core/compress.py)
+    # A LoRA step's weight gathers as their bits on XLA:CPU (core/xla_flags.py says why); not
+    # where the inter wire compresses the weights (an int8 codec quantizes floats only).
+    self.gather_bits = (
+      model.lora is not None
+      and cpu_gathers_as_bits(mesh)
+      and not wire.params_codec.active_for(self.compute_dtype)
+    )
     self.logical = model.logical_axes()
     self.shapes = jax.eval_shape(model.init, jax.random.key(0))
     self.dims = shard_dims(self.logical, rules)

@@ -67,6 +67,7 @@ class Stack:
   wire: WireConfig
   sync: Callable | None  # the boundary's sync of a tree of layer gradients (last micro-batch)
   bucket: bool
+  bits: bool  # the layer's weights gathered as their bits (buckets.as_bits; the Engine's choice)
 
 
 def run_layers(
@@ -81,6 +82,7 @@ def run_layers(
   wire=WireConfig(),
   sync=None,
   bucket: bool = True,
+  bits: bool = False,
 ):
   """The model's `run_layers` hook: `x` through the stacked layer `shards` (a tree of Shards,
   leading `layers` axis), prefetching each layer's gather; gradients into the sinks."""
@@ -102,6 +104,7 @@ def run_layers(
     wire=wire,
     sync=sync,
     bucket=bucket,
+    bits=bits,
   )
   trained, frozen = split_trainable(params, mask), split_trainable(params, mask, False)
   return _stack(stack, x, trained, frozen, sinks, acc)
@@ -116,7 +119,7 @@ def run_layers(
 def _gather(s: Stack, trees, dims):
   """All-gather the leaves of several trees over S(P) (one bucket: rings, or `bucket`)."""
   full = buckets.tree_all_gather(
-    trees, dims, s.gather_axes, s.impl, wire=s.wire.params_codec, bucket=s.bucket
+    trees, dims, s.gather_axes, s.impl, wire=s.wire.params_codec, bucket=s.bucket, bits=s.bits
   )
   return jax.tree.map(lambda w: to_varying(w, GLOBAL_AXES), full)
 

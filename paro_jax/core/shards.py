@@ -48,7 +48,9 @@ def gather_invariant(x, axes, dim):
   return lax.all_gather(x, axes, axis=dim % x.ndim, tiled=True, to="invarying") if axes else x
 
 
-def make_gather(gather_axes, scatter_axes, impl, wire=WireConfig(), grad_dtype=None):
+def make_gather(
+  gather_axes, scatter_axes, impl, wire=WireConfig(), grad_dtype=None, bits: bool = False
+):
   """Weight gather over S(P) whose backward reduce-scatters over S(Gr) into the sinks.
 
   `gather(params, sinks, dims)` takes tuples (one entry per leaf) and gathers them together:
@@ -57,13 +59,14 @@ def make_gather(gather_axes, scatter_axes, impl, wire=WireConfig(), grad_dtype=N
   bytes, which XLA's scheduler sees no reason to overlap), each leaf on its own with XLA's
   collectives. The reduce-scatter runs in the compute dtype; its result is cast to the sinks'
   (`grad_dtype`), where it is accumulated. Both collectives carry `wire`'s precision on their
-  inter level."""
+  inter level. `bits`: the weights gathered as their bits (buckets.as_bits; the Engine's
+  `gather_bits`)."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
   def gather(params, sinks, dims):
     del sinks  # only receive the gradients
     dims = tuple(d % p.ndim for p, d in zip(params, dims))
-    full = buckets.tree_all_gather(params, dims, gather_axes, impl, wire.params_codec)
+    full = buckets.tree_all_gather(params, dims, gather_axes, impl, wire.params_codec, bits=bits)
     return tuple(to_varying(w, GLOBAL_AXES) for w in full)
 
   def fwd(params, sinks, dims):

@@ -36,7 +36,6 @@ from jax import lax
 from models.config import LAYERS
 from models.llama import weighted_sum
 from paro_jax.core import buckets, feedback, prefetch
-from paro_jax.core import collectives as comm
 from paro_jax.core.batch import Batch, inputs_of, take
 from paro_jax.core.wire import WireConfig
 from paro_jax.core.names import GLOBAL_AXES
@@ -215,11 +214,16 @@ def materializer(engine, wire: WireConfig | None = None):
     engine.collectives,
     engine.wire if wire is None else wire,
     engine.grad_dtype,
+    bits=engine.gather_bits,
   )
 
   def frozen(param, dim):  # a frozen LoRA base weight: gathered, no gradient
-    full = comm.all_gather(
-      lax.stop_gradient(param), s.param_gather_axes, dim=dim % param.ndim, impl=engine.collectives
+    (full,) = buckets.tree_all_gather(
+      [lax.stop_gradient(param)],
+      [dim % param.ndim],
+      s.param_gather_axes,
+      engine.collectives,
+      bits=engine.gather_bits,
     )
     return to_varying(full, GLOBAL_AXES)
 
@@ -257,6 +261,7 @@ def prefetch_layers(engine, final: bool = False, acc=None):
     wire=engine.wire,
     sync=functools.partial(boundary_sync, engine) if final else None,
     bucket=engine.bucket_layers,
+    bits=engine.gather_bits,
   )
 
 

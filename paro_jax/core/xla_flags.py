@@ -38,6 +38,18 @@ def bf16_weights_options(mesh) -> dict | None:
   return CPU_BF16_WEIGHTS_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
 
 
+def cpu_gathers_as_bits(mesh) -> bool:
+  """Whether a LoRA step on `mesh` gathers its weights (the frozen base and the adapters, each
+  micro-batch) as their bits (core/buckets.py as_bits; the Engine's `gather_bits`): on XLA:CPU,
+  which runs a bf16 all-gather in f32, so that each gathered layer was held in f32, twice its
+  bytes (the Llama 3.2 1B shape, ING 2x4, 16 layers: 524 -> 398 MiB of temporaries per
+  device; every device's in the one process's memory). No gradient passes through those gathers
+  (the adapters' is the gather's own backward, a reduce-scatter). GPUs move bf16 as it is. Full
+  training keeps its gathers: `paro-jax inspect` checks their bytes on CPU against the f32
+  formula."""
+  return mesh.devices.flat[0].platform == "cpu"
+
+
 # name -> value. The same settings go to XLA_FLAGS for real GPU runs (`paro-jax train`) and to
 # `compile(compiler_options=...)` for compiles against a GPU target (`paro-jax inspect --target`).
 GPU_FLAGS = {

@@ -6,6 +6,7 @@ this module's assertion by tests/experiments/test_inspector_grid.py)."""
 import jax.numpy as jnp
 import pytest
 
+from models.config import LoraConfig
 from models.llama import Llama
 from paro_jax.analysis.inspect.abstract import compile_step
 from paro_jax.analysis.inspect.inspector import expected_traffic, format_report, report
@@ -100,6 +101,30 @@ def test_bf16_compute_on_cpu_compares_with_the_f32_bytes():
   rows = [line.split() for line in format_report(r).splitlines() if line.startswith("in")]
   assert [row[0] for row in rows] == ["inter_bytes", "intra_bytes"]
   assert all(abs(float(row[-1].rstrip("%"))) < 1 for row in rows), rows
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "model-scan"])
+def test_bf16_lora_on_cpu_gathers_its_weights_as_16_bit_words(prefetch):
+  """A bf16 LoRA step on CPU gathers its weights as their bits (Engine.gather_bits): those
+  gathers are u16, at the bf16 formula's bytes, the rest (adapter syncs, gradients) in f32; the
+  report's expected bytes here count them so, and the measured equal them."""
+  lora = LoraConfig(rank=2, alpha=4.0, targets=("wq", "wv"))
+  engine = Engine(
+    Llama(CFG, jnp.bfloat16, lora=lora),
+    parse_strategy("ING"),
+    make_mesh(2, 4),
+    OptimConfig(),
+    2,
+    prefetch=prefetch,
+  )
+  assert engine.gather_bits
+  r = report(engine, compile_step(engine, batch_size=8, seq_len=8))
+  per_micro_batch = [c for c in r["collectives"] if c["phase"] in ("forward", "backward (remat)")]
+  assert per_micro_batch and {c["dtype"] for c in per_micro_batch} == {"u16"}
+  for key in ("inter_bytes", "intra_bytes"):
+    assert r["measured"][key] == pytest.approx(r["expected_here"][key], rel=0.01, abs=64), key
+  # the frozen base's gathers (intra on ING) at 2 bytes: the bf16 formula's, not twice it
+  assert r["expected_here"]["intra_bytes"] == pytest.approx(r["expected"]["intra_bytes"])
 
 
 def test_fp32_grads_double_boundary_bytes():

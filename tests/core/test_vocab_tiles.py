@@ -11,6 +11,7 @@ has neither.
 """
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -23,6 +24,7 @@ from models.llama import Llama, next_token_loss
 from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
+from paro_jax.run.reference import reference_train
 from tests.core.test_equivalence import OPTIM, assert_trees_close, reference_setup
 
 CFG = LlamaConfig(vocab=62, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
@@ -123,17 +125,62 @@ def test_cpu_bf16_forward_holds_no_fp32_copy_of_the_stored_weights(references):
   np.testing.assert_allclose(float(got), float(want), rtol=1e-2)
 
 
-def test_cpu_lora_step_holds_no_fp32_copy_of_the_frozen_base(references):
-  """The same for a LoRA run's step, whose frozen base is held in bf16 (core/engine.py): its
-  loops carry the base's stored shards and no f32 array of their shapes."""
+LORA = LoraConfig(rank=2, alpha=4.0, targets=("wq", "wv"))
+
+
+@pytest.fixture(scope="module")
+def lora_step(references):
+  """(engine, state, compiled step's HLO) of a bf16 LoRA run of the tied model on GGG 2x4."""
   batches = references[TIED][0]
-  lora = LoraConfig(rank=2, alpha=4.0, targets=("wq", "wv"))
-  model = Llama(TIED, jnp.bfloat16, lora=lora, vocab_chunk=CHUNK)
+  model = Llama(TIED, jnp.bfloat16, lora=LORA, vocab_chunk=CHUNK)
   engine = Engine(model, parse_strategy("GGG"), make_mesh(2, 4), OPTIM, micro_batches=2)
   state = engine.init_state(jax.random.key(0))
   batch = engine.shard_batch(batches[0])
-  hlo = engine.train_step.lower(state, batch).compile().as_text()
+  return engine, state, engine.train_step.lower(state, batch).compile().as_text()
+
+
+def test_cpu_lora_step_holds_no_fp32_copy_of_the_frozen_base(lora_step):
+  """The same for a LoRA run's step, whose frozen base is held in bf16 (core/engine.py): its
+  loops carry the base's stored shards and no f32 array of their shapes."""
+  _, state, hlo = lora_step
   carried = "\n".join(re.findall(r"= \(([^)]*)\) while\(", hlo))
   frozen = {p.sharding.shard_shape(p.shape) for p in jax.tree.leaves(state.frozen) if p.ndim > 1}
   assert frozen & _shapes(carried, "bf16"), "the loops carry the frozen base: the check sees it"
   assert not frozen & _shapes(carried, "f32")
+
+
+def test_cpu_lora_step_gathers_the_frozen_base_in_16_bits(lora_step):
+  """XLA:CPU runs a bf16 all-gather in f32: the gathered layers and tiles of the frozen base
+  were held in f32, twice their bytes. A LoRA step on CPU gathers its weights as their bits
+  (core/buckets.py as_bits): every all-gather of a frozen weight's layer, a norm or a
+  vocabulary tile moves 16-bit words; f32 ones only carry the adapters (the parameter sync of
+  their fp32 master)."""
+  engine, _, hlo = lora_step
+  gathered = re.findall(r"= \(?((?:\w+\[[0-9,]*\][^ ]*(?:, )?)+)\)? all-gather\(", hlo)
+  shapes = [re.findall(r"(\w+)\[([0-9,]*)\]", g) for g in gathered]
+  sizes = lambda dtype: [  # noqa: E731
+    math.prod(int(d) for d in dims.split(",") if d) for s in shapes for t, dims in s if t == dtype
+  ]
+  adapter = max(math.prod(x.shape[1:]) for x in jax.tree.leaves(engine.trained_shapes))
+  frozen_tile = CHUNK * TIED.dim  # a vocabulary tile of the tied table, gathered whole
+  assert frozen_tile in sizes("u16"), "the tiles' gathers: the check sees them"
+  assert max(sizes("f32"), default=0) <= adapter, sizes("f32")
+
+
+def test_tiled_lora_step_equals_the_single_device_loop(references):
+  """With the frozen base gathered as bits (fp32 here: u32 words), in vocabulary tiles, on ING
+  2x4 (the placement of the real-size fine-tune): the losses and adapters of the plain
+  single-device LoRA loop of the whole logits."""
+  batches, _, _, _ = references[CFG]
+  model = Llama(CFG, lora=LORA)
+  params0 = model.init(jax.random.key(1))
+  ref_losses, ref_trained = reference_train(model, params0, batches, OPTIM)
+  tiled = Llama(CFG, lora=LORA, vocab_chunk=CHUNK)
+  engine = Engine(tiled, parse_strategy("ING"), make_mesh(2, 4), OPTIM, micro_batches=2)
+  assert engine.gather_bits
+  state, losses = engine.state_from_params(params0), []
+  for batch in batches:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  assert_trees_close(jax.device_get(state.master), ref_trained, atol=2e-5)

@@ -29,13 +29,17 @@ from paro_jax.core.names import LEVEL_INTER, LEVEL_INTRA, MIXED_IMPLS
 
 def expected_traffic(engine: Engine, bf16_as_f32: bool = False):
   """The formulas' bytes of one step; with `bf16_as_f32`, those XLA:CPU moves (bf16 collectives
-  run in f32 there: a bf16 compute, accumulation or inter wire counts 4 bytes, int8 stays)."""
+  run in f32 there: a bf16 compute, accumulation or inter wire counts 4 bytes, int8 stays; a
+  LoRA step's per-micro-batch gathers move their bits, at the compute dtype's size:
+  Engine.gather_bits)."""
   psi, trained = engine.model.param_count(), engine.model.trainable_count()
   itemsize = jnp.dtype(engine.compute_dtype).itemsize
+  gather_bytes = itemsize
   acc_bytes = jnp.dtype(engine.grad_dtype).itemsize
   wire = engine.wire
   if bf16_as_f32:
     itemsize, acc_bytes = 4, 4
+    gather_bytes = gather_bytes if engine.gather_bits else 4
     wire = dataclasses.replace(
       wire, **{k: "same" for k in ("params", "grads") if getattr(wire, k) == "bf16"}
     )
@@ -58,6 +62,7 @@ def expected_traffic(engine: Engine, bf16_as_f32: bool = False):
     # The two-level rings, alone or as the mixed impls' two-axis choice, split their bytes by level.
     two_level=MIXED_IMPLS.get(engine.collectives, engine.collectives) in ("hring", "horing"),
     vocab_extra=passes.beyond_stored(trained=engine.model.lora is None),
+    gather_bytes=gather_bytes,
   )
 
 

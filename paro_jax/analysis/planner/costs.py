@@ -116,6 +116,7 @@ def step_traffic(
   acc_bytes: int | None = None,
   two_level: bool = False,
   vocab_extra: tuple[int, int, int] = (0, 0, 0),
+  gather_bytes: int | None = None,
 ) -> Traffic:
   """Expected per-device traffic of one optimizer step of `strategy`, by the schedule's phases.
 
@@ -131,6 +132,7 @@ def step_traffic(
   in backward and scatters beyond one gather and one scatter of each parameter
   (models/config.py `VocabPasses.beyond_stored`: where the vocabulary is tiled, the head's tiles
   are gathered again in backward and a tied table's two uses gather and scatter apart).
+  `gather_bytes`: the element size of the per-micro-batch gathers (default `param_bytes`).
   """
   # One body for every case: _add_collective carries the uncompressed ring bytes where `wire` is
   # None or leaves a level at its dtype.
@@ -145,8 +147,9 @@ def step_traffic(
   a, (fwd_extra, bwd_extra, scatter_extra) = micro_batches, vocab_extra
   # Per micro-batch: parameters gathered over S(P) in forward and again (remat) in backward;
   # gradients reduce-scattered over S(Gr) as they leave backward.
-  add("forward params", s.param_gather_axes, params + fwd_extra, param_bytes, pc, a)
-  add("backward params (remat)", s.param_gather_axes, regathered + bwd_extra, param_bytes, pc, a)
+  gb = param_bytes if gather_bytes is None else gather_bytes
+  add("forward params", s.param_gather_axes, params + fwd_extra, gb, pc, a)
+  add("backward params (remat)", s.param_gather_axes, regathered + bwd_extra, gb, pc, a)
   add("backward grads", s.grad_scatter_axes, trainable + scatter_extra, grad_bytes, gc, a)
   # Boundary: from the Gr shard, reduce-scatter to the OS shard, then all-reduce across replicas
   # (in the accumulator's dtype).
