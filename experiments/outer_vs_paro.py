@@ -274,10 +274,10 @@ READING = (
   "round all-reduces the pseudo-gradient over `inter`, 2w bytes a parameter; without it the outer"
   " state is at G and a round sends 8 + w); Streaming DiLoCo syncs F = 4 fragments of the layer "
   "stack H/F = 5 steps apart, each exchange during the step after its sync step (TAU = 1); its "
-  "goal reads the bytes of each exchange (its step and the next, less the bound's level) against "
-  "a round's (each fragment's mean exchange, summed). The planner splits a round evenly over the "
-  "fragments; `tiny`'s first and last fragments also hold the embedding and the head, so its "
-  "largest fragment is more than 1/F of the parameters."
+  "goal reads the bytes of each exchange (its step and those either side, less the bound's level)"
+  " against a round's (each fragment's mean exchange, summed). The planner splits a round evenly "
+  "over the fragments; `tiny`'s first and last fragments also hold the embedding and the head, so"
+  " its largest fragment is more than 1/F of the parameters."
 )
 
 
@@ -285,8 +285,9 @@ def streaming_busiest(r: dict, quiet: float) -> tuple[float, float]:
   """(the busiest fragment exchange's bytes over a round's, the largest fragment's share of the
   parameters) of a Streaming run, from its per-step bytes less the quiet steps' `quiet` (the
   bound's). The fragment synced after step t is exchanged during step t + TAU (core/fragments.py);
-  tc's counter is read between metrics lines, so an exchange is its step and the next. A
-  round's bytes: each fragment's mean exchange, summed over the F fragments."""
+  tc's counter is read when a metrics line appears, late under load, so an exchange is counted
+  over its step and the steps either side. A round's bytes: each fragment's mean exchange, summed
+  over the F fragments."""
   from models.config import get_config
   from paro_jax.core.fragments import Fragments
 
@@ -298,7 +299,7 @@ def streaming_busiest(r: dict, quiet: float) -> tuple[float, float]:
     t = e - tau  # the sync step of the exchange run during step e
     if t > 0 and t % apart == 0:
       f = (t % h // apart - 1) % count
-      sent = sum(per_step.get(s, quiet) - quiet for s in (e, e + 1))
+      sent = sum(per_step.get(s, quiet) - quiet for s in (e - 1, e, e + 1))
       moved.setdefault(f, []).append(sent)
   round_bytes = sum(sum(v) / len(v) for v in moved.values())
   model = get_config(arg("--model"))

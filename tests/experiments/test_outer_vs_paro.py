@@ -113,9 +113,11 @@ def test_streaming_sends_a_fragment_at_a_time(page):
   whole = _round(rows["DiLoCo H=10 int8 I"], quiet)
   per_step = _per_step(r)
   exchanges = [e for e in per_step if e > 1 and (e - 1) % 5 == 0]  # the sync steps t = 5, 10, ...
-  near = {s for e in exchanges for s in (e, e + 1)}
+  # tc's counter is read as a metrics line appears, late under load: an exchange may be counted
+  # in the step before or after its own
+  near = {s for e in exchanges for s in (e - 1, e, e + 1)}
   assert max(b for s, b in per_step.items() if s not in near) < 20 * quiet + 50e3
-  sent = {e: per_step[e] + per_step.get(e + 1, quiet) - 2 * quiet for e in exchanges}
+  sent = {e: sum(per_step.get(s, quiet) - quiet for s in (e - 1, e, e + 1)) for e in exchanges}
   by_fragment = [[b for e, b in sent.items() if (e - 1) // 5 % 4 == f] for f in range(4)]
   assert sum(sum(b) / len(b) for b in by_fragment) == pytest.approx(whole, rel=0.15)
   assert all(0.15 * whole < b < 0.4 * whole for b in sent.values()), (whole, sent)
@@ -123,12 +125,15 @@ def test_streaming_sends_a_fragment_at_a_time(page):
 
 def test_the_streaming_goal_reads_each_exchange_against_the_round():
   """The goal's figure on a made-up run: fragments of 1, 2, 3 and 4 units exchanged at the step
-  after their sync steps (t = 5, 10, 15, 20 mod 20), one unit spilling into the next step."""
+  after their sync steps (t = 5, 10, 15, 20 mod 20), part spilling into the next step, and one
+  exchange counted a step early (the metrics line of its sync step read late)."""
   quiet, units = 1000.0, {1: 1e5, 2: 2e5, 3: 3e5, 0: 4e5}  # by t // 5 mod 4: the fragment
   per_step = {s: quiet for s in range(2, 101)}
   for t in range(5, 100, 5):
     per_step[t + 1] += units[t // 5 % 4] - 1e4
     per_step[t + 2] += 1e4
+  per_step[46] -= 5e4  # the exchange after t = 45 (fragment 0: 4 units) partly in step 45
+  per_step[45] += 5e4
   row = dict(h=20, fragments=4, bytes_per_step={str(s): b for s, b in per_step.items()})
   row["command"] = ["train", "--model", "tiny", "--outer-delay", "1"]
   share, largest = outer_vs_paro.streaming_busiest(row, quiet)
