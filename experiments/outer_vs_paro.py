@@ -8,7 +8,9 @@ devices, each node in its own network namespace behind a veth whose egress tc sh
 
 - IIG, the synchronous step (uncompressed, and with int8 parameters and gradients);
 - DiLoCo (`--outer-sync H`, core/outer.py) with III as each node's step, H = 10 and 50, the
-  pseudo-gradient in bf16 and int8;
+  pseudo-gradient in bf16 and int8; with the outer state at I (`--outer-state I`: the round
+  all-reduces the int8 pseudo-gradient), H = 10, 50 and 100; int4 at H = 10;
+- Streaming DiLoCo (`--outer-fragments 4 --outer-delay 1`, core/fragments.py), H = 20, int8, I;
 - the bound: the same III group step with no round's end in the run (H past the last step), so
   nothing but the groups' few metrics floats crosses the link: the tokens/s no schedule of the
   outer loop can beat. Its eval loss is not a result (eval reads the outer weights, which never
@@ -18,7 +20,8 @@ From each run: its steps' times (metrics.jsonl), the bytes each node sent over t
 consecutive metrics lines (tc's counter, experiments/bench/runs.py WireMonitor), and the eval loss
 after the last step. Timing and bytes are taken over steps 2..K-1 (step 1 compiles; step K also
 evaluates); tokens/s is the tokens of those steps over their summed time (a mean, not a median:
-a round's end is one step in H). Writes OUT/outer_vs_paro.json and OUT/README.md.
+a round's end is one step in H). Writes OUT/outer_vs_paro.json and OUT/README.md; `--only` runs
+the labels it names and keeps the other rows of OUT's earlier JSON.
 
     python -m experiments.outer_vs_paro --out experiments/results/outer_vs_paro
 """
@@ -41,10 +44,11 @@ from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 
 NODES, DEVICES_PER_NODE = 2, 4
 BOUND = "bound"
+STREAMING = "Streaming DiLoCo"
 
 
 def configurations(steps: int, seeds: int) -> list[dict]:
-  """(label, kind, H, wire, seed, train flags) of every run."""
+  """(label, kind, H, wire, seed, train flags; Streaming's fragments F) of every run."""
   out = []
   for seed in range(seeds):
     out.append(
@@ -79,6 +83,19 @@ def configurations(steps: int, seeds: int) -> list[dict]:
           flags=["--strategy", "III", "--outer-sync", str(h), "--inter-grads", wire],
         )
       )
+  # the round as an all-reduce of the pseudo-gradient (--outer-state I); Streaming DiLoCo (F = 4
+  # fragments synced H/F steps apart, each exchange during the step after); int4 (G); H = 100
+  at_i, streaming = ["--outer-state", "I"], ["--outer-fragments", "4", "--outer-delay", "1"]
+  for label, h, wire, extra in (
+    ("DiLoCo H=10 int8 I", 10, "int8", at_i),
+    ("DiLoCo H=50 int8 I", 50, "int8", at_i),
+    (f"{STREAMING} H=20 F=4 tau=1 int8 I", 20, "int8", at_i + streaming),
+    ("DiLoCo H=10 int4", 10, "int4", []),
+    ("DiLoCo H=100 int8 I", 100, "int8", at_i),
+  ):
+    flags = ["--strategy", "III", "--outer-sync", str(h), "--inter-grads", wire, *extra]
+    config = dict(label=label, kind="diloco", h=h, wire=wire, seed=0, flags=flags)
+    out.append({**config, **({"fragments": 4} if extra[2:] else {})})
   # no round ends in the run: the group step alone (its wire format never used)
   out.append(
     dict(
@@ -130,6 +147,7 @@ def run(args, config: dict, directory: str) -> dict:
       monitor.stop.set()
       monitor.join()
   row = {**config, "command": argv, "exit_code": code, "wall_s": time.perf_counter() - start}
+  row["date"] = utc_now()  # when this run ended (a page may keep rows of earlier runs)
   if code:
     row["error"] = f"launch exited {code}; see {directory}/launch.log"
   else:
@@ -183,12 +201,14 @@ def planned_bytes(args, config: dict) -> float:
     params="int8" if "--inter-params" in flags else "same",
     grads=flags[flags.index("--inter-grads") + 1] if "--inter-grads" in flags else "same",
   )
-  h = int(flags[flags.index("--outer-sync") + 1]) if "--outer-sync" in flags else None
+  value = lambda flag, default: flags[flags.index(flag) + 1] if flag in flags else default  # noqa: E731
+  h = int(value("--outer-sync", 0)) or None
   itemsize = 4 if args.dtype == "fp32" else 2
   devices = NODES * DEVICES_PER_NODE
   w = inputs.Workload(
     get_config(args.model), args.batch_size // devices, 1, args.seq_len, itemsize=itemsize,
-    wire=wire, outer_sync=h,
+    wire=wire, outer_sync=h, outer_state=value("--outer-state", "G"),
+    outer_fragments=int(value("--outer-fragments", 1)), outer_delay=int(value("--outer-delay", 0)),
   )  # fmt: skip
   cluster = inputs.Cluster(NODES, DEVICES_PER_NODE, inputs.Links(1e9, 1e9), None)
   e = step_model.predict(parse_strategy(flags[1]), w, cluster)
@@ -221,31 +241,77 @@ def table(rows: list[dict]) -> list[str]:
   return lines
 
 
-def cut(args) -> str:
-  """What the measurement leaves out of the full comparison."""
-  runs = f"only {args.only.replace(',', ', ')}" if args.only else "every configuration"
+def cut(args, rows: list[dict]) -> str:
+  """What the measurement leaves out of the full comparison: the configurations not on the page
+  by name, and what the script never runs."""
+  labels = {r["label"] for r in rows}
+  absent = [c["label"] for c in configurations(args.steps, args.seeds) if c["label"] not in labels]
+  left = f"{', '.join(absent)} not run on this page; " if absent else ""
   return (
     "What the measurement leaves out of the full comparison, for the time two shared cores "
     "allow (a run takes 3-4 minutes here): `tiny` (1.05M parameters) instead of `small` (25M: "
-    f"about 25x the compute per step); {runs}; {args.seeds} seed(s) for IIG and one for every "
-    "other run; H = 100, the 4-bit pseudo-gradient, Streaming DiLoCo, the 4 x 2 mesh and "
-    "torch's configurations are not run; 101 steps, so H = 50 is two rounds."
+    f"about 25x the compute per step); {left}{args.seeds} seed(s) for IIG and one for every "
+    "other run; the 4-bit pseudo-gradient with the outer state at I, Streaming DiLoCo with "
+    "another F or TAU or with `--outer-mix` (0 here: a synced fragment restarts from the outer "
+    "weights), the 4 x 2 mesh and torch's configurations are not run; 101 steps, so H = 50 is "
+    "two rounds and H = 100 one."
   )
 
 
 READING = (
   "Reading the table. The bytes: a DiLoCo step sends only the groups' metrics floats and the "
-  "launcher's heartbeats (the bound's ~8 kB) except at a round's end, which sends the whole "
-  "round (the JSON's `bytes_per_step` has every step's); measured is above planned by the "
-  "reduce-scatters, which XLA:CPU through gloo runs as an all-reduce and a slice "
-  "(docs/multinode.md: twice the reduce-scatter's bytes; the planner prices the collective a "
-  "GPU runs), and by TCP/IP's headers (~7%). The eval loss: DiLoCo's is of the outer weights "
-  "after the last round (step 100), each group having trained on half of every batch; the "
-  "bound's is of the initial weights (no round ended) and is no result. The speed: the two IIG "
-  "seeds do the same work, so their tokens/s apart is how much the machine's other load moves "
-  "a run; differences within it are not resolved (between rounds DiLoCo's step is the bound's, "
-  "so a DiLoCo run above the bound is such a difference)."
+  "launcher's heartbeats (the bound's ~8 kB) except at a round's end, which sends the whole round"
+  " (the JSON's `bytes_per_step` has every step's); measured is above planned by the reduce-"
+  "scatters, which XLA:CPU through gloo runs as an all-reduce and a slice (docs/multinode.md: "
+  "twice the reduce-scatter's bytes; the planner prices the collective a GPU runs), and by "
+  "TCP/IP's headers (~7%). The eval loss: DiLoCo's is of the outer weights after the last round "
+  "(step 100), each group having trained on half of every batch; the bound's is of the initial "
+  "weights (no round ended) and is no result. The speed: the two IIG seeds do the same work, so "
+  "their tokens/s apart is how much the machine's other load moves a run; differences within it "
+  "are not resolved (between rounds DiLoCo's step is the bound's, so a DiLoCo run above the bound"
+  " is such a difference); rows of other dates (the JSON's `date`) ran under other loads, so "
+  "tokens/s compares best between rows of one date. The labels: `I` is `--outer-state I` (the "
+  "round all-reduces the pseudo-gradient over `inter`, 2w bytes a parameter; without it the outer"
+  " state is at G and a round sends 8 + w); Streaming DiLoCo syncs F = 4 fragments of the layer "
+  "stack H/F = 5 steps apart, each exchange during the step after its sync step (TAU = 1); its "
+  "goal reads the bytes of each exchange (its step and those either side, less the bound's level)"
+  " against a round's (each fragment's mean exchange, summed). The planner splits a round evenly "
+  "over the fragments; `tiny`'s first and last fragments also hold the embedding and the head, so"
+  " its largest fragment is more than 1/F of the parameters."
 )
+
+
+def streaming_busiest(r: dict, quiet: float) -> tuple[float, float]:
+  """(the busiest fragment exchange's bytes over a round's, the largest fragment's share of the
+  parameters) of a Streaming run, from its per-step bytes less the quiet steps' `quiet` (the
+  bound's). The fragment synced after step t is exchanged during step t + TAU (core/fragments.py);
+  tc's counter is read when a metrics line appears, late under load, so an exchange is counted
+  over its step and the steps either side. A round's bytes: each fragment's mean exchange, summed
+  over the F fragments."""
+  from models.config import get_config
+  from paro_jax.core.fragments import Fragments
+
+  arg = lambda flag: r["command"][r["command"].index(flag) + 1]  # noqa: E731
+  h, count, tau = r["h"], r["fragments"], int(arg("--outer-delay"))
+  per_step = {int(s): b for s, b in r["bytes_per_step"].items()}
+  apart, moved = h // count, {}
+  for e in per_step:
+    t = e - tau  # the sync step of the exchange run during step e
+    if t > 0 and t % apart == 0:
+      f = (t % h // apart - 1) % count
+      sent = sum(per_step.get(s, quiet) - quiet for s in (e - 1, e, e + 1))
+      moved.setdefault(f, []).append(sent)
+  round_bytes = sum(sum(v) / len(v) for v in moved.values())
+  model = get_config(arg("--model"))
+  frags = Fragments(count, h, model.layers)
+  embed = model.vocab * model.dim  # with the first fragment; the norm and the head with the last
+  sizes = [
+    (lambda a, b: b - a)(*frags.layer_range(f)) * model.layer_param_count()
+    + embed * (f == 0)
+    + (model.outer_param_count() - embed) * (f == count - 1)
+    for f in range(count)
+  ]
+  return max(max(v) for v in moved.values()) / round_bytes, max(sizes) / sum(sizes)
 
 
 def goals(rows: list[dict]) -> list[str]:
@@ -267,6 +333,13 @@ def goals(rows: list[dict]) -> list[str]:
       gap = r["eval_loss"] / sync["eval_loss"] - 1
       parts.append(
         f"eval loss {gap:+.1%} against IIG: {'met' if abs(gap) <= 0.02 else 'NOT met'} (within 2%)"
+      )
+    if r.get("fragments") and bound:
+      share, largest = streaming_busiest(r, bound["inter_bytes_per_step"])
+      parts.append(
+        f"busiest exchange {share:.3f} of a round's bytes: "
+        f"{'met' if share <= 1 / r['fragments'] else 'NOT met'} (<= 1/F = "
+        f"{1 / r['fragments']:.3f}; its largest fragment holds {largest:.3f} of the parameters)"
       )
     lines.append(f"- {r['label']}: " + "; ".join(parts))
   seeds = [r for r in rows if r["label"].startswith("IIG seed") and not r.get("error")]
@@ -292,11 +365,13 @@ def page(args, record: dict) -> str:
       "",
       f"    {record['command']}",
       "",
-      f"Measured {record['date']} on {record['machine']}; {NODES} nodes x {DEVICES_PER_NODE} "
+      f"Measured {record['date']} (its last run; each row's date is in the JSON) on "
+      f"{record['machine']}; {NODES} nodes x {DEVICES_PER_NODE} "
       f"virtual CPU devices ({link}); `{args.model}`, batch {args.batch_size} x {args.seq_len}, "
       f"{args.dtype}, A=1, {args.steps} steps for every run (equal tokens), lr 3e-3 with 10 "
       f"warm-up steps and cosine decay, `--collectives auto`; DiLoCo with III as each node's "
-      f"step, outer lr 0.7, Nesterov momentum 0.9. Eval loss after the last step over "
+      f"step, outer lr 0.7, Nesterov momentum 0.9, the outer state at G unless the label says I. "
+      f"Eval loss after the last step over "
       f"{args.eval_batches} held-out batches (DiLoCo: of the outer weights). Timing and bytes "
       f"over steps {first}..{last} (step 1 compiles, the last also evaluates); tokens/s is "
       f"their tokens over their summed time; inter-node MB/step is both nodes' egress counted "
@@ -304,7 +379,7 @@ def page(args, record: dict) -> str:
       f"(`analysis/planner/step_model.py`). Every run's row, with each step's time and bytes, "
       f"is in `outer_vs_paro.json` (the logs under `runs/` are not kept in git).",
       "",
-      cut(args),
+      cut(args, rows),
       "",
       *table(rows),
       "",
@@ -316,6 +391,33 @@ def page(args, record: dict) -> str:
       "",
     ]
   )
+
+
+def kept_rows(args, configs: list[dict]) -> dict:
+  """With --only, the other rows of OUT's earlier record (measured with the same settings), each
+  with the planner's bytes as this script prices them now, by label; {} without --only."""
+  path = os.path.join(args.out, "outer_vs_paro.json")
+  if not args.only or not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    old = json.load(f)
+  settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "only")}
+  changed = [k for k, v in settings.items() if old["settings"].get(k) != v]
+  if changed:
+    raise SystemExit(
+      f"{path} was measured with other {', '.join(changed)}: its rows cannot share a page with "
+      f"these; pass another --out, or the same settings"
+    )
+  by = {c["label"]: c for c in configs}
+  only = set(args.only.split(","))
+  kept = {}
+  for r in old["runs"]:
+    if r["label"] in only:
+      continue
+    config = by.get(r["label"], {})
+    planned = {"planned_bytes_per_step": planned_bytes(args, config)} if config else {}
+    kept[r["label"]] = {"date": old["date"], **r, **config, **planned}
+  return kept
 
 
 def main(argv=None) -> None:
@@ -337,20 +439,24 @@ def main(argv=None) -> None:
     print("not root: the link cannot be shaped; running on loopback", flush=True)
     args.loopback = True
   configs = configurations(args.steps, args.seeds)
+  kept = kept_rows(args, configs)
   if args.only:
     keep = set(args.only.split(","))
     configs = [c for c in configs if c["label"] in keep]
-  rows = []
+  rows = {}
   for config in configs:
     config = {**config, "planned_bytes_per_step": planned_bytes(args, config)}
     directory = os.path.join(args.out, "runs", config["label"].replace(" ", "_").replace("=", ""))
     row = run(args, config, directory)
-    rows.append(row)
+    rows[row["label"]] = row
     print(json.dumps({k: row.get(k) for k in ("label", "tokens_per_s", "inter_bytes_per_step",
                                                "eval_loss", "error")}), flush=True)  # fmt: skip
+  order = [c["label"] for c in configurations(args.steps, args.seeds)]
+  rows = {**kept, **rows}
+  rows = [rows[k] for k in sorted(rows, key=lambda k: order.index(k) if k in order else len(order))]
   record = {
     "command": shlex.join(["python", "-m", "experiments.outer_vs_paro", *(argv or sys.argv[1:])]),
-    "date": utc_now(),
+    "date": max(r["date"] for r in rows),
     "machine": machine_line(),
     "settings": {k: v for k, v in vars(args).items() if k not in ("out", "resume")},
     "runs": rows,
