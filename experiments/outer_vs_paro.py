@@ -92,10 +92,13 @@ def configurations(steps: int, seeds: int) -> list[dict]:
     (f"{STREAMING} H=20 F=4 tau=1 int8 I", 20, "int8", at_i + streaming),
     ("DiLoCo H=10 int4", 10, "int4", []),
     ("DiLoCo H=100 int8 I", 100, "int8", at_i),
+    # the outer step without momentum (the paper's Nesterov 0.9 above)
+    ("DiLoCo H=10 int8 I m=0", 10, "int8", at_i + ["--outer-momentum", "0"]),
+    ("DiLoCo H=50 int8 I m=0", 50, "int8", at_i + ["--outer-momentum", "0"]),
   ):
     flags = ["--strategy", "III", "--outer-sync", str(h), "--inter-grads", wire, *extra]
     config = dict(label=label, kind="diloco", h=h, wire=wire, seed=0, flags=flags)
-    out.append({**config, **({"fragments": 4} if extra[2:] else {})})
+    out.append({**config, **({"fragments": 4} if streaming[0] in extra else {})})
   # no round ends in the run: the group step alone (its wire format never used)
   out.append(
     dict(
@@ -277,7 +280,8 @@ READING = (
   "goal reads the bytes of each exchange (its step and those either side, less the bound's level)"
   " against a round's (each fragment's mean exchange, summed). The planner splits a round evenly "
   "over the fragments; `tiny`'s first and last fragments also hold the embedding and the head, so"
-  " its largest fragment is more than 1/F of the parameters."
+  " its largest fragment is more than 1/F of the parameters. `m=0`: the outer step without "
+  "momentum (`--outer-momentum 0`, outer lr 0.7), the others with the paper's Nesterov 0.9."
 )
 
 
