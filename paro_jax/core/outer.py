@@ -93,14 +93,20 @@ def sync(
         delta, dims, axes, residual, impl, codec
       )
     pseudo_grad = jax.tree.map(lambda s: s / devices, summed)
-    updates, opt_state = tx.update(pseudo_grad, outer.opt_state, outer.params)
-    params = optax.apply_updates(outer.params, updates)
-    # Every device of a group holds the restart weights at OS: typed so (replicated over the
-    # axes OS does not shard) with XLA's collectives; the rings' results are typed varying.
-    if impl == "xla":
-      restart = jax.tree.map(lambda w, d: gather_invariant(w, axes, d), params, dims)
-    else:
-      restart = buckets.tree_all_gather(params, dims, axes, impl)
+    return _step_and_restart(outer, pseudo_grad, residual, dims, axes, tx, impl)
+
+
+def _step_and_restart(outer: OuterState, pseudo_grad, residual, dims, axes, tx, impl: str):
+  """(the weights every group restarts from, at OS: the new outer weights gathered over `axes`;
+  the new outer state) after the outer optimizer's step on the mean pseudo-gradient."""
+  updates, opt_state = tx.update(pseudo_grad, outer.opt_state, outer.params)
+  params = optax.apply_updates(outer.params, updates)
+  # Every device of a group holds the restart weights at OS: typed so (replicated over the axes
+  # OS does not shard) with XLA's collectives; the rings' results are typed varying.
+  if impl == "xla":
+    restart = jax.tree.map(lambda w, d: gather_invariant(w, axes, d), params, dims)
+  else:
+    restart = buckets.tree_all_gather(params, dims, axes, impl)
   return restart, OuterState(params, opt_state, residual)
 
 
@@ -132,13 +138,7 @@ def sync_at_node(
     pseudo_grad = jax.tree.map(lambda s: s / groups, summed)
     # Every node holds the same sum (a compressed one is dequantized from the same payload
     # everywhere), so every node's outer step is the same and the copies stay equal.
-    updates, opt_state = tx.update(pseudo_grad, outer.opt_state, outer.params)
-    params = optax.apply_updates(outer.params, updates)
-    if impl == "xla":
-      restart = jax.tree.map(lambda w, d: gather_invariant(w, axes, d), params, dims)
-    else:
-      restart = buckets.tree_all_gather(params, dims, axes, impl)
-  return restart, OuterState(params, opt_state, residual)
+    return _step_and_restart(outer, pseudo_grad, residual, dims, axes, tx, impl)
 
 
 def sync_fragment(

@@ -31,7 +31,7 @@ from tests.core.test_outer import (
   REMAT,
   assert_trees_close,
   bytes_per_device,
-  diloco_reference,
+  full,  # noqa: F401 - the module's fixture: the same reference rounds
   make_batches,
   run_groups,
 )
@@ -39,14 +39,6 @@ from tests.core.test_outer import (
 AT_NODE = OuterOptions(sync=H, lr=PAPER.lr, momentum=PAPER.momentum, state="I")
 PLAIN_AT_NODE = OuterOptions(sync=H, lr=PLAIN.lr, momentum=PLAIN.momentum, state="I")
 M = 4  # devices per node (the 2x4 mesh)
-
-
-@pytest.fixture(scope="module")
-def full():
-  model = Llama(CFG, remat=REMAT)
-  params0 = model.init(jax.random.key(1))
-  batches = make_batches()
-  return model, params0, batches, diloco_reference(model, params0, batches, PAPER.lr, 0.9)
 
 
 @functools.cache
@@ -60,7 +52,7 @@ def rounds_of(strategy: str, state: str):
 
 # OS = N (NNN: the restart gathered over intra) and OS = I (III: no collective in the node).
 @pytest.mark.parametrize("strategy", ["NNN", "III"])
-def test_rounds_at_node_equal_single_device_diloco(full, strategy):
+def test_rounds_at_node_equal_single_device_diloco(full, strategy):  # noqa: F811
   _, _, _, (ref_losses, ref_rounds) = full
   losses, rounds, engine, state = rounds_of(strategy, "I")
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
@@ -88,7 +80,7 @@ def test_outer_state_at_node_and_at_g_agree():
 
 
 @pytest.fixture(scope="module")
-def apart(full):
+def apart(full):  # noqa: F811
   """Each group's weights after one round's inner steps (the round not ended): [group][leaf]."""
   model, params0, batches, _ = full
   _, _, _, state = run_groups(model, "III", params0, batches[:H], outer=OuterOptions(sync=100))
@@ -165,7 +157,7 @@ def wire_bytes(n: int, fmt: str, block: int = 32) -> float:
 METRICS = 64  # the groups' mean loss and gradient norm: an all-reduce of a few floats
 
 
-def test_a_round_at_node_sends_two_wire_payloads_across_nodes(full):
+def test_a_round_at_node_sends_two_wire_payloads_across_nodes(full):  # noqa: F811
   """Per device and round, (g-1)/g of its Ψ'/m-element I shard of the pseudo-gradient on the
   reduce-scatter and as much of the sum on the all-gather, both in the wire format: 2w bytes
   per parameter (int8: w = 1 + 4/32), no fp32 outer weights. With the state at G the two fp32
@@ -183,7 +175,7 @@ def test_a_round_at_node_sends_two_wire_payloads_across_nodes(full):
   print(f"tiny-test III 2x4 int8, inter bytes per device and round: G {at_g:.0f}, I {at_node:.0f}")
 
 
-def test_hand_written_rings_at_node(full):
+def test_hand_written_rings_at_node(full):  # noqa: F811
   """--collectives horing: NNN's round at I (the pseudo-gradient's all-reduce a ring over
   `inter`, the restart the two-level gather inside the node) equals the reference, and sends
   2 x 4 bytes per parameter of its share across nodes (fp32)."""
