@@ -9,43 +9,27 @@ from __future__ import annotations
 import json
 import os
 
-SHAPES = {
-  "1b": dict(
-    hidden_size=2048,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    head_dim=64,
-    intermediate_size=8192,
-    tie_word_embeddings=True,
-  ),
-  "3b": dict(
-    hidden_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=24,
-    head_dim=128,
-    intermediate_size=8192,
-    tie_word_embeddings=True,
-  ),
-  "8b": dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    head_dim=128,
-    intermediate_size=14336,
-    tie_word_embeddings=False,
-  ),
-}
+from models.config import get_config
+
+# Each shape's model, as the project's registry (models/config.py) defines it.
+SHAPES = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b"}
 SHARD_BYTES = 2 * 2**30  # a new safetensors file after this many bytes (bf16)
 
 
 def shape_config(shape: str) -> dict:
   """config.json of a `make` directory of `shape` (a key of SHAPES)."""
+  c = get_config(SHAPES[shape])
   return {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
-    "vocab_size": 128256,
-    "num_key_value_heads": 8,
-    **SHAPES[shape],
+    "vocab_size": c.vocab,
+    "num_key_value_heads": c.kv_heads,
+    "hidden_size": c.dim,
+    "num_hidden_layers": c.layers,
+    "num_attention_heads": c.heads,
+    "head_dim": c.head_dim,
+    "intermediate_size": c.mlp,
+    "tie_word_embeddings": c.tie_embeddings,
     "hidden_act": "silu",
     "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-5,
