@@ -231,8 +231,8 @@ class OuterOptions:
   )
   fragments: int = option(
     1,
-    "Streaming DiLoCo: sync the weights in F fragments of the layer stack, each every H steps, "
-    "H/F steps apart (F must divide H; default %(default)s: all at once)",
+    "Streaming DiLoCo: sync the weights in F fragments (1/F of the layers and vocabulary each), "
+    "each every H steps, H/F steps apart (F must divide H; default %(default)s: all at once)",
     flag="--outer-fragments",
     metavar="F",
     type=int,

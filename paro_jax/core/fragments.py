@@ -2,17 +2,20 @@
 synced in F parts at staggered steps (`--outer-fragments F`; core/groups.py, core/outer.py).
 
 A fragment is a contiguous range of the layer stack, the layers split as evenly as they go (the
-first fragments take one more where F does not divide them), plus the leaves outside the stack:
-the embedding goes with the first fragment (it feeds the first layers), the final norm and the
-head (every other top-level leaf) with the last (they read the last layers' output).
+first fragments take one more where F does not divide them), plus a slice of each leaf outside
+the stack: the embedding's and the head's rows of the vocabulary split the same way (a 128k
+vocabulary is a quarter of an 8B model's stack: whole in one fragment it would make that
+fragment's exchange the busiest by far). A leaf outside the stack with no axis to cut (the final
+norm: its one axis is the one placements shard) goes whole with the last fragment.
 
 Fragment f is synced after the steps whose count t (after the step) has t mod H = (f+1) H/F
 mod H: each fragment every H steps, the fragments H/F steps apart, the last one at the round's
 end. F = 1 is DiLoCo's schedule, and at any step at most one fragment is exchanged.
 
-The layer axis is never sharded (sharding.ShardingRules.never_shard), so a fragment's slice of
-a stacked leaf is local on every device at every placement: taking and putting it back moves
-nothing.
+Every cut is along an axis no placement shards: the layer axis (sharding.ShardingRules.
+never_shard), and for a leaf outside the stack its largest axis other than the one it is
+sharded along (sharding.shard_dims; the vocabulary). So a fragment's slice of a leaf is the same
+entries on every device at every placement, and taking and putting it back moves nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +31,26 @@ from models.config import LAYERS
 
 WHOLE = slice(None)  # a leaf wholly in the fragment
 SKIP = "skip"  # a leaf of another fragment
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+  """A fragment's entries [start, stop) of a leaf along `axis` (a leaf of a role tree)."""
+
+  axis: int
+  start: int
+  stop: int
+
+  def shape(self, shape) -> tuple[int, ...]:
+    return tuple(self.stop - self.start if a == self.axis else n for a, n in enumerate(shape))
+
+
+def split(n: int, count: int, f: int) -> tuple[int, int]:
+  """[start, stop) of part f of n entries in `count` parts as even as they go (the first ones
+  one longer where `count` does not divide n)."""
+  size, extra = divmod(n, count)
+  start = f * size + min(f, extra)
+  return start, start + size + (f < extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +75,7 @@ class Fragments:
 
   def layer_range(self, f: int) -> tuple[int, int]:
     """Layers [start, stop) of fragment f."""
-    size, extra = divmod(self.layers, self.count)
-    start = f * size + min(f, extra)
-    return start, start + size + (f < extra)
+    return split(self.layers, self.count, f)
 
   def offset(self, f: int) -> int:
     """Fragment f is synced after steps t with t mod H == offset(f)."""
@@ -68,20 +89,26 @@ class Fragments:
     fragment = jnp.where(r % apart == 0, (r // apart - 1) % self.count, self.count)
     return jnp.where(step > late, fragment, self.count)
 
-  def roles(self, tree, f: int):
-    """A tree like `tree` whose leaves say what fragment f holds of each: a slice of the layer
-    axis, WHOLE or SKIP (None stays None: the frozen leaves of a LoRA run)."""
+  def roles(self, tree, dims, f: int):
+    """A tree like `tree` whose leaves say what fragment f holds of each: a Cut, WHOLE or SKIP
+    (None stays None: the frozen leaves of a LoRA run). `dims`: each leaf's sharded axis
+    (counted from the end, as sharding.shard_dims gives it)."""
     start, stop = self.layer_range(f)
-    layers = WHOLE if (start, stop) == (0, self.layers) else slice(start, stop)
-    owner = lambda key: 0 if key == "embed" else self.count - 1
+    layers = WHOLE if (start, stop) == (0, self.layers) else Cut(0, start, stop)
 
-    def role(path, _):
-      key = path[0].key
-      if key == LAYERS:
+    def role(path, x, d):
+      if path[0].key == LAYERS:
         return layers
-      return WHOLE if owner(key) == f else SKIP
+      if self.count == 1:
+        return WHOLE
+      rank = len(x.shape)
+      free = [a for a in range(rank) if a != d % rank and x.shape[a] >= self.count]
+      if not free:  # nothing to cut along: with the last fragment
+        return WHOLE if f == self.count - 1 else SKIP
+      axis = max(free, key=lambda a: x.shape[a])
+      return Cut(axis, *split(x.shape[axis], self.count, f))
 
-    return jax.tree_util.tree_map_with_path(role, tree)
+    return jax.tree_util.tree_map_with_path(role, tree, dims)
 
   def state_roles(self, tx: optax.GradientTransformation, state, roles):
     """`roles` laid over the optimizer state `state` of `tx` (its leaves that are not
@@ -107,7 +134,9 @@ def fragment_part(tree, roles):
   def part(x, r):
     if x is None or isinstance(r, str):
       return None
-    return x if r == WHOLE or isinstance(x, int) else x[r]
+    if r == WHOLE or isinstance(x, int):
+      return x
+    return lax.slice_in_dim(x, r.start, r.stop, axis=r.axis)
 
   return jax.tree.map(part, tree, roles, is_leaf=_none)
 
@@ -120,6 +149,6 @@ def with_fragment_part(tree, part, roles):
       return x
     if r == WHOLE:
       return p
-    return lax.dynamic_update_slice_in_dim(x, p.astype(x.dtype), r.start, 0)
+    return lax.dynamic_update_slice_in_dim(x, p.astype(x.dtype), r.start, r.axis)
 
   return jax.tree.map(one, tree, part, roles, is_leaf=_none)

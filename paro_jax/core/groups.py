@@ -33,7 +33,7 @@ from paro_jax.core import feedback_rules, step
 from paro_jax.core.batch import Batch
 from paro_jax.core.config import OuterOptions
 from paro_jax.core.engine import Engine
-from paro_jax.core.fragments import Fragments, fragment_part, with_fragment_part
+from paro_jax.core.fragments import WHOLE, Fragments, fragment_part, with_fragment_part
 from paro_jax.core.mesh import mesh_shape
 from paro_jax.core.names import INTER, MESH_AXES, OUTER_STATES
 from paro_jax.core.sharding import local_shape, named, state_specs
@@ -148,13 +148,13 @@ class GroupEngine(Engine):
     # The pseudo-gradient is quantized where it is computed: at OS (state G) or at I.
     s, at = self.strategy, (self.strategy.opt if self.outer_at == Placement.G else Placement.I)
     ways = at.shard_count(self.inter, self.intra)
-    roles = self.fragments.roles(self.trained_shapes, f)
+    roles = self.fragments.roles(self.trained_shapes, self.trained_dims, f)
     local = 0
     for t, d, r in zip(
       *(jax.tree.leaves(x) for x in (self.trained_shapes, self.trained_dims, roles))
     ):
-      if not isinstance(r, str):  # a slice of the layer axis (never sharded), or the whole leaf
-        shape = (len(range(*r.indices(t.shape[0]))), *t.shape[1:])
+      if not isinstance(r, str):  # a Cut along an axis no placement shards, or the whole leaf
+        shape = t.shape if r == WHOLE else r.shape(t.shape)
         local += math.prod(local_shape(shape, d, ways))
     return feedback_rules.outer_residual_size(s, local, self.inter, self.intra, self.outer.state)
 
@@ -334,7 +334,7 @@ class GroupEngine(Engine):
     first = lambda tree: jax.tree.map(lambda x: x[0], tree)
 
     def body(master, pending):
-      roles = self.fragments.roles(first(master), fragment)
+      roles = self.fragments.roles(first(master), self.trained_dims, fragment)
       kept = with_fragment_part(first(pending), fragment_part(first(master), roles), roles)
       return jax.tree.map(lambda x: x[None], kept)
 

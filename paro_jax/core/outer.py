@@ -158,7 +158,7 @@ def sync_fragment(
   outer state and the residual (its `span` of the flat residual: each fragment quantizes its own
   pseudo-gradient). Returns (the fragment's restart weights at OS, the fragment's roles for
   `fragments.with_fragment_part`, the new outer state, whole)."""
-  roles = fragments.roles(outer.params, f)
+  roles = fragments.roles(outer.params, dims, f)
   state_roles = fragments.state_roles(tx, outer.opt_state, roles)
   residual = outer.residual
   whole = residual is None or span == (0, residual.shape[0])

@@ -50,8 +50,10 @@ class RunMeta:
   # holds its base (--keep-base, a random base, a checkpoint written before), or no LoRA
   base: dict | None = None
   # an --outer-sync run's outer loop: {"sync": H, "fragments": F, "delay": TAU, "mix": ALPHA,
-  # "state": "G" or "I"}; None without one, and before it was recorded (read as F = 1, TAU = 0,
-  # the state at G, H unknown)
+  # "state": "G" or "I", "cut": "vocab"}; None without one, and before it was recorded (read as
+  # F = 1, TAU = 0, the state at G, H unknown). "cut": the leaves outside the layer stack are cut
+  # by vocabulary over the fragments (core/fragments.py); absent: written when the first fragment
+  # held the whole embedding and the last the whole head
   outer: dict | None = None
 
   def to_json(self) -> dict:
@@ -203,12 +205,32 @@ def check_outer_schedule(meta: RunMeta, outer, where: str, residual: bool = Fals
       f"would change mid-run; resume with {flags(was)} (or export it and start a new run with "
       f"--init-from)"
     )
+  if was["fragments"] > 1 and "cut" not in was:
+    check_fragment_cut(meta, where, residual)
   if "mix" in was and was["mix"] != outer.mix:
     warnings.warn(
       f"resuming with --outer-mix {outer.mix:g}, but step {meta.step}'s checkpoint was trained "
       f"with {was['mix']:g}: the restarts merge otherwise from step {meta.step} on",
       stacklevel=4,
     )
+
+
+def check_fragment_cut(meta: RunMeta, where: str, residual: bool) -> None:
+  """check_outer_schedule's word on a checkpoint written when the first fragment held the whole
+  embedding and the last the whole head: each fragment's residual span is laid out by them."""
+  if residual:
+    raise OuterMismatch(
+      f"{where} was written when the first fragment held the whole embedding and the last the "
+      f"whole head (each fragment now holds its share of their vocabulary), and its "
+      f"pseudo-gradient's error-feedback residual is laid out by the fragments it had: export it "
+      f"and start a new run with --init-from"
+    )
+  warnings.warn(
+    f"step {meta.step}'s checkpoint was trained with the whole embedding in the first fragment "
+    f"and the whole head in the last: from here on each fragment syncs its share of their "
+    f"vocabulary",
+    stacklevel=5,
+  )
 
 
 def check_outer_state(meta: RunMeta, state: str, where: str, residual: bool) -> None:

@@ -186,6 +186,7 @@ def run_meta(
     else {
       **{k: getattr(cfg.outer, k) for k in ("sync", "fragments", "delay", "mix")},
       "state": engine.outer.state,  # --outer-state auto as resolved
+      "cut": "vocab",  # core/fragments.py: the embedding and the head cut over the fragments
     },
   )
 

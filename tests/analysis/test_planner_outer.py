@@ -219,9 +219,9 @@ def test_int4_is_the_rounds_format_only(capsys):
 @pytest.mark.parametrize("grads", ["same", "int8"])
 def test_fragments_split_the_round_over_f_sync_steps(grads):
   """--outer-fragments F: the round's bytes are the same, a sync step moves 1/F of them; each
-  fragment's step runs the three collectives on its slice of the 9 leaves of the layer stack,
-  the embedding with the first fragment, the final norm and the head with the last (3 x 11
-  collectives at the busiest step, 3 x (9 F + 3) in a round)."""
+  fragment's step runs the three collectives on its slice of the 9 leaves of the layer stack and
+  of the embedding and the head, the last fragment's on the final norm too (3 x 12 collectives
+  at the busiest step, 3 x (11 F + 1) in a round)."""
   f = 5
   plain, psi = outer_plan(grads=grads)
   p, _ = outer_plan(grads=grads, fragments=f)
@@ -232,8 +232,8 @@ def test_fragments_split_the_round_over_f_sync_steps(grads):
     assert e.traffic["inter_bytes"] == pytest.approx(per_round / H, rel=1e-9)
     busiest = e.traffic["outer_round"]["busiest_step"]
     assert busiest["inter_bytes"] == pytest.approx(per_round / f, rel=1e-9)
-    assert busiest["seconds"] == pytest.approx(3 * 11 * LATENCY + per_round / f / link, rel=1e-9)
-    sync = (3 * (9 * f + 3) * LATENCY + per_round / link) / H
+    assert busiest["seconds"] == pytest.approx(3 * 12 * LATENCY + per_round / f / link, rel=1e-9)
+    sync = (3 * (11 * f + 1) * LATENCY + per_round / link) / H
     assert e.times["outer_sync"] == pytest.approx(sync, rel=1e-9)
     assert e.memory == plain.get(name).memory  # fragments partition the same outer state
     one = plain.get(name).traffic["outer_round"]["busiest_step"]

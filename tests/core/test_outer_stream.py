@@ -3,10 +3,10 @@ loop, and its compiled step exchanges one fragment's bytes at that fragment's sy
 
 The reference is written apart from the engine: two groups, each the plain single-device
 optax step (run/reference.py reference_step) on its own half of every batch's rows; fragment f
-(layers split into F contiguous ranges, the embedding with the first, the head and final norm
-with the last) is averaged into its outer weights through Nesterov momentum every H steps at its
-own offset, (f+1) H/F, selected by masks (the engine slices); every group restarts that fragment
-only.
+(layers split into F contiguous ranges, the embedding's rows and the head's columns split by
+vocabulary index the same way, the final norm with the last) is averaged into its outer
+weights through Nesterov momentum every H steps at its own offset, (f+1) H/F, selected by masks
+(the engine slices); every group restarts that fragment only.
 """
 
 import re
@@ -24,7 +24,9 @@ from paro_jax.analysis.hlo.collectives import (
   phase_of,
 )
 from paro_jax.core.config import OuterOptions
-from paro_jax.core.fragments import Fragments
+from models.config import get_config
+from paro_jax.core.fragments import SKIP, WHOLE, Fragments
+from paro_jax.core.sharding import shard_dims
 from paro_jax.core.groups import GroupEngine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy
@@ -45,24 +47,22 @@ def make_batches(steps):
 
 def fragment_masks(params, fragments):
   """Per fragment, a tree of 0/1 arrays broadcastable to each leaf: which of its entries the
-  fragment holds (layer leaves by their leading layer index)."""
+  fragment holds. Layer leaves by their leading layer index; the embedding's and the head's
+  entries by their vocabulary index (its rows, its columns), cut like the layers; the final
+  norm whole with the last fragment."""
   layer_sets = np.array_split(np.arange(CFG.layers), fragments)
+  vocab_sets = np.array_split(np.arange(CFG.vocab), fragments)
   masks = []
   for f, layers in enumerate(layer_sets):
-    mine = {"embed": f == 0, "head": f == fragments - 1}
-    masks.append(
-      {
-        key: jax.tree.map(
-          lambda x: (
-            np.isin(np.arange(x.shape[0]), layers).reshape((-1,) + (1,) * (x.ndim - 1))
-            if key == "layers"
-            else np.array(mine[key])
-          ),
-          sub,
-        )
-        for key, sub in params.items()
-      }
-    )
+    words = np.isin(np.arange(CFG.vocab), vocab_sets[f])
+    outside = {"embedding": words[:, None], "kernel": words[None, :], "scale": f == fragments - 1}
+
+    def mask(path, x):
+      if path[0].key == "layers":
+        return np.isin(np.arange(x.shape[0]), layers).reshape((-1,) + (1,) * (x.ndim - 1))
+      return np.asarray(outside[path[-1].key])
+
+    masks.append(jax.tree_util.tree_map_with_path(mask, params))  # None (frozen) stays None
   return masks
 
 
@@ -159,18 +159,26 @@ def test_fragments_equal_single_device_streaming_diloco(streamed):
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   for t, (got, want) in enumerate(zip(outers, ref_outers)):
     assert_trees_close(got, want, atol=2e-5)
-  # The fragments moved at their own steps: after step 2 the embedding (fragment 0) has, the
-  # head (fragment 1) has not.
-  first = ref_outers[1]
-  params0 = ref_outers[0]
-  assert not np.allclose(first["embed"]["embedding"], outers[0]["embed"]["embedding"])
-  np.testing.assert_array_equal(first["head"]["kernel"], params0["head"]["kernel"])
+  # The fragments moved at their own steps: after step 2 fragment 0's half of the vocabulary
+  # (the embedding's first rows, the head's first columns) has, fragment 1's half has not.
+  first, params0, half = ref_outers[1], ref_outers[0], CFG.vocab // F
+  assert not np.allclose(first["embed"]["embedding"][:half], params0["embed"]["embedding"][:half])
+  np.testing.assert_array_equal(
+    first["embed"]["embedding"][half:], params0["embed"]["embedding"][half:]
+  )
+  assert not np.allclose(first["head"]["kernel"][:, :half], params0["head"]["kernel"][:, :half])
+  np.testing.assert_array_equal(
+    first["head"]["kernel"][:, half:], params0["head"]["kernel"][:, half:]
+  )
   # At the last step (fragment 1's sync) the groups hold the outer weights of fragment 1 only.
   master = jax.device_get(state.master)
   head = [np.asarray(master["head"]["kernel"][k]) for k in range(GROUPS)]
-  np.testing.assert_allclose(head[0], np.asarray(outers[-1]["head"]["kernel"]), atol=2e-5)
+  np.testing.assert_allclose(
+    head[0][:, half:], np.asarray(outers[-1]["head"]["kernel"])[:, half:], atol=2e-5
+  )
+  assert not np.allclose(head[0][:, :half], head[1][:, :half])  # fragment 0's: apart since step 6
   embed = [np.asarray(master["embed"]["embedding"][k]) for k in range(GROUPS)]
-  assert not np.allclose(embed[0], embed[1])  # fragment 0 trained on apart since step 6
+  assert not np.allclose(embed[0][:half], embed[1][:half])
 
 
 def fragment_param_counts(params, fragments):
@@ -285,6 +293,35 @@ def test_schedule_and_split():
   five = Fragments(2, 2, 5)
   assert [five.layer_range(f) for f in range(2)] == [(0, 3), (3, 5)]
   assert [five.offset(f) for f in range(2)] == [1, 0]
+
+
+@pytest.mark.parametrize("name, count", [("llama3.1-8b", 4), ("llama3.2-1b", 4), ("tiny", 3)])
+def test_no_fragment_holds_more_than_its_share(name, count):
+  """Real shapes: whatever F, no fragment holds more than 1/F of the parameters, but for the
+  final norm (its one axis is the sharded one: it goes whole with the last fragment) and the
+  rounding of F parts; a 128k vocabulary whole in the first fragment would hold 0.28 of 8B."""
+  model = Llama(get_config(name))
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  frags = Fragments(count, count, model.cfg.layers)
+  dims = shard_dims(model.logical_axes())
+  sizes = []
+  for f in range(count):
+    roles = frags.roles(shapes, dims, f)
+    size = 0
+    for x, r in zip(jax.tree.leaves(shapes), jax.tree.leaves(roles)):
+      size += 0 if r == SKIP else int(np.prod(x.shape if r == WHOLE else r.shape(x.shape)))
+    sizes.append(size)
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+  assert sum(sizes) == total  # a partition
+  c = model.cfg
+  tables = 1 if c.tie_embeddings else 2  # the embedding, and the head where it is its own
+  layer = (total - tables * c.vocab * c.dim - c.dim) // c.layers
+  layers, words = (np.array_split(np.arange(n), count) for n in (c.layers, c.vocab))
+  want = [len(layers[f]) * layer + tables * len(words[f]) * c.dim for f in range(count)]
+  want[-1] += c.dim  # the final norm
+  assert sizes == want
+  over = c.dim + layer * (c.layers % count > 0) + tables * c.dim * (c.vocab % count > 0)
+  assert max(sizes) <= total / count + over
 
 
 def test_bad_fragments_refused():

@@ -61,10 +61,12 @@ STREAM = {
 
 
 def test_streaming_resume_equals_uninterrupted(tmp_path):
-  """Each fragment's outer state, residual span and kept weights resumed exactly."""
+  """Each fragment's outer state, residual span and kept weights resumed exactly; a checkpoint
+  of the fragments before they cut the vocabulary is refused (with a residual) or said."""
   import warnings
 
   from paro_jax.run.checkpoint import Checkpointer
+  from paro_jax.run.checkpoint_content import OuterMismatch, check_outer_schedule
 
   straight, out = tmp_path / "straight", tmp_path / "run"
   train(make_config(RunConfig, {**STREAM, "out": str(straight)}))
@@ -83,6 +85,22 @@ def test_streaming_resume_equals_uninterrupted(tmp_path):
   own, _ = ckpt.restore(engine_of((2, 4), **{k: STREAM[k] for k in plain}))
   for a, b in zip(jax.tree.leaves(state.master), jax.tree.leaves(own.outer.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ckpt.close()
+  # Written when the first fragment held the whole embedding and the last the whole head: its
+  # residual spans are laid out by those fragments, so refused; without a residual, said.
+  old = tmp_path / "old"
+  shutil.copytree(straight / "checkpoints" / "2", old / "2")
+  meta = old / "2" / "meta" / "metadata"
+  written = json.loads(meta.read_text())
+  del written["outer"]["cut"]
+  meta.write_text(json.dumps(written))
+  ckpt = Checkpointer(str(old), read_only=True)
+  with pytest.raises(OuterMismatch, match="written when the first fragment held the whole emb"):
+    ckpt.restore(engine_of((2, 4), **{k: STREAM[k] for k in plain}))
+  with pytest.warns(UserWarning, match="from here on each fragment syncs its share of their"):
+    check_outer_schedule(
+      ckpt.newest_meta(), engine_of((2, 4), **{k: STREAM[k] for k in plain}).outer, "it"
+    )
   ckpt.close()
 
 
@@ -151,6 +169,7 @@ def test_the_checkpoint_records_the_schedule_and_old_ones_read_as_one_fragment(s
     "delay": 0,
     "mix": 0.0,
     "state": "G",
+    "cut": "vocab",
   }
   with pytest.raises(OuterMismatch, match="--outer-sync 2, this run has --outer-sync 4: "):
     ckpt.restore(engine_of((2, 4), **{"outer.sync": 4}))

@@ -277,8 +277,10 @@ def outer_round(strategy: GroupStrategy, w: Workload, cluster: Cluster):
   outer.py). A compressed collective over both axes runs as two levels (costs._add_collective),
   each priced at its own level, as phase_collectives does for the step. With F =
   `w.outer_fragments` (core/fragments.py) each fragment's sync step moves 1/F of the bytes (the
-  planner splits them evenly) on a slice of the 9 leaves of the layer stack, the embedding with
-  the first fragment, the final norm and the head with the last: the round is F such steps."""
+  planner splits them evenly: a fragment holds 1/F of the layers and of the embedding's and the
+  head's vocabulary, the last also the final norm) on a slice of the 9 leaves of the layer stack
+  and of the embedding and the head, the last fragment's also on the norm: the round is F such
+  steps."""
   state = w.outer_state
   traffic = outer_round_traffic(
     strategy, w.psi_trained, cluster.nodes, cluster.devices_per_node, w.wire, state=state
@@ -288,7 +290,7 @@ def outer_round(strategy: GroupStrategy, w: Workload, cluster: Cluster):
   frags = w.outer_fragments
   seconds, collectives, busiest = 0.0, 0, 0.0
   for f in range(frags):
-    count = LEAVES_PER_LAYER + (f == 0) + (OTHER_LEAVES - 1) * (f == frags - 1)
+    count = LEAVES_PER_LAYER + OTHER_LEAVES - (f < frags - 1)  # the norm: the last fragment's
     step = 0.0
     for key, nbytes in traffic.phases.items():
       phase, level = key.split("/")
