@@ -48,29 +48,46 @@ STREAMING = "Streaming DiLoCo"
 
 
 def configurations(steps: int, seeds: int) -> list[dict]:
-  """(label, kind, H, wire, seed, train flags; Streaming's fragments F) of every run."""
-  out = []
-  for seed in range(seeds):
-    out.append(
-      dict(
-        label=f"IIG seed{seed}" if seed else "IIG",
-        kind="sync",
-        h=None,
-        wire="fp32",
-        seed=seed,
-        flags=["--strategy", "IIG"],
-      )
+  """Every run: each configuration at seeds 0..seeds-1, seed 0 under the configuration's label,
+  seed k > 0 under `<label> seedk`, the seeds of one configuration side by side."""
+  return [
+    {**c, "label": f"{c['label']} seed{seed}" if seed else c["label"], "seed": seed}
+    for c in _configurations(steps)
+    for seed in range(seeds)
+  ]
+
+
+def configuration(run: dict) -> str:
+  """The configuration's label of a run (its seed's suffix dropped)."""
+  return run["label"].removesuffix(f" seed{run['seed']}") if run["seed"] else run["label"]
+
+
+def selected(configs: list[dict], only: str | None) -> list[dict]:
+  """The runs `--only` names, each by its own label or by its configuration's (every seed)."""
+  if not only:
+    return configs
+  names = set(only.split(","))
+  unknown = names - {c["label"] for c in configs} - {configuration(c) for c in configs}
+  if unknown:
+    raise SystemExit(
+      f"--only names no configuration: {', '.join(sorted(unknown))}; the labels are "
+      f"{', '.join(dict.fromkeys(configuration(c) for c in configs))}"
     )
-  out.append(
+  return [c for c in configs if c["label"] in names or configuration(c) in names]
+
+
+def _configurations(steps: int) -> list[dict]:
+  """(label, kind, H, wire, train flags; Streaming's fragments F) of every configuration."""
+  out = [
+    dict(label="IIG", kind="sync", h=None, wire="fp32", flags=["--strategy", "IIG"]),
     dict(
       label="IIG int8",
       kind="sync",
       h=None,
       wire="int8",
-      seed=0,
       flags=["--strategy", "IIG", "--inter-params", "int8", "--inter-grads", "int8"],
-    )
-  )
+    ),
+  ]
   for h in (10, 50):
     for wire in ("bf16", "int8"):
       out.append(
@@ -79,7 +96,6 @@ def configurations(steps: int, seeds: int) -> list[dict]:
           kind="diloco",
           h=h,
           wire=wire,
-          seed=0,
           flags=["--strategy", "III", "--outer-sync", str(h), "--inter-grads", wire],
         )
       )
@@ -97,19 +113,11 @@ def configurations(steps: int, seeds: int) -> list[dict]:
     ("DiLoCo H=50 int8 I m=0", 50, "int8", at_i + ["--outer-momentum", "0"]),
   ):
     flags = ["--strategy", "III", "--outer-sync", str(h), "--inter-grads", wire, *extra]
-    config = dict(label=label, kind="diloco", h=h, wire=wire, seed=0, flags=flags)
+    config = dict(label=label, kind="diloco", h=h, wire=wire, flags=flags)
     out.append({**config, **({"fragments": 4} if streaming[0] in extra else {})})
   # no round ends in the run: the group step alone (its wire format never used)
-  out.append(
-    dict(
-      label=BOUND,
-      kind=BOUND,
-      h=None,
-      wire="-",
-      seed=0,
-      flags=["--strategy", "III", "--outer-sync", str(10 * steps)],
-    )
-  )
+  bound_flags = ["--strategy", "III", "--outer-sync", str(10 * steps)]
+  out.append(dict(label=BOUND, kind=BOUND, h=None, wire="-", flags=bound_flags))
   return out
 
 
@@ -123,16 +131,19 @@ def train_argv(args, config: dict, directory: str) -> list[str]:
   ]  # fmt: skip
 
 
-def run(args, config: dict, directory: str) -> dict:
-  """Launch one configuration on the emulated cluster; its row (kept in directory/row.json)."""
+def run(args, config: dict, directory: str, earlier: dict | None) -> dict:
+  """Launch one run on the emulated cluster; its row (kept in directory/row.json). With --resume,
+  the row of directory/row.json, else `earlier` (OUT's JSON), where its command is this run's."""
   from paro_jax.cluster.launch import launch
 
   row_path = os.path.join(directory, "row.json")
-  if args.resume and os.path.exists(row_path):
-    with open(row_path) as f:
-      row = json.load(f)
-    if row.get("command") == train_argv(args, config, directory) and not row.get("error"):
-      return {**row, **config}  # what the script derives (the planner's bytes) as it is now
+  if args.resume:
+    if os.path.exists(row_path):
+      with open(row_path) as f:
+        earlier = json.load(f)
+    if earlier and earlier.get("command") == train_argv(args, config, directory):
+      if not earlier.get("error"):
+        return {**earlier, **config}  # what the script derives (the planner's bytes) as it is now
   shutil.rmtree(directory, ignore_errors=True)
   os.makedirs(directory)
   argv = train_argv(args, config, directory)
@@ -397,31 +408,23 @@ def page(args, record: dict) -> str:
   )
 
 
-def kept_rows(args, configs: list[dict]) -> dict:
-  """With --only, the other rows of OUT's earlier record (measured with the same settings), each
-  with the planner's bytes as this script prices them now, by label; {} without --only."""
+def earlier_rows(args) -> dict:
+  """OUT's earlier rows by label (with --only or --resume; {} where there is none), each dated;
+  an error where they were measured with other settings (the seeds are no setting of a run)."""
   path = os.path.join(args.out, "outer_vs_paro.json")
-  if not args.only or not os.path.exists(path):
+  if not (args.only or args.resume) or not os.path.exists(path):
     return {}
   with open(path) as f:
     old = json.load(f)
-  settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "only")}
+  ignored = ("out", "resume", "only", "seeds")
+  settings = {k: v for k, v in vars(args).items() if k not in ignored}
   changed = [k for k, v in settings.items() if old["settings"].get(k) != v]
   if changed:
     raise SystemExit(
       f"{path} was measured with other {', '.join(changed)}: its rows cannot share a page with "
       f"these; pass another --out, or the same settings"
     )
-  by = {c["label"]: c for c in configs}
-  only = set(args.only.split(","))
-  kept = {}
-  for r in old["runs"]:
-    if r["label"] in only:
-      continue
-    config = by.get(r["label"], {})
-    planned = {"planned_bytes_per_step": planned_bytes(args, config)} if config else {}
-    kept[r["label"]] = {"date": old["date"], **r, **config, **planned}
-  return kept
+  return {r["label"]: {"date": old["date"], **r} for r in old["runs"]}
 
 
 def main(argv=None) -> None:
@@ -432,7 +435,7 @@ def main(argv=None) -> None:
   ap.add_argument("--seq-len", type=int, default=64)
   ap.add_argument("--dtype", default="fp32")
   ap.add_argument("--eval-batches", type=int, default=8)
-  ap.add_argument("--seeds", type=int, default=1, help="seeds of the synchronous IIG run")
+  ap.add_argument("--seeds", type=int, default=1, help="seeds of every configuration run")
   ap.add_argument("--rate", default="100mbit", help="tc rate of each node's link")
   ap.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
   ap.add_argument("--only", default=None, help="comma-separated labels to run")
@@ -442,20 +445,27 @@ def main(argv=None) -> None:
   if not args.loopback and os.geteuid() != 0:
     print("not root: the link cannot be shaped; running on loopback", flush=True)
     args.loopback = True
-  configs = configurations(args.steps, args.seeds)
-  kept = kept_rows(args, configs)
-  if args.only:
-    keep = set(args.only.split(","))
-    configs = [c for c in configs if c["label"] in keep]
+  earlier = earlier_rows(args)
+  configs = selected(configurations(args.steps, args.seeds), args.only)
+  # the page keeps, with --only, the earlier rows this command does not run (at any seed)
+  seeds = max([args.seeds] + [r["seed"] + 1 for r in earlier.values()])
+  known = {c["label"]: c for c in configurations(args.steps, seeds)}
+  ran = {c["label"] for c in configs}
+  kept = {
+    label: {**r, **known[label], "planned_bytes_per_step": planned_bytes(args, known[label])}
+    if label in known else r
+    for label, r in earlier.items()
+    if args.only and label not in ran
+  }  # fmt: skip
   rows = {}
   for config in configs:
     config = {**config, "planned_bytes_per_step": planned_bytes(args, config)}
     directory = os.path.join(args.out, "runs", config["label"].replace(" ", "_").replace("=", ""))
-    row = run(args, config, directory)
+    row = run(args, config, directory, earlier.get(config["label"]))
     rows[row["label"]] = row
     print(json.dumps({k: row.get(k) for k in ("label", "tokens_per_s", "inter_bytes_per_step",
                                                "eval_loss", "error")}), flush=True)  # fmt: skip
-  order = [c["label"] for c in configurations(args.steps, args.seeds)]
+  order = list(known)
   rows = {**kept, **rows}
   rows = [rows[k] for k in sorted(rows, key=lambda k: order.index(k) if k in order else len(order))]
   record = {
