@@ -334,7 +334,9 @@ def main(argv=None) -> None:
   ap.add_argument("--seeds", type=int, default=1, help="seeds of every configuration run")
   ap.add_argument("--rate", default="100mbit", help="tc rate of each node's link")
   ap.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
-  ap.add_argument("--only", default=None, help="comma-separated labels to run")
+  ap.add_argument(
+    "--only", default=None, help="comma-separated configurations (each at every seed) or runs"
+  )
   ap.add_argument("--resume", action="store_true", help="reuse runs whose command is unchanged")
   ap.add_argument("--out", default="experiments/results/outer_vs_paro")
   args = ap.parse_args(argv)
