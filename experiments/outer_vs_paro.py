@@ -20,8 +20,12 @@ From each run: its steps' times (metrics.jsonl), the bytes each node sent over t
 consecutive metrics lines (tc's counter, experiments/bench/runs.py WireMonitor), and the eval loss
 after the last step. Timing and bytes are taken over steps 2..K-1 (step 1 compiles; step K also
 evaluates); tokens/s is the tokens of those steps over their summed time (a mean, not a median:
-a round's end is one step in H). Writes OUT/outer_vs_paro.json and OUT/README.md; `--only` runs
-the labels it names and keeps the other rows of OUT's earlier JSON.
+a round's end is one step in H). `--seeds N` runs every configuration at seeds 0..N-1 (seed k > 0
+labelled `<label> seedk`); the page (experiments/outer_vs_paro_page.py) reads each configuration's
+means over its seeds. Writes OUT/outer_vs_paro.json and OUT/README.md; `--only` runs the
+configurations (each at every seed) or the single runs it names and keeps the other rows of OUT's
+earlier JSON; `--resume` reuses a run whose command is unchanged (its runs/ folder's row, else
+its row in OUT's JSON).
 
     python -m experiments.outer_vs_paro --out experiments/results/outer_vs_paro
 """
@@ -40,37 +44,56 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.bench.runs import WireMonitor  # noqa: E402
+from experiments.outer_vs_paro_page import (  # noqa: E402
+  BOUND,
+  READING,
+  configuration,
+  goals,
+  seeds_left_out,
+  table,
+)
 from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 
 NODES, DEVICES_PER_NODE = 2, 4
-BOUND = "bound"
 STREAMING = "Streaming DiLoCo"
 
 
 def configurations(steps: int, seeds: int) -> list[dict]:
-  """(label, kind, H, wire, seed, train flags; Streaming's fragments F) of every run."""
-  out = []
-  for seed in range(seeds):
-    out.append(
-      dict(
-        label=f"IIG seed{seed}" if seed else "IIG",
-        kind="sync",
-        h=None,
-        wire="fp32",
-        seed=seed,
-        flags=["--strategy", "IIG"],
-      )
+  """Every run: each configuration at seeds 0..seeds-1, seed 0 under the configuration's label,
+  seed k > 0 under `<label> seedk`, the seeds of one configuration side by side."""
+  return [
+    {**c, "label": f"{c['label']} seed{seed}" if seed else c["label"], "seed": seed}
+    for c in _configurations(steps)
+    for seed in range(seeds)
+  ]
+
+
+def selected(configs: list[dict], only: str | None) -> list[dict]:
+  """The runs `--only` names, each by its own label or by its configuration's (every seed)."""
+  if not only:
+    return configs
+  names = set(only.split(","))
+  unknown = names - {c["label"] for c in configs} - {configuration(c) for c in configs}
+  if unknown:
+    raise SystemExit(
+      f"--only names no configuration: {', '.join(sorted(unknown))}; the labels are "
+      f"{', '.join(dict.fromkeys(configuration(c) for c in configs))}"
     )
-  out.append(
+  return [c for c in configs if c["label"] in names or configuration(c) in names]
+
+
+def _configurations(steps: int) -> list[dict]:
+  """(label, kind, H, wire, train flags; Streaming's fragments F) of every configuration."""
+  out = [
+    dict(label="IIG", kind="sync", h=None, wire="fp32", flags=["--strategy", "IIG"]),
     dict(
       label="IIG int8",
       kind="sync",
       h=None,
       wire="int8",
-      seed=0,
       flags=["--strategy", "IIG", "--inter-params", "int8", "--inter-grads", "int8"],
-    )
-  )
+    ),
+  ]
   for h in (10, 50):
     for wire in ("bf16", "int8"):
       out.append(
@@ -79,7 +102,6 @@ def configurations(steps: int, seeds: int) -> list[dict]:
           kind="diloco",
           h=h,
           wire=wire,
-          seed=0,
           flags=["--strategy", "III", "--outer-sync", str(h), "--inter-grads", wire],
         )
       )
@@ -97,19 +119,11 @@ def configurations(steps: int, seeds: int) -> list[dict]:
     ("DiLoCo H=50 int8 I m=0", 50, "int8", at_i + ["--outer-momentum", "0"]),
   ):
     flags = ["--strategy", "III", "--outer-sync", str(h), "--inter-grads", wire, *extra]
-    config = dict(label=label, kind="diloco", h=h, wire=wire, seed=0, flags=flags)
+    config = dict(label=label, kind="diloco", h=h, wire=wire, flags=flags)
     out.append({**config, **({"fragments": 4} if streaming[0] in extra else {})})
   # no round ends in the run: the group step alone (its wire format never used)
-  out.append(
-    dict(
-      label=BOUND,
-      kind=BOUND,
-      h=None,
-      wire="-",
-      seed=0,
-      flags=["--strategy", "III", "--outer-sync", str(10 * steps)],
-    )
-  )
+  bound_flags = ["--strategy", "III", "--outer-sync", str(10 * steps)]
+  out.append(dict(label=BOUND, kind=BOUND, h=None, wire="-", flags=bound_flags))
   return out
 
 
@@ -123,16 +137,19 @@ def train_argv(args, config: dict, directory: str) -> list[str]:
   ]  # fmt: skip
 
 
-def run(args, config: dict, directory: str) -> dict:
-  """Launch one configuration on the emulated cluster; its row (kept in directory/row.json)."""
+def run(args, config: dict, directory: str, earlier: dict | None) -> dict:
+  """Launch one run on the emulated cluster; its row (kept in directory/row.json). With --resume,
+  the row of directory/row.json, else `earlier` (OUT's JSON), where its command is this run's."""
   from paro_jax.cluster.launch import launch
 
   row_path = os.path.join(directory, "row.json")
-  if args.resume and os.path.exists(row_path):
-    with open(row_path) as f:
-      row = json.load(f)
-    if row.get("command") == train_argv(args, config, directory) and not row.get("error"):
-      return {**row, **config}  # what the script derives (the planner's bytes) as it is now
+  if args.resume:
+    if os.path.exists(row_path):
+      with open(row_path) as f:
+        earlier = json.load(f)
+    if earlier and earlier.get("command") == train_argv(args, config, directory):
+      if not earlier.get("error"):
+        return {**earlier, **config}  # what the script derives (the planner's bytes) as it is now
   shutil.rmtree(directory, ignore_errors=True)
   os.makedirs(directory)
   argv = train_argv(args, config, directory)
@@ -218,143 +235,18 @@ def planned_bytes(args, config: dict) -> float:
   return e.traffic["inter_bytes"] * devices
 
 
-def table(rows: list[dict]) -> list[str]:
-  """The page's table: one line per run (the test reads it back against the JSON)."""
-  sync = next(r for r in rows if r["label"] == "IIG")
-  bound = next(r for r in rows if r["label"] == BOUND)
-  lines = [
-    "| run | H | wire | tokens/s | vs bound | inter-node MB/step | planned MB/step "
-    "| eval loss | vs IIG |",
-    "|---|---:|---|---:|---:|---:|---:|---:|---:|",
-  ]
-  for r in rows:
-    if r.get("error"):
-      lines.append(f"| {r['label']} | | | failed: {r['error']} | | | | | |")
-      continue
-    loss = r["eval_loss"] if r["kind"] != BOUND else None
-    lines.append(
-      f"| {r['label']} | {r['h'] or '-'} | {r['wire']} | {r['tokens_per_s']:.0f} | "
-      f"{r['tokens_per_s'] / bound['tokens_per_s']:.3f} | {r['inter_bytes_per_step'] / 1e6:.3f} | "
-      f"{r['planned_bytes_per_step'] / 1e6:.3f} | "
-      + ("-" if loss is None else f"{loss:.4f}")
-      + " | "
-      + ("-" if loss is None else f"{loss / sync['eval_loss'] - 1:+.2%}")
-      + " |"
-    )
-  return lines
-
-
-def cut(args, rows: list[dict]) -> str:
-  """What the measurement leaves out of the full comparison: the configurations not on the page
-  by name, and what the script never runs."""
-  labels = {r["label"] for r in rows}
-  absent = [c["label"] for c in configurations(args.steps, args.seeds) if c["label"] not in labels]
-  left = f"{', '.join(absent)} not run on this page; " if absent else ""
+def left_out(args, rows: list[dict]) -> str:
+  """What the measurement leaves out of the full comparison: the configurations and seeds not on
+  the page, and what the script never runs."""
+  labels = [c["label"] for c in configurations(args.steps, 1)]
   return (
     "What the measurement leaves out of the full comparison, for the time two shared cores "
-    "allow (a run takes 3-4 minutes here): `tiny` (1.05M parameters) instead of `small` (25M: "
-    f"about 25x the compute per step); {left}{args.seeds} seed(s) for IIG and one for every "
-    "other run; the 4-bit pseudo-gradient with the outer state at I, Streaming DiLoCo with "
-    "another F or TAU or with `--outer-mix` (0 here: a synced fragment restarts from the outer "
-    "weights), the 4 x 2 mesh and torch's configurations are not run; 101 steps, so H = 50 is "
-    "two rounds and H = 100 one."
+    "allow (a run takes 2-4 minutes here): `tiny` (1.05M parameters) instead of `small` (25M: "
+    f"about 25x the compute per step); {seeds_left_out(rows, labels)}; the 4-bit pseudo-gradient "
+    "with the outer state at I, Streaming DiLoCo with another F or TAU or with `--outer-mix` (0 "
+    "here: a synced fragment restarts from the outer weights), the 4 x 2 mesh and torch's "
+    "configurations are not run; 101 steps, so H = 50 is two rounds and H = 100 one."
   )
-
-
-READING = (
-  "Reading the table. The bytes: a DiLoCo step sends only the groups' metrics floats and the "
-  "launcher's heartbeats (the bound's ~8 kB) except at a round's end, which sends the whole round"
-  " (the JSON's `bytes_per_step` has every step's); measured is above planned by the reduce-"
-  "scatters, which XLA:CPU through gloo runs as an all-reduce and a slice (docs/multinode.md: "
-  "twice the reduce-scatter's bytes; the planner prices the collective a GPU runs), and by "
-  "TCP/IP's headers (~7%). The eval loss: DiLoCo's is of the outer weights after the last round "
-  "(step 100), each group having trained on half of every batch; the bound's is of the initial "
-  "weights (no round ended) and is no result. The speed: the two IIG seeds do the same work, so "
-  "their tokens/s apart is how much the machine's other load moves a run; differences within it "
-  "are not resolved (between rounds DiLoCo's step is the bound's, so a DiLoCo run above the bound"
-  " is such a difference); rows of other dates (the JSON's `date`) ran under other loads, so "
-  "tokens/s compares best between rows of one date. The labels: `I` is `--outer-state I` (the "
-  "round all-reduces the pseudo-gradient over `inter`, 2w bytes a parameter; without it the outer"
-  " state is at G and a round sends 8 + w); Streaming DiLoCo syncs F = 4 fragments of the layer "
-  "stack H/F = 5 steps apart, each exchange during the step after its sync step (TAU = 1); its "
-  "goal reads the bytes of each exchange (its step and those either side, less the bound's level)"
-  " against a round's (each fragment's mean exchange, summed). The planner splits a round evenly "
-  "over the fragments; `tiny`'s first and last fragments also hold the embedding and the head, so"
-  " its largest fragment is more than 1/F of the parameters. `m=0`: the outer step without "
-  "momentum (`--outer-momentum 0`, outer lr 0.7), the others with the paper's Nesterov 0.9."
-)
-
-
-def streaming_busiest(r: dict, quiet: float) -> tuple[float, float]:
-  """(the busiest fragment exchange's bytes over a round's, the largest fragment's share of the
-  parameters) of a Streaming run, from its per-step bytes less the quiet steps' `quiet` (the
-  bound's). The fragment synced after step t is exchanged during step t + TAU (core/fragments.py);
-  tc's counter is read when a metrics line appears, late under load, so an exchange is counted
-  over its step and the steps either side. A round's bytes: each fragment's mean exchange, summed
-  over the F fragments."""
-  from models.config import get_config
-  from paro_jax.core.fragments import Fragments
-
-  arg = lambda flag: r["command"][r["command"].index(flag) + 1]  # noqa: E731
-  h, count, tau = r["h"], r["fragments"], int(arg("--outer-delay"))
-  per_step = {int(s): b for s, b in r["bytes_per_step"].items()}
-  apart, moved = h // count, {}
-  for e in per_step:
-    t = e - tau  # the sync step of the exchange run during step e
-    if t > 0 and t % apart == 0:
-      f = (t % h // apart - 1) % count
-      sent = sum(per_step.get(s, quiet) - quiet for s in (e - 1, e, e + 1))
-      moved.setdefault(f, []).append(sent)
-  round_bytes = sum(sum(v) / len(v) for v in moved.values())
-  model = get_config(arg("--model"))
-  frags = Fragments(count, h, model.layers)
-  embed = model.vocab * model.dim  # with the first fragment; the norm and the head with the last
-  sizes = [
-    (lambda a, b: b - a)(*frags.layer_range(f)) * model.layer_param_count()
-    + embed * (f == 0)
-    + (model.outer_param_count() - embed) * (f == count - 1)
-    for f in range(count)
-  ]
-  return max(max(v) for v in moved.values()) / round_bytes, max(sizes) / sum(sizes)
-
-
-def goals(rows: list[dict]) -> list[str]:
-  """The goals, each stated met or not by the rows: DiLoCo's tokens/s within 10% of the bound,
-  its eval loss within 2% of the synchronous run's; the seed and timing scatter beside them."""
-  by = {r["label"]: r for r in rows if not r.get("error")}
-  bound, sync = by.get(BOUND), by.get("IIG")
-  lines = []
-  for r in rows:
-    if r["kind"] != "diloco" or r.get("error"):
-      continue
-    parts = []
-    if bound:
-      ratio = r["tokens_per_s"] / bound["tokens_per_s"]
-      parts.append(
-        f"tokens/s {ratio:.2f} of the bound: {'met' if ratio >= 0.9 else 'NOT met'} (>= 0.90)"
-      )
-    if sync:
-      gap = r["eval_loss"] / sync["eval_loss"] - 1
-      parts.append(
-        f"eval loss {gap:+.1%} against IIG: {'met' if abs(gap) <= 0.02 else 'NOT met'} (within 2%)"
-      )
-    if r.get("fragments") and bound:
-      share, largest = streaming_busiest(r, bound["inter_bytes_per_step"])
-      parts.append(
-        f"busiest exchange {share:.3f} of a round's bytes: "
-        f"{'met' if share <= 1 / r['fragments'] else 'NOT met'} (<= 1/F = "
-        f"{1 / r['fragments']:.3f}; its largest fragment holds {largest:.3f} of the parameters)"
-      )
-    lines.append(f"- {r['label']}: " + "; ".join(parts))
-  seeds = [r for r in rows if r["label"].startswith("IIG seed") and not r.get("error")]
-  if sync and seeds:
-    loss = ", ".join(f"{r['eval_loss'] / sync['eval_loss'] - 1:+.1%}" for r in seeds)
-    speed = ", ".join(f"{r['tokens_per_s'] / sync['tokens_per_s'] - 1:+.0%}" for r in seeds)
-    lines.append(
-      f"- the scatter to judge them by: IIG with another seed is {loss} in eval loss, and its "
-      f"tokens/s (the same work) {speed}: the machine's other load moves a run's speed that much"
-    )
-  return lines
 
 
 def page(args, record: dict) -> str:
@@ -383,7 +275,7 @@ def page(args, record: dict) -> str:
       f"(`analysis/planner/step_model.py`). Every run's row, with each step's time and bytes, "
       f"is in `outer_vs_paro.json` (the logs under `runs/` are not kept in git).",
       "",
-      cut(args, rows),
+      left_out(args, rows),
       "",
       *table(rows),
       "",
@@ -397,31 +289,38 @@ def page(args, record: dict) -> str:
   )
 
 
-def kept_rows(args, configs: list[dict]) -> dict:
-  """With --only, the other rows of OUT's earlier record (measured with the same settings), each
-  with the planner's bytes as this script prices them now, by label; {} without --only."""
+def earlier_rows(args) -> dict:
+  """OUT's earlier rows by label (with --only or --resume; {} where there is none), each dated;
+  an error where they were measured with other settings (the seeds are no setting of a run)."""
   path = os.path.join(args.out, "outer_vs_paro.json")
-  if not args.only or not os.path.exists(path):
+  if not (args.only or args.resume) or not os.path.exists(path):
     return {}
   with open(path) as f:
     old = json.load(f)
-  settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "only")}
+  ignored = ("out", "resume", "only", "seeds")
+  settings = {k: v for k, v in vars(args).items() if k not in ignored}
   changed = [k for k, v in settings.items() if old["settings"].get(k) != v]
   if changed:
     raise SystemExit(
       f"{path} was measured with other {', '.join(changed)}: its rows cannot share a page with "
       f"these; pass another --out, or the same settings"
     )
-  by = {c["label"]: c for c in configs}
-  only = set(args.only.split(","))
+  return {r["label"]: {"date": old["date"], **r} for r in old["runs"]}
+
+
+def kept_rows(args, earlier: dict, ran: set[str]) -> tuple[dict, list[str]]:
+  """With --only, the rows of `earlier` (OUT's JSON, by label) this command does not run, at any
+  seed, each with the planner's bytes as this script prices them now ({} without --only); and the
+  page's order: every configuration's labels at the most seeds this command or the page has."""
+  seeds = max([args.seeds] + [r["seed"] + 1 for r in earlier.values()])
+  known = {c["label"]: c for c in configurations(args.steps, seeds)}
   kept = {}
-  for r in old["runs"]:
-    if r["label"] in only:
-      continue
-    config = by.get(r["label"], {})
-    planned = {"planned_bytes_per_step": planned_bytes(args, config)} if config else {}
-    kept[r["label"]] = {"date": old["date"], **r, **config, **planned}
-  return kept
+  for label, r in earlier.items():
+    if args.only and label not in ran:
+      config = known.get(label)
+      planned = {"planned_bytes_per_step": planned_bytes(args, config)} if config else {}
+      kept[label] = {**r, **(config or {}), **planned}
+  return kept, list(known)
 
 
 def main(argv=None) -> None:
@@ -432,30 +331,29 @@ def main(argv=None) -> None:
   ap.add_argument("--seq-len", type=int, default=64)
   ap.add_argument("--dtype", default="fp32")
   ap.add_argument("--eval-batches", type=int, default=8)
-  ap.add_argument("--seeds", type=int, default=1, help="seeds of the synchronous IIG run")
+  ap.add_argument("--seeds", type=int, default=1, help="seeds of every configuration run")
   ap.add_argument("--rate", default="100mbit", help="tc rate of each node's link")
   ap.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
-  ap.add_argument("--only", default=None, help="comma-separated labels to run")
+  ap.add_argument(
+    "--only", default=None, help="comma-separated configurations (each at every seed) or runs"
+  )
   ap.add_argument("--resume", action="store_true", help="reuse runs whose command is unchanged")
   ap.add_argument("--out", default="experiments/results/outer_vs_paro")
   args = ap.parse_args(argv)
   if not args.loopback and os.geteuid() != 0:
     print("not root: the link cannot be shaped; running on loopback", flush=True)
     args.loopback = True
-  configs = configurations(args.steps, args.seeds)
-  kept = kept_rows(args, configs)
-  if args.only:
-    keep = set(args.only.split(","))
-    configs = [c for c in configs if c["label"] in keep]
+  earlier = earlier_rows(args)
+  configs = selected(configurations(args.steps, args.seeds), args.only)
+  kept, order = kept_rows(args, earlier, {c["label"] for c in configs})
   rows = {}
   for config in configs:
     config = {**config, "planned_bytes_per_step": planned_bytes(args, config)}
     directory = os.path.join(args.out, "runs", config["label"].replace(" ", "_").replace("=", ""))
-    row = run(args, config, directory)
+    row = run(args, config, directory, earlier.get(config["label"]))
     rows[row["label"]] = row
     print(json.dumps({k: row.get(k) for k in ("label", "tokens_per_s", "inter_bytes_per_step",
                                                "eval_loss", "error")}), flush=True)  # fmt: skip
-  order = [c["label"] for c in configurations(args.steps, args.seeds)]
   rows = {**kept, **rows}
   rows = [rows[k] for k in sorted(rows, key=lambda k: order.index(k) if k in order else len(order))]
   record = {

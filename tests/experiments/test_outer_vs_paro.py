@@ -2,12 +2,15 @@
 emulated cluster. The page's JSON is checked for its own consistency (the bytes tc counted per
 step against the rounds in the window, the table against the rows), never for timing."""
 
+import argparse
 import json
 import os
+import re
 
 import pytest
 
 from experiments import outer_vs_paro
+from experiments import outer_vs_paro_page as page_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(REPO, "experiments", "results")
@@ -34,7 +37,8 @@ def test_every_run_trained_the_same_tokens(page):
   """Every row is a configuration of the script; the labels the last command ran with --only are
   on the page beside the rows it kept (a page without --only predates some configurations)."""
   rows, settings = _rows(page), _record(page)["settings"]
-  defined = [c["label"] for c in outer_vs_paro.configurations(settings["steps"], settings["seeds"])]
+  seeds = max(r["seed"] for r in rows.values()) + 1  # kept rows may have more than --seeds
+  defined = [c["label"] for c in outer_vs_paro.configurations(settings["steps"], seeds)]
   ran = settings["only"].split(",") if settings["only"] else []
   assert set(rows) <= set(defined) and set(ran) <= set(rows) and {"IIG", "bound"} <= set(rows)
   for r in rows.values():
@@ -136,7 +140,7 @@ def test_the_streaming_goal_reads_each_exchange_against_the_round():
   per_step[45] += 5e4
   row = dict(h=20, fragments=4, bytes_per_step={str(s): b for s, b in per_step.items()})
   row["command"] = ["train", "--model", "tiny", "--outer-delay", "1"]
-  share, largest = outer_vs_paro.streaming_busiest(row, quiet)
+  share, largest = page_text.streaming_busiest(row, quiet)
   assert share == pytest.approx(4 / 10)
   # tiny: 4 layers of 246,016 parameters; the embedding (32,768) with the first, the norm and the
   # head (128 + 32,768) with the last
@@ -165,12 +169,155 @@ def test_the_page_table_is_the_json(page):
   record = _record(page)
   with open(os.path.join(RESULTS, page, "README.md")) as f:
     text = f.read()
-  for line in outer_vs_paro.table(record["runs"]):
+  for line in page_text.table(record["runs"]):
     assert line in text
-  for line in outer_vs_paro.goals(record["runs"]):
+  for line in page_text.goals(record["runs"]):
     assert line in text
-  # read back: each run's line carries its tokens/s and bytes per step as the JSON has them
-  cells = {c[1].strip(): c for c in (line.split("|") for line in text.splitlines()) if len(c) == 11}
+  # read back: each configuration's line carries the mean over its seeds' rows (the labels
+  # grouped here by their own suffix) of tokens/s and bytes per step as the JSON has them
+  cells = {c[1].strip(): c for c in (line.split("|") for line in text.splitlines()) if len(c) == 13}
+  groups = {}
   for r in record["runs"]:
-    assert float(cells[r["label"]][4]) == pytest.approx(r["tokens_per_s"], abs=0.5)
-    assert float(cells[r["label"]][6]) == pytest.approx(r["inter_bytes_per_step"] / 1e6, abs=5e-4)
+    groups.setdefault(re.sub(r" seed\d+$", "", r["label"]), []).append(r)
+  for label, runs in groups.items():
+    mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
+    assert cells[label][2].strip() == ("1 seed" if len(runs) == 1 else f"{len(runs)} seeds")
+    assert float(cells[label][5]) == pytest.approx(mean("tokens_per_s"), abs=0.5)
+    assert float(cells[label][7]) == pytest.approx(mean("inter_bytes_per_step") / 1e6, abs=5e-4)
+
+
+def _fake(label, seed, loss, speed=100.0, kind="diloco", **extra) -> dict:
+  """A made-up run's row: what the page reads of it."""
+  name = f"{label} seed{seed}" if seed else label
+  row = dict(label=name, seed=seed, kind=kind, h=10 if kind == "diloco" else None, wire="int8")
+  row.update(tokens_per_s=speed, inter_bytes_per_step=2e6, planned_bytes_per_step=1e6)
+  return {**row, "eval_loss": loss, **extra}
+
+
+FAKE = [
+  _fake("IIG", 0, 2.0, 100.0, kind="sync"),
+  _fake("IIG", 1, 2.1, 110.0, kind="sync"),
+  _fake("IIG", 2, 2.2, 120.0, kind="sync"),
+  _fake("D", 0, 2.0, 90.0),
+  _fake("D", 1, 2.2, 96.0),
+  _fake("D", 2, None, error="launch exited 1; see its log"),
+  _fake("E", 0, 2.03, 80.0),
+  _fake("bound", 0, 5.0, 100.0, kind="bound"),
+  _fake("bound", 1, 5.0, 120.0, kind="bound"),
+]
+
+
+def test_a_configuration_reads_the_means_over_its_seeds():
+  """Made-up runs: IIG at seeds 0-2 (eval loss 2.0, 2.1, 2.2), D at seeds 0 and 1 (2.0, 2.2; its
+  seed 2 failed), E at seed 0 (2.03), the bound at seeds 0 and 1 (100 and 120 tokens/s). D is
+  judged against IIG's and the bound's means over seeds 0 and 1 (2.05, 110 tokens/s), E against
+  their seed 0."""
+  groups = {g["label"]: g for g in page_text.by_configuration(FAKE)}
+  assert list(groups) == ["IIG", "D", "E", "bound"]
+  d = groups["D"]
+  assert d["seeds"] == [0, 1] and d["eval_losses"] == [2.0, 2.2]
+  assert d["eval_loss"] == pytest.approx(2.1) and d["tokens_per_s"] == pytest.approx(93.0)
+  assert page_text.spread(groups["IIG"]["eval_losses"]) == pytest.approx(0.2 / 2.1)
+  ratio, shared = page_text.against(d, groups["IIG"], "eval_loss")
+  assert shared == [0, 1] and ratio == pytest.approx(2.1 / 2.05)
+  ratio, shared = page_text.against(groups["E"], groups["IIG"], "eval_loss")
+  assert shared == [0] and ratio == pytest.approx(1.015)
+  ratio, shared = page_text.against(groups["IIG"], groups["bound"], "tokens_per_s")
+  assert shared == [0, 1] and ratio == pytest.approx(105 / 110)
+  lines = page_text.table(FAKE)
+  # tokens/s 93 (93 / 110 = 0.845 of the bound), 2 MB and 1 MB a step, eval loss 2.1 (each
+  # seed's and 0.2 / 2.1 = 9.5% apart), +2.44% against IIG's 2.05
+  assert "| D | 2 seeds | 10 | int8 | 93 | 0.845 | 2.000 | 1.000 | 2.1000 | 2.0000, 2.2000 " \
+    "(9.5%) | +2.44% |" in lines  # fmt: skip
+  assert "| E | 1 seed | 10 | int8 | 80 | 0.800 | 2.000 | 1.000 | 2.0300 | - | +1.50% |" in lines
+  assert "| IIG | 3 seeds | - | int8 | 110 | 0.955 | 2.000 | 1.000 | 2.1000 | 2.0000, 2.1000, " \
+    "2.2000 (9.5%) | +0.00% |" in lines  # fmt: skip
+  assert sum("D seed2 | seed 2 | | | failed: launch exited 1" in line for line in lines) == 1
+  goals = page_text.goals(FAKE)
+  assert goals[0] == (
+    "- D (2 seeds): tokens/s 0.85 of the bound's mean over seeds 0, 1: NOT met (>= 0.90); eval "
+    "loss +2.4% against IIG's mean over seeds 0, 1: NOT met (within 2%; IIG's 3 seeds span 9.5%, "
+    "its own 9.5%)"
+  )
+  assert goals[1] == (
+    "- E (1 seed): tokens/s 0.80 of the bound's seed 0: NOT met (>= 0.90); eval loss +1.5% "
+    "against IIG's seed 0: met (within 2%; IIG's 3 seeds span 9.5%)"
+  )
+  # IIG's tokens/s 100, 110, 120: 20 / 110 = 18.2% apart
+  assert "its tokens/s (the same work) 100, 110, 120 (spread 18.2%)" in goals[2]
+
+
+def test_a_page_of_one_seed_says_so():
+  rows = [_fake("IIG", 0, 2.0, kind="sync"), _fake("D", 0, 2.1), _fake("bound", 0, 5, kind="bound")]
+  assert page_text.goals(rows) == [
+    "- D (1 seed): tokens/s 1.00 of the bound's seed 0: met (>= 0.90); eval loss +5.0% against "
+    "IIG's seed 0: NOT met (within 2%; IIG has 1 seed: no spread to judge it by)"
+  ]
+  assert page_text.seeds_left_out(rows, ["IIG", "D", "F", "bound"]) == (
+    "F not run on this page; seed 0 of every configuration"
+  )
+  assert page_text.seeds_text([0, 2]) == "2 seeds (0, 2)"
+
+
+def test_the_left_out_text_names_each_configurations_seeds():
+  """IIG at seeds 0-2, E at seed 0, D and the bound (the most configurations) at seeds 0 and 1."""
+  assert page_text.seeds_left_out(FAKE, ["IIG", "D", "E", "bound"]) == (
+    "seeds 0, 1, 2 of IIG; seed 0 of E; seeds 0, 1 of every other configuration"
+  )
+
+
+def test_seeds_run_every_configuration_only_names():
+  """--seeds 3: every configuration at seeds 0, 1, 2 with the same flags; --only names a
+  configuration (each seed) or one run; a name of neither is an error."""
+  configs = outer_vs_paro.configurations(101, 3)
+  by = {c["label"]: c for c in configs}
+  assert [by[f"IIG int8{s}"]["seed"] for s in ("", " seed1", " seed2")] == [0, 1, 2]
+  assert by["DiLoCo H=10 int8 I m=0 seed2"]["flags"] == by["DiLoCo H=10 int8 I m=0"]["flags"]
+  assert len(configs) == 3 * len(outer_vs_paro.configurations(101, 1))
+  chosen = outer_vs_paro.selected(configs, "IIG,DiLoCo H=50 int8 I m=0 seed2")
+  assert [c["label"] for c in chosen] == [
+    "IIG",
+    "IIG seed1",
+    "IIG seed2",
+    "DiLoCo H=50 int8 I m=0 seed2",
+  ]
+  with pytest.raises(SystemExit, match="--only names no configuration: IIG seed3"):
+    outer_vs_paro.selected(configs, "IIG,IIG seed3")
+
+
+def _args(tmp_path, **kw):
+  settings = dict(model="tiny", steps=101, batch_size=16, seq_len=64, dtype="fp32", eval_batches=8)
+  settings.update(seeds=1, rate="1gbit", loopback=False, only=None, resume=True, out=str(tmp_path))
+  return argparse.Namespace(**{**settings, **kw})
+
+
+def test_only_keeps_the_seeds_it_does_not_run(tmp_path):
+  """A page with IIG at seeds 0-2 and the bound, measured with --seeds 3; `--only IIG --seeds 1`
+  runs IIG's seed 0 and keeps its seeds 1 and 2 (the seeds are no setting of a run), and orders
+  the page by every configuration at 3 seeds."""
+  runs = [_fake("IIG", s, 2.0, kind="sync") for s in range(3)] + [
+    _fake("bound", 0, 5, kind="bound")
+  ]
+  record = {"date": "then", "settings": vars(_args(tmp_path, seeds=3)), "runs": runs}
+  with open(tmp_path / "outer_vs_paro.json", "w") as f:
+    json.dump(record, f)
+  args = _args(tmp_path, only="IIG")
+  earlier = outer_vs_paro.earlier_rows(args)
+  kept, order = outer_vs_paro.kept_rows(args, earlier, {"IIG"})
+  assert sorted(kept) == ["IIG seed1", "IIG seed2", "bound"]
+  assert kept["IIG seed1"]["date"] == "then" and kept["bound"]["planned_bytes_per_step"] == 0
+  assert order.index("IIG seed2") < order.index("IIG int8") < order.index("bound seed2")
+  with pytest.raises(SystemExit, match="measured with other rate"):
+    outer_vs_paro.earlier_rows(_args(tmp_path, only="IIG", rate="100mbit"))
+
+
+def test_resume_reuses_the_row_of_an_unchanged_command(tmp_path):
+  """No runs/ folder (not kept in git): --resume reuses the JSON's row where its command is the
+  run's (nothing is launched), with what the script derives as it is now."""
+  args = _args(tmp_path)
+  config = outer_vs_paro.configurations(101, 2)[1]  # IIG seed1
+  directory = str(tmp_path / "runs" / "IIG_seed1")
+  row = {"label": "IIG seed1", "eval_loss": 2.5, "planned_bytes_per_step": -1}
+  row["command"] = outer_vs_paro.train_argv(args, config, directory)
+  got = outer_vs_paro.run(args, {**config, "planned_bytes_per_step": 7}, directory, row)
+  assert got["eval_loss"] == 2.5 and got["planned_bytes_per_step"] == 7 and got["seed"] == 1
