@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -54,7 +55,15 @@ from experiments.outer_vs_paro_page import (  # noqa: E402
 )
 from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 
-NODES, DEVICES_PER_NODE = 2, 4
+MESH = "2x4"  # nodes x devices per node, as the page's runs before --mesh were
+
+
+def mesh(args) -> tuple[int, int]:
+  """(nodes, devices per node) of --mesh."""
+  nodes, per_node = (int(x) for x in args.mesh.split("x"))
+  return nodes, per_node
+
+
 STREAMING = "Streaming DiLoCo"
 
 
@@ -117,6 +126,12 @@ def _configurations(steps: int) -> list[dict]:
     # the outer step without momentum (the paper's Nesterov 0.9 above)
     ("DiLoCo H=10 int8 I m=0", 10, "int8", at_i + ["--outer-momentum", "0"]),
     ("DiLoCo H=50 int8 I m=0", 50, "int8", at_i + ["--outer-momentum", "0"]),
+    (
+      f"{STREAMING} H=20 F=4 tau=1 int8 I m=0",
+      20,
+      "int8",
+      at_i + streaming + ["--outer-momentum", "0"],
+    ),
   ):
     flags = ["--strategy", "III", "--outer-sync", str(h), "--inter-grads", wire, *extra]
     config = dict(label=label, kind="diloco", h=h, wire=wire, flags=flags)
@@ -147,26 +162,29 @@ def run(args, config: dict, directory: str, earlier: dict | None) -> dict:
     if os.path.exists(row_path):
       with open(row_path) as f:
         earlier = json.load(f)
-    if earlier and earlier.get("command") == train_argv(args, config, directory):
+    same = earlier and earlier.get("command") == train_argv(args, config, directory)
+    if same and earlier.get("mesh", MESH) == args.mesh:
       if not earlier.get("error"):
         return {**earlier, **config}  # what the script derives (the planner's bytes) as it is now
   shutil.rmtree(directory, ignore_errors=True)
   os.makedirs(directory)
   argv = train_argv(args, config, directory)
   metrics_path = os.path.join(directory, "metrics.jsonl")
-  monitor = WireMonitor(metrics_path, os.getpid(), NODES)
+  nodes, per_node = mesh(args)
+  monitor = WireMonitor(metrics_path, os.getpid(), nodes)
   start = time.perf_counter()
   with open(os.path.join(directory, "launch.log"), "w") as log:
     monitor.start()
     try:
       code = launch(
-        argv, nodes=NODES, devices_per_node=DEVICES_PER_NODE, inter_bandwidth=args.rate,
+        argv, nodes=nodes, devices_per_node=per_node, inter_bandwidth=args.rate,
         inter_latency="0", stdout=log, stderr=log, shaped=not args.loopback,
       )  # fmt: skip
     finally:
       monitor.stop.set()
       monitor.join()
   row = {**config, "command": argv, "exit_code": code, "wall_s": time.perf_counter() - start}
+  row["mesh"] = args.mesh
   row["date"] = utc_now()  # when this run ended (a page may keep rows of earlier runs)
   if code:
     row["error"] = f"launch exited {code}; see {directory}/launch.log"
@@ -224,13 +242,13 @@ def planned_bytes(args, config: dict) -> float:
   value = lambda flag, default: flags[flags.index(flag) + 1] if flag in flags else default  # noqa: E731
   h = int(value("--outer-sync", 0)) or None
   itemsize = 4 if args.dtype == "fp32" else 2
-  devices = NODES * DEVICES_PER_NODE
+  devices = math.prod(mesh(args))
   w = inputs.Workload(
     get_config(args.model), args.batch_size // devices, 1, args.seq_len, itemsize=itemsize,
     wire=wire, outer_sync=h, outer_state=value("--outer-state", "G"),
     outer_fragments=int(value("--outer-fragments", 1)), outer_delay=int(value("--outer-delay", 0)),
   )  # fmt: skip
-  cluster = inputs.Cluster(NODES, DEVICES_PER_NODE, inputs.Links(1e9, 1e9), None)
+  cluster = inputs.Cluster(*mesh(args), inputs.Links(1e9, 1e9), None)
   e = step_model.predict(parse_strategy(flags[1]), w, cluster)
   return e.traffic["inter_bytes"] * devices
 
@@ -244,8 +262,9 @@ def left_out(args, rows: list[dict]) -> str:
     "allow (a run takes 2-4 minutes here): `tiny` (1.05M parameters) instead of `small` (25M: "
     f"about 25x the compute per step); {seeds_left_out(rows, labels)}; the 4-bit pseudo-gradient "
     "with the outer state at I, Streaming DiLoCo with another F or TAU or with `--outer-mix` (0 "
-    "here: a synced fragment restarts from the outer weights), the 4 x 2 mesh and torch's "
-    "configurations are not run; 101 steps, so H = 50 is two rounds and H = 100 one."
+    "here: a synced fragment restarts from the outer weights) and torch's configurations are "
+    f"not run; this page's mesh is {args.mesh} (`--mesh` runs another, on its "
+    "own page); 101 steps, so H = 50 is two rounds and H = 100 one."
   )
 
 
@@ -262,7 +281,7 @@ def page(args, record: dict) -> str:
       f"    {record['command']}",
       "",
       f"Measured {record['date']} (its last run; each row's date is in the JSON) on "
-      f"{record['machine']}; {NODES} nodes x {DEVICES_PER_NODE} "
+      f"{record['machine']}; {mesh(args)[0]} nodes x {mesh(args)[1]} "
       f"virtual CPU devices ({link}); `{args.model}`, batch {args.batch_size} x {args.seq_len}, "
       f"{args.dtype}, A=1, {args.steps} steps for every run (equal tokens), lr 3e-3 with 10 "
       f"warm-up steps and cosine decay, `--collectives auto`; DiLoCo with III as each node's "
@@ -270,10 +289,11 @@ def page(args, record: dict) -> str:
       f"Eval loss after the last step over "
       f"{args.eval_batches} held-out batches (DiLoCo: of the outer weights). Timing and bytes "
       f"over steps {first}..{last} (step 1 compiles, the last also evaluates); tokens/s is "
-      f"their tokens over their summed time; inter-node MB/step is both nodes' egress counted "
-      f"by tc, per step; planned MB/step is the planner's per-device figure x 8 "
-      f"(`analysis/planner/step_model.py`). Every run's row, with each step's time and bytes, "
-      f"is in `outer_vs_paro.json` (the logs under `runs/` are not kept in git).",
+      f"their tokens over their summed time; inter-node MB/step is all nodes' egress counted "
+      f"by tc, per step; planned MB/step is the planner's per-device figure x "
+      f"{math.prod(mesh(args))} (`analysis/planner/step_model.py`). Every run's row, with "
+      f"each step's time and bytes, is in `outer_vs_paro.json` (the logs under `runs/` are not "
+      f"kept in git).",
       "",
       left_out(args, rows),
       "",
@@ -299,7 +319,8 @@ def earlier_rows(args) -> dict:
     old = json.load(f)
   ignored = ("out", "resume", "only", "seeds")
   settings = {k: v for k, v in vars(args).items() if k not in ignored}
-  changed = [k for k, v in settings.items() if old["settings"].get(k) != v]
+  before = {"mesh": MESH}  # a page written before the setting was: measured with its default
+  changed = [k for k, v in settings.items() if old["settings"].get(k, before.get(k)) != v]
   if changed:
     raise SystemExit(
       f"{path} was measured with other {', '.join(changed)}: its rows cannot share a page with "
@@ -334,6 +355,7 @@ def main(argv=None) -> None:
   ap.add_argument("--seeds", type=int, default=1, help="seeds of every configuration run")
   ap.add_argument("--rate", default="100mbit", help="tc rate of each node's link")
   ap.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
+  ap.add_argument("--mesh", default=MESH, help="NODESxDEVICES: the emulated cluster")
   ap.add_argument(
     "--only", default=None, help="comma-separated configurations (each at every seed) or runs"
   )

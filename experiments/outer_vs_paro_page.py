@@ -136,12 +136,12 @@ READING = (
   " is such a difference); rows of other dates (the JSON's `date`) ran under other loads, so "
   "tokens/s compares best between rows of one date. The labels: `I` is `--outer-state I` (the "
   "round all-reduces the pseudo-gradient over `inter`, 2w bytes a parameter; without it the outer"
-  " state is at G and a round sends 8 + w); Streaming DiLoCo syncs F = 4 fragments of the layer "
-  "stack H/F = 5 steps apart, each exchange during the step after its sync step (TAU = 1); its "
-  "goal reads the bytes of each exchange (its step and those either side, less the bound's level)"
-  " against a round's (each fragment's mean exchange, summed). The planner splits a round evenly "
-  "over the fragments; `tiny`'s first and last fragments also hold the embedding and the head, so"
-  " its largest fragment is more than 1/F of the parameters. `m=0`: the outer step without "
+  " state is at G and a round sends 8 + w); Streaming DiLoCo syncs F = 4 fragments (1/F of the "
+  "layers and of the vocabulary each) H/F = 5 steps apart, each exchange during the step after "
+  "its sync step (TAU = 1); its goal reads the bytes of each exchange (its step and those either "
+  "side, less the bound's level) against a round's (each fragment's mean exchange, summed). The "
+  "planner splits a round evenly over the fragments; the last also holds the final norm, so the "
+  "largest is 1/F of the parameters and D more. `m=0`: the outer step without "
   "momentum (`--outer-momentum 0`, outer lr 0.7), the others with the paper's Nesterov 0.9."
 )
 
@@ -154,7 +154,7 @@ def streaming_busiest(r: dict, quiet: float) -> tuple[float, float]:
   over its step and the steps either side. A round's bytes: each fragment's mean exchange, summed
   over the F fragments."""
   from models.config import get_config
-  from paro_jax.core.fragments import Fragments
+  from paro_jax.core.fragments import Fragments, split
 
   arg = lambda flag: r["command"][r["command"].index(flag) + 1]  # noqa: E731
   h, count, tau = r["h"], r["fragments"], int(arg("--outer-delay"))
@@ -169,11 +169,12 @@ def streaming_busiest(r: dict, quiet: float) -> tuple[float, float]:
   round_bytes = sum(sum(v) / len(v) for v in moved.values())
   model = get_config(arg("--model"))
   frags = Fragments(count, h, model.layers)
-  embed = model.vocab * model.dim  # with the first fragment; the norm and the head with the last
+  tables = 1 if model.tie_embeddings else 2  # rows of the vocabulary: each fragment its share
+  span = lambda a, b: b - a  # noqa: E731
   sizes = [
-    (lambda a, b: b - a)(*frags.layer_range(f)) * model.layer_param_count()
-    + embed * (f == 0)
-    + (model.outer_param_count() - embed) * (f == count - 1)
+    span(*frags.layer_range(f)) * model.layer_param_count()
+    + tables * span(*split(model.vocab, count, f)) * model.dim
+    + model.dim * (f == count - 1)  # the final norm, with the last
     for f in range(count)
   ]
   return max(max(v) for v in moved.values()) / round_bytes, max(sizes) / sum(sizes)
@@ -220,9 +221,9 @@ def goals(rows: list[dict]) -> list[str]:
     if g["fragments"] and bound:
       share, largest = max(streaming_busiest(r, bound["inter_bytes_per_step"]) for r in g["runs"])
       parts.append(
-        f"busiest exchange {share:.3f} of a round's bytes: "
+        f"busiest exchange {share:.4f} of a round's bytes: "
         f"{'met' if share <= 1 / g['fragments'] else 'NOT met'} (<= 1/F = "
-        f"{1 / g['fragments']:.3f}; its largest fragment holds {largest:.3f} of the parameters)"
+        f"{1 / g['fragments']:.4f}; its largest fragment holds {largest:.4f} of the parameters)"
       )
     lines.append(f"- {g['label']} ({seeds_text(g['seeds'])}): " + "; ".join(parts))
   if sync and len(sync["seeds"]) > 1:
