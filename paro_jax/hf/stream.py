@@ -237,16 +237,16 @@ def _convert(x, layout: tuple, dtype, resharded):
   return y, bad
 
 
-def _put(stack, y, layer, offset):
-  """`stack` with piece `y` written at slot `layer`, `offset` along our first axis, as their
-  bits: the stack stays in its own dtype (donated: updated in place, never copied), the update
-  is the piece's bytes alone. A stack filled as integers and converted at the end was copied
-  by that conversion (XLA aliases a donated buffer only to an output of its own dtype): a
-  transient of the whole stack, the largest of an import."""
-  starts = [layer, offset] + [0] * (y.ndim - 1)
+def _put(stack, y, at: tuple):
+  """`stack` with piece `y` written at slot `at` (its leading indices), as their bits: the
+  stack stays in its own dtype (donated: updated in place, never copied), the update is the
+  piece's bytes alone. A stack filled as integers and converted at the end was copied by that
+  conversion (XLA aliases a donated buffer only to an output of its own dtype): a transient of
+  the whole stack, the largest of an import."""
   bits = _bits(stack.dtype)
+  y = lax.bitcast_convert_type(y, bits).reshape((1,) * len(at) + y.shape)
   updated = lax.dynamic_update_slice(
-    lax.bitcast_convert_type(stack, bits), lax.bitcast_convert_type(y[None], bits), starts
+    lax.bitcast_convert_type(stack, bits), y, [*at] + [0] * (y.ndim - len(at))
   )
   return lax.bitcast_convert_type(updated, stack.dtype)
 
@@ -314,16 +314,22 @@ def import_hf(directory: str, cfg: LlamaConfig, shardings, dtype):
     shape = hf_shape(axes, sizes)
     pieces = _pieces(shape, axes, sizes, reading, resharded)
     ours = our_shape(axes, sizes)
+    leaf_shape = (*[cfg.layers][:stacked], *ours)
     count = len(pieces.ranges(shape))
     # Each piece of each HF tensor is read, converted and written into place in a stack made
-    # whole first (zeros; donated: updated in place): of layers, each piece at its offset in
-    # its layer; outside the stack, of the pieces, one a slot, then seen as the leaf (a reshape:
-    # no copy). XLA:CPU writes a piece into a 2-D array with a loop over the whole of it, into a
-    # stack over the piece alone. A piece's check is read once _IN_FLIGHT more are dispatched.
+    # whole first (zeros; donated: updated in place), a piece a slot, of the layers and, where
+    # a tensor is read in several, of its pieces; then seen as the leaf (a reshape: no copy).
+    # XLA:CPU writes a piece into a slot (the whole of its trailing axes) as one copy; into a
+    # 2-D array or part of a layer, with a loop over far more (the array) or element by element.
+    # A piece's check is read once _IN_FLIGHT more are dispatched.
     if stacked or count > 1:
-      slots = (cfg.layers, *ours) if stacked else (count, ours[0] // count, *ours[1:])
-      spec = PartitionSpec(*[None][: not stacked], *tuple(sharding.spec))
-      made = _jit(jnp.zeros, NamedSharding(sharding.mesh, spec), shape=slots, dtype=dtype)()
+      spec = tuple(sharding.spec)
+      if count > 1:  # ours[0] is not split
+        ours, spec = (count, ours[0] // count, *ours[1:]), (*spec[:stacked], None, *spec[stacked:])
+      slots = (*[cfg.layers][:stacked], *ours)
+      made = _jit(
+        jnp.zeros, NamedSharding(sharding.mesh, PartitionSpec(*spec)), shape=slots, dtype=dtype
+      )()
       put = _jit(_put, made.sharding, donate=True)
     pending: collections.deque = collections.deque()  # (name, its check), oldest first
     for i, each in enumerate(names):
@@ -332,10 +338,8 @@ def import_hf(directory: str, cfg: LlamaConfig, shardings, dtype):
         convert = _jit(_convert, (block, scalar), layout=layout, dtype=dtype, resharded=resharded)
         x = _read(tensors, each, reading, (pieces.axis, start, stop))
         y, bad = convert(x)
-        if stacked:
-          made = put(made, y, i, start // pieces.unit)
-        elif count > 1:
-          made = put(made, y, n, 0)
+        if stacked or count > 1:
+          made = put(made, y, (*[i][:stacked], *[n][: count > 1]))
         else:
           made = y
         if each == EMBEDDING and tied_copy:
@@ -347,9 +351,9 @@ def import_hf(directory: str, cfg: LlamaConfig, shardings, dtype):
           checked(*pending.popleft())
     for each, bad in pending:
       checked(each, bad)
-    if stacked or count == 1:
+    if count == 1:
       return made
-    return _jit(jnp.reshape, sharding, donate=True, shape=ours)(made)
+    return _jit(jnp.reshape, sharding, donate=True, shape=leaf_shape)(made)
 
   # None (a leaf not asked for) is an empty subtree to jax: it stays None.
   return jax.tree_util.tree_map_with_path(
