@@ -4,6 +4,7 @@ for untied and tied heads, GQA and MHA, an odd vocabulary no mesh divides, bf16 
 directory sharded over several files (an index) in fp16; the arrays are at the sharding asked,
 each device holding only its block. Then the one-line errors, raised per block."""
 
+import collections
 import json
 import os
 import shutil
@@ -119,6 +120,50 @@ def test_blocks_read_as_the_target_holds_them_equal_the_whole_read(directories, 
       for keys, x in jax.tree_util.tree_leaves_with_path(got):
         ref = np.asarray(jnp.asarray(_at(want, keys)).astype(jnp.bfloat16))
         assert np.asarray(x).tobytes() == ref.tobytes(), (directory, keys)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (2, 4), (1, 8)])
+def test_a_tensor_read_in_pieces_equals_the_whole_read(directories, mesh_shape, monkeypatch):
+  """Pieces of a few elements of a device's block (along our first axis: HF rows for the
+  tables and k/v, HF columns for the transposed projections; a leaf outside the stack filled
+  a piece a slot), bit for bit the whole read, at every placement."""
+  mesh = make_mesh(*mesh_shape, devices=jax.devices()[: mesh_shape[0] * mesh_shape[1]])
+  monkeypatch.setattr(stream, "_DEVICE_ELEMENTS", 0)
+  monkeypatch.setattr(stream, "_PIECE_ELEMENTS", 256)
+  monkeypatch.setattr(stream, "_MIN_RUN", 1)
+  reads = []
+  real_read = stream._read
+  monkeypatch.setattr(stream, "_read", lambda *a: reads.append(a[1]) or real_read(*a))
+  for directory in (directories[0], directories[-1]):  # bf16 tied and fp16 in two files
+    cfg, want = load_hf(directory)
+    for placement in Placement:
+      reads.clear()
+      got = import_hf(directory, cfg, shardings(cfg, placement, mesh), jnp.bfloat16)
+      assert max(collections.Counter(reads).values()) > 1, (directory, placement)  # in pieces
+      for keys, x in jax.tree_util.tree_leaves_with_path(got):
+        ref = np.asarray(jnp.asarray(_at(want, keys)).astype(jnp.bfloat16))
+        assert np.asarray(x).tobytes() == ref.tobytes(), (directory, placement, keys)
+
+
+def test_pieces_are_whole_entries_of_our_first_axis():
+  """A piece is a run of whole outer names of the HF axis that holds our first axis, alike
+  (a divisor of their count); whole where a placement splits that axis or where a piece's
+  runs of a row would be short."""
+  mesh = make_mesh(1, 8)
+  split = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+  sizes = {"d": 64, "h": 4, "k": 64, "v": 96}
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(stream, "_PIECE_ELEMENTS", 2 * 64 * 64)  # two heads of d (h k)
+    pieces = stream._pieces((64, 256), parse("d (h k) -> h k d"), sizes, split(), split())
+    assert (pieces.axis, pieces.step, pieces.unit) == (1, 128, 64)
+    assert pieces.ranges((64, 256)) == [(0, 128), (128, 256)]
+    patch.setattr(stream, "_PIECE_ELEMENTS", 40 * 64)  # 40 rows of 96: 32, the divisor below
+    pieces = stream._pieces((96, 64), parse("v d -> v d"), sizes, split(), split())
+    assert (pieces.axis, pieces.step) == (0, 32)
+    rows = split("intra")  # the axis split: whole
+    assert stream._pieces((96, 64), parse("v d -> v d"), sizes, rows, rows).step == 96
+    patch.setattr(stream, "_PIECE_ELEMENTS", 96 * 8)  # runs of 8 columns of d: short, whole
+    assert stream._pieces((96, 64), parse("v d -> d v"), sizes, split(), split()).step == 64
 
 
 def test_where_each_tensor_is_read():
