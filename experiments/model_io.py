@@ -142,6 +142,19 @@ def time_import(directory: str, repeats: int) -> dict:
   return {what: min(times) for what, times in seconds.items()}
 
 
+def _time_import_child(directory: str, tree: str, extra: tuple = ()) -> dict:
+  """`time-import` of `directory` in a child process with `tree`'s code first on the path."""
+  child = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), "time-import", "--dir", directory, *extra],
+    env={**os.environ, "PYTHONPATH": tree},
+    capture_output=True,
+    text=True,
+  )
+  if child.returncode:
+    raise SystemExit(child.stderr[-3000:])
+  return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def import_page(args) -> None:
   """time-import of --base's code (before, if given) and of this tree's (after), one child
   process each, one after the other: written into the record in --out as `import_time`, with
@@ -149,16 +162,7 @@ def import_page(args) -> None:
   rows = []
   for code, tree in ((("before", args.base),) if args.base else ()) + (("after", ROOT),):
     load = os.getloadavg()[0]
-    child = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), "time-import", "--dir", args.dir]
-      + ["--repeats", str(args.repeats), "--code", tree],
-      env={**os.environ, "PYTHONPATH": tree},
-      capture_output=True,
-      text=True,
-    )
-    if child.returncode:
-      raise SystemExit(child.stderr[-3000:])
-    seconds = json.loads(child.stdout.strip().splitlines()[-1])
+    seconds = _time_import_child(args.dir, tree, ["--repeats", str(args.repeats), "--code", tree])
     load = round(max(load, os.getloadavg()[0]), 1)
     rows.append({"code": code, "tree": tree, "seconds": seconds, "load_average": load})
     print(json.dumps(rows[-1]), flush=True)
@@ -322,15 +326,7 @@ def measure(args) -> None:
       raise SystemExit(done.stderr[-3000:])
     peaks.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(json.dumps(peaks[-1]), flush=True)
-  child = subprocess.run(
-    [sys.executable, os.path.abspath(__file__), "time-import", "--dir", args.dir],
-    env={**os.environ, "PYTHONPATH": ROOT},
-    capture_output=True,
-    text=True,
-  )
-  if child.returncode:
-    raise SystemExit(child.stderr[-3000:])
-  seconds = json.loads(child.stdout.strip().splitlines()[-1])
+  seconds = _time_import_child(args.dir, ROOT)
   size = sum(os.path.getsize(os.path.join(args.dir, n)) for n in os.listdir(args.dir))
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
   record = {
