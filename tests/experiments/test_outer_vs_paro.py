@@ -14,9 +14,10 @@ from experiments import outer_vs_paro_page as page_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(REPO, "experiments", "results")
-# the 100 Mbit/s link (every configuration), the 1 Gbit/s link (a selection), and a few
-# configurations at 10 Gbit/s and on 4 nodes x 2 devices at 1 Gbit/s
+# the 100 Mbit/s link (every configuration), the 1 Gbit/s link (a selection), a few
+# configurations at 10 Gbit/s, on 4 nodes x 2 devices at 1 Gbit/s and with `small` at 1 Gbit/s
 PAGES = ["outer_vs_paro", "outer_vs_paro_1gbit", "outer_vs_paro_10gbit", "outer_vs_paro_1gbit_4x2"]
+PAGES += ["outer_vs_paro_small_1gbit"]
 pages = pytest.mark.parametrize("page", PAGES)
 
 
@@ -162,9 +163,10 @@ def test_the_streaming_goal_reads_each_exchange_against_the_round():
 @pages
 def test_the_synchronous_step_sends_every_step(page):
   rows = _rows(page)
-  iig, int8 = rows["IIG"], rows["IIG int8"]
+  iig = rows["IIG"]
   assert min(_per_step(iig).values()) > 0.5 * iig["inter_bytes_per_step"]
-  assert int8["inter_bytes_per_step"] < 0.5 * iig["inter_bytes_per_step"]
+  if "IIG int8" in rows:  # not on the `small` page
+    assert rows["IIG int8"]["inter_bytes_per_step"] < 0.5 * iig["inter_bytes_per_step"]
   diloco = next(rows[x] for x in rows if x.startswith("DiLoCo H=10 int8"))
   assert diloco["inter_bytes_per_step"] < iig["inter_bytes_per_step"] / 4
 
@@ -271,6 +273,12 @@ def test_a_page_of_one_seed_says_so():
     "F not run on this page; seed 0 of every configuration"
   )
   assert page_text.seeds_text([0, 2]) == "2 seeds (0, 2)"
+  # a loss below IIG's by more than 2% meets the goal (no worse than IIG's by more than 2%)
+  rows[1] = _fake("D", 0, 1.9)
+  assert (
+    "eval loss -5.0% against IIG's seed 0: met, lower than IIG's (within 2%;"
+    in (page_text.goals(rows)[0])
+  )
 
 
 def test_the_left_out_text_names_each_configurations_seeds():
