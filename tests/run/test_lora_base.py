@@ -99,7 +99,9 @@ def test_checkpoints_hold_the_adapters_and_the_base_s_identity(runs):
   step = lambda run: os.path.join(run, CHECKPOINTS, "4", "state")  # noqa: E731
   saved, with_base = _bytes(step(runs["whole"])), _bytes(step(runs["kept"]))
   frozen = sum(x.nbytes for x in jax.tree.leaves(jax.device_get(kept.frozen)))
-  assert with_base - saved > 0.9 * frozen
+  # (what the stored base adds on disk varies from run to run with the checkpoint's compression
+  # and its files' layout: 0.89 to 1.3 of its bytes seen here; a base not stored adds ~nothing)
+  assert with_base - saved > 0.75 * frozen
   assert saved < 0.5 * with_base, (saved, with_base)
   print(f"state bytes on disk: {saved} without the base, {with_base} with it, base {frozen}")
 
