@@ -5,8 +5,9 @@ A fragment is a contiguous range of the layer stack, the layers split as evenly 
 first fragments take one more where F does not divide them), plus a slice of each leaf outside
 the stack: the embedding's and the head's rows of the vocabulary split the same way (with a 128k
 vocabulary they are 13% of an 8B model: whole in the first and last fragment they would make
-those two exchanges the busiest, 0.28 of a round at F = 4). A leaf outside the stack with no axis to cut (the final
-norm: its one axis is the one placements shard) goes whole with the last fragment.
+those two exchanges the busiest, 0.28 of a round at F = 4). A leaf outside the stack with no
+axis to cut (the final norm: its one axis is the one placements shard) goes whole with the last
+fragment.
 
 Fragment f is synced after the steps whose count t (after the step) has t mod H = (f+1) H/F
 mod H: each fragment every H steps, the fragments H/F steps apart, the last one at the round's
