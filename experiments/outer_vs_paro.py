@@ -11,6 +11,10 @@ devices, each node in its own network namespace behind a veth whose egress tc sh
   pseudo-gradient in bf16 and int8; with the outer state at I (`--outer-state I`: the round
   all-reduces the int8 pseudo-gradient), H = 10, 50 and 100; int4 at H = 10;
 - Streaming DiLoCo (`--outer-fragments 4 --outer-delay 1`, core/fragments.py), H = 20, int8, I;
+- torch HSDP, the fastest torch configuration of the strategy benchmark at A = 1 on slow links
+  (experiments/bench/torch_peer.py `--peer hsdp`: FSDP2 sharded within a node, gradients
+  all-reduced across nodes each step), with `train`'s optimizer and schedule and the same eval;
+  needs the [bench] extra (torch), else its row says so;
 - the bound: the same III group step with no round's end in the run (H past the last step), so
   nothing but the groups' few metrics floats crosses the link: the tokens/s no schedule of the
   outer loop can beat. Its eval loss is not a result (eval reads the outer weights, which never
@@ -33,6 +37,7 @@ its row in OUT's JSON).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -65,6 +70,7 @@ def mesh(args) -> tuple[int, int]:
 
 
 STREAMING = "Streaming DiLoCo"
+TORCH = "torch HSDP"
 
 
 def configurations(steps: int, seeds: int) -> list[dict]:
@@ -136,6 +142,10 @@ def _configurations(steps: int) -> list[dict]:
     flags = ["--strategy", "III", "--outer-sync", str(h), "--inter-grads", wire, *extra]
     config = dict(label=label, kind="diloco", h=h, wire=wire, flags=flags)
     out.append({**config, **({"fragments": 4} if streaming[0] in extra else {})})
+  # torch's best configuration at A = 1 on a slow link in the strategy benchmark
+  # (experiments/results/strategies_headline/): FSDP2 sharded within a node, an all-reduce across
+  # nodes each step, planned as III's synchronous step, which moves the same bytes
+  out.append(dict(label=TORCH, kind="torch", h=None, wire="fp32", flags=["--peer", "hsdp"]))
   # no round ends in the run: the group step alone (its wire format never used)
   bound_flags = ["--strategy", "III", "--outer-sync", str(10 * steps)]
   out.append(dict(label=BOUND, kind=BOUND, h=None, wire="-", flags=bound_flags))
@@ -152,6 +162,26 @@ def train_argv(args, config: dict, directory: str) -> list[str]:
   ]  # fmt: skip
 
 
+def torch_argv(args, config: dict, directory: str) -> list[str]:
+  """experiments/bench/torch_peer.py with `train`'s optimizer, schedule and defaults (its lr and
+  warm-up, `--remat full`) and the same eval: the same tokens, the same held-out batches."""
+  from paro_jax.run.config import OptimizerOptions
+
+  o = OptimizerOptions()
+  return [
+    "python", "-m", "experiments.bench.torch_peer", *config["flags"], "--model", args.model,
+    "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len",
+    str(args.seq_len), "--dtype", args.dtype, "--remat", "full", "--seed", str(config["seed"]),
+    "--schedule", "train", "--lr", str(o.lr), "--warmup", str(o.warmup), "--eval-batches",
+    str(args.eval_batches), "--out", directory,
+  ]  # fmt: skip
+
+
+def command(args, config: dict, directory: str) -> list[str]:
+  """What the launcher runs on each node for `config`."""
+  return (torch_argv if config["kind"] == "torch" else train_argv)(args, config, directory)
+
+
 def run(args, config: dict, directory: str, earlier: dict | None) -> dict:
   """Launch one run on the emulated cluster; its row (kept in directory/row.json). With --resume,
   the row of directory/row.json, else `earlier` (OUT's JSON), where its command is this run's."""
@@ -162,13 +192,16 @@ def run(args, config: dict, directory: str, earlier: dict | None) -> dict:
     if os.path.exists(row_path):
       with open(row_path) as f:
         earlier = json.load(f)
-    same = earlier and earlier.get("command") == train_argv(args, config, directory)
+    same = earlier and earlier.get("command") == command(args, config, directory)
     if same and earlier.get("mesh", MESH) == args.mesh:
       if not earlier.get("error"):
         return {**earlier, **config}  # what the script derives (the planner's bytes) as it is now
   shutil.rmtree(directory, ignore_errors=True)
   os.makedirs(directory)
-  argv = train_argv(args, config, directory)
+  argv = command(args, config, directory)
+  if config["kind"] == "torch" and importlib.util.find_spec("torch") is None:
+    row = {**config, "command": argv, "exit_code": None, "mesh": args.mesh, "date": utc_now()}
+    return {**row, "error": "torch is not installed: pip install -e '.[bench]'"}
   metrics_path = os.path.join(directory, "metrics.jsonl")
   nodes, per_node = mesh(args)
   monitor = WireMonitor(metrics_path, os.getpid(), nodes)
@@ -234,7 +267,7 @@ def planned_bytes(args, config: dict) -> float:
 
   if config["kind"] == BOUND:  # no round ends in the run
     return 0.0
-  flags = config["flags"]
+  flags = ["--strategy", "III"] if config["kind"] == "torch" else config["flags"]
   wire = WireConfig(
     params="int8" if "--inter-params" in flags else "same",
     grads=flags[flags.index("--inter-grads") + 1] if "--inter-grads" in flags else "same",
@@ -257,14 +290,17 @@ def left_out(args, rows: list[dict]) -> str:
   """What the measurement leaves out of the full comparison: the configurations and seeds not on
   the page, and what the script never runs."""
   labels = [c["label"] for c in configurations(args.steps, 1)]
+  minutes = sorted(r["wall_s"] / 60 for r in rows if "wall_s" in r) or [0.0]
+  model = "" if args.model == "small" else f"`{args.model}` instead of `small`; "
   return (
     "What the measurement leaves out of the full comparison, for the time two shared cores "
-    "allow (a run takes 2-4 minutes here): `tiny` (1.05M parameters) instead of `small` (25M: "
-    f"about 25x the compute per step); {seeds_left_out(rows, labels)}; the 4-bit pseudo-gradient "
+    f"allow (a run took {minutes[0]:.0f}-{minutes[-1]:.0f} minutes here): {model}"
+    f"{seeds_left_out(rows, labels)}; the 4-bit pseudo-gradient "
     "with the outer state at I, Streaming DiLoCo with another F or TAU or with `--outer-mix` (0 "
-    "here: a synced fragment restarts from the outer weights) and torch's configurations are "
-    f"not run; this page's mesh is {args.mesh} (`--mesh` runs another, on its "
-    "own page); 101 steps, so H = 50 is two rounds and H = 100 one."
+    "here: a synced fragment restarts from the outer weights) and torch's other configurations "
+    "(full shard, HSDP with a deferred all-reduce, DDP) are not run; this page's mesh is "
+    f"{args.mesh} (`--mesh` runs another, on its own page); 101 steps, so H = 50 is two rounds "
+    "and H = 100 one."
   )
 
 

@@ -142,7 +142,12 @@ READING = (
   "side, less the bound's level) against a round's (each fragment's mean exchange, summed). The "
   "planner splits a round evenly over the fragments; the last also holds the final norm, so the "
   "largest is 1/F of the parameters and D more. `m=0`: the outer step without "
-  "momentum (`--outer-momentum 0`, outer lr 0.7), the others with the paper's Nesterov 0.9."
+  "momentum (`--outer-momentum 0`, outer lr 0.7), the others with the paper's Nesterov 0.9. "
+  "`torch HSDP`, where a page has it: PyTorch's FSDP2 on the same model, batches, optimizer, "
+  "schedule and held-out batches (experiments/bench/torch_peer.py), from transformers' initial "
+  "weights (not ours: its seeds start elsewhere), on torch's CPU kernels (its tokens/s against "
+  "ours is the frameworks' compute as much as the link); planned as III's synchronous step, "
+  "whose gradient sync moves the same bytes."
 )
 
 

@@ -21,6 +21,15 @@ recomputes what `train --remat full` recomputes. Peers (`--peer`):
   (`set_requires_all_reduce`): one gradient sync between nodes per step.
 - `ddp_no_sync`: DistributedDataParallel, `no_sync()` until the last micro-batch.
 
+The optimizer: AdamW at a constant `--lr` (`--schedule constant`, the strategy benchmark's: its
+runs time a few steps), or `train`'s own (`--schedule train`: core/state.py OptimConfig's betas,
+eps and weight decay on matrices only, its warm-up and cosine decay over `--steps` from its
+optax schedule, gradients clipped to its global norm), so that a loss compares with `train`'s at
+equal tokens. `--eval-batches K` scores the model after the last step on K batches of the
+held-out split, the batches `train --eval-batches K` scores (the last metrics row's `eval_loss`).
+The initial weights are transformers' (its initializer under `torch.manual_seed(--seed)`), not
+ours.
+
 Rank 0 appends one row per step to OUT/metrics.jsonl (step, loss, step_time_s, tokens_per_s: the
 strategy benchmark's monitor reads the link counters as rows appear) and writes OUT/peer.json
 (the peer, torch's version, each rank's model-state bytes: local parameter, gradient and
@@ -40,6 +49,7 @@ import signal
 import time
 
 PEERS = ("full_shard", "hsdp", "hsdp_deferred", "ddp_no_sync")
+SCHEDULES = ("constant", "train")
 REMAT = ("full", "none")  # what backward recomputes: every decoder layer's forward, or nothing
 
 
@@ -60,6 +70,16 @@ def parse_args(argv=None):
   )
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--lr", type=float, default=3e-4)
+  p.add_argument(
+    "--schedule",
+    default="constant",
+    choices=SCHEDULES,
+    help="constant: AdamW at --lr; train: `train`'s AdamW, warm-up, cosine decay and clipping",
+  )
+  p.add_argument("--warmup", type=int, default=10, help="warm-up steps of --schedule train")
+  p.add_argument(
+    "--eval-batches", type=int, default=0, help="held-out batches scored after the last step"
+  )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", required=True)
   p.add_argument("--mesh", default="1x1", help="NODESxDEVICES (the launcher sets it)")
@@ -117,8 +137,57 @@ def build(args, world: int, nodes: int):
     for layer in model.model.layers:
       fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-  optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-  return model, optim
+  return model, optimizer(args, model)
+
+
+def train_optim(args):
+  """`train`'s optimizer settings for --lr, --warmup and --steps (core/state.py)."""
+  from paro_jax.core.state import OptimConfig
+
+  return OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup, total_steps=args.steps)
+
+
+def optimizer(args, model):
+  """AdamW at a constant --lr, or with `train`'s settings (--schedule train): weight decay on
+  the matrices only, as core/state.py `decay_mask` (the norms' scales are vectors)."""
+  import torch
+
+  if args.schedule == "constant":
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+  opt = train_optim(args)
+  params = list(model.parameters())
+  groups = [
+    {"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
+    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+  ]
+  return torch.optim.AdamW(groups, lr=args.lr, betas=(opt.b1, opt.b2), eps=opt.eps)
+
+
+def learning_rates(args) -> list[float]:
+  """The learning rate of each step 1..--steps (optax counts the first update as 0)."""
+  if args.schedule == "constant":
+    return [args.lr] * args.steps
+  schedule = train_optim(args).lr_schedule()
+  return [float(schedule(t)) for t in range(args.steps)]
+
+
+def eval_loss(model, batches, rows) -> float:
+  """The mean next-token loss over the held-out batch's micro-batches (each rank its rows; the
+  ranks' rows are alike in count, so the mean over ranks is the batch's)."""
+  import torch
+  import torch.distributed as dist
+
+  tokens = torch.from_numpy(batches(0, rows)).long()  # [K, b, L+1]
+  total = 0.0
+  with torch.no_grad():
+    for x in tokens:
+      logits = model(input_ids=x[:, :-1]).logits
+      total += torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), x[:, 1:].flatten()
+      ).item()
+  mean = torch.tensor([total / len(tokens)])
+  dist.all_reduce(mean)
+  return mean.item() / dist.get_world_size()
 
 
 def rank_main(local: int, args, nodes: int, per_node: int) -> None:
@@ -148,8 +217,11 @@ def rank_main(local: int, args, nodes: int, per_node: int) -> None:
     raise ValueError(f"--batch-size {B} does not split over {world} ranks")
   rows = (rank * B // world, (rank + 1) * B // world)
   data = DataConfig()  # the built-in corpus, and its train split, as `train` reads them
-  tokens, _ = split_eval(load_tokens(data, get_config(args.model).vocab), data.eval_fraction)
+  vocab = get_config(args.model).vocab
+  tokens, held_out = split_eval(load_tokens(data, vocab), data.eval_fraction)
   batches = Batches(tokens, A, B, L, args.seed)
+  rates = learning_rates(args)
+  clip = train_optim(args).clip_norm if args.schedule == "train" else None
   autocast = (
     torch.autocast("cpu", dtype=torch.bfloat16)
     if args.dtype == "bf16"
@@ -174,18 +246,21 @@ def rank_main(local: int, args, nodes: int, per_node: int) -> None:
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         (loss / A).backward()
       total += loss.item() / A
+    if clip is not None:
+      torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    for group in optim.param_groups:
+      group["lr"] = rates[step - 1]
     optim.step()
     optim.zero_grad(set_to_none=False)
     loss_t = torch.tensor([total])
     dist.all_reduce(loss_t)  # the mean loss over ranks (a few bytes)
     dt = time.perf_counter() - t0
+    row = {"step": step, "loss": loss_t.item() / world, "step_time_s": dt}
+    row["tokens_per_s"] = A * B * L / dt
+    if step == args.steps and args.eval_batches:  # after the step's time: not in tokens/s
+      held = Batches(held_out, args.eval_batches, B, L, args.seed)
+      row["eval_loss"] = eval_loss(model, held, rows)
     if rank == 0:
-      row = {
-        "step": step,
-        "loss": loss_t.item() / world,
-        "step_time_s": dt,
-        "tokens_per_s": A * B * L / dt,
-      }
       with open(metrics, "a") as f:
         f.write(json.dumps(row) + "\n")
   states = _state_bytes(model, optim)

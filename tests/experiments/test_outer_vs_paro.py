@@ -344,3 +344,44 @@ def test_resume_reuses_the_row_of_an_unchanged_command(tmp_path):
   row["command"] = outer_vs_paro.train_argv(args, config, directory)
   got = outer_vs_paro.run(args, {**config, "planned_bytes_per_step": 7}, directory, row)
   assert got["eval_loss"] == 2.5 and got["planned_bytes_per_step"] == 7 and got["seed"] == 1
+
+
+def test_torch_hsdp_trains_the_same_tokens_with_trains_optimizer(tmp_path):
+  """The torch row's command: HSDP (the strategy benchmark's fastest torch configuration at A = 1
+  on slow links) on the same model, steps, batch, seed and held-out batches as the train runs,
+  with train's own optimizer, learning rate and warm-up (experiments/bench/torch_peer.py
+  `--schedule train`, which tests/experiments/test_torch_peer.py checks against a plain loop);
+  planned as III's synchronous step."""
+  from paro_jax.run.config import OptimizerOptions
+
+  args = _args(tmp_path)
+  configs = {c["label"]: c for c in outer_vs_paro.configurations(101, 2)}
+  torch_row, iig = configs[outer_vs_paro.TORCH + " seed1"], configs["IIG seed1"]
+  argv = outer_vs_paro.command(args, torch_row, "D")
+  value = lambda cmd, flag: cmd[cmd.index(flag) + 1]  # noqa: E731
+  assert argv[:5] == ["python", "-m", "experiments.bench.torch_peer", "--peer", "hsdp"]
+  train = outer_vs_paro.command(args, iig, "D")
+  for flag in ("--model", "--steps", "--batch-size", "--seq-len", "--dtype", "--seed", "--out"):
+    assert value(argv, flag) == value(train, flag), flag
+  assert value(argv, "--eval-batches") == value(train, "--eval-batches")
+  assert value(argv, "--schedule") == "train" and value(argv, "--remat") == "full"
+  o = OptimizerOptions()
+  assert float(value(argv, "--lr")) == o.lr and int(value(argv, "--warmup")) == o.warmup
+  iii = {**iig, "flags": ["--strategy", "III"]}
+  assert outer_vs_paro.planned_bytes(args, torch_row) == outer_vs_paro.planned_bytes(args, iii)
+
+
+def test_torch_row_without_torch_says_how_to_get_it(tmp_path, monkeypatch):
+  """Where torch is not installed, the torch row is an error row naming the extra; nothing is
+  launched."""
+  import importlib.util
+
+  real = importlib.util.find_spec
+  monkeypatch.setattr(
+    importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+  )
+  config = outer_vs_paro.configurations(101, 1)[-2]
+  assert config["label"] == outer_vs_paro.TORCH
+  row = outer_vs_paro.run(_args(tmp_path), config, str(tmp_path / "runs" / "torch"), None)
+  assert row["error"] == "torch is not installed: pip install -e '.[bench]'"
+  assert row["label"] == outer_vs_paro.TORCH and "tokens_per_s" not in row
