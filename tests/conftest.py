@@ -1,6 +1,7 @@
 """Every test runs on 8 virtual CPU devices; the flags must be set before jax is imported."""
 
 import os
+import signal
 import tempfile
 from importlib.metadata import version
 
@@ -24,6 +25,13 @@ add_xla_flags(
   + (("--xla_cpu_use_fusion_emitters=false",) if version("jaxlib").startswith("0.10.") else ())
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A suite started in the background of a shell without job control (`pytest ... &`, nohup) has
+# SIGINT ignored, and every process it starts inherits that: the tests that stop a command with
+# Ctrl-C (tests/run/test_stop.py, tests/data/test_prepare.py) would see it run on. Python's own
+# handler is restored here; a handler is reset to the default on exec, so children start as from
+# a terminal (Python then installs its KeyboardInterrupt).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 _CACHE_DIR = []  # this worker's persistent compilation cache, made on first use
