@@ -196,12 +196,12 @@ def run(args, config: dict, directory: str, earlier: dict | None) -> dict:
     if same and earlier.get("mesh", MESH) == args.mesh:
       if not earlier.get("error"):
         return {**earlier, **config}  # what the script derives (the planner's bytes) as it is now
-  shutil.rmtree(directory, ignore_errors=True)
-  os.makedirs(directory)
   argv = command(args, config, directory)
-  if config["kind"] == "torch" and importlib.util.find_spec("torch") is None:
+  if config["kind"] == "torch" and importlib.util.find_spec("torch") is None:  # its runs/ kept
     row = {**config, "command": argv, "exit_code": None, "mesh": args.mesh, "date": utc_now()}
     return {**row, "error": "torch is not installed: pip install -e '.[bench]'"}
+  shutil.rmtree(directory, ignore_errors=True)
+  os.makedirs(directory)
   metrics_path = os.path.join(directory, "metrics.jsonl")
   nodes, per_node = mesh(args)
   monitor = WireMonitor(metrics_path, os.getpid(), nodes)
