@@ -233,10 +233,11 @@ def _unreadable(step_dir: str, arrays: int) -> str | None:
 
 def _relisted(list_steps):
   """`list_steps()`, again when a step vanished while it was listed: orbax reads each step's
-  files as it lists them, and a run still saving there rotates the older ones away (--keep)."""
+  files as it lists them, and a run still saving there rotates the older ones away (--keep).
+  A step deleted between orbax's `exists()` and `is_dir()` of it is a NotADirectoryError."""
   for _ in range(LIST_TRIES - 1):
     try:
       return list_steps()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
       time.sleep(0.1)
   return list_steps()
