@@ -3,27 +3,14 @@
 import os
 import signal
 import tempfile
-from importlib.metadata import version
 
 import pytest
 
 from paro_jax.core.xla_flags import add_xla_flags  # imports no jax
+from tests.fast_compile import FAST_COMPILE_FLAGS
 
-# Tests compile many tiny programs: LLVM's optimisation of the generated CPU code costs far more
-# than it saves, and so do XLA:CPU's MLIR fusion emitters: the older elemental emitters compile
-# the same steps with the same collectives and bytes in much less CPU time
-# (experiments/results/compile_cost/). HLO passes, which decide the communication schedule the
-# tests check, still run in full.
-# The last flag is gone from newer XLA (jaxlib 0.11 refuses to start with it): only the pinned
-# jaxlib gets it, so that `pytest -m gpu` runs on a GPU machine whose image brings a newer jax.
-add_xla_flags(
-  (
-    "--xla_force_host_platform_device_count=8",
-    "--xla_backend_optimization_level=0",
-    "--xla_llvm_disable_expensive_passes=true",
-  )
-  + (("--xla_cpu_use_fusion_emitters=false",) if version("jaxlib").startswith("0.10.") else ())
-)
+# 8 virtual devices, compiled fast (tests/fast_compile.py).
+add_xla_flags(("--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A suite started in the background of a shell without job control (`pytest ... &`, nohup) has
 # SIGINT ignored, and every process it starts inherits that: the tests that stop a command with

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from tests.fast_compile import FAST_COMPILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,7 +53,8 @@ CHILD = textwrap.dedent(
 
 def test_all_reduce_and_slice_equals_reduce_scatter():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  flags = f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
   proc = subprocess.run(
     [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.cluster.repro_bound import multiprocess_bound
+from tests.fast_compile import FAST_COMPILE
 
 pytestmark = pytest.mark.mpi
 
@@ -27,7 +28,7 @@ RTOL = multiprocess_bound()  # measured: two-process fp32 runs are not bit-repro
 
 def _env() -> dict:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  env["XLA_FLAGS"] = FAST_COMPILE
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
   return env

@@ -1,8 +1,8 @@
 """Real multi-process training: processes joined by jax.distributed, and `paro-jax launch`.
 
 Every run here is a fresh process (XLA's device count is fixed per process). Children compile with
-`--xla_backend_optimization_level=0`: a third of the compile time on this 2-core machine, and the
-same flag on both sides of each comparison.
+the tests' fast-compile flags (tests/fast_compile.py), as the tests' own processes do: the same
+flags on both sides of each comparison.
 """
 
 import io
@@ -21,9 +21,9 @@ import pytest
 
 from paro_jax.cluster.launch import launch
 from paro_jax.cluster.netns import NS_PREFIX
+from tests.fast_compile import FAST_COMPILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 def launch_on_loopback(argv) -> tuple[str, str]:

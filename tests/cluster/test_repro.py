@@ -18,9 +18,9 @@ import pytest
 
 from paro_jax.cluster.gloo_rs import NOTE
 from paro_jax.cluster.launch import launch
+from tests.fast_compile import FAST_COMPILE  # the same flags in both runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAST_COMPILE = "--xla_backend_optimization_level=0"  # same flag in both runs
 
 
 def _env():

@@ -22,6 +22,7 @@ import pytest
 from tests.cluster.repro_bound import multiprocess_bound
 
 from tests.cluster import slurm_cluster as slurm
+from tests.fast_compile import FAST_COMPILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,7 +53,7 @@ RTOL = multiprocess_bound()  # measured: two-process fp32 runs are not bit-repro
 
 def _env(**extra) -> dict:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "SLURM_CONF")}
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # the same on both sides
+  env["XLA_FLAGS"] = FAST_COMPILE  # the same on both sides
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
   env["PATH"] = os.pathsep.join((os.path.dirname(sys.executable), env.get("PATH", "")))

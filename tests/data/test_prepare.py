@@ -20,6 +20,7 @@ from paro_jax.data.config import DataConfig
 
 from paro_jax.data.streams import Batches, load_tokens, split_eval, TokenStream
 from paro_jax.data.prepare import prepare_data
+from tests.fast_compile import FAST_COMPILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -269,7 +270,7 @@ def test_a_shard_truncated_while_training_is_one_line_and_keeps_the_steps(tmp_pa
   train += ["--data", str(shards / "*.bin"), "--eval-fraction", "0", "--out", str(out)]
   # As a user runs it (conftest's JAX_PLATFORMS would let JAX's CUDA plugin log its lines).
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  env["XLA_FLAGS"] = FAST_COMPILE
   proc = subprocess.Popen(
     [*train, "--steps", "100000"], cwd=REPO, env=env, stdout=subprocess.PIPE,
     stderr=subprocess.PIPE, text=True,

@@ -36,6 +36,7 @@ from paro_jax.core.run_lock import LOCK
 from paro_jax.run.stopping import NonFiniteSteps
 from paro_jax.run.train import train
 from tests.run.tiny_run import RUN, losses
+from tests.fast_compile import FAST_COMPILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -566,7 +567,7 @@ def test_a_first_save_on_a_full_disk_is_one_line_saying_what_is_lost(small_disk,
   steps trained so far are not saved; no traceback, no asyncio report."""
   free = shutil.disk_usage(small_disk).free
   (small_disk / "filler").write_bytes(b"\0" * (free - 96 * 1024))  # room for metrics only
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}  # the CLI adds its device count
   cmd = [sys.executable, "-m", "paro_jax", "train", "--model", "test", "--mesh", "2x4"]
   cmd += ["--batch-size", "8", "--seq-len", "16", "--dtype", "fp32", "--warmup", "1"]
   cmd += ["--steps", "2", "--checkpoint-every", str(every), "--out", str(small_disk / "run")]

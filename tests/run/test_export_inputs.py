@@ -27,6 +27,7 @@ from paro_jax.run import checkpoint_restore
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.run.stops import GENERATION_CONFIG
 from tests.run.test_sft import CHAT_MODEL, FP32, chat_records, write_jsonl
+from tests.fast_compile import FAST_COMPILE
 
 EOS, BOS = 296, 295
 FLAGS = ["--mesh", "2x4", "--batch-size", "8", "--seq-len", "128", *FP32]
@@ -254,7 +255,7 @@ def test_export_and_eval_of_a_run_still_saving(tmp_path, capsys):
   text = str(tmp_path / "text.txt")
   with open(text, "w") as f:
     f.write("the harbour master kept a logbook every morning. " * 20)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}  # the CLI adds its device count
   cmd = [sys.executable, "-m", "paro_jax", "train", "--model", "test", "--mesh", "1x2"]
   cmd += ["--batch-size", "2", "--seq-len", "16", "--dtype", "fp32", "--warmup", "1"]
   cmd += ["--steps", "100000", "--checkpoint-every", "1", "--keep", "1", "--out", str(out)]

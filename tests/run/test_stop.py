@@ -12,12 +12,14 @@ import time
 
 import pytest
 
+from tests.fast_compile import FAST_COMPILE
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = tempfile.mkdtemp(prefix="paro-jax-jit-")  # later processes hit the first one's compile
 
 
 def _start(out, *extra, steps=2000):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}  # the CLI adds its device count
   env["JAX_COMPILATION_CACHE_DIR"] = CACHE
   # python -m paro_jax (paro_jax/__main__.py), as the launchers run it
   cmd = [sys.executable, "-m", "paro_jax", "train", "--model", "test", "--mesh", "2x4"]
