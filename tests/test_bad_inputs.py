@@ -12,6 +12,7 @@ import pytest
 
 from paro_jax import cli
 from paro_jax.cli import main
+from tests.fast_compile import FAST_COMPILE
 
 TRAIN = ["train", "--model", "test", "--steps", "1", "--warmup", "1", "--batch-size", "8"]
 PLAN = ["plan", "--model", "tiny", "--nodes", "2"]
@@ -250,7 +251,8 @@ def test_first_save_on_a_full_disk_is_one_line(small_tmpfs):
 
   # As a user runs it: the CLI picks the platform (conftest's JAX_PLATFORMS would let JAX's
   # CUDA plugin, where installed, log its cudart lines).
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env["XLA_FLAGS"] = FAST_COMPILE  # the CLI adds its device count
   argv = [*TRAIN, "--mesh", "1x2", "--seq-len", "16", "--out", str(small_tmpfs / "run")]
   proc = subprocess.run(
     [sys.executable, "-m", "paro_jax", *argv],

@@ -7,14 +7,15 @@ import sys
 import jax
 import pytest
 
+from tests.fast_compile import FAST_COMPILE
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "experiments", "gpu_measure.py")
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
 
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-  env = {**os.environ, "PYTHONPATH": REPO}
-  env.pop("XLA_FLAGS", None)
+  env = {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": FAST_COMPILE}  # it adds its devices
   return subprocess.run(
     [sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=timeout
   )
