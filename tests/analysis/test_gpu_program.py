@@ -313,20 +313,29 @@ def test_every_horing_step_has_both_levels_in_flight(strategy):
   assert all(c["async"] for c in o["collectives"] if c["horing"])
 
 
-def test_every_horing_step_in_flight_as_the_cli_compiles():
+def test_every_horing_step_in_flight_as_the_cli_compiles(tmp_path):
   """`paro-jax inspect --target` sets XLA's network model (gpus_per_node, analysis/estimate.py),
   whose costs change the schedule: a chain of the head's norm scale alone (a few hundred bytes
   per step) had one step whose inter permute XLA started only after its intra sub-round had
   finished (GGG, A=2: 6 of 7 steps here, 203 of 204 on 7b). A module's leaves now make one
-  chain (core/shards.py make_gather), and every step has both levels in flight."""
+  chain (core/shards.py make_gather), and every step has both levels in flight. The same run
+  checks the CLI's report: the target's name in any case, the JSON's keys, --hlo-out."""
+  hlo = tmp_path / "step.hlo"
   proc = _cli(
-    "--target", "h100", "--mesh", "2x4", "--model", MODEL, "--strategy", "GGG",
+    "--target", "H100", "--mesh", "2x4", "--model", MODEL, "--strategy", "GGG",
     "--collectives", "horing", "--micro-batches", "2", "--batch-size", str(BATCH),
-    "--seq-len", "128", "--json",
+    "--seq-len", "128", "--json", "--hlo-out", str(hlo),
   )  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-3000:]
-  o = json.loads(proc.stdout)["overlap"]
+  r = json.loads(proc.stdout)
+  o = r["overlap"]
   assert o["horing_steps"] > 0 and o["horing_steps_concurrent"] == o["horing_steps"], o
+  assert r["target"] == "h100" and "collective_bytes_fraction" in o
+  for key in ("compiled_bytes", "planned_bytes", "device_bytes"):
+    assert r["memory"][key] > 0
+  text = hlo.read_text()
+  assert "ENTRY" in text and "collective-permute-start" in text  # the scheduled GPU program
+  assert "kAsyncStart" in (tmp_path / "step.hlo.thunk_sequence.txt").read_text()
 
 
 def test_async_to_sync_conversion_would_serialize_horing_steps():
@@ -348,24 +357,6 @@ def _cli(*args):
     cwd=REPO,
     timeout=600,
   )
-
-
-def test_inspect_target_json_and_hlo_out(tmp_path):
-  hlo = tmp_path / "step.hlo"
-  proc = _cli(
-    "--target", "H100", "--mesh", "2x4", "--model", MODEL, "--strategy", "IIG",
-    "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--json", "--hlo-out", str(hlo),
-  )  # fmt: skip
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  r = json.loads(proc.stdout)
-  assert r["target"] == "h100"
-  for key in ("collective_bytes_fraction", "horing_steps", "horing_steps_concurrent"):
-    assert key in r["overlap"]
-  for key in ("compiled_bytes", "planned_bytes", "device_bytes"):
-    assert r["memory"][key] > 0
-  text = hlo.read_text()
-  assert "ENTRY" in text and "all-gather-start" in text  # the scheduled GPU program
-  assert "kAsyncStart" in (tmp_path / "step.hlo.thunk_sequence.txt").read_text()
 
 
 @pytest.mark.parametrize(
