@@ -15,9 +15,13 @@ from experiments import outer_vs_paro_page as page_text
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(REPO, "experiments", "results")
 # the 100 Mbit/s link (every configuration), the 1 Gbit/s link (a selection), a few
-# configurations at 10 Gbit/s, on 4 nodes x 2 devices at 1 Gbit/s and with `small` at 1 Gbit/s
+# configurations at 10 Gbit/s and on 4 nodes x 2 devices at 1 Gbit/s; the same with `small`
 PAGES = ["outer_vs_paro", "outer_vs_paro_1gbit", "outer_vs_paro_10gbit", "outer_vs_paro_1gbit_4x2"]
-PAGES += ["outer_vs_paro_small_1gbit"]
+PAGES += [
+  "outer_vs_paro_small_1gbit",
+  "outer_vs_paro_small_10gbit",
+  "outer_vs_paro_small_1gbit_4x2",
+]
 pages = pytest.mark.parametrize("page", PAGES)
 
 
