@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+
 from tests.fast_compile import FAST_COMPILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 import pytest
+from etils import epath
 
 from models.llama import Llama
 from models.config import get_config
