@@ -139,8 +139,21 @@ def all_gather(x, axes, *, dim: int, impl: str = "xla", wire=None):
     return ag_c(to_varying(x, axes), axes, dim, impl, wire)
   impl = concrete_impl(impl, axes)
   if impl == "xla":
-    return lax.all_gather(x, lax_axes(axes), axis=dim, tiled=True)
+    return _xla_all_gather(x, axes, dim)
   return stacked.ag(to_varying(x, axes), axes, dim, impl)
+
+
+def _xla_all_gather(x, axes, dim: int):
+  """`lax.all_gather(x, axes, axis=dim, tiled=True)`, gathered along a new leading axis and the
+  devices' blocks then moved into place. Gathered along a minor dimension, XLA picks the
+  operand's layout for the collective, and where `x` is cut from a loop's invariant (the loss's
+  vocabulary tiles of a tied table sharded along D) it lays the whole invariant out transposed
+  once, beside it (the Llama 3.2 1B shape's LoRA step on ING 2x4 compiled for H100: 125 MiB per
+  device; temporaries 383 -> 355 MiB). Along a new leading axis `x` keeps its own layout."""
+  if dim == 0:
+    return lax.all_gather(x, lax_axes(axes), axis=0, tiled=True)
+  blocks = jnp.moveaxis(lax.all_gather(x, lax_axes(axes), axis=0), 0, dim)
+  return blocks.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 1 :])
 
 
 def reduce_scatter(x, axes, *, dim: int, impl: str = "xla", wire=None):
