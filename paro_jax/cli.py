@@ -15,7 +15,7 @@ from paro_jax.cluster import distributed, launch_command, watch
 from paro_jax.cluster.restart import _flag
 from paro_jax.core.flags import HelpFormatter, Invocation, check_shape, note_cpu_platform
 from paro_jax.core.names import parse_mesh_shape
-from paro_jax.core.xla_flags import add_xla_flags, provide_cpu_devices
+from paro_jax.core.xla_flags import CPU_MEMORY_FIRST_FLAGS, add_xla_flags, provide_cpu_devices
 from paro_jax.data import prepare_command
 from paro_jax.run import eval_command, export_command, generate_command, plot, train_command
 
@@ -111,6 +111,12 @@ def _log_place(args, child_argv: list[str]) -> tuple[str | None, str]:
   return None, report.LOG_NAME
 
 
+def cpu_flags(args) -> tuple[str, ...]:
+  """XLA:CPU's flags for this process: a LoRA run's kernels in the memory-first order
+  (xla_flags.CPU_MEMORY_FIRST_FLAGS; they shape nothing where a GPU is the backend)."""
+  return CPU_MEMORY_FIRST_FLAGS if args.command == "train" and getattr(args, "lora.rank", 0) else ()
+
+
 def _set_up_devices(args, inv: Invocation) -> None:
   """This process's devices (virtual CPU devices for --mesh), the XLA flags, and the join of a
   multi-process run, before anything uses a device."""
@@ -136,6 +142,7 @@ def _set_up_devices(args, inv: Invocation) -> None:
         f"large GPU cluster without its devices"
       )
     provide_cpu_devices(per_process)
+    add_xla_flags(cpu_flags(args))
   check_shape(args, mesh)
   add_xla_flags()  # GPU collective overlap (HO-Ring); harmless elsewhere
   beat = getattr(args, "heartbeat_timeout", 0.0)

@@ -31,6 +31,16 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # pass: its stacks are the fp32 master, with no convert to hoist.
 CPU_BF16_WEIGHTS_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
+# XLA:CPU orders a device's kernels, by default, so that independent ones can run side by side,
+# at a cost in memory. In a LoRA step it converts each rematerialised layer's gathered bf16
+# weights to f32 all at once before the layer's first product and keeps those copies for its
+# backward's products: a layer held in f32 beside the next one in bf16 (the Llama 3.2 1B
+# shape's LoRA step on ING 2x4, temporaries per device: 398 MiB, 257 in the memory-first order;
+# two gathered layers in bf16 are 243). XLA:CPU reads the flag from XLA_FLAGS only (a program's
+# compiler_options leave it as it is, jax 0.10.2), so it is set for the whole process of a LoRA
+# run (cli.py), where the memory is the point: the same step runs slower in this order.
+CPU_MEMORY_FIRST_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+
 
 def bf16_weights_options(mesh) -> dict | None:
   """`jax.jit`'s compiler_options for a program on `mesh` whose layer loops carry bf16 weights:

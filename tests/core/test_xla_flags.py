@@ -2,7 +2,8 @@ import os
 import subprocess
 import sys
 
-from paro_jax.core.xla_flags import GPU_OVERLAP_FLAGS, add_xla_flags
+from paro_jax import cli
+from paro_jax.core.xla_flags import CPU_MEMORY_FIRST_FLAGS, GPU_OVERLAP_FLAGS, add_xla_flags
 
 PROGRAM = "import jax, jax.numpy as jnp; print(float(jnp.ones(3).sum()))"
 
@@ -28,3 +29,40 @@ def test_add_xla_flags_keeps_user_settings(monkeypatch):
   assert added == ["--xla_b=1"]
   assert "overlap_limit=4" in os.environ["XLA_FLAGS"]
   assert "overlap_limit=2" not in os.environ["XLA_FLAGS"]
+
+
+# A product of each of six bf16 weights, differentiated: XLA:CPU converts each weight to f32, and
+# the default order converts all six before the first product and keeps the copies for the
+# backward's products (the LoRA step's layer, in small).
+SCHEDULED = """
+import jax, jax.numpy as jnp
+def f(ws, x):
+  return sum(jnp.tanh(x @ w.astype(jnp.float32)).sum() for w in ws)
+ws = [jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)] * 6
+x = jax.ShapeDtypeStruct((16, 512), jnp.float32)
+compiled = jax.jit(jax.grad(f, argnums=1)).lower(ws, x).compile()
+print(compiled.memory_analysis().temp_size_in_bytes)
+"""
+
+
+def _temporaries(xla_flags: str) -> int:
+  env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
+  done = subprocess.run(
+    [sys.executable, "-c", SCHEDULED], env=env, capture_output=True, text=True, timeout=120
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  return int(done.stdout.split()[-1])
+
+
+def test_memory_first_order_holds_one_f32_weight_at_a_time():
+  weight_f32 = 512 * 512 * 4
+  default, memory_first = _temporaries(""), _temporaries(" ".join(CPU_MEMORY_FIRST_FLAGS))
+  assert default >= 6 * weight_f32  # every weight's f32 copy at once
+  assert memory_first < 2 * weight_f32, (default, memory_first)
+
+
+def test_only_a_lora_run_asks_for_the_memory_first_order():
+  lora = cli._parse(["train", "--lora-rank", "8", "--mesh", "2x4"])
+  full = cli._parse(["train", "--mesh", "2x4"])
+  assert cli.cpu_flags(lora) == CPU_MEMORY_FIRST_FLAGS
+  assert cli.cpu_flags(full) == ()
