@@ -105,12 +105,29 @@ def _names(path) -> tuple:
   return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
 
 
-def cast_like(target):
-  """A function converting a state (as written) to the dtypes of `target`; bf16 to fp32 is
-  exact, so resume and export see the same values whichever dtype they run in."""
+def cast_like(target, shardings):
+  """A function converting a state (as written) to the dtypes of `target` at `shardings`; bf16
+  to fp32 is exact, so resume and export see the same values whichever dtype they run in. A
+  leaf already in its dtype and at its sharding is handed on as it is: through a program it
+  would be copied (a LoRA run's frozen base, most of the state's bytes, twice at once)."""
 
   def cast(state):
-    return jax.tree.map(lambda x, t: x.astype(t.dtype), state, target)
+    xs, treedef = jax.tree.flatten(state)
+    dtypes = [t.dtype for t in treedef.flatten_up_to(target)]
+    places = treedef.flatten_up_to(shardings)
+    moved = [
+      i
+      for i, (x, d, s) in enumerate(zip(xs, dtypes, places))
+      if x.dtype != d or not isinstance(x, jax.Array) or not x.sharding.is_equivalent_to(s, x.ndim)
+    ]
+    if moved:
+      convert = jax.jit(
+        lambda ys: [y.astype(dtypes[i]) for y, i in zip(ys, moved)],
+        out_shardings=[places[i] for i in moved],
+      )
+      for i, y in zip(moved, convert([xs[i] for i in moved])):
+        xs[i] = y
+    return treedef.unflatten(xs)
 
   return cast
 

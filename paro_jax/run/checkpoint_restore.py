@@ -9,7 +9,6 @@ import os
 import time
 import warnings
 
-import jax
 import orbax.checkpoint as ocp
 
 from paro_jax.cluster.agree import Agreement, agreed_steps, local_verdict
@@ -114,9 +113,7 @@ class Restorer:
         f"without --resume first (it saves checkpoints there)"
       )
     target = abstract_state(engine)
-    to_target = jax.jit(
-      cast_like(target), out_shardings=engine.state_shardings._replace(weights=None)
-    )
+    to_target = cast_like(target, engine.state_shardings._replace(weights=None))
     parts = None if not weights_only else ("master", "frozen") if frozen else ("master",)
     failures, gone = [], []  # (step, error) of the damaged ones; the steps deleted while read
     deadline = time.monotonic() + RELIST_SECONDS

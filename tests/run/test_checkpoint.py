@@ -667,3 +667,24 @@ def test_a_step_rotated_away_while_listed_is_left_out(straight, tmp_path, monkey
   monkeypatch.setattr(path_type, "is_dir", rotated_while_read)
   assert Checkpointer(str(directory), read_only=True).steps() == [2, 6]
   assert not os.path.exists(victim)  # the deletion happened inside the listing
+
+
+def test_restored_leaves_in_their_dtype_are_not_copied():
+  """A restored state is cast to the engine's dtypes leaf by leaf: a leaf already in its dtype
+  and at its sharding (a LoRA run's frozen base) is the restored array itself, not a copy."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from paro_jax.run.checkpoint_content import cast_like
+
+  mesh = jax.make_mesh((2,), ("intra",), devices=jax.devices()[:2])
+  split, whole = NamedSharding(mesh, PartitionSpec("intra")), NamedSharding(mesh, PartitionSpec())
+  base = jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), split)
+  master = jax.device_put(jnp.arange(4, dtype=jnp.bfloat16), whole)
+  target = {
+    "base": jax.ShapeDtypeStruct((8,), jnp.bfloat16),
+    "master": jax.ShapeDtypeStruct((4,), jnp.float32),
+  }
+  cast = cast_like(target, {"base": split, "master": split})({"base": base, "master": master})
+  assert cast["base"] is base
+  assert cast["master"].dtype == jnp.float32 and cast["master"].sharding == split
+  np.testing.assert_array_equal(np.asarray(cast["master"]), np.arange(4))
