@@ -8,10 +8,10 @@ from paro_jax.core.xla_flags import CPU_MEMORY_FIRST_FLAGS, GPU_OVERLAP_FLAGS, a
 PROGRAM = "import jax, jax.numpy as jnp; print(float(jnp.ones(3).sum()))"
 
 
-def start_jax(xla_flags: str) -> subprocess.CompletedProcess:
+def start_jax(xla_flags: str, program: str = PROGRAM) -> subprocess.CompletedProcess:
   env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
   return subprocess.run(
-    [sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=120
+    [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120
   )
 
 
@@ -46,10 +46,7 @@ print(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def _temporaries(xla_flags: str) -> int:
-  env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
-  done = subprocess.run(
-    [sys.executable, "-c", SCHEDULED], env=env, capture_output=True, text=True, timeout=120
-  )
+  done = start_jax(xla_flags, SCHEDULED)
   assert done.returncode == 0, done.stderr[-2000:]
   return int(done.stdout.split()[-1])
 

@@ -13,6 +13,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -21,7 +22,7 @@ from etils import epath
 from models.llama import Llama
 from models.config import get_config
 from paro_jax.run.checkpoint import Checkpointer
-from paro_jax.run.checkpoint_content import RunMeta
+from paro_jax.run.checkpoint_content import RunMeta, cast_like
 from paro_jax.run.checksums import NonFiniteStateError
 from paro_jax.run.checkpoint_errors import CheckpointError
 from paro_jax.data.streams import Batches, default_corpus
@@ -672,10 +673,6 @@ def test_a_step_rotated_away_while_listed_is_left_out(straight, tmp_path, monkey
 def test_restored_leaves_in_their_dtype_are_not_copied():
   """A restored state is cast to the engine's dtypes leaf by leaf: a leaf already in its dtype
   and at its sharding (a LoRA run's frozen base) is the restored array itself, not a copy."""
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  from paro_jax.run.checkpoint_content import cast_like
-
   mesh = jax.make_mesh((2,), ("intra",), devices=jax.devices()[:2])
   split, whole = NamedSharding(mesh, PartitionSpec("intra")), NamedSharding(mesh, PartitionSpec())
   base = jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), split)
