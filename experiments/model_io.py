@@ -142,10 +142,11 @@ def time_import(directory: str, repeats: int) -> dict:
   return {what: min(times) for what, times in seconds.items()}
 
 
-def _time_import_child(directory: str, tree: str, extra: tuple = ()) -> dict:
-  """`time-import` of `directory` in a child process with `tree`'s code first on the path."""
+def _time_child(what: str, directory: str, tree: str, extra: tuple = ()) -> dict:
+  """`what` (time-import, time-export) of `directory` in a child process with `tree`'s code
+  first on the path."""
   child = subprocess.run(
-    [sys.executable, os.path.abspath(__file__), "time-import", "--dir", directory, *extra],
+    [sys.executable, os.path.abspath(__file__), what, "--dir", directory, *extra],
     env={**os.environ, "PYTHONPATH": tree},
     capture_output=True,
     text=True,
@@ -156,13 +157,18 @@ def _time_import_child(directory: str, tree: str, extra: tuple = ()) -> dict:
 
 
 def import_page(args) -> None:
-  """time-import of --base's code (before, if given) and of this tree's (after), one child
-  process each, one after the other: written into the record in --out as `import_time`, with
-  the load average of the machine's other work around them, and its page written again."""
+  """time-import and time-export of --base's code (before, if given) and of this tree's (after),
+  one child process each, one after the other: written into the record in --out as
+  `import_time`, with the load average of the machine's other work around them, and its page
+  written again."""
   rows = []
   for code, tree in ((("before", args.base),) if args.base else ()) + (("after", ROOT),):
     load = os.getloadavg()[0]
-    seconds = _time_import_child(args.dir, tree, ["--repeats", str(args.repeats), "--code", tree])
+    extra = ["--repeats", str(args.repeats), "--code", tree]
+    seconds = {
+      **_time_child("time-import", args.dir, tree, extra),
+      **_time_child("time-export", args.dir, tree, extra),
+    }
     load = round(max(load, os.getloadavg()[0]), 1)
     rows.append({"code": code, "tree": tree, "seconds": seconds, "load_average": load})
     print(json.dumps(rows[-1]), flush=True)
@@ -182,10 +188,12 @@ def import_page(args) -> None:
   write_page(args.out, record, "model_io.json", page(record), "README.md")
 
 
-def time_export(directory: str, out: str) -> dict:
-  """In this process (one device): safetensors' write of every tensor of
-  `directory` (each file read whole, then written to `out`), then stream_hf of the model
-  imported on 1x1 in bf16, written to `out` in bf16; each once untimed first."""
+def time_export(directory: str, out: str, repeats: int) -> dict:
+  """In this process (one device): safetensors' write of every file of `directory` (its tensors
+  read first, untimed), then stream_hf of the model imported on 1x1 in bf16, to `out` in bf16;
+  each once untimed, then `repeats` times in turn, the least kept. Each timed from a clean start
+  (`sync` first) to its bytes on the disk (`sync` last), of tensors made afresh: on this VM the
+  kernel wrote a buffer it had written before several times faster than a fresh one."""
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
   os.environ["JAX_PLATFORMS"] = "cpu"
   import shutil
@@ -200,34 +208,35 @@ def time_export(directory: str, out: str) -> dict:
   cfg, load = _importer(directory)
   params = load(make_mesh(1, 1), Placement.N)
 
-  def write_all():
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
+  def synced(write) -> float:
+    os.sync()
+    start = time.perf_counter()
+    write()
+    os.sync()
+    return time.perf_counter() - start
+
+  def write_all() -> float:
+    seconds = 0.0
     for path in weight_files(directory):
       tensors = load_file(path)
-      start = time.perf_counter()
-      save_file(tensors, os.path.join(out, os.path.basename(path)), metadata={"format": "pt"})
-      seconds[0] += time.perf_counter() - start
+      out_path = os.path.join(out, os.path.basename(path))
+      seconds += synced(lambda: save_file(tensors, out_path, metadata={"format": "pt"}))  # noqa: B023
+    return seconds
 
-  def export():
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    start = time.perf_counter()
-    stream_hf(cfg, params, out, dtype="bf16")
-    seconds[0] += time.perf_counter() - start
-
-  times = {}
-  for what, run in {
-    "safetensors save_file, every tensor": write_all,
-    "stream_hf bf16, 1x1": export,
-  }.items():
-    seconds = [0.0]
-    run()
-    seconds = [0.0]
-    run()
-    times[what] = round(seconds[0], 2)
+  cases = {
+    "safetensors save_file, every file": write_all,
+    "stream_hf bf16, 1x1": lambda: synced(lambda: stream_hf(cfg, params, out, dtype="bf16")),
+  }
+  seconds: dict = {what: [] for what in cases}
+  for n in range(repeats + 1):
+    for what, run in cases.items():
+      shutil.rmtree(out, ignore_errors=True)
+      os.makedirs(out)
+      took = run()
+      if n:  # the first untimed
+        seconds[what].append(round(took, 2))
   shutil.rmtree(out, ignore_errors=True)
-  return times
+  return {what: min(times) for what, times in seconds.items()}
 
 
 def import_peak(directory: str, devices: int) -> dict:
@@ -326,7 +335,7 @@ def measure(args) -> None:
       raise SystemExit(done.stderr[-3000:])
     peaks.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(json.dumps(peaks[-1]), flush=True)
-  seconds = _time_import_child(args.dir, ROOT)
+  seconds = _time_child("time-import", args.dir, ROOT)
   size = sum(os.path.getsize(os.path.join(args.dir, n)) for n in os.listdir(args.dir))
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
   record = {
@@ -432,6 +441,20 @@ def page(r: dict) -> str:
         f"| {row['code']} | {row['load_average']} | {sec[0]} | {sec[1]} | {sec[1] / sec[0]:.1f} | "
         f"{sec[2]} | {sec[2] / sec[0]:.1f} |"
       )
+    exports = [row for row in t["rows"] if len(row["seconds"]) == 5]
+    lines += [
+      "",
+      "The export in the same child: safetensors' `save_file` of every file of the directory",
+      "(each read first, untimed), then `stream_hf` of the model imported on 1x1, in bf16; each",
+      "timed from a `sync` to its bytes on the disk (a second `sync`), of tensors made afresh,",
+      f"once untimed, then {t['repeats']} times in turn, the least kept.",
+      "",
+      "| code | safetensors write (s) | export 1x1 (s) | x safetensors |",
+      "|---|---|---|---|",
+    ] * bool(exports)
+    for row in exports:
+      write, export = list(row["seconds"].values())[3:]
+      lines.append(f"| {row['code']} | {write} | {export} | {export / write:.1f} |")
   if "notes" in r:  # written after the runs, kept in the record so that a run keeps them
     lines += ["", "## Notes (written after the runs)", "", *r["notes"]]
   return "\n".join(lines) + "\n"
@@ -439,24 +462,21 @@ def page(r: dict) -> str:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument(
-    "what",
-    choices=["make", "measure", "weights-stages", "time-import", "import-page", "time-export"]
-    + ["import-peak"],
-  )
+  what = "make measure weights-stages time-import import-page time-export import-peak"
+  p.add_argument("what", choices=what.split())
   p.add_argument("--devices", type=int, default=8, help="import-peak: 1x1 or 1xN")
-  p.add_argument(
-    "--export-to", default="/tmp/model_io_export", help="time-export: emptied, then removed"
-  )
+  p.add_argument("--export-to", default="/tmp/model_io_export", help="time-export: emptied")
   p.add_argument("--dir", required=True)
   p.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="make: the model's shape")
   p.add_argument("--base", help="a tree of the code of before (git archive BASE)")
   p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "model_io"))
   p.add_argument("--cap", type=int, default=12)
-  p.add_argument("--repeats", type=int, default=3, help="time-import: the least of this many")
-  p.add_argument("--code", help="time-import: the tree whose paro_jax is timed (default: this)")
+  p.add_argument("--repeats", type=int, default=3, help="time-import, -export: the least of")
+  p.add_argument("--code", help="time-import, -export: the tree whose paro_jax is timed")
   p.add_argument("--base-commit", default="", help="the commit --base was made from")
   args = p.parse_args()
+  if args.code:
+    sys.path.insert(0, os.path.abspath(args.code))
   if args.what == "make":
     make(args.dir, args.shape)
   elif args.what == "weights-stages":
@@ -464,13 +484,11 @@ def main() -> None:
   elif args.what == "import-peak":
     print(json.dumps(import_peak(args.dir, args.devices)))
   elif args.what == "time-import":
-    if args.code:
-      sys.path.insert(0, os.path.abspath(args.code))
     print(json.dumps(time_import(args.dir, args.repeats)))
   elif args.what == "import-page":
     import_page(args)
   elif args.what == "time-export":
-    print(json.dumps(time_export(args.dir, args.export_to)))
+    print(json.dumps(time_export(args.dir, args.export_to, args.repeats)))
   else:
     measure(args)
 

@@ -53,6 +53,11 @@ def _order(axes: Axes) -> list[int]:
   return [flat.index(n) for n in axes.ours]
 
 
+def in_order(axes: Axes) -> bool:
+  """Whether our axes are the HF names in their order: each layout is then a reshape."""
+  return [n for group in axes.hf for n in group] == list(axes.ours)
+
+
 def to_ours(w: np.ndarray, axes: Axes, sizes: dict) -> np.ndarray:
   """A whole HF tensor in our layout."""
   split = [sizes[n] for group in axes.hf for n in group]

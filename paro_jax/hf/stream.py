@@ -5,13 +5,13 @@ its file, each device's block as stored (`hf_shardings`: the block of the HF ten
 leaf's sharding puts on that device, or, where that block's rows would be runs too short to
 read fast, a range of whole rows), in pieces along the HF axis that holds our first axis where
 no placement splits it (`_pieces`: some 4M elements of a device's block each), and placed with
-`jax.make_array_from_callback`. One jitted function per kind of piece then converts it on the
-devices (`_convert`): the NaN/Inf check (one reduction), the exchange of row blocks where they
-were read so (XLA's all-to-all), our layout's reshape and transpose (hf/layout.py `to_ours`),
-the cast to the asked dtype; another writes it into place (`_put`: into its leaf's stack,
-donated, in place). XLA's tiled transposes run some ten times faster than numpy's strided copy
-of the same block. A leaf too small to be worth its compiles is converted on the host instead
-(`_on_host`).
+`jax.make_array_from_callback`. On the devices, one jitted function checks it for NaN/Inf
+(`_non_finite`: one reduction), one per kind of piece converts it (`_convert`: the exchange of
+row blocks where they were read so (XLA's all-to-all), our layout's reshape and transpose
+(hf/layout.py `to_ours`), the cast to the asked dtype), and another writes it into place
+(`_put`: into its leaf's stack, donated, in place). XLA's tiled transposes run some ten times
+faster than numpy's strided copy of the same block. A leaf too small to be worth its compiles
+is converted on the host instead (`_on_host`).
 
 Where the time goes, on the 2-core CPU machine of experiments/model_io.py (a VM where the
 kernel's first touch of fresh memory runs at ~1.3 GB/s, a copy into touched memory at 10):
@@ -222,19 +222,23 @@ def _jit(fn, out_shardings, donate: bool = False, **static):
   )
 
 
+def _non_finite(x):
+  """Whether `x` holds NaN or Inf: its own program, apart from the conversion (`_convert`). On
+  XLA:CPU a program that gives a transpose beside any other output lays the transpose out as a
+  strided copy, some four times slower than the tiled transpose it makes of a transpose alone
+  (the same with an optimization barrier between them)."""
+  return ~jnp.isfinite(x).all()
+
+
 def _convert(x, layout: tuple, dtype, resharded):
-  """(HF rows `x` in our layout (`layout`: the pattern's Axes and the piece's sizes) and
-  `dtype`; whether `x` holds NaN or Inf). The barrier keeps the check its own kernel: fused
-  with the transpose, it is one loop reading the source strided, several times slower. Its own
-  program, apart from the write into place (`_put`), for the same reason: XLA would fuse the
-  transpose into that write, a strided loop some ten times slower than its tiled transpose."""
+  """HF rows `x` in our layout (`layout`: the pattern's Axes and the piece's sizes) and `dtype`.
+  Its own program, apart from the write into place (`_put`), too: XLA would fuse the transpose
+  into that write, a strided loop some ten times slower than its tiled transpose."""
   axes, sizes = layout[0], dict(layout[1])
-  bad = ~jnp.isfinite(x).all()
-  x, bad = lax.optimization_barrier((jax.sharding.reshard(x, resharded), bad))
-  y = to_ours(x, axes, sizes)
+  y = to_ours(jax.sharding.reshard(x, resharded), axes, sizes)
   if y.dtype != dtype:  # via fp32, exactly as the whole-model path (fp16 -> bf16 included)
     y = lax.optimization_barrier(y).astype(jnp.float32).astype(dtype)
-  return y, bad
+  return y
 
 
 def _put(stack, y, at: tuple):
@@ -335,9 +339,9 @@ def import_hf(directory: str, cfg: LlamaConfig, shardings, dtype):
     for i, each in enumerate(names):
       for n, (start, stop) in enumerate(pieces.ranges(shape)):
         layout = (axes, tuple({**sizes, axes.ours[0]: (stop - start) // pieces.unit}.items()))
-        convert = _jit(_convert, (block, scalar), layout=layout, dtype=dtype, resharded=resharded)
+        convert = _jit(_convert, block, layout=layout, dtype=dtype, resharded=resharded)
         x = _read(tensors, each, reading, (pieces.axis, start, stop))
-        y, bad = convert(x)
+        bad, y = _jit(_non_finite, scalar)(x), convert(x)
         if stacked or count > 1:
           made = put(made, y, (*[i][:stacked], *[n][: count > 1]))
         else:

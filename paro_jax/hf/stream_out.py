@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 
 from models.config import LAYERS, LlamaConfig, LoraConfig
 from models.llama import LORA_SUFFIXES
-from paro_jax.hf.layout import hf_shape, to_hf
+from paro_jax.hf.layout import hf_shape, in_order, to_hf
 from paro_jax.hf.weights import (
   INDEX,
   MAX_SHARD_SIZE,
@@ -52,14 +52,19 @@ def _replicated(x: jax.Array) -> NamedSharding:
   return NamedSharding(x.sharding.mesh, PartitionSpec())
 
 
-def _to_file(w, layout, dtype):
-  """(`w`, fp32 in our layout, in the HF tensor's layout (`layout`: the pattern's Axes and its
-  sizes; None: ours) and `dtype`; whether it holds NaN or Inf), on the devices. The barrier
-  keeps the transpose out of a fusion with the cast and the check: XLA's fused loop reads
-  strided, several times slower than its tiled transpose."""
-  bad = ~jnp.isfinite(w).all()
-  w, bad = lax.optimization_barrier((w.astype(dtype), bad))
-  return (w if layout is None else to_hf(w, layout[0], dict(layout[1]))), bad
+def _to_file(w, dtype):
+  """(`w` (our layout) in `dtype`; whether that holds NaN or Inf: the source's, or a value the
+  cast took out of range), on the devices. The HF layout's transpose is a program of its own
+  (`_in_hf_layout`): on XLA:CPU a transpose given beside any other output, or after any other
+  work, is laid out as a strided copy, four times slower than the tiled transpose it makes of a
+  transpose alone."""
+  w = w.astype(dtype)
+  return w, ~jnp.isfinite(w).all()
+
+
+def _in_hf_layout(w, layout):
+  """`w` (ours) in the HF tensor's layout (`layout`: the pattern's Axes and its sizes)."""
+  return to_hf(w, layout[0], dict(layout[1]))
 
 
 def _product_spec(layer, a) -> PartitionSpec | None:
@@ -74,7 +79,7 @@ def _product_spec(layer, a) -> PartitionSpec | None:
   return PartitionSpec(spec[0], spec[k])
 
 
-def _merged(w, a, b, i, scale, layout, dtype):
+def _merged(w, a, b, i, scale, dtype):
   """Layer `i` of the stacked `w` with its adapters folded in, as `merge_lora` computes it:
   where the layer is (each device its block of the product, (alpha / r) A @ B over the small
   adapters, added to its block of W), not on every device whole."""
@@ -87,17 +92,15 @@ def _merged(w, a, b, i, scale, layout, dtype):
     b = jax.sharding.reshard(b, NamedSharding(mesh, PartitionSpec(None, spec[1])))
   delta = jnp.einsum("ir,ro->io", a.astype(jnp.float32), b.astype(jnp.float32)) * scale
   delta = delta.reshape(w.shape, out_sharding=jax.typeof(w).sharding)
-  return _to_file(w.astype(jnp.float32) + delta, layout, dtype)
+  return _to_file(w.astype(jnp.float32) + delta, dtype)
 
 
-def _whole(x, layout, dtype):
-  return _to_file(x.astype(jnp.float32), layout, dtype)
+def _whole(x, dtype):
+  return _to_file(x, dtype)
 
 
-def _layer(x, i, layout, dtype):
-  return _to_file(
-    jax.lax.dynamic_index_in_dim(x, i, keepdims=False).astype(jnp.float32), layout, dtype
-  )
+def _layer(x, i, dtype):
+  return _to_file(jax.lax.dynamic_index_in_dim(x, i, keepdims=False), dtype)
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -106,7 +109,7 @@ def _host(x: jax.Array) -> np.ndarray:
   return np.asarray(x) if x.is_fully_addressable else np.asarray(x.addressable_data(0))
 
 
-_STATIC = ("layout", "dtype")
+_STATIC = ("dtype",)
 
 
 def _gather(leaf, i, lora_of, scale, layout=None, dtype=np.float32) -> tuple[np.ndarray, bool]:
@@ -128,12 +131,16 @@ def _gather(leaf, i, lora_of, scale, layout=None, dtype=np.float32) -> tuple[np.
   if lora_of is not None:
     a, b = lora_of
     merge = jax.jit(_merged, static_argnames=("scale", *_STATIC), **whole)
-    w, bad = merge(leaf, a, b, i, scale=scale, layout=layout, dtype=dtype)
+    w, bad = merge(leaf, a, b, i, scale=scale, dtype=dtype)
   elif i is None:
-    w, bad = jax.jit(_whole, static_argnames=_STATIC, **whole)(leaf, layout, dtype)
+    w, bad = jax.jit(_whole, static_argnames=_STATIC, **whole)(leaf, dtype)
   else:
-    w, bad = jax.jit(_layer, static_argnames=_STATIC, **whole)(leaf, i, layout, dtype)
-  return _host(w), bool(bad)
+    w, bad = jax.jit(_layer, static_argnames=_STATIC, **whole)(leaf, i, dtype)
+  if layout is not None and not in_order(layout[0]):
+    one = {"out_shardings": out} if whole else {}
+    w = jax.jit(_in_hf_layout, static_argnames="layout", **one)(w, layout)
+  w = _host(w)  # a layout in our order is a reshape: a view of it here
+  return (w if layout is None else w.reshape(hf_shape(layout[0], dict(layout[1])))), bool(bad)
 
 
 def gather_adapters(master: dict) -> dict:

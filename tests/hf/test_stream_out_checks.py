@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 from paro_jax.core.mesh import make_mesh
 
 from paro_jax.hf import stream_out
+from paro_jax.hf.layout import parse
 from paro_jax.hf.stream_out import plan_shards, stream_hf
 from paro_jax.hf.weights import load_hf, tensor_table
 
@@ -76,9 +77,9 @@ def test_a_layer_is_merged_where_its_blocks_are(split):
   spec[split] = ("intra", "inter") if split != 2 else "intra"
   layer = NamedSharding(mesh, PartitionSpec(*spec))
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, PartitionSpec(*s)))  # noqa: E731
-  merged, bad = jax.jit(stream_out._merged, static_argnames=("scale", "layout", "dtype"))(
+  merged, bad = jax.jit(stream_out._merged, static_argnames=("scale", "dtype"))(
     jax.device_put(w, layer), put(a, [None, ("intra", "inter")]), put(b, []), 1,
-    scale=0.5, layout=None, dtype=jnp.dtype(jnp.float32),
+    scale=0.5, dtype=jnp.dtype(jnp.float32),
   )  # fmt: skip
   want = w[1] + 0.5 * (a[1] @ b[1]).reshape(8, 4, 16)
   np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-6, atol=1e-6)
@@ -89,3 +90,22 @@ def test_a_layer_is_merged_where_its_blocks_are(split):
   else:
     assert merged.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(*spec[1:])), 3)
     assert held == merged.nbytes
+
+
+@pytest.mark.parametrize("dtype, refused", [(np.float16, True), (np.float32, False)])
+def test_a_value_the_cast_takes_out_of_range_is_refused(dtype, refused):
+  """`_gather` checks the tensor as the file will hold it: 1e5 is finite in the fp32 master and
+  Inf in fp16 (its largest value is 65504). One layer of a stack split over the 8 devices, in
+  HF's layout (transposed) and as ours, equal to numpy's where it is finite."""
+  mesh = make_mesh(2, 4)
+  w = np.random.default_rng(0).standard_normal((2, 16, 8)).astype(np.float32)
+  w[1, 3, 5] = 1e5
+  leaf = jax.device_put(w, NamedSharding(mesh, PartitionSpec(None, ("inter", "intra"))))
+  axes = parse("f d -> d f")  # an MLP's up projection: HF (f, d), ours (d, f)
+  layout = (axes, (("f", 8), ("d", 16)))
+  got, bad = stream_out._gather(leaf, 1, None, 1.0, layout, dtype)
+  assert bad is refused and got.dtype == dtype and got.shape == (8, 16)
+  if not refused:
+    np.testing.assert_array_equal(got, w[1].T)
+  ours, _ = stream_out._gather(leaf, 1, None, 1.0, None, dtype)
+  assert ours.shape == (16, 8)
