@@ -26,6 +26,7 @@ this tree one after the other, and writes it into --out's page:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -42,6 +43,7 @@ from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 CAPPED = "/work/shared/tools/capped"
 # The shapes of `make`: Llama 3.2 1B and 3B (tied), Llama 3.1 8B (its own head).
 RUNS = [("1x8", "GGG"), ("1x1", "GGG")]
+WRITE, EXPORT = "safetensors save_file, every file", "stream_hf bf16, 1x1"  # time_export's
 
 
 def eval_run(tree: str, directory: str, mesh: str, strategy: str, cap: int, text: str) -> dict:
@@ -143,8 +145,7 @@ def time_import(directory: str, repeats: int) -> dict:
 
 
 def _time_child(what: str, directory: str, tree: str, extra: tuple = ()) -> dict:
-  """`what` (time-import, time-export) of `directory` in a child process with `tree`'s code
-  first on the path."""
+  """`what` (time-import, -export) of `directory` in a child with `tree`'s code on the path."""
   child = subprocess.run(
     [sys.executable, os.path.abspath(__file__), what, "--dir", directory, *extra],
     env={**os.environ, "PYTHONPATH": tree},
@@ -220,12 +221,12 @@ def time_export(directory: str, out: str, repeats: int) -> dict:
     for path in weight_files(directory):
       tensors = load_file(path)
       out_path = os.path.join(out, os.path.basename(path))
-      seconds += synced(lambda: save_file(tensors, out_path, metadata={"format": "pt"}))  # noqa: B023
+      seconds += synced(functools.partial(save_file, tensors, out_path, metadata={"format": "pt"}))
     return seconds
 
   cases = {
-    "safetensors save_file, every file": write_all,
-    "stream_hf bf16, 1x1": lambda: synced(lambda: stream_hf(cfg, params, out, dtype="bf16")),
+    WRITE: write_all,
+    EXPORT: lambda: synced(functools.partial(stream_hf, cfg, params, out, dtype="bf16")),
   }
   seconds: dict = {what: [] for what in cases}
   for n in range(repeats + 1):
@@ -441,20 +442,21 @@ def page(r: dict) -> str:
         f"| {row['code']} | {row['load_average']} | {sec[0]} | {sec[1]} | {sec[1] / sec[0]:.1f} | "
         f"{sec[2]} | {sec[2] / sec[0]:.1f} |"
       )
-    exports = [row for row in t["rows"] if len(row["seconds"]) == 5]
-    lines += [
-      "",
-      "The export in the same child: safetensors' `save_file` of every file of the directory",
-      "(each read first, untimed), then `stream_hf` of the model imported on 1x1, in bf16; each",
-      "timed from a `sync` to its bytes on the disk (a second `sync`), of tensors made afresh,",
-      f"once untimed, then {t['repeats']} times in turn, the least kept.",
-      "",
-      "| code | safetensors write (s) | export 1x1 (s) | x safetensors |",
-      "|---|---|---|---|",
-    ] * bool(exports)
-    for row in exports:
-      write, export = list(row["seconds"].values())[3:]
-      lines.append(f"| {row['code']} | {write} | {export} | {export / write:.1f} |")
+    exports = [row for row in t["rows"] if EXPORT in row["seconds"]]
+    if exports:
+      lines += [
+        "",
+        "The export in the same child: safetensors' `save_file` of every file of the directory",
+        "(each read first, untimed), then `stream_hf` of the model imported on 1x1, in bf16; each",
+        "timed from a `sync` to its bytes on the disk (a second `sync`), of tensors made afresh,",
+        f"once untimed, then {t['repeats']} times in turn, the least kept.",
+        "",
+        "| code | safetensors write (s) | export 1x1 (s) | x safetensors |",
+        "|---|---|---|---|",
+      ]
+      for row in exports:
+        write, export = row["seconds"][WRITE], row["seconds"][EXPORT]
+        lines.append(f"| {row['code']} | {write} | {export} | {export / write:.1f} |")
   if "notes" in r:  # written after the runs, kept in the record so that a run keeps them
     lines += ["", "## Notes (written after the runs)", "", *r["notes"]]
   return "\n".join(lines) + "\n"

@@ -55,7 +55,7 @@ def _order(axes: Axes) -> list[int]:
 
 def in_order(axes: Axes) -> bool:
   """Whether our axes are the HF names in their order: each layout is then a reshape."""
-  return [n for group in axes.hf for n in group] == list(axes.ours)
+  return _order(axes) == list(range(len(axes.ours)))
 
 
 def to_ours(w: np.ndarray, axes: Axes, sizes: dict) -> np.ndarray:

@@ -95,10 +95,6 @@ def _merged(w, a, b, i, scale, dtype):
   return _to_file(w.astype(jnp.float32) + delta, dtype)
 
 
-def _whole(x, dtype):
-  return _to_file(x, dtype)
-
-
 def _layer(x, i, dtype):
   return _to_file(jax.lax.dynamic_index_in_dim(x, i, keepdims=False), dtype)
 
@@ -133,7 +129,7 @@ def _gather(leaf, i, lora_of, scale, layout=None, dtype=np.float32) -> tuple[np.
     merge = jax.jit(_merged, static_argnames=("scale", *_STATIC), **whole)
     w, bad = merge(leaf, a, b, i, scale=scale, dtype=dtype)
   elif i is None:
-    w, bad = jax.jit(_whole, static_argnames=_STATIC, **whole)(leaf, dtype)
+    w, bad = jax.jit(_to_file, static_argnames=_STATIC, **whole)(leaf, dtype)
   else:
     w, bad = jax.jit(_layer, static_argnames=_STATIC, **whole)(leaf, i, dtype)
   if layout is not None and not in_order(layout[0]):
