@@ -224,6 +224,7 @@ def _print_run(r: dict, out: str) -> None:
 SUITE = (
   ("7b-L4-A1", 4, 1, "none"),
   ("7b-L4-A1-before", 4, 1, "all"),
+  ("io-1b", None, None, None),  # experiments/gpu_io.py: the import and export, not a step
   ("7b-L8-A2", 8, 2, "none"),
   ("7b-L8-A2-before", 8, 2, "all"),
   *((f"7b-L4-A1-old-{c}", 4, 1, c) for c in CHANGES_ON_ONE_GPU),
@@ -235,15 +236,24 @@ GOALS = {"7b-L4-A1": 0.10, "7b-L8-A2": 0.08}
 def suite(args, devices, out: str) -> int:
   """The SUITE's runs, each within the budget (a run is started only if the longest so far
   would still end before it), and one page: out/README.md."""
-  from experiments import gpu_variants
+  import jax
 
-  started, results, skipped = time.perf_counter(), [], []
+  from experiments import gpu_io, gpu_variants
+
+  started, results, skipped, io = time.perf_counter(), [], [], None
   longest = 0.0
   for name, layers, micro, old in SUITE:
     if args.only and name not in args.only.split(","):
       continue
-    if time.perf_counter() - started + longest > args.budget_s:
+    planned = gpu_io.SECONDS if name == gpu_io.NAME else longest
+    if time.perf_counter() - started + planned > args.budget_s:
       skipped.append(name)
+      continue
+    if name == gpu_io.NAME:
+      io = gpu_io.io_run(devices[0].device_kind, jax.__version__, args.dry_run)
+      with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(io, f, indent=1)
+      print(json.dumps(io), flush=True)
       continue
     run = argparse.Namespace(**{**vars(args), "layers": layers, "micro_batches": micro,
                                 "old": gpu_variants.parse(old)})  # fmt: skip
@@ -258,17 +268,20 @@ def suite(args, devices, out: str) -> int:
     _print_run(r, folder)
     results.append(r)
     longest = max(longest, r["wall_s"])
-  page = suite_page(results, skipped, args)
+  page = suite_page(results, skipped, args, io)
   with open(os.path.join(out, "README.md"), "w") as f:
     f.write(page)
   print(page)
   return 0
 
 
-def suite_page(results: list[dict], skipped: list[str], args) -> str:
+def suite_page(results: list[dict], skipped: list[str], args, io: dict | None = None) -> str:
   """The suite's results page: per run the measured step, MFU, kernels and estimate; the goals
-  (each run against its `-before`); the numerics (each run's losses against its `-before`'s)."""
-  first = results[0]
+  (each run against its `-before`); the numerics (each run's losses against its `-before`'s);
+  the import and export (`io`, experiments/gpu_io.py), where run."""
+  from experiments.gpu_io import io_lines
+
+  first = (results or [io])[0]  # (io has the device, jax and date of a step's run)
   ms = lambda s: f"{s * 1e3:.2f}"
   how = "one command"
   if args.dry_run:
@@ -321,6 +334,8 @@ def suite_page(results: list[dict], skipped: list[str], args) -> str:
       lines.append(f"- {r['name']}: undoing it alone makes 7b-L4-A1 {cost:+.1%} slower")
   if skipped:
     lines.append(f"- not run (the {args.budget_s:.0f} s budget): {', '.join(skipped)}")
+  if io:
+    lines += io_lines(io)
   return "\n".join(lines) + "\n"
 
 

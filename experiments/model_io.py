@@ -26,7 +26,6 @@ this tree one after the other, and writes it into --out's page:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -37,13 +36,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from experiments.io_timing import EIGHT, EXPORT, ONE, PLATFORMS, READ, WRITE  # noqa: E402
+from experiments.io_timing import importer, time_export, time_import  # noqa: E402
 from experiments.model_dirs import SHAPES, make  # noqa: E402
 from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 
 CAPPED = "/work/shared/tools/capped"
 # The shapes of `make`: Llama 3.2 1B and 3B (tied), Llama 3.1 8B (its own head).
 RUNS = [("1x8", "GGG"), ("1x1", "GGG")]
-WRITE, EXPORT = "safetensors save_file, every file", "stream_hf bf16, 1x1"  # time_export's
 
 
 def eval_run(tree: str, directory: str, mesh: str, strategy: str, cap: int, text: str) -> dict:
@@ -76,72 +76,6 @@ def eval_run(tree: str, directory: str, mesh: str, strategy: str, cap: int, text
     "score": score,
     "error": None if done.returncode == 0 else done.stderr.strip().splitlines()[-25:],
   }
-
-
-def _importer(directory: str):
-  """(the directory's LlamaConfig, `load(mesh, placement)`: import_hf of the whole model in bf16
-  at that placement, blocked on); jax already configured by the caller."""
-  import jax
-  import jax.numpy as jnp
-
-  from models.config import read_config
-  from models.llama import Llama
-  from paro_jax.core.sharding import named, shard_dims, tree_specs
-  from paro_jax.hf.stream import import_hf
-  from paro_jax.hf.weights import expected_shapes
-
-  cfg = read_config(directory)
-  shapes = jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-    expected_shapes(cfg),
-    is_leaf=lambda x: isinstance(x, tuple),
-  )
-  dims = shard_dims(Llama(cfg).logical_axes())
-
-  def load(mesh, placement):
-    target = named(mesh, tree_specs(shapes, dims, placement, mesh))
-    return jax.block_until_ready(import_hf(directory, cfg, target, jnp.bfloat16))
-
-  return cfg, load
-
-
-def time_import(directory: str, repeats: int) -> dict:
-  """In this process (8 virtual devices): safetensors' read of every tensor, then import_hf
-  in bf16 at 1x1 and at G on 1x8; each once untimed first (the files in the page cache, the
-  programs compiled), then timed `repeats` times in turn, the least of each kept (a shared
-  machine's other work only ever adds to a time)."""
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  import jax
-  from safetensors import safe_open
-
-  from paro_jax.core.mesh import make_mesh
-  from paro_jax.core.strategy import Placement
-  from paro_jax.hf.weights import weight_files
-
-  _, load = _importer(directory)
-
-  def read_all():
-    for path in weight_files(directory):
-      with safe_open(path, framework="numpy") as f:
-        for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
-          f.get_tensor(name)
-
-  one, eight = make_mesh(1, 1, devices=jax.devices()[:1]), make_mesh(1, 8)
-  cases = {
-    "safetensors get_tensor, every tensor": read_all,
-    "import_hf bf16, 1x1": lambda: load(one, Placement.N),
-    "import_hf bf16, G on 1x8": lambda: load(eight, Placement.G),
-  }
-  for run in cases.values():
-    run()
-  seconds: dict = {what: [] for what in cases}
-  for _ in range(repeats):
-    for what, run in cases.items():
-      start = time.perf_counter()
-      run()
-      seconds[what].append(round(time.perf_counter() - start, 2))
-  return {what: min(times) for what, times in seconds.items()}
 
 
 def _time_child(what: str, directory: str, tree: str, extra: tuple = ()) -> dict:
@@ -189,57 +123,6 @@ def import_page(args) -> None:
   write_page(args.out, record, "model_io.json", page(record), "README.md")
 
 
-def time_export(directory: str, out: str, repeats: int) -> dict:
-  """In this process (one device): safetensors' write of every file of `directory` (its tensors
-  read first, untimed), then stream_hf of the model imported on 1x1 in bf16, to `out` in bf16;
-  each once untimed, then `repeats` times in turn, the least kept. Each timed from a clean start
-  (`sync` first) to its bytes on the disk (`sync` last), of tensors made afresh: on this VM the
-  kernel wrote a buffer it had written before several times faster than a fresh one."""
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  import shutil
-
-  from safetensors.numpy import load_file, save_file
-
-  from paro_jax.core.mesh import make_mesh
-  from paro_jax.core.strategy import Placement
-  from paro_jax.hf.stream_out import stream_hf
-  from paro_jax.hf.weights import weight_files
-
-  cfg, load = _importer(directory)
-  params = load(make_mesh(1, 1), Placement.N)
-
-  def synced(write) -> float:
-    os.sync()
-    start = time.perf_counter()
-    write()
-    os.sync()
-    return time.perf_counter() - start
-
-  def write_all() -> float:
-    seconds = 0.0
-    for path in weight_files(directory):
-      tensors = load_file(path)
-      out_path = os.path.join(out, os.path.basename(path))
-      seconds += synced(functools.partial(save_file, tensors, out_path, metadata={"format": "pt"}))
-    return seconds
-
-  cases = {
-    WRITE: write_all,
-    EXPORT: lambda: synced(functools.partial(stream_hf, cfg, params, out, dtype="bf16")),
-  }
-  seconds: dict = {what: [] for what in cases}
-  for n in range(repeats + 1):
-    for what, run in cases.items():
-      shutil.rmtree(out, ignore_errors=True)
-      os.makedirs(out)
-      took = run()
-      if n:  # the first untimed
-        seconds[what].append(round(took, 2))
-  shutil.rmtree(out, ignore_errors=True)
-  return {what: min(times) for what, times in seconds.items()}
-
-
 def import_peak(directory: str, devices: int) -> dict:
   """import_hf of the whole model in bf16 alone (at G on 1x`devices`, N on 1x1): seconds, and
   this process's peak RSS before and after it (getrusage)."""
@@ -250,7 +133,7 @@ def import_peak(directory: str, devices: int) -> dict:
   from paro_jax.core.mesh import make_mesh
   from paro_jax.core.strategy import Placement
 
-  _, load = _importer(directory)
+  _, load = importer(directory)
   mesh = make_mesh(1, devices)
   placement = Placement.G if devices > 1 else Placement.N
   peak = lambda: round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # noqa: E731
@@ -437,7 +320,7 @@ def page(r: dict) -> str:
       "|---|---|---|---|---|---|---|",
     ]
     for row in t["rows"]:
-      sec = list(row["seconds"].values())  # safetensors, 1x1, G on 1x8
+      sec = [row["seconds"][what] for what in (READ, ONE, EIGHT)]
       lines.append(
         f"| {row['code']} | {row['load_average']} | {sec[0]} | {sec[1]} | {sec[1] / sec[0]:.1f} | "
         f"{sec[2]} | {sec[2] / sec[0]:.1f} |"
@@ -475,6 +358,7 @@ def main() -> None:
   p.add_argument("--cap", type=int, default=12)
   p.add_argument("--repeats", type=int, default=3, help="time-import, -export: the least of")
   p.add_argument("--code", help="time-import, -export: the tree whose paro_jax is timed")
+  p.add_argument("--platform", choices=PLATFORMS, default="cpu", help="time-import, -export")
   p.add_argument("--base-commit", default="", help="the commit --base was made from")
   args = p.parse_args()
   if args.code:
@@ -486,11 +370,11 @@ def main() -> None:
   elif args.what == "import-peak":
     print(json.dumps(import_peak(args.dir, args.devices)))
   elif args.what == "time-import":
-    print(json.dumps(time_import(args.dir, args.repeats)))
+    print(json.dumps(time_import(args.dir, args.repeats, args.platform)))
   elif args.what == "import-page":
     import_page(args)
   elif args.what == "time-export":
-    print(json.dumps(time_export(args.dir, args.export_to, args.repeats)))
+    print(json.dumps(time_export(args.dir, args.export_to, args.repeats, args.platform)))
   else:
     measure(args)
 

@@ -46,8 +46,9 @@ def test_measures_and_estimates_briefly(tmp_path):
 def test_suite_dry_run_on_the_cpu(tmp_path):
   """The before/after suite's plumbing on the CPU (`--dry-run`: the `test` model): each run
   compiles its own program (the step of before differs from today's), runs, and the page has a
-  row per run and the goal's comparison."""
-  p = _run("--suite", "--dry-run", "--only", "7b-L4-A1,7b-L4-A1-before", "--steps", "2",
+  row per run and the goal's comparison; the import and export run (a tiny fixture) has its
+  table, each path beside safetensors' own, and leaves no model directory behind."""
+  p = _run("--suite", "--dry-run", "--only", "7b-L4-A1,7b-L4-A1-before,io-1b", "--steps", "2",
            "--warmup", "1", "--out", str(tmp_path))  # fmt: skip
   assert p.returncode == 0, p.stderr[-3000:]
   page = (tmp_path / "README.md").read_text()
@@ -61,6 +62,14 @@ def test_suite_dry_run_on_the_cpu(tmp_path):
   before = json.loads((tmp_path / "7b-L4-A1-before.json").read_text())
   assert before["old"] == ["head-backward", "loss", "one-device", "zero-fill", "weights-copy",
                            "per-leaf"] and before["measured_step_s"] > 0  # fmt: skip
+  from experiments.io_timing import EXPORT, ONE, READ, WRITE
+
+  io = json.loads((tmp_path / "io-1b.json").read_text())
+  assert set(io["seconds"]) >= {READ, ONE, WRITE, EXPORT} and io["directory_bytes"] > 0
+  assert "## Import and export on one GPU (io-1b)" in page
+  for what in (ONE, EXPORT):
+    assert f"| {what} | {io['seconds'][what]} |" in page
+  assert sorted(q.name for q in tmp_path.iterdir() if q.is_dir()) == ["7b-L4-A1", "7b-L4-A1-before"]
 
 
 def test_every_change_can_be_undone():
@@ -133,3 +142,27 @@ def test_report_terms_agree_with_the_runs(tmp_path):
   )
   xla, repriced = float(xla_row.split("|")[3]), float(xla_row.split("|")[5])
   assert xla > 10 * measured and 0.5 < measured / repriced < 2
+
+
+def test_a_failed_import_timing_is_on_the_page_and_costs_nothing_else(monkeypatch):
+  """io-1b's failure (a child's error) becomes its record's error, its page section says it, and
+  the page renders with no step's run beside it; the temporary directory is removed."""
+  import argparse
+  import glob
+  import tempfile
+
+  from experiments import gpu_io
+  from experiments.gpu_measure import suite_page
+
+  def fail(what, *args):
+    raise RuntimeError(f"{what}: boom")
+
+  monkeypatch.setattr(gpu_io, "_child", fail)
+  before = set(glob.glob(os.path.join(tempfile.gettempdir(), "gpu_io-*")))
+  io = gpu_io.io_run("cpu", jax.__version__, dry_run=True)
+  assert io["error"] == "RuntimeError: time-import: boom" and "seconds" not in io
+  assert set(glob.glob(os.path.join(tempfile.gettempdir(), "gpu_io-*"))) == before
+  args = argparse.Namespace(steps=2, warmup=1, dry_run=True, budget_s=450.0)
+  page = suite_page([], [], args, io)
+  assert "## Import and export on one GPU (io-1b)" in page
+  assert "Failed: RuntimeError: time-import: boom" in page
