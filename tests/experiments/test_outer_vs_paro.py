@@ -21,6 +21,7 @@ PAGES += [
   "outer_vs_paro_small_1gbit",
   "outer_vs_paro_small_10gbit",
   "outer_vs_paro_small_1gbit_4x2",
+  "outer_vs_paro_small_10gbit_4x2",
 ]
 pages = pytest.mark.parametrize("page", PAGES)
 
@@ -284,6 +285,19 @@ def test_a_page_of_one_seed_says_so():
     "eval loss -5.0% against IIG's seed 0: met, lower than IIG's (within 2%;"
     in (page_text.goals(rows)[0])
   )
+
+
+def test_a_page_without_iig_or_the_bound_yet_renders():
+  """A new page's first run (the bound, or a DiLoCo row before IIG's) renders, saying in the cells
+  what it has no run to compare with: the page, and with it the JSON of the run, is written."""
+  bound_only = [_fake("bound", 0, 5.0, 100.0, kind="bound")]
+  assert "| bound | 1 seed | - | int8 | 100 | 1.000 | 2.000 | 1.000 | - | - | - |" in (
+    page_text.table(bound_only)
+  )
+  lines = page_text.table([_fake("D", 0, 2.1, 90.0)])
+  d = "| D | 1 seed | 10 | int8 | 90 | no bound run | 2.000 | 1.000 | 2.1000 | - | no IIG run |"
+  assert d in lines
+  assert page_text.goals(bound_only) == []
 
 
 def test_the_left_out_text_names_each_configurations_seeds():
