@@ -1,8 +1,9 @@
 """The import and the export of a real-size HF directory on one GPU, for gpu_measure.py's suite:
-#49's time goal (import_hf and stream_hf at the rate safetensors itself reads and writes the same
-bytes, per process). On the CPU's virtual devices the import's check, conversion and writes into
-place run on the same two cores as safetensors' read (experiments/results/model_io); on a GPU
-they run on the device, and the host reads, copies to the device and writes.
+the goal that import_hf and stream_hf run at the rate safetensors itself reads and writes the
+same bytes, per process (docs/memory.md). On the CPU's virtual devices the import's check,
+conversion and writes into place run on the same two cores as safetensors' read
+(experiments/results/model_io); on a GPU they run on the device, and the host reads, copies to
+the device and writes.
 
 `io_run` makes the random bf16 directory of the Llama 3.2 1B shape (experiments/model_dirs.py,
 2.47 GB) in a temporary folder (never under the suite's --out, whose files come back), then
@@ -96,7 +97,7 @@ def io_lines(r: dict) -> list[str]:
     f"A random bf16 HF directory, {r['directory']} ({gb:.2f} GB, made in {r['make_s']} s), "
     "each path timed in a child process of its own on one device (experiments/io_timing.py): "
     f"once untimed, then {r['repeats']} times in turn, the least kept; the writes from a `sync` "
-    "to their bytes on the disk. #49's goal: the import and the export at safetensors' own "
+    "to their bytes on the disk. The goal: the import and the export at safetensors' own "
     "rate (x safetensors near 1).",
     "",
     "| what | seconds | GB/s | x safetensors |",

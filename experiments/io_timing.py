@@ -1,8 +1,9 @@
 """The import's and the export's seconds against safetensors' own read and write of the same
-bytes (#49's time goal), in this process: `time_import`, `time_export`. experiments/model_io.py
-runs them in child processes with the code of before and of after (`import-page`), on the CPU's
-virtual devices; experiments/gpu_io.py on one GPU (gpu_measure.py's suite), where the check, the
-conversion and the gather run on the device rather than on the host's cores.
+bytes (the goal: near 1x, docs/memory.md), in this process: `time_import`, `time_export`.
+experiments/model_io.py runs them in child processes with the code of before and of after
+(`import-page`), on the CPU's virtual devices; experiments/gpu_io.py on one GPU (gpu_measure.py's
+suite), where the check, the conversion and the gather run on the device rather than on the
+host's cores.
 
 jax is imported inside each function, after the platform's options are set: the caller may put
 another tree's paro_jax first on sys.path (model_io.py's `--code`).
