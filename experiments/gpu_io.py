@@ -14,14 +14,12 @@ stream_hf, both in bf16. `--dry-run`: a committed tiny fixture on the CPU, the p
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
+
+from experiments.pages import utc_now
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "io-1b"  # the suite's name of this run
@@ -29,34 +27,20 @@ SECONDS = 120  # what the suite plans for it (the directory made, two children o
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf_llama", "llama3_gqa")
 
 
-def _child(what: str, directory: str, platform: str, repeats: int, export_to: str) -> dict:
-  """experiments/model_io.py `what` (time-import, -export) in a child process on `platform`."""
-  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-  done = subprocess.run(
-    [sys.executable, os.path.join(ROOT, "experiments", "model_io.py"), what, "--dir", directory]
-    + ["--platform", platform, "--repeats", str(repeats), "--export-to", export_to],
-    env=env,
-    capture_output=True,
-    text=True,
-  )
-  if done.returncode:
-    raise RuntimeError(f"{what}: {done.stderr[-2000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def io_run(device: str, jax_version: str, dry_run: bool, repeats: int = 3) -> dict:
   """The run's record: the directory's bytes, the seconds of making it, and each timing's least
   of `repeats` (experiments/io_timing.py's names); where it fails, the error instead (written on
   the suite's page: it costs the suite no other run)."""
   from experiments.model_dirs import make
+  from experiments.model_io import time_child
 
   started = time.perf_counter()
   record = {
     "name": NAME,
     "device": device,
     "jax": jax_version,
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "directory": "tests/fixtures/hf_llama/llama3_gqa" if dry_run else "Llama 3.2 1B shape",
+    "date": utc_now(),
+    "directory": os.path.relpath(FIXTURE, ROOT) if dry_run else "Llama 3.2 1B shape",
     "repeats": repeats,
   }
   work = tempfile.mkdtemp(prefix="gpu_io-")
@@ -69,10 +53,11 @@ def io_run(device: str, jax_version: str, dry_run: bool, repeats: int = 3) -> di
     record["make_s"] = round(time.perf_counter() - started, 1)
     names = os.listdir(directory)
     record["directory_bytes"] = sum(os.path.getsize(os.path.join(directory, n)) for n in names)
-    platform = "cpu" if dry_run else "gpu"
+    extra = ("--platform", "cpu" if dry_run else "gpu", "--repeats", str(repeats))
+    extra += ("--export-to", export_to)
     record["seconds"] = {
-      **_child("time-import", directory, platform, repeats, export_to),
-      **_child("time-export", directory, platform, repeats, export_to),
+      **time_child("time-import", directory, ROOT, extra),
+      **time_child("time-export", directory, ROOT, extra),
     }
   except Exception as e:  # noqa: BLE001 - any: on the page
     record["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"

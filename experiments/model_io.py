@@ -78,16 +78,17 @@ def eval_run(tree: str, directory: str, mesh: str, strategy: str, cap: int, text
   }
 
 
-def _time_child(what: str, directory: str, tree: str, extra: tuple = ()) -> dict:
-  """`what` (time-import, -export) of `directory` in a child with `tree`'s code on the path."""
+def time_child(what: str, directory: str, tree: str, extra: tuple = ()) -> dict:
+  """`what` (time-import, -export) of `directory` in a child with `tree`'s code on the path (on a
+  GPU, allocating as it goes: beside another process that holds the GPU, gpu_io.py's suite)."""
   child = subprocess.run(
     [sys.executable, os.path.abspath(__file__), what, "--dir", directory, *extra],
-    env={**os.environ, "PYTHONPATH": tree},
+    env={**os.environ, "PYTHONPATH": tree, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
     capture_output=True,
     text=True,
   )
   if child.returncode:
-    raise SystemExit(child.stderr[-3000:])
+    raise RuntimeError(f"{what}: {child.stderr[-3000:]}")
   return json.loads(child.stdout.strip().splitlines()[-1])
 
 
@@ -101,8 +102,8 @@ def import_page(args) -> None:
     load = os.getloadavg()[0]
     extra = ["--repeats", str(args.repeats), "--code", tree]
     seconds = {
-      **_time_child("time-import", args.dir, tree, extra),
-      **_time_child("time-export", args.dir, tree, extra),
+      **time_child("time-import", args.dir, tree, extra),
+      **time_child("time-export", args.dir, tree, extra),
     }
     load = round(max(load, os.getloadavg()[0]), 1)
     rows.append({"code": code, "tree": tree, "seconds": seconds, "load_average": load})
@@ -219,7 +220,7 @@ def measure(args) -> None:
       raise SystemExit(done.stderr[-3000:])
     peaks.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(json.dumps(peaks[-1]), flush=True)
-  seconds = _time_child("time-import", args.dir, ROOT)
+  seconds = time_child("time-import", args.dir, ROOT)
   size = sum(os.path.getsize(os.path.join(args.dir, n)) for n in os.listdir(args.dir))
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
   record = {

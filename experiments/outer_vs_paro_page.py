@@ -71,13 +71,13 @@ def table(rows: list[dict]) -> list[str]:
   loss and their spread; a failed run on a line of its own (the test reads it back). A page
   without IIG's or the bound's run yet (the first run of a new page) says so in those cells."""
   groups = {g["label"]: g for g in by_configuration(rows)}
-  sync, bound = groups.get(SYNC), groups.get(BOUND)
 
-  def versus(g: dict, ref: dict | None, key: str, shown) -> str:
-    """g's `key` against `ref`'s over their shared seeds, `shown`; or why there is none."""
-    if ref is None:
-      return f"no {SYNC if key == 'eval_loss' else BOUND} run"
-    ratio = against(g, ref, key)
+  def versus(g: dict, label: str, key: str, shown) -> str:
+    """g's `key` against configuration `label`'s over their shared seeds, `shown`; or why there
+    is none."""
+    if label not in groups:
+      return f"no {label} run"
+    ratio = against(g, groups[label], key)
     return shown(ratio[0]) if ratio else "no shared seed"
 
   lines = [
@@ -87,13 +87,13 @@ def table(rows: list[dict]) -> list[str]:
   ]
   for g in groups.values():
     loss, by_seed, gap = "-", "-", "-"
-    speed = versus(g, bound, "tokens_per_s", lambda x: f"{x:.3f}")
+    speed = versus(g, BOUND, "tokens_per_s", lambda x: f"{x:.3f}")
     if g["kind"] != BOUND:
       loss = f"{g['eval_loss']:.4f}"
       if len(g["seeds"]) > 1:
         by_seed = ", ".join(f"{x:.4f}" for x in g["eval_losses"])
         by_seed += f" ({spread(g['eval_losses']):.1%})"
-      gap = versus(g, sync, "eval_loss", lambda x: f"{x - 1:+.2%}")
+      gap = versus(g, SYNC, "eval_loss", lambda x: f"{x - 1:+.2%}")
     lines.append(
       f"| {g['label']} | {seeds_text(g['seeds'])} | {g['h'] or '-'} | {g['wire']} | "
       f"{g['tokens_per_s']:.0f} | {speed} | "

@@ -151,13 +151,13 @@ def test_a_failed_import_timing_is_on_the_page_and_costs_nothing_else(monkeypatc
   import glob
   import tempfile
 
-  from experiments import gpu_io
+  from experiments import gpu_io, model_io
   from experiments.gpu_measure import suite_page
 
   def fail(what, *args):
     raise RuntimeError(f"{what}: boom")
 
-  monkeypatch.setattr(gpu_io, "_child", fail)
+  monkeypatch.setattr(model_io, "time_child", fail)
   before = set(glob.glob(os.path.join(tempfile.gettempdir(), "gpu_io-*")))
   io = gpu_io.io_run("cpu", jax.__version__, dry_run=True)
   assert io["error"] == "RuntimeError: time-import: boom" and "seconds" not in io
