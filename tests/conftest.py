@@ -2,12 +2,11 @@
 
 import os
 import signal
-import tempfile
 
 import pytest
 
 from paro_jax.core.xla_flags import add_xla_flags  # imports no jax
-from tests.fast_compile import FAST_COMPILE_FLAGS
+from tests.fast_compile import FAST_COMPILE_FLAGS, cache_dir
 
 # 8 virtual devices, compiled fast (tests/fast_compile.py).
 add_xla_flags(("--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS))
@@ -21,9 +20,6 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
   signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-_CACHE_DIR = []  # this worker's persistent compilation cache, made on first use
-
-
 @pytest.fixture(scope="module")
 def compilation_cache():
   """Each train() builds a new engine whose programs jax would compile again from scratch; a
@@ -35,9 +31,7 @@ def compilation_cache():
   import jax  # after the flags above
   from jax.experimental.compilation_cache import compilation_cache as cache
 
-  if not _CACHE_DIR:  # one per worker: jax writes an entry without a lock
-    _CACHE_DIR.append(tempfile.mkdtemp(prefix="paro-jax-jit-"))
-  jax.config.update("jax_compilation_cache_dir", _CACHE_DIR[0])
+  jax.config.update("jax_compilation_cache_dir", cache_dir())  # one per worker
   cache.reset_cache()  # (jax reads the directory once, when it first compiles with one)
   yield
   jax.config.update("jax_compilation_cache_dir", None)

@@ -12,6 +12,9 @@ The last flag is gone from newer XLA (jaxlib 0.11 refuses to start with it): onl
 jaxlib gets it, so that `pytest -m gpu` runs on a GPU machine whose image brings a newer jax.
 """
 
+import atexit
+import shutil
+import tempfile
 from importlib.metadata import version
 
 FAST_COMPILE_FLAGS = (
@@ -19,3 +22,17 @@ FAST_COMPILE_FLAGS = (
   "--xla_llvm_disable_expensive_passes=true",
 ) + (("--xla_cpu_use_fusion_emitters=false",) if version("jaxlib").startswith("0.10.") else ())
 FAST_COMPILE = " ".join(FAST_COMPILE_FLAGS)
+
+
+_CACHE_DIR: list[str] = []  # this process's persistent compilation cache, made on first use
+
+
+def cache_dir() -> str:
+  """This test process's persistent compilation cache directory (one per xdist worker: jax writes
+  an entry without a lock, so workers do not share one), made on first use and removed when the
+  process exits (tests/conftest.py's `compilation_cache`; the CLI's processes tests/run/test_stop.py
+  starts one after another)."""
+  if not _CACHE_DIR:
+    _CACHE_DIR.append(tempfile.mkdtemp(prefix="paro-jax-jit-"))
+    atexit.register(shutil.rmtree, _CACHE_DIR[0], ignore_errors=True)
+  return _CACHE_DIR[0]

@@ -7,20 +7,18 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
-from tests.fast_compile import FAST_COMPILE
+from tests.fast_compile import FAST_COMPILE, cache_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CACHE = tempfile.mkdtemp(prefix="paro-jax-jit-")  # later processes hit the first one's compile
 
 
 def _start(out, *extra, steps=2000):
   env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}  # the CLI adds its device count
-  env["JAX_COMPILATION_CACHE_DIR"] = CACHE
+  env["JAX_COMPILATION_CACHE_DIR"] = cache_dir()  # later processes hit the first one's compile
   # python -m paro_jax (paro_jax/__main__.py), as the launchers run it
   cmd = [sys.executable, "-m", "paro_jax", "train", "--model", "test", "--mesh", "2x4"]
   cmd += ["--batch-size", "8", "--seq-len", "16", "--dtype", "fp32", "--warmup", "1"]
