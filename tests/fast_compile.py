@@ -13,6 +13,7 @@ jaxlib gets it, so that `pytest -m gpu` runs on a GPU machine whose image brings
 """
 
 import atexit
+import functools
 import shutil
 import tempfile
 from importlib.metadata import version
@@ -24,15 +25,12 @@ FAST_COMPILE_FLAGS = (
 FAST_COMPILE = " ".join(FAST_COMPILE_FLAGS)
 
 
-_CACHE_DIR: list[str] = []  # this process's persistent compilation cache, made on first use
-
-
+@functools.cache
 def cache_dir() -> str:
   """This test process's persistent compilation cache directory (one per xdist worker: jax writes
   an entry without a lock, so workers do not share one), made on first use and removed when the
   process exits (tests/conftest.py's `compilation_cache`; the CLI's processes tests/run/test_stop.py
   starts one after another)."""
-  if not _CACHE_DIR:
-    _CACHE_DIR.append(tempfile.mkdtemp(prefix="paro-jax-jit-"))
-    atexit.register(shutil.rmtree, _CACHE_DIR[0], ignore_errors=True)
-  return _CACHE_DIR[0]
+  path = tempfile.mkdtemp(prefix="paro-jax-jit-")
+  atexit.register(shutil.rmtree, path, ignore_errors=True)
+  return path
