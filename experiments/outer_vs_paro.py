@@ -7,9 +7,9 @@ devices, each node in its own network namespace behind a veth whose egress tc sh
 `--rate`; loopback, unshaped, where this is not root). The configurations:
 
 - IIG, the synchronous step (uncompressed, and with int8 parameters and gradients);
-- DiLoCo (`--outer-sync H`, core/outer.py) with III as each node's step, H = 10 and 50, the
-  pseudo-gradient in bf16 and int8; with the outer state at I (`--outer-state I`: the round
-  all-reduces the int8 pseudo-gradient), H = 10, 50 and 100; int4 at H = 10;
+- DiLoCo (`--outer-sync H`, core/outer.py) with III as each node's step, H = 10, 50 and 100, the
+  pseudo-gradient in bf16, int8 and int4; with the outer state at I (`--outer-state I`: the round
+  all-reduces the int8 pseudo-gradient), H = 10, 50 and 100;
 - Streaming DiLoCo (`--outer-fragments 4 --outer-delay 1`, core/fragments.py), H = 20, int8, I;
 - torch HSDP, the fastest torch configuration of the strategy benchmark at A = 1 on slow links
   (experiments/bench/torch_peer.py `--peer hsdp`: FSDP2 sharded within a node, gradients
@@ -109,8 +109,8 @@ def _configurations(steps: int) -> list[dict]:
       flags=["--strategy", "IIG", "--inter-params", "int8", "--inter-grads", "int8"],
     ),
   ]
-  for h in (10, 50):
-    for wire in ("bf16", "int8"):
+  for h in (10, 50, 100):
+    for wire in ("bf16", "int8", "int4"):
       out.append(
         dict(
           label=f"DiLoCo H={h} {wire}",
@@ -121,13 +121,12 @@ def _configurations(steps: int) -> list[dict]:
         )
       )
   # the round as an all-reduce of the pseudo-gradient (--outer-state I); Streaming DiLoCo (F = 4
-  # fragments synced H/F steps apart, each exchange during the step after); int4 (G); H = 100
+  # fragments synced H/F steps apart, each exchange during the step after); H = 100
   at_i, streaming = ["--outer-state", "I"], ["--outer-fragments", "4", "--outer-delay", "1"]
   for label, h, wire, extra in (
     ("DiLoCo H=10 int8 I", 10, "int8", at_i),
     ("DiLoCo H=50 int8 I", 50, "int8", at_i),
     (f"{STREAMING} H=20 F=4 tau=1 int8 I", 20, "int8", at_i + streaming),
-    ("DiLoCo H=10 int4", 10, "int4", []),
     ("DiLoCo H=100 int8 I", 100, "int8", at_i),
     # the outer step without momentum (the paper's Nesterov 0.9 above)
     ("DiLoCo H=10 int8 I m=0", 10, "int8", at_i + ["--outer-momentum", "0"]),
