@@ -352,7 +352,7 @@ def earlier_rows(args) -> dict:
     return {}
   with open(path) as f:
     old = json.load(f)
-  ignored = ("out", "resume", "only", "seeds")
+  ignored = ("out", "resume", "render", "only", "seeds")
   settings = {k: v for k, v in vars(args).items() if k not in ignored}
   before = {"mesh": MESH}  # a page written before the setting was: measured with its default
   changed = [k for k, v in settings.items() if old["settings"].get(k, before.get(k)) != v]
@@ -379,6 +379,15 @@ def kept_rows(args, earlier: dict, ran: set[str]) -> tuple[dict, list[str]]:
   return kept, list(known)
 
 
+def render(out: str) -> None:
+  """OUT's page written again from its JSON, with the settings its runs were measured with (the
+  page's text changed, its measurements not)."""
+  with open(os.path.join(out, "outer_vs_paro.json")) as f:
+    record = json.load(f)
+  args = argparse.Namespace(**{"mesh": MESH, **record["settings"], "out": out})
+  write_page(out, record, "outer_vs_paro.json", page(args, record), "README.md")
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="tiny")
@@ -396,7 +405,11 @@ def main(argv=None) -> None:
   )
   ap.add_argument("--resume", action="store_true", help="reuse runs whose command is unchanged")
   ap.add_argument("--out", default="experiments/results/outer_vs_paro")
+  ap.add_argument("--render", action="store_true", help="rewrite OUT's page from its JSON; no run")
   args = ap.parse_args(argv)
+  if args.render:
+    render(args.out)
+    return
   if not args.loopback and os.geteuid() != 0:
     print("not root: the link cannot be shaped; running on loopback", flush=True)
     args.loopback = True
@@ -417,7 +430,7 @@ def main(argv=None) -> None:
     "command": shlex.join(["python", "-m", "experiments.outer_vs_paro", *(argv or sys.argv[1:])]),
     "date": max(r["date"] for r in rows),
     "machine": machine_line(),
-    "settings": {k: v for k, v in vars(args).items() if k not in ("out", "resume")},
+    "settings": {k: v for k, v in vars(args).items() if k not in ("out", "resume", "render")},
     "runs": rows,
   }
   write_page(args.out, record, "outer_vs_paro.json", page(args, record), "README.md")

@@ -8,6 +8,8 @@ eval loss is taken over, so a configuration is compared with IIG over the seeds 
 
 from __future__ import annotations
 
+import statistics
+
 BOUND = "bound"
 SYNC = "IIG"
 LOSS_GOAL, SPEED_GOAL = 0.02, 0.90  # eval loss at most 2% above IIG's; tokens/s >= 0.90 of bound
@@ -124,38 +126,39 @@ def seeds_left_out(rows: list[dict], labels: list[str]) -> str:
 
 
 READING = (
-  "Reading the table. A line is a configuration over the seeds its `seeds` cell counts (a run per "
-  "seed, each in the JSON): tokens/s, the bytes and the eval loss are the means over its seeds, "
-  "`by seed` each seed's eval loss and their spread (max less min over the mean); `vs IIG` is "
-  "its mean eval loss against IIG's mean over the same seeds (a seed sets the initial weights, "
-  "the batches and the held-out batches), `vs bound` its tokens/s against the bound's over the "
-  "same seeds (each seed's runs measured in one window), so a 1-seed line is against seed 0. "
-  "The bytes: a DiLoCo step sends only the groups' metrics floats and the "
-  "launcher's heartbeats (the bound's ~8 kB) except at a round's end, which sends the whole round"
-  " (the JSON's `bytes_per_step` has every step's); measured is above planned by the reduce-"
-  "scatters, which XLA:CPU through gloo runs as an all-reduce and a slice (docs/multinode.md: "
-  "twice the reduce-scatter's bytes; the planner prices the collective a GPU runs), and by "
-  "TCP/IP's headers (~7%). The eval loss: DiLoCo's is of the outer weights after the last round "
-  "(step 100), each group (a node) having trained on its share of every batch (a half on 2 x 4, "
-  "a quarter on 4 x 2); the bound's is of the initial weights (no round ended) and is no "
-  "result. The speed: IIG's seeds do the same work, so "
-  "their tokens/s apart is how much the machine's other load moves a run; differences within it "
-  "are not resolved (between rounds DiLoCo's step is the bound's, so a DiLoCo run above the bound"
-  " is such a difference); rows of other dates (the JSON's `date`) ran under other loads, so "
-  "tokens/s compares best between rows of one date. The labels: `I` is `--outer-state I` (the "
-  "round all-reduces the pseudo-gradient over `inter`, 2w bytes a parameter; without it the outer"
-  " state is at G and a round sends 8 + w); Streaming DiLoCo syncs F = 4 fragments (1/F of the "
+  "Reading the table. A line is a configuration over the seeds its `seeds` cell counts (a run "
+  "per seed, each in the JSON): tokens/s, the bytes and the eval loss are the means over its "
+  "seeds, `by seed` each seed's eval loss and their spread (max less min over the mean); `vs "
+  "IIG` is its mean eval loss against IIG's mean over the same seeds (a seed sets the initial "
+  "weights, the batches and the held-out batches), `vs bound` its tokens/s against the bound's "
+  "over the same seeds (each seed's runs measured in one window), so a 1-seed line is against "
+  "seed 0. The bytes: a DiLoCo step sends only the groups' metrics floats and the launcher's "
+  "heartbeats (the bound's ~8 kB) except at a round's end, which sends the whole round (the "
+  "JSON's `bytes_per_step` has every step's); measured is above planned by the reduce-scatters, "
+  "which XLA:CPU through gloo runs as an all-reduce and a slice (docs/multinode.md: twice the "
+  "reduce-scatter's bytes; the planner prices the collective a GPU runs), and by TCP/IP's "
+  "headers (~7%). The eval loss: DiLoCo's is of the outer weights after the last round (step "
+  "100), each group (a node) having trained on its share of every batch (a half on 2 x 4, a "
+  "quarter on 4 x 2); the bound's is of the initial weights (no round ended) and is no result. "
+  "The speed: IIG's seeds do the same work, so their tokens/s apart is how much the machine's "
+  "other load moves a run; differences within it are not resolved (between rounds DiLoCo's step "
+  "is the bound's, so a DiLoCo run above the bound is such a difference); rows of other dates "
+  "(the JSON's `date`) ran under other loads, so tokens/s compares best between rows of one "
+  "date, and a goal's `its rounds add` reads each run against itself: its mean step over its "
+  "median step (a step between rounds), less 1. The labels: `I` is `--outer-state I` (the round "
+  "all-reduces the pseudo-gradient over `inter`, 2w bytes a parameter; without it the outer "
+  "state is at G and a round sends 8 + w); Streaming DiLoCo syncs F = 4 fragments (1/F of the "
   "layers and of the vocabulary each) H/F = 5 steps apart, each exchange during the step after "
   "its sync step (TAU = 1); its goal reads the bytes of each exchange (its step and those either "
   "side, less the bound's level) against a round's (each fragment's mean exchange, summed). The "
   "planner splits a round evenly over the fragments; the last also holds the final norm, so the "
-  "largest is 1/F of the parameters and D more. `m=0`: the outer step without "
-  "momentum (`--outer-momentum 0`, outer lr 0.7), the others with the paper's Nesterov 0.9. "
-  "`torch HSDP`, where a page has it: PyTorch's FSDP2 on the same model, batches, optimizer, "
-  "schedule and held-out batches (experiments/bench/torch_peer.py), from transformers' initial "
-  "weights (not ours: its seeds start elsewhere), on torch's CPU kernels (its tokens/s against "
-  "ours is the frameworks' compute as much as the link); planned as III's synchronous step, "
-  "whose gradient sync moves the same bytes."
+  "largest is 1/F of the parameters and D more. `m=0`: the outer step without momentum "
+  "(`--outer-momentum 0`, outer lr 0.7), the others with the paper's Nesterov 0.9. `torch HSDP`, "
+  "where a page has it: PyTorch's FSDP2 on the same model, batches, optimizer, schedule and "
+  "held-out batches (experiments/bench/torch_peer.py), from transformers' initial weights (not "
+  "ours: its seeds start elsewhere), on torch's CPU kernels (its tokens/s against ours is the "
+  "frameworks' compute as much as the link); planned as III's synchronous step, whose gradient "
+  "sync moves the same bytes."
 )
 
 
@@ -193,6 +196,18 @@ def streaming_busiest(r: dict, quiet: float) -> tuple[float, float]:
   return max(max(v) for v in moved.values()) / round_bytes, max(sizes) / sum(sizes)
 
 
+def round_cost(g: dict) -> float | None:
+  """The time a configuration's rounds add within its own runs: each run's mean step over its
+  median step, less 1, averaged over its runs (None where no run kept its step times). Between
+  rounds a DiLoCo step is the group step alone, and at H >= 3 the median step is such a step, so
+  this figure does not move with the machine's load on the run's day as tokens/s against a bound
+  measured on another day does; the bound's own figure is its steps' scatter."""
+  times = [r["step_times_s"] for r in g["runs"] if r.get("step_times_s")]
+  if not times:
+    return None
+  return mean(mean(t) / statistics.median(t) - 1 for t in times)
+
+
 def over(name: str, seeds: list[int]) -> str:
   """`IIG's seed 0`, `IIG's mean over seeds 0, 1, 2`: what a configuration is judged against."""
   if len(seeds) == 1:
@@ -221,6 +236,12 @@ def goals(rows: list[dict]) -> list[str]:
       met = "met" if speed[0] >= SPEED_GOAL else "NOT met"
       parts.append(
         f"tokens/s {speed[0]:.2f} of {over('the bound', speed[1])}: {met} (>= {SPEED_GOAL:.2f})"
+      )
+    cost, quiet = round_cost(g), round_cost(bound) if bound else None
+    if cost is not None and quiet is not None:
+      parts.append(
+        f"its rounds add {cost:.1%} to its median step within its own runs (the bound's steps "
+        f"{quiet:.1%} to theirs)"
       )
     loss = against(g, sync, "eval_loss") if sync else None
     if loss:

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 
 import pytest
 
@@ -265,6 +266,38 @@ def test_a_configuration_reads_the_means_over_its_seeds():
   )
   # IIG's tokens/s 100, 110, 120: 20 / 110 = 18.2% apart
   assert "its tokens/s (the same work) 100, 110, 120 (spread 18.2%)" in goals[2]
+
+
+def test_a_round_s_cost_is_read_within_its_own_runs():
+  """Made-up step times: D's two runs, each with one step of five at twice the others' time (a
+  mean 1.2x the median) and one at 1.5x of four (1.125x); the bound's steps all alike. The
+  goal's line says D's rounds add 16.25%, whatever the bound's tokens/s on its day."""
+  rows = [
+    _fake("IIG", 0, 2.0, kind="sync"),
+    _fake("D", 0, 2.0, 50.0, step_times_s=[1.0, 1.0, 2.0, 1.0, 1.0]),
+    _fake("D", 1, 2.0, 50.0, step_times_s=[3.0, 2.0, 2.0, 2.0]),
+    _fake("bound", 0, 5.0, kind="bound", step_times_s=[0.5, 0.5, 0.5]),
+    _fake("bound", 1, 5.0, kind="bound", step_times_s=[0.5, 0.5, 0.5]),
+  ]
+  groups = {g["label"]: g for g in page_text.by_configuration(rows)}
+  assert page_text.round_cost(groups["D"]) == pytest.approx((0.2 + 0.125) / 2)
+  assert page_text.round_cost(groups["IIG"]) is None  # no step times kept: no figure
+  assert (
+    "its rounds add 16.2% to its median step within its own runs (the bound's steps 0.0% to "
+    "theirs)" in page_text.goals(rows)[0]
+  )
+
+
+@pages
+def test_the_page_is_its_json_rendered(page, tmp_path):
+  """`--render` writes a page from its JSON alone; the committed page is that text (the page
+  follows the script's text, the JSON is left as it was)."""
+  source = os.path.join(RESULTS, page)
+  shutil.copy(os.path.join(source, "outer_vs_paro.json"), tmp_path)
+  outer_vs_paro.main(["--render", "--out", str(tmp_path)])
+  for name in ("README.md", "outer_vs_paro.json"):
+    with open(os.path.join(source, name)) as a, open(tmp_path / name) as b:
+      assert b.read() == a.read(), name
 
 
 def test_a_page_of_one_seed_says_so():
