@@ -170,10 +170,12 @@ def accumulate(micro_grads, micro_step, sinks, batch_MxBxL1):
 def make_sinks(engine, synced: bool = False):
   """Zero gradient sinks at the Gr placement, trained leaves only (inside the shard_map), typed
   varying over every axis. `synced`: at the OS placement, for gradients synced at the boundary,
-  typed varying over the axes OS shards (the all-reduce leaves them invariant over the others)."""
+  typed varying over every axis but those the sync all-reduces over (it leaves them invariant
+  there): the axes OS shards, and `inter` too where the groups of the outer loop train apart."""
   placement = engine.strategy.opt if synced else engine.strategy.grads
   ways = placement.shard_count(engine.inter, engine.intra)
-  axes = placement.axes if synced else GLOBAL_AXES
+  reduced = engine.strategy.sync_reduce_axes
+  axes = tuple(a for a in GLOBAL_AXES if a not in reduced) if synced else GLOBAL_AXES
 
   def sink_like(shape_struct, dim):
     zeros = jnp.zeros(local_shape(shape_struct.shape, dim, ways), engine.grad_dtype)

@@ -17,6 +17,7 @@ from paro_jax.core.config import OuterOptions, StepConfig
 from paro_jax.core.groups import GroupEngine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.state import OptimConfig
+from paro_jax.core.step import StepProgram
 from paro_jax.run.reference import reference_step
 from paro_jax.core.strategy import GROUP_NAMES, parse_strategy
 from paro_jax.core.wire import Codec
@@ -112,6 +113,25 @@ def test_rounds_equal_single_device_diloco(full, strategy):
     assert_trees_close(jax.tree.map(lambda x: x[k], master), ref_rounds[-1], atol=2e-5)
   # Eval reads the outer weights.
   assert_trees_close(jax.device_get(engine.params(state)), ref_rounds[-1], atol=2e-5)
+
+
+@pytest.mark.parametrize("strategy", ["NNN", "III"])
+def test_sync_in_backward_rounds_equal_single_device_diloco(strategy):
+  """The GPUs' step program (each layer's gradient synced inside the last micro-batch's
+  backward, on the prefetching stack): the synced gradient of a group varies over `inter` too,
+  as its sink must be typed (it failed to trace before). OS at N (the sync all-reduces over
+  `intra`) and at I (nothing all-reduced)."""
+  model = Llama(CFG)  # remat full: the prefetching stack, which the program needs
+  params0 = model.init(jax.random.key(1))
+  batches = make_batches()
+  ref_losses, ref_rounds = diloco_reference(model, params0, batches, PAPER.lr, 0.9)
+  losses, rounds, engine, _ = run_groups(
+    model, strategy, params0, batches, program=StepProgram.SYNC_IN_BACKWARD
+  )
+  assert engine.program is StepProgram.SYNC_IN_BACKWARD
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  for got, want in zip(rounds, ref_rounds):
+    assert_trees_close(got, want, atol=2e-5)
 
 
 def test_lora_rounds_equal_single_device_diloco():
