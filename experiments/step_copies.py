@@ -105,7 +105,7 @@ def measure(label: str, flags: list[str], args) -> dict:
     cli = [sys.executable, "-c", "from paro_jax.cli import main; main()"]
     argv = [*cli, "inspect", "--model", args.model]
     argv += ["--strategy", "III", "--mesh", args.mesh, "--dtype", "fp32", "--json"]
-    argv += ["--hlo-out", hlo, *flags]
+    argv += ["--hlo-out", hlo, *flags, *(["--target", args.target] if args.target else [])]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
       raise SystemExit(f"{label}: inspect exited {out.returncode}:\n{out.stderr[-3000:]}")
@@ -150,13 +150,15 @@ def page(record: dict) -> str:
   rows, mib = record["rows"], 2**20
   sync = rows[0]
   timed = all("quiet_step_s" in r for r in rows)
+  target = record.get("target")
+  devices = f"{target.upper()}s (compiled for, without one)" if target else "virtual CPU devices"
   lines = [
     "# What the outer loop's step copies on a step that ends no round",
     "",
     f"    {record['command']}",
     "",
     f"{record['date']}, commit `{record['commit']}`; {record['machine']}; `{record['model']}`, "
-    f"III on {record['mesh']} virtual CPU devices, fp32, batch 16 x 64, A=1; each row compiled "
+    f"III on {record['mesh']} {devices}, fp32, batch 16 x 64, A=1; each row compiled "
     "by `paro-jax inspect --json --hlo-out` (nothing ran). Per device: the bytes of the `copy` "
     "instructions a step runs when it ends no round and exchanges nothing (the entry's, each loop "
     "body's times its trip count, each conditional's last branch: the outer loop's switches put "
@@ -213,6 +215,7 @@ def main(argv=None) -> None:
   ap.add_argument("--model", default="tiny")
   ap.add_argument("--mesh", default="2x4")
   ap.add_argument("--out", default="experiments/results/step_copies")
+  ap.add_argument("--target", default=None, help="compile for this GPU (h100, h200) without one")
   ap.add_argument("--time-steps", type=int, default=0, help="also time N steps of each (0: no)")
   ap.add_argument("--time-model", default="small", help="the model those steps train")
   ap.add_argument("--render", action="store_true", help="rewrite OUT's page from its JSON; no run")
@@ -232,6 +235,7 @@ def main(argv=None) -> None:
     "machine": machine_line(),
     "model": args.model,
     "mesh": args.mesh,
+    "target": args.target,
     "time_model": args.time_model if args.time_steps else None,
     "time_steps": args.time_steps,
     "rows": rows,

@@ -10,7 +10,8 @@ import pytest
 from experiments import step_copies
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PAGE = os.path.join(REPO, "experiments", "results", "step_copies")
+RESULTS = os.path.join(REPO, "experiments", "results")
+PAGES = ["step_copies", "step_copies_h100"]  # on this machine's CPU devices; compiled for H100s
 
 # an entry copying 16 bytes, a loop of 3 trips copying 8 bytes a trip, a switch whose last
 # branch copies 4 bytes (its first 400), a call copying 2, and a fusion whose copy is its kernel's
@@ -73,25 +74,30 @@ def test_the_quiet_step_counts_each_copy_as_often_as_it_runs():
     step_copies.quiet_copies("HloModule m\n")
 
 
-def _record() -> dict:
-  with open(os.path.join(PAGE, "step_copies.json")) as f:
+def _record(page) -> dict:
+  with open(os.path.join(RESULTS, page, "step_copies.json")) as f:
     return json.load(f)
 
 
-def test_the_page_is_its_json():
-  record = _record()
-  with open(os.path.join(PAGE, "README.md")) as f:
+@pytest.mark.parametrize("page", PAGES)
+def test_the_page_is_its_json(page):
+  record = _record(page)
+  with open(os.path.join(RESULTS, page, "README.md")) as f:
     assert f.read() == step_copies.page(record)
   assert [r["label"] for r in record["rows"]] == [label for label, _ in step_copies.CONFIGS]
   assert [r["flags"] for r in record["rows"]] == [flags for _, flags in step_copies.CONFIGS]
+  assert record["target"] == (None if page == "step_copies" else "h100")
 
 
-def test_what_a_quiet_step_copies():
-  """What the page says of the compiles, in master-sized units: the bound copies what the
-  synchronous step copies; the outer state at I (outer weights, momentum and residual, each the
-  master's size) is copied at least once a quiet step; Streaming without the delay copies what
-  DiLoCo at I does, with it more, holding at least that outer state more in temporaries."""
-  rows = {r["label"]: r for r in _record()["rows"]}
+@pytest.mark.parametrize("page", PAGES)
+def test_what_a_quiet_step_copies(page):
+  """What the pages say of the compiles, in master-sized units: the bound copies about what the
+  synchronous step copies (and on a GPU the compute-dtype copy of the weights, the master's size
+  in fp32, through the round's switch); the outer state at I (outer weights, momentum and
+  residual, each the master's size) is copied at least once a quiet step; Streaming without the
+  delay copies what DiLoCo at I does, with it more; on the CPU it also holds at least that outer
+  state more in temporaries."""
+  rows = {r["label"]: r for r in _record(page)["rows"]}
   sync, bound = rows["III, synchronous"], rows["DiLoCo, no round in the run (the bound)"]
   at_i = rows["DiLoCo H=10 int8 I"]
   plain, delay = (
@@ -99,8 +105,11 @@ def test_what_a_quiet_step_copies():
     rows["Streaming H=20 F=4 tau=1 int8 I"],
   )
   master = delay["master_bytes"]
-  assert abs(bound["quiet_copy_bytes"] - sync["quiet_copy_bytes"]) < master / 2
+  assert 0 <= bound["quiet_copy_bytes"] - sync["quiet_copy_bytes"] < 1.25 * master
   assert at_i["quiet_copy_bytes"] - bound["quiet_copy_bytes"] >= 3 * master
   assert plain["quiet_copy_bytes"] == at_i["quiet_copy_bytes"]
   assert delay["quiet_copy_bytes"] - plain["quiet_copy_bytes"] >= master
-  assert delay["temp_bytes"] - plain["temp_bytes"] >= 3 * master
+  if page == "step_copies":
+    assert delay["temp_bytes"] - plain["temp_bytes"] >= 3 * master
+  else:
+    assert 0 < delay["temp_bytes"] - plain["temp_bytes"] < master
