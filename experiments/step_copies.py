@@ -200,11 +200,14 @@ def page(record: dict) -> str:
     "",
   ]
   if timed:
+    times = [r["quiet_step_s"] for r in rows]
     lines += [
       f"Timed: `{record['time_model']}` on the same mesh in one process (its virtual devices on "
       "this machine's cores), each configuration's median step over steps "
       f"2..{record['time_steps'] - 1} of a run with H = 10,000, so that no round ends and no "
-      "fragment is due (every step the quiet one), one configuration after another.",
+      "fragment is due (every step the quiet one), one configuration after another: a single short "
+      f"run of each, so their medians ({min(times):.2f}-{max(times):.2f} s) differ by the "
+      "machine's drift between runs as well as by their programs.",
       "",
     ]
   return "\n".join(lines)
