@@ -31,7 +31,8 @@ sys.path.insert(0, ROOT)
 
 from experiments.families_grid import git_commit  # noqa: E402
 from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
-from paro_jax.analysis.hlo.collectives import _array_bytes, walk  # noqa: E402
+from paro_jax.analysis.gpu.roofline import parse_computations  # noqa: E402
+from paro_jax.analysis.hlo.collectives import _array_bytes  # noqa: E402
 
 _BODY_RE = re.compile(r"\bbody=%?([\w.\-]+)")
 _CALLS_RE = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
@@ -60,23 +61,16 @@ def quiet_copies(hlo_text: str) -> int:
   """Bytes of the `copy` instructions a step runs when it takes every conditional's last branch:
   the entry's, its loops' bodies' times their trip counts, and its conditionals' last branches'
   (fused computations are called by `fusion` ops and never visited)."""
-  comps: dict[str, list[tuple[str, str, str]]] = {}
-  entry = None
-  for comp, is_entry, instr in walk(hlo_text):
-    if instr is None:
-      comps[comp] = []
-      entry = comp if is_entry else entry
-      continue
-    _, type_text, op, rest = instr
-    comps[comp].append((op, type_text, rest))
+  comps, entry = parse_computations(hlo_text)
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
 
   def visit(comp: str) -> int:
     total = 0
-    for op, type_text, rest in comps[comp]:
+    for instr in comps[comp]:
+      op, rest = instr.op, instr.attrs
       if op == "copy":
-        total += _array_bytes(type_text)[0]
+        total += _array_bytes(instr.type_text)[0]
       elif op == "while":
         trip = _TRIP_RE.search(rest)
         if not trip:
