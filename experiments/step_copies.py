@@ -32,13 +32,12 @@ sys.path.insert(0, ROOT)
 from experiments.families_grid import git_commit  # noqa: E402
 from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 from paro_jax.analysis.gpu.roofline import parse_computations  # noqa: E402
-from paro_jax.analysis.hlo.collectives import _array_bytes  # noqa: E402
-
-_BODY_RE = re.compile(r"\bbody=%?([\w.\-]+)")
-_CALLS_RE = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
-_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRUE_FALSE_RE = re.compile(r"\b(?:true|false)_computation=%?([\w.\-]+)")
-_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+from paro_jax.analysis.hlo.collectives import (  # noqa: E402
+  _BRANCHES_RE,
+  _CALLEE_RE,
+  _TRIP_RE,
+  _array_bytes,
+)
 
 # (label, inspect flags beyond the common ones): the step each page of outer_vs_paro runs
 CONFIGS = [
@@ -55,6 +54,11 @@ CONFIGS = [
     + ["--outer-state", "I"],
   ),
 ]
+
+
+def _callee(attrs: str, role: str) -> str:
+  """The computation an instruction's attributes name for `role` (body, to_apply, ...)."""
+  return dict(_CALLEE_RE.findall(attrs))[role]
 
 
 def quiet_copies(hlo_text: str) -> int:
@@ -75,17 +79,18 @@ def quiet_copies(hlo_text: str) -> int:
         trip = _TRIP_RE.search(rest)
         if not trip:
           raise ValueError(f"a while loop of {comp} has no known trip count")
-        total += int(trip.group(1)) * visit(_BODY_RE.search(rest).group(1))
+        total += int(trip.group(1)) * visit(_callee(rest, "body"))
       elif op == "conditional":
         branches = _BRANCHES_RE.search(rest)
-        names = (
-          re.findall(r"%?([\w.\-]+)", branches.group(1))
+        # a predicate's (true, false) pair: the false one is index 1, the last
+        last = (
+          re.findall(r"%?([\w.\-]+)", branches.group(1))[-1]
           if branches
-          else _TRUE_FALSE_RE.findall(rest)  # (true, false): the false one is index 1
+          else _callee(rest, "false_computation")
         )
-        total += visit(names[-1])
+        total += visit(last)
       elif op == "call":
-        total += visit(_CALLS_RE.search(rest).group(1))
+        total += visit(_callee(rest, "to_apply"))
     return total
 
   return visit(entry)
