@@ -61,6 +61,7 @@ from experiments.outer_vs_paro_page import (  # noqa: E402
 from experiments.pages import machine_line, utc_now, write_page  # noqa: E402
 
 MESH = "2x4"  # nodes x devices per node, as the page's runs before --mesh were
+NOT_SETTINGS = ("out", "resume", "render")  # flags of the command, not of the runs it measures
 
 
 def mesh(args) -> tuple[int, int]:
@@ -352,7 +353,7 @@ def earlier_rows(args) -> dict:
     return {}
   with open(path) as f:
     old = json.load(f)
-  ignored = ("out", "resume", "render", "only", "seeds")
+  ignored = (*NOT_SETTINGS, "only", "seeds")
   settings = {k: v for k, v in vars(args).items() if k not in ignored}
   before = {"mesh": MESH}  # a page written before the setting was: measured with its default
   changed = [k for k, v in settings.items() if old["settings"].get(k, before.get(k)) != v]
@@ -430,7 +431,7 @@ def main(argv=None) -> None:
     "command": shlex.join(["python", "-m", "experiments.outer_vs_paro", *(argv or sys.argv[1:])]),
     "date": max(r["date"] for r in rows),
     "machine": machine_line(),
-    "settings": {k: v for k, v in vars(args).items() if k not in ("out", "resume", "render")},
+    "settings": {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS},
     "runs": rows,
   }
   write_page(args.out, record, "outer_vs_paro.json", page(args, record), "README.md")
