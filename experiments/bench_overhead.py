@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from models.config import get_config
-from models.llama import next_token_loss
+from models.presets import get_config
+from models.loss import next_token_loss
 from paro_jax.core.config import StepConfig
 from paro_jax.core.state import OptimConfig, decay_mask
 from paro_jax.core.factory import build_engine

@@ -101,7 +101,7 @@ def _inter_traffic(args, model, nodes, gbit, a, name: str):
   both axes in its two-level form)."""
   from paro_jax.analysis.planner import inputs, step_model
   from paro_jax.core.strategy import parse_strategy
-  from models.config import get_config
+  from models.presets import get_config
 
   w = inputs.Workload(get_config(model), micro_batches=a, seq_len=args.seq_len)
   links = inputs.Links(gbit * 1e9 / 8, 300e9)

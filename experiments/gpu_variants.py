@@ -47,7 +47,7 @@ def engine_for(args, mesh, names):
   option undone."""
   import dataclasses
 
-  from models.config import get_config
+  from models.presets import get_config
   from paro_jax.core.config import StepConfig
   from paro_jax.core.factory import build_engine
 
@@ -83,9 +83,9 @@ def _integer_label_cross_entropy(logits_BxLxV, targets_BxL):
 def _full_logits_token_losses(self, params, tokens_BxL, targets_BxL, *args):
   """The token losses of the whole micro-batch's fp32 logits (before the vocabulary tiles of
   models/loss.py): the path the head's and the loss's earlier code ran on."""
-  from models import llama
+  from models import loss
 
-  return llama.token_cross_entropy(self.apply(params, tokens_BxL, *args), targets_BxL)
+  return loss.token_cross_entropy(self.apply(params, tokens_BxL, *args), targets_BxL)
 
 
 def _only_no_axes(axes) -> bool:
@@ -110,17 +110,19 @@ def _accumulate_from_zeros(micro_grads, micro_step, sinks, batch_MxBxL1):
 def undone(names, engine=None):
   """Within: the code of before each change in `names` (module attributes put back on exit).
   `engine`: an Engine already built, for `per-leaf` (its layer buckets)."""
-  from models import llama
+  from models import llama, loss
   from paro_jax.core import collectives, prefetch, step
 
   patches = {
-    # both on the full logits, as they were (the step now takes them in vocabulary tiles)
+    # both on the full logits, as they were (the step now takes them in vocabulary tiles);
+    # `head_logits` where `Llama.apply` looks it up (models/llama.py's name for it), the cross-
+    # entropy where `_full_logits_token_losses` does
     "head-backward": [
       (llama, "head_logits", _plain_head_logits),
       (llama.Llama, "token_losses", _full_logits_token_losses),
     ],
     "loss": [
-      (llama, "token_cross_entropy", _integer_label_cross_entropy),
+      (loss, "token_cross_entropy", _integer_label_cross_entropy),
       (llama.Llama, "token_losses", _full_logits_token_losses),
     ],
     "one-device": [(collectives, "moves_nothing", _only_no_axes)],

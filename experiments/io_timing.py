@@ -41,7 +41,7 @@ def importer(directory: str):
   import jax
   import jax.numpy as jnp
 
-  from models.config import read_config
+  from models.hf_config import read_config
   from models.llama import Llama
   from paro_jax.core.sharding import named, shard_dims, tree_specs
   from paro_jax.hf.stream import import_hf

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 
-from models.config import get_config
+from models.presets import get_config
 
-# Each shape's model, as the project's registry (models/config.py) defines it.
+# Each shape's model, as the project's registry (models/presets.py) defines it.
 SHAPES = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b"}
 SHARD_BYTES = 2 * 2**30  # a new safetensors file after this many bytes (bf16)
 

@@ -260,7 +260,7 @@ def measured(args, metrics: list[dict], samples: dict) -> dict:
 def planned_bytes(args, config: dict) -> float:
   """The planner's inter-node bytes per step of `config`, both nodes' egress (its per-device
   figure x the 8 devices: analysis/planner/step_model.py, the round's 1/H share for DiLoCo)."""
-  from models.config import get_config
+  from models.presets import get_config
   from paro_jax.analysis.planner import inputs, step_model
   from paro_jax.core.strategy import parse_strategy
   from paro_jax.core.wire import WireConfig

@@ -169,7 +169,7 @@ def streaming_busiest(r: dict, quiet: float) -> tuple[float, float]:
   tc's counter is read when a metrics line appears, late under load, so an exchange is counted
   over its step and the steps either side. A round's bytes: each fragment's mean exchange, summed
   over the F fragments."""
-  from models.config import get_config
+  from models.presets import get_config
   from paro_jax.core.fragments import Fragments, split
 
   arg = lambda flag: r["command"][r["command"].index(flag) + 1]  # noqa: E731

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.config import get_config
+from models.presets import get_config
 from paro_jax.core.names import parse_mesh_shape
 from paro_jax.analysis.planner.costs import model_state_bytes, step_traffic
 from paro_jax.core.strategy import KNOWN_NAMES, VALID_NAMES, parse_strategy

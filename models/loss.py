@@ -225,3 +225,37 @@ def tiled_lookup(table, tokens_BxL, chunk: int = VOCAB_CHUNK, take=_identity):
   add_tile = lambda x_BxLxD, c: (x_BxLxD + rows_of_tile(c), None)
   x_BxLxD, _ = lax.scan(add_tile, rows_of_tile(0), jnp.arange(1, n))
   return x_BxLxD
+
+
+def token_cross_entropy(logits_BxLxV, targets_BxL):
+  """Each token's cross-entropy, in fp32 (B x L).
+
+  With one-hot labels (`optax.softmax_cross_entropy`) rather than integer ones: the one-hot is an
+  iota compare that XLA fuses, so the logits' cotangent (softmax less the one-hot) is one
+  elementwise kernel, with its rounding to the compute dtype (`head_logits`) in it. Integer
+  labels pick each target's logit with a gather, whose transpose is a scatter-add: a kernel of
+  its own that reads and writes the fp32 cotangent, and one more to round it (for 7b, 1.0 GB
+  more per micro-batch of 2048 tokens)."""
+  import optax  # local: models/ does not otherwise need optax
+
+  logits = logits_BxLxV.astype(jnp.float32)
+  labels = jax.nn.one_hot(targets_BxL, logits.shape[-1], dtype=jnp.float32)
+  return optax.softmax_cross_entropy(logits, labels)
+
+
+def next_token_loss(logits_BxLxV, targets_BxL):
+  """Mean cross-entropy in fp32."""
+  return token_cross_entropy(logits_BxLxV, targets_BxL).mean()
+
+
+def weighted_token_loss(logits_BxLxV, targets_BxL, weights_BxL):
+  """The sum of the cross-entropies (fp32) of the targets whose weight is 1 (0: not a target,
+  e.g. a prompt or padding token). A sum, not a mean: the caller divides by the target count of
+  the whole step, so that micro-batches and devices with more targets weigh more."""
+  return weighted_sum(token_cross_entropy(logits_BxLxV, targets_BxL), weights_BxL)
+
+
+def weighted_sum(ce_BxL, weights_BxL):
+  """The sum of the token losses whose weight is 1 (`weighted_token_loss` of given losses)."""
+  # where, not a product: a padding position's loss must not reach the sum even if not finite
+  return jnp.sum(jnp.where(weights_BxL > 0, ce_BxL, 0.0))

@@ -29,7 +29,7 @@ _EXPORTS = {
   "Llama": "models.llama",
   "LlamaConfig": "models.config",
   "LoraConfig": "models.config",
-  "get_config": "models.config",
+  "get_config": "models.presets",
   # data and checkpoints
   "Batches": "paro_jax.data.streams",
   "DataConfig": "paro_jax.data.config",

@@ -135,7 +135,9 @@ def test_text_check_accepts_text_cut_mid_character(tmp_path):
 def test_corrupt_safetensors_is_one_line(tmp_path, capsys):
   import json as _json
 
-  from models.config import config_to_hf, get_config
+  from models.hf_config import config_to_hf
+
+  from models.presets import get_config
 
   hf = tmp_path / "hf"
   hf.mkdir()

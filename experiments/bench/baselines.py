@@ -45,8 +45,10 @@ def build(
   from jax import lax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from models.llama import Llama, next_token_loss
-  from models.config import get_config
+  from models.llama import Llama
+
+  from models.loss import next_token_loss
+  from models.presets import get_config
   from paro_jax.core.state import DTYPES, OptimConfig, decay_mask
   from paro_jax.core.sharding import shard_dims
 

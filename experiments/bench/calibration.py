@@ -49,8 +49,10 @@ def child_calibrate(args) -> None:
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from models.llama import Llama, next_token_loss
-  from models.config import get_config
+  from models.llama import Llama
+
+  from models.loss import next_token_loss
+  from models.presets import get_config
   from paro_jax.core.state import DTYPES
 
   cfg = get_config(args.model)

@@ -50,7 +50,7 @@ class Constants:
 
 
 def workload(bench: dict) -> inputs.Workload:
-  from models.config import get_config
+  from models.presets import get_config
 
   meta = bench["meta"]
   n = meta["nodes"] * meta["devices_per_node"]

@@ -36,7 +36,7 @@ def estimate(
   from paro_jax.analysis.planner.costs import step_traffic
   from paro_jax.core.strategy import VALID_NAMES, parse_strategy
   from models.llama import Llama
-  from models.config import get_config
+  from models.presets import get_config
 
   good = [r for r in rows if not r.get("error")]
   ref = [r for r in good if r["regime"] == UNSHAPED]

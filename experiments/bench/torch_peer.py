@@ -7,7 +7,7 @@ device (gloo, CPU),
 rank = node x devices per node + device, so the ranks of a node share its network namespace and
 its shaped link, and the link counters count torch's inter-node bytes as they count ours.
 
-The model is the preset as an HF LLaMA config (`config_to_hf`, models/config.py), built by
+The model is the preset as an HF LLaMA config (`config_to_hf`, models/hf_config.py), built by
 transformers' `LlamaForCausalLM`; the batches are the built-in corpus's (`paro_jax.data.streams.
 Batches`, same seed: the same tokens per step and micro-batches as `train`); AdamW in fp32 (or
 bf16 autocast with `--dtype bf16`); `--remat full` checkpoints every decoder layer, so backward
@@ -117,7 +117,9 @@ def build(args, world: int, nodes: int):
   from transformers import LlamaConfig as HFConfig
   from transformers import LlamaForCausalLM
 
-  from models.config import config_to_hf, get_config
+  from models.hf_config import config_to_hf
+
+  from models.presets import get_config
 
   torch.manual_seed(args.seed)
   model = LlamaForCausalLM(HFConfig(**config_to_hf(get_config(args.model))))
@@ -196,7 +198,7 @@ def rank_main(local: int, args, nodes: int, per_node: int) -> None:
   import torch
   import torch.distributed as dist
 
-  from models.config import get_config
+  from models.presets import get_config
   from paro_jax.data.config import DataConfig
   from paro_jax.data.streams import Batches, load_tokens, split_eval
 

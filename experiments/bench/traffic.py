@@ -81,7 +81,7 @@ def _baseline_entry(args, name: str, a: int, inter: int, intra: int) -> dict:
 
 
 def _strategy_entry(args, config: Config, a: int, inter: int, intra: int) -> dict:
-  from models.config import get_config
+  from models.presets import get_config
   from paro_jax.analysis.inspect.abstract import compile_step
   from paro_jax.analysis.inspect.inspector import report
   from paro_jax.core.config import LoraOptions, StepConfig, WireOptions

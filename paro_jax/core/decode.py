@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.llama import KVCache
+from models.attention import KVCache
 from paro_jax.core import step
 from paro_jax.core.names import BATCH_AXES
 from paro_jax.core.shards import Shard

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from models.llama import weighted_sum
+from models.loss import weighted_sum
 from paro_jax.core import step
 from paro_jax.core.batch import Batch, inputs_of
 from paro_jax.core.names import BATCH_AXES, GLOBAL_AXES

@@ -22,7 +22,7 @@ from paro_jax.core.strategy import Placement, Strategy
 class ShardingRules:
   """Which logical axes may carry the data-parallel shard, in order of preference."""
 
-  # `lora_out`/`lora_in`: a LoRA adapter's big dimension where it has no `embed` (models/llama.py).
+  # `lora_out`/`lora_in`: a LoRA adapter's big dimension where it has no `embed` (models/lora.py).
   # `proj_out`: a q/k/v bias (Qwen2's), flat heads x head_dim; `head_dim`: a q/k norm's scale
   # (Qwen3's), the only axis it has (head_dim devices at most under G).
   shard_axes: tuple[str, ...] = ("embed", "lora_out", "lora_in", "proj_out", "head_dim")

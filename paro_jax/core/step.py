@@ -34,7 +34,7 @@ import optax
 from jax import lax
 
 from models.config import LAYERS
-from models.llama import weighted_sum
+from models.loss import weighted_sum
 from paro_jax.core import buckets, feedback, prefetch
 from paro_jax.core.batch import Batch, inputs_of, take
 from paro_jax.core.wire import WireConfig

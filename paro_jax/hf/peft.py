@@ -4,7 +4,7 @@
 PEFT's LoRA adds (lora_alpha / r) * lora_B @ lora_A to a Linear's (out, in) weight, lora_A being
 an (r, in) Linear weight and lora_B an (out, r) one (peft/tuners/lora/layer.py, `get_delta_weight`,
 without rsLoRA or DoRA). Ours adds (alpha / rank) * A @ B to the (in, out) weight with A (in, rank)
-and B (rank, out) (models/llama.py `lora_delta`), the heads flattened in HF's order
+and B (rank, out) (models/lora.py `lora_delta`), the heads flattened in HF's order
 (paro_jax/hf/weights.py), so lora_A = A.T and lora_B = B.T. Tensor names are the ones PeftModel
 saves for a LlamaForCausalLM: `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`.
 """

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from models.config import LAYERS, LlamaConfig, LoraConfig
-from models.llama import LORA_SUFFIXES
+from models.lora import LORA_SUFFIXES
 from paro_jax.hf.layout import hf_shape, in_order, to_hf
 from paro_jax.hf.weights import (
   INDEX,

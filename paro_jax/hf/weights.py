@@ -32,13 +32,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from paro_jax.hf.layout import hf_shape, our_shape, parse, to_hf, to_ours
-from models.config import (
-  CONFIG,
-  LAYERS,
-  LlamaConfig,
-  config_to_hf,
-  read_config,
-)
+from models.config import LAYERS, LlamaConfig
+from models.hf_config import CONFIG, config_to_hf, read_config
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 SHARDS = "model{suffix}.safetensors"  # transformers' names: model-00001-of-00004.safetensors

@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from models.llama import Llama, next_token_loss, weighted_token_loss
+from models.llama import Llama
+
+from models.loss import next_token_loss, weighted_token_loss
 from paro_jax.core.batch import Batch, inputs_of
 from paro_jax.core.state import OptimConfig, decay_mask
 from paro_jax.core.shards import join_trainable, split_trainable

@@ -13,7 +13,11 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from models.config import CONFIG, get_config, read_config, resolve_attention
+from models.config import resolve_attention
+
+from models.hf_config import CONFIG, read_config
+
+from models.presets import get_config
 from paro_jax.hf.stream import import_hf
 from paro_jax.analysis.planner.auto import auto_strategy
 from paro_jax.core.state import DTYPES, OptimConfig, TrainState

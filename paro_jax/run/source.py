@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from models.config import CONFIG, LlamaConfig, LoraConfig, read_config
+from models.config import LlamaConfig, LoraConfig
+
+from models.hf_config import CONFIG, read_config
 from paro_jax.core.config import LoraOptions
 from paro_jax.core.factory import build_engine
 from paro_jax.core.mesh import make_mesh

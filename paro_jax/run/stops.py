@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from models.config import CONFIG
+from models.hf_config import CONFIG
 from paro_jax.data.chat import ChatTemplate, special_tokens
 from paro_jax.data.instruct import end_of_turn, tokenizer_directory
 from paro_jax.data.tokenizers import BYTES, HFTokenizer

@@ -46,7 +46,8 @@ def gpu_report(
     import tempfile
 
     from models.llama import Llama
-    from models.config import LlamaConfig, get_config
+    from models.config import LlamaConfig
+    from models.presets import get_config
     from paro_jax.analysis.inspect.abstract import compile_for_target
     from paro_jax.analysis.inspect.gpu_report import gpu_report as report
     from paro_jax.core.state import DTYPES, OptimConfig
@@ -117,7 +118,7 @@ def test_mistrals_sliding_window_is_cudnns():
   import dataclasses
   import re
 
-  from models.config import get_config
+  from models.presets import get_config
 
   windowed = dataclasses.replace(get_config(MODEL), family="mistral", sliding_window=8)
   r = gpu_report("IIG", "xla", model=windowed)
@@ -143,7 +144,7 @@ def _dots_with_fp32_operands(hlo_text: str) -> list[str]:
 
 
 def test_no_matmul_takes_fp32_operands():
-  """In bf16 every matmul of the step, the head's backward included (models/llama.py
+  """In bf16 every matmul of the step, the head's backward included (models/layers.py
   head_logits), takes bf16 operands: none runs as an fp32 (TF32) GEMM. Differentiated plainly
   (experiments/gpu_variants.py, the code of before), the head's two backward matmuls did."""
   from experiments.gpu_variants import undone
@@ -162,7 +163,7 @@ def test_packed_rows_keep_cudnns_fused_kernel():
   example through cuDNN's packed layout (each row's runs as offsets and lengths), still the fused
   kernel forward and backward, its mask causal inside each run."""
   from models.llama import Llama
-  from models.config import get_config
+  from models.presets import get_config
   from paro_jax.analysis.inspect.abstract import compile_for_target
   from paro_jax.core.state import DTYPES, OptimConfig
   from paro_jax.core.engine import Engine
@@ -383,7 +384,7 @@ def test_non_matmul_bytes_by_purpose():
   import jax
   import jax.numpy as jnp
 
-  from models.config import get_config
+  from models.presets import get_config
   from models.llama import Llama
   from paro_jax.core.state import DTYPES, OptimConfig
   from paro_jax.core.engine import Engine

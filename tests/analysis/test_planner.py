@@ -11,7 +11,9 @@ import os
 
 import pytest
 
-from models.config import PRESETS, get_config, vocab_passes
+from models.config import vocab_passes
+
+from models.presets import PRESETS, get_config
 from models.llama import Llama
 from paro_jax.analysis.gpu import hardware
 from paro_jax.analysis.planner import inputs, memory, planner, step_model

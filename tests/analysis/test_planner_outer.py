@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from models.config import get_config
+from models.presets import get_config
 from paro_jax.analysis.planner import inputs, planner
 from paro_jax.cli import main
 from paro_jax.core.strategy import GROUP_NAMES, VALID_NAMES, GroupStrategy, parse_strategy

@@ -6,7 +6,7 @@ candidates, on plans whose step times are read back from the plan.
 
 import pytest
 
-from models.config import get_config
+from models.presets import get_config
 from paro_jax.analysis.planner import inputs, planner, rerank
 
 INPUTS = {"device_memory_bytes": 80e9, "usable_memory": 0.9}  # what run_plan records

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import Llama, next_token_loss
+from models.llama import Llama
+
+from models.loss import next_token_loss
 from models.config import LlamaConfig
 from paro_jax.core.state import OptimConfig
 from paro_jax.core.engine import Engine

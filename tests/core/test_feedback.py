@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from models.llama import Llama
-from models.config import get_config
+from models.presets import get_config
 from paro_jax.core import collectives as comm
 from paro_jax.core import feedback_rules
 from paro_jax.core.wire import Codec, WireConfig

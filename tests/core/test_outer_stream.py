@@ -24,7 +24,7 @@ from paro_jax.analysis.hlo.collectives import (
   phase_of,
 )
 from paro_jax.core.config import OuterOptions
-from models.config import get_config
+from models.presets import get_config
 from paro_jax.core.fragments import SKIP, WHOLE, Fragments
 from paro_jax.core.sharding import shard_dims
 from paro_jax.core.groups import GroupEngine

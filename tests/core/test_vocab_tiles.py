@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from models.config import LlamaConfig, LoraConfig
-from models.llama import Llama, next_token_loss
+from models.llama import Llama
+from models.loss import next_token_loss
 from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.strategy import parse_strategy

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import Llama, next_token_loss
-from models.config import get_config
+from models.llama import Llama
+
+from models.loss import next_token_loss
+from models.presets import get_config
 from paro_jax.data.bins import BinFile
 from paro_jax.data.config import DataConfig
 from paro_jax.run.config import EvalOptions, OptimizerOptions, RunConfig

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from models.config import get_config
+from models.presets import get_config
 
 from experiments.bench import calibration, configs, report, runs, strategies
 from experiments.bench.configs import Config

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from models.config import get_config
+from models.presets import get_config
 from tests.docs_claims import markdown_table
 
 PAGE = pathlib.Path(__file__).parents[2] / "experiments/results/gpu_estimates/README.md"

@@ -79,7 +79,7 @@ def test_every_change_can_be_undone():
   import jax.numpy as jnp
 
   from experiments import gpu_variants
-  from models.config import get_config
+  from models.presets import get_config
   from models.llama import Llama
   from paro_jax.analysis.inspect.abstract import abstract_inputs
   from paro_jax.core.state import OptimConfig

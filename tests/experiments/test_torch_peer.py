@@ -30,7 +30,9 @@ def _reference_losses():
   from transformers import LlamaConfig as HFConfig
   from transformers import LlamaForCausalLM
 
-  from models.config import config_to_hf, get_config
+  from models.hf_config import config_to_hf
+
+  from models.presets import get_config
 
   model = LlamaForCausalLM(HFConfig(**config_to_hf(get_config(args.model))))
   optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -78,7 +80,7 @@ def test_peer_equals_single_process(tmp_path, reference, peer, remat):
   assert [r["step"] for r in rows] == [1, 2, 3]
   np.testing.assert_allclose([r["loss"] for r in rows], reference, rtol=2e-5)
   states = json.loads((tmp_path / "peer.json").read_text())["state_bytes"]
-  from models.config import get_config
+  from models.presets import get_config
 
   full = 4 * get_config("tiny").param_count()  # fp32 bytes of every parameter
   # per rank: FSDP2 full shard holds half (dim-0 shards, padded to equal size); HSDP on 2 nodes
@@ -109,7 +111,9 @@ def test_train_schedule_and_eval_equal_a_plain_loop(tmp_path):
   from transformers import LlamaConfig as HFConfig
   from transformers import LlamaForCausalLM
 
-  from models.config import config_to_hf, get_config
+  from models.hf_config import config_to_hf
+
+  from models.presets import get_config
   from paro_jax.data.config import DataConfig
   from paro_jax.data.streams import Batches, load_tokens, split_eval
 

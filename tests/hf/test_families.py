@@ -22,8 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import FAMILIES, PRESETS, config_from_hf, config_to_hf, read_config
-from models.llama import Llama, next_token_loss
+from models.config import FAMILIES
+
+from models.hf_config import config_from_hf, config_to_hf, read_config
+
+from models.presets import PRESETS
+from models.llama import Llama
+from models.loss import next_token_loss
 from paro_jax import cli
 from paro_jax.core.config import make_config
 from paro_jax.hf.weights import load_hf, save_hf
@@ -236,7 +241,7 @@ def test_plan_and_inspect_take_the_presets(capsys):
 def test_the_fused_call_applies_the_window_as_written_out():
   """jax.nn.dot_product_attention's local window (the call cuDNN runs) on XLA equals the
   written-out attention's mask (transformers' sliding-window mask)."""
-  from models.llama import fused_attention, visible_mask
+  from models.attention import fused_attention, visible_mask
 
   q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 12, 4, 8))
   k, v = k[:, :, :2], v[:, :, :2]
@@ -249,7 +254,7 @@ def test_the_fused_call_applies_the_window_as_written_out():
 
 
 def test_a_window_cudnn_cannot_apply_is_refused():
-  from models.llama import check_window_fits_kernel
+  from models.attention import check_window_fits_kernel
 
   check_window_fits_kernel(8, 8, packed=True)  # the window covers the row: nothing to apply
   check_window_fits_kernel(None, 64, packed=True)

@@ -18,8 +18,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from paro_jax.hf.weights import WEIGHTS, load_hf, save_hf
-from models.config import config_to_hf, read_config
-from models.llama import Llama, next_token_loss
+from models.hf_config import config_to_hf, read_config
+from models.llama import Llama
+from models.loss import next_token_loss
 from paro_jax import cli
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer
 from paro_jax.core.config import make_config
@@ -306,7 +307,7 @@ def test_export_of_an_init_from_run_keeps_the_source_and_its_config(tmp_path, ca
 def test_model_from_an_hf_config_alone(tmp_path):
   """--model takes an HF config.json (or its directory): its shapes, trained from scratch. The
   benchmark's 3.03M-parameter model is one; its count from the shapes by hand."""
-  from models.config import get_config
+  from models.presets import get_config
   from paro_jax.core.config import parse_model
   from paro_jax.run.setup import build
 

@@ -1,7 +1,7 @@
 """--attention: the written-out attention (every CPU run) and the fused kernel (GPUs) agree.
 
 cuDNN's kernel cannot run on a CPU. What the model adds around it is checked here: the fused
-path (`models.llama.fused_attention`, jax.nn.dot_product_attention) is run with XLA's
+path (`models.attention.fused_attention`, jax.nn.dot_product_attention) is run with XLA's
 implementation of the same call and must give the written-out attention's logits and gradients,
 so the layout, grouped-query heads, causal mask and scale are wired the same way. That the GPU
 program really uses cuDNN's kernel is checked on the compiled program
@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import llama
-from models.llama import Llama, next_token_loss
+from models import attention as attention_module
+from models.llama import Llama
+from models.loss import next_token_loss
 from models.config import LlamaConfig, resolve_attention
 
 CFG = LlamaConfig(vocab=64, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=96)
@@ -72,13 +73,13 @@ def test_fused_path_equals_written_out(monkeypatch, cfg):
   params = written.init(jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab)
   calls = []
-  kernel = llama.fused_attention
+  kernel = attention_module.fused_attention
 
   def on_cpu(q, k, v, implementation, sliding_window=None):
     calls.append(implementation)
     return kernel(q, k, v, "xla", sliding_window)
 
-  monkeypatch.setattr(llama, "fused_attention", on_cpu)
+  monkeypatch.setattr(attention_module, "fused_attention", on_cpu)
   fused = Llama(cfg, jnp.float32, attention="cudnn")
 
   def loss(model, p):

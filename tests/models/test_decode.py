@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from models.config import LlamaConfig, LoraConfig, RopeScaling
-from models.llama import KVCache, Llama
+from models.attention import KVCache
+from models.llama import Llama
 
 BASE = LlamaConfig(vocab=61, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 CONFIGS = {

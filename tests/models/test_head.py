@@ -1,4 +1,4 @@
-"""The output head's backward runs in the compute dtype (models/llama.py `head_logits`).
+"""The output head's backward runs in the compute dtype (models/layers.py `head_logits`).
 
 The logits are fp32, so their cotangent is fp32; differentiated plainly, both backward matmuls
 then took an fp32 operand (fp32/TF32 GEMMs on a GPU). `head_logits` rounds the cotangent once to
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from models.config import LlamaConfig
-from models.llama import Head, RMSNorm, next_token_loss
+from models.layers import Head, RMSNorm
+from models.loss import next_token_loss
 
 B, L = 2, 16
 

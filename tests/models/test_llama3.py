@@ -21,9 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import LlamaConfig, PRESETS, RopeScaling, config_from_hf, read_config
+from models.config import LlamaConfig, RopeScaling
+
+from models.hf_config import config_from_hf, read_config
+
+from models.presets import PRESETS
 from paro_jax.hf.weights import load_hf
-from models.llama import Llama, inverse_frequencies, next_token_loss
+from models.llama import Llama
+from models.loss import next_token_loss
+from models.rope import inverse_frequencies
 from paro_jax import cli
 from paro_jax.core.state import OptimConfig
 from paro_jax.core.engine import Engine

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from paro_jax.hf.weights import load_hf
-from models.llama import Llama, is_lora_path
+from models.llama import Llama
+from models.lora import is_lora_path
 from models.config import LlamaConfig, LoraConfig
 from paro_jax import cli
 from paro_jax.run.checkpoint import CHECKPOINTS, Checkpointer

@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 from models.config import LlamaConfig
-from models.llama import Llama, token_cross_entropy, weighted_sum
-from models.loss import tiled_cross_entropy
+from models.llama import Llama
+from models.loss import tiled_cross_entropy, token_cross_entropy, weighted_sum
 from paro_jax.core.engine import Engine
 from paro_jax.core.mesh import make_mesh
 from paro_jax.core.state import OptimConfig

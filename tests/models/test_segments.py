@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from models.config import LlamaConfig, MAX_SEGMENTS
-from models.llama import Llama, segment_positions, segment_runs
+from models.attention import segment_runs
+from models.llama import Llama
+from models.rope import segment_positions
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 L = 24

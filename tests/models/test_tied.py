@@ -18,7 +18,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from paro_jax.hf.weights import load_hf
-from models.llama import Llama, is_lora_path, next_token_loss
+from models.llama import Llama
+from models.lora import is_lora_path
+from models.loss import next_token_loss
 from models.config import LlamaConfig, LoraConfig
 from paro_jax import cli
 from paro_jax.analysis.planner.costs import model_state_bytes

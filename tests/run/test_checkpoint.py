@@ -20,7 +20,7 @@ import pytest
 from etils import epath
 
 from models.llama import Llama
-from models.config import get_config
+from models.presets import get_config
 from paro_jax.run.checkpoint import Checkpointer
 from paro_jax.run.checkpoint_content import RunMeta, cast_like
 from paro_jax.run.checksums import NonFiniteStateError

@@ -59,7 +59,7 @@ def test_the_check_compares_the_estimate_with_the_device_memory(monkeypatch):
   from paro_jax.analysis.planner.memory import activation_bytes
   from paro_jax.analysis.planner.inputs import Workload
   from paro_jax.core.strategy import parse_strategy
-  from models.config import get_config
+  from models.presets import get_config
 
   strategy, model = parse_strategy("IIG"), get_config("tiny")
   w = Workload(model, micro_batch=2, micro_batches=1, seq_len=64, itemsize=2)

@@ -110,7 +110,7 @@ def eval_losses(run_dir):
 
 
 def engine_of(mesh, **step):
-  from models.config import get_config
+  from models.presets import get_config
   from paro_jax.core.factory import build_engine
   from paro_jax.core.mesh import make_mesh
 

@@ -17,7 +17,7 @@ import pytest
 
 from paro_jax.hf.weights import load_hf
 from models.llama import Llama
-from models.config import get_config
+from models.presets import get_config
 from paro_jax.cli import main
 from paro_jax.data.tokenizers import ByteTokenizer, HFTokenizer
 from paro_jax.data.examples import ExampleBatches, from_encoded, select

@@ -8,7 +8,7 @@ import json
 import shutil
 import tempfile
 
-from models.config import get_config
+from models.presets import get_config
 from paro_jax.analysis.gpu.estimate import captured_stderr, format_estimate
 from paro_jax.analysis.hlo.collectives import packed_attention
 from paro_jax.analysis.inspect.abstract import compile_for_target, compile_step

@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from models.config import CONFIG
+from models.hf_config import CONFIG
 from paro_jax.analysis.planner import planner, rerank
 from paro_jax.analysis.planner.memory import available_memory
 from paro_jax.core.config import StepConfig

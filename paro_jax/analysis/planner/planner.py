@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from models.config import get_config, resolve_attention  # no jax
+from models.config import resolve_attention  # no jax
+
+from models.presets import get_config  # no jax
 from paro_jax.analysis.gpu.hardware import GPUS
 from paro_jax.analysis.gpu.targets import TARGETS
 from paro_jax.analysis.planner import rerank  # no jax at import
