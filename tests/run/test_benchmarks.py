@@ -53,8 +53,9 @@ def task_config(**kw) -> EvalConfig:
 
 
 def reference() -> dict:
-  """lm-eval's HF backend's: live where torch is installed, else the committed numbers."""
-  if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
+  """lm-eval's HF backend's: live where it can run (torch, transformers and accelerate, its `hf`
+  extra's), else the committed numbers."""
+  if all(importlib.util.find_spec(m) for m in ("torch", "transformers", "accelerate")):
     return MAKE.reference()
   with open(MAKE.EXPECTED) as f:
     return json.load(f)
