@@ -136,7 +136,6 @@ def test_corrupt_safetensors_is_one_line(tmp_path, capsys):
   import json as _json
 
   from models.hf_config import config_to_hf
-
   from models.presets import get_config
 
   hf = tmp_path / "hf"

@@ -46,7 +46,6 @@ def build(
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from models.llama import Llama
-
   from models.loss import next_token_loss
   from models.presets import get_config
   from paro_jax.core.state import DTYPES, OptimConfig, decay_mask

@@ -118,7 +118,6 @@ def build(args, world: int, nodes: int):
   from transformers import LlamaForCausalLM
 
   from models.hf_config import config_to_hf
-
   from models.presets import get_config
 
   torch.manual_seed(args.seed)

@@ -58,7 +58,6 @@ import shutil
 import jax
 
 from models.config import LlamaConfig, LoraConfig
-
 from models.hf_config import CONFIG
 from paro_jax.hf.weights import MAX_SHARD_SIZE, WEIGHT_DTYPES, weights_dtype
 from paro_jax.hf.stream_out import NonFinite, gather_adapters, stream_hf

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import optax
 
 from models.llama import Llama
-
 from models.loss import next_token_loss, weighted_token_loss
 from paro_jax.core.batch import Batch, inputs_of
 from paro_jax.core.state import OptimConfig, decay_mask

@@ -14,9 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import resolve_attention
-
 from models.hf_config import CONFIG, read_config
-
 from models.presets import get_config
 from paro_jax.hf.stream import import_hf
 from paro_jax.analysis.planner.auto import auto_strategy

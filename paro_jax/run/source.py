@@ -8,7 +8,6 @@ import dataclasses
 import os
 
 from models.config import LlamaConfig, LoraConfig
-
 from models.hf_config import CONFIG, read_config
 from paro_jax.core.config import LoraOptions
 from paro_jax.core.factory import build_engine

@@ -12,7 +12,6 @@ import os
 import pytest
 
 from models.config import vocab_passes
-
 from models.presets import PRESETS, get_config
 from models.llama import Llama
 from paro_jax.analysis.gpu import hardware

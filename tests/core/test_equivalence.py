@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from models.llama import Llama
-
 from models.loss import next_token_loss
 from models.config import LlamaConfig
 from paro_jax.core.state import OptimConfig

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from models.llama import Llama
-
 from models.loss import next_token_loss
 from models.presets import get_config
 from paro_jax.data.bins import BinFile

@@ -31,7 +31,6 @@ def _reference_losses():
   from transformers import LlamaForCausalLM
 
   from models.hf_config import config_to_hf
-
   from models.presets import get_config
 
   model = LlamaForCausalLM(HFConfig(**config_to_hf(get_config(args.model))))
@@ -112,7 +111,6 @@ def test_train_schedule_and_eval_equal_a_plain_loop(tmp_path):
   from transformers import LlamaForCausalLM
 
   from models.hf_config import config_to_hf
-
   from models.presets import get_config
   from paro_jax.data.config import DataConfig
   from paro_jax.data.streams import Batches, load_tokens, split_eval

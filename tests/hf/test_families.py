@@ -23,9 +23,7 @@ import numpy as np
 import pytest
 
 from models.config import FAMILIES
-
 from models.hf_config import config_from_hf, config_to_hf, read_config
-
 from models.presets import PRESETS
 from models.llama import Llama
 from models.loss import next_token_loss

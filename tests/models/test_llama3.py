@@ -22,9 +22,7 @@ import numpy as np
 import pytest
 
 from models.config import LlamaConfig, RopeScaling
-
 from models.hf_config import config_from_hf, read_config
-
 from models.presets import PRESETS
 from paro_jax.hf.weights import load_hf
 from models.llama import Llama

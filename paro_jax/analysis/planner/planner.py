@@ -21,7 +21,6 @@ import dataclasses
 import json
 
 from models.config import resolve_attention  # no jax
-
 from models.presets import get_config  # no jax
 from paro_jax.analysis.gpu.hardware import GPUS
 from paro_jax.analysis.gpu.targets import TARGETS
